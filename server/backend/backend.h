@@ -1,0 +1,44 @@
+// The Backend interface: what runs a form on a device. One implementation per device kind
+// (cpu/, later cuda/); the batching and service layers see only this header.
+// Thread-safety: Upload and Forward may be called from several threads at once; a
+// ResidentForm is immutable and shared between the calls that use it.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+
+#include "server/core/forms.h"
+#include "server/core/sequence.h"
+#include "server/core/status.h"
+
+namespace attnserve {
+
+// A form's weights made resident on a backend's device (a host pointer on the CPU, device
+// memory on a GPU). Lives as long as any batch that uses it.
+class ResidentForm {
+ public:
+  virtual ~ResidentForm() = default;
+  virtual const FormWeights& weights() const = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  // "cpu" or "cuda:N": the device label of metrics and LayerInfo.
+  virtual std::string DeviceName() const = 0;
+
+  // Makes the form resident on this device. Called once per (layer, form) at load.
+  virtual StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) = 0;
+
+  // Runs the form over a ragged batch and writes every sequence's output. The sequences keep
+  // their own n, m, causal flag and key length; each is checked with ValidateSequence first,
+  // and a bad one fails the call before anything is computed.
+  virtual Status Forward(const ResidentForm& form, std::span<const Sequence> batch) = 0;
+};
+
+// Checks every sequence of a batch against the form's layer; the error names the sequence.
+Status ValidateBatch(const LayerConfig& config, std::span<const Sequence> batch);
+
+}  // namespace attnserve

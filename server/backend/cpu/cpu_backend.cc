@@ -1,0 +1,253 @@
+#include "server/backend/cpu/cpu_backend.h"
+
+#include <omp.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace attnserve {
+namespace {
+
+using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Stride = Eigen::OuterStride<>;
+using ConstMap = Eigen::Map<const RowMatrix, 0, Stride>;
+using MutableMap = Eigen::Map<RowMatrix, 0, Stride>;
+using BiasMap = Eigen::Map<const Eigen::RowVectorXf>;
+
+ConstMap AsEigen(ConstMatrixView v) { return ConstMap(v.data, v.rows, v.cols, Stride(v.ld)); }
+MutableMap AsEigen(MatrixView v) { return MutableMap(v.data, v.rows, v.cols, Stride(v.ld)); }
+
+class CpuResidentForm final : public ResidentForm {
+ public:
+  explicit CpuResidentForm(std::shared_ptr<const FormWeights> w) : w_(std::move(w)) {}
+  const FormWeights& weights() const override { return *w_; }
+
+ private:
+  std::shared_ptr<const FormWeights> w_;
+};
+
+// y = x · w (+ bias) with the threads splitting w's columns: each thread streams its own share
+// of the weights once. (Eigen's own split is by rows of y, which for a batch of few tokens
+// makes every thread pack the whole weight matrix: 2 threads were 3x slower than 1 there.)
+void Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, int threads) {
+  constexpr int64_t kColumnAlign = 64;  // whole cache lines and register blocks per thread
+  const int64_t chunks = std::min<int64_t>(threads, (w.cols + kColumnAlign - 1) / kColumnAlign);
+  const int64_t chunk_cols = ((w.cols + chunks - 1) / chunks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
+#pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
+  for (int64_t t = 0; t < chunks; ++t) {
+    const int64_t c0 = t * chunk_cols, count = std::min(chunk_cols, w.cols - c0);
+    if (count <= 0) continue;
+    auto out = AsEigen(y.ColBlock(c0, count));
+    out.noalias() = AsEigen(x) * AsEigen(w.ColBlock(c0, count));
+    if (bias != nullptr) out.rowwise() += BiasMap(bias + c0, count);
+  }
+}
+
+// y = x · W_in[:, cols] + b_in[cols] for the column range [col0, col0 + count) of W_in.
+void ProjectColumns(const FormWeights& f, ConstMatrixView x, int64_t col0, int64_t count, MatrixView y,
+                    int threads) {
+  const ConstMatrixView w_in(f.w_in.data() + col0, f.config.d_model, count, f.in_cols());
+  const bool has_bias = static_cast<int64_t>(f.b_in.size()) >= col0 + count;
+  Gemm(x, w_in, has_bias ? f.b_in.data() + col0 : nullptr, y, threads);
+}
+
+// The stacked rows of several blocks as one view: the block itself when there is one, else a
+// copy into `storage`.
+ConstMatrixView StackRows(const std::vector<ConstMatrixView>& blocks, std::vector<float>& storage) {
+  if (blocks.size() == 1) return blocks[0];
+  int64_t rows = 0;
+  for (const auto& b : blocks) rows += b.rows;
+  const int64_t cols = blocks[0].cols;
+  storage.resize(rows * cols);
+  MatrixView out(storage.data(), rows, cols);
+  int64_t r0 = 0;
+  for (const auto& b : blocks) {
+    AsEigen(out.RowBlock(r0, b.rows)) = AsEigen(b);
+    r0 += b.rows;
+  }
+  return out;
+}
+
+// The projections of a whole batch: Q of every query token, K and the value block of every
+// context token, stacked in sequence order.
+struct Projection {
+  std::vector<float> q_storage, k_storage, val_storage, x_storage, c_storage;
+  ConstMatrixView q, k;  // [Tx, q_cols], [Tc, k_cols] (may share storage, with ld = their sum)
+  ConstMatrixView val;   // [Tc, value_cols], contiguous: the summed form reads it as [m·h, d]
+  std::vector<int64_t> x_row, c_row;  // first row of each sequence in q and in k / val
+};
+
+Projection Project(const FormWeights& f, std::span<const Sequence> batch, int threads) {
+  Projection p;
+  std::vector<ConstMatrixView> xs, cs;
+  int64_t tx = 0, tc = 0;
+  bool all_self = true;
+  for (const Sequence& s : batch) {
+    p.x_row.push_back(tx);
+    p.c_row.push_back(tc);
+    tx += s.n();
+    tc += s.m();
+    xs.push_back(s.input);
+    cs.push_back(s.keys_source());
+    all_self = all_self && s.self_attention();
+  }
+  const ConstMatrixView x = StackRows(xs, p.x_storage);
+  const ConstMatrixView c = all_self ? x : StackRows(cs, p.c_storage);
+  if (all_self) {
+    // Self-attention: Q and K come from the same rows, so one GEMM makes both.
+    p.q_storage.resize(tx * (f.q_cols + f.k_cols));
+    MatrixView qk(p.q_storage.data(), tx, f.q_cols + f.k_cols);
+    ProjectColumns(f, x, 0, f.q_cols + f.k_cols, qk, threads);
+    p.q = qk.ColBlock(0, f.q_cols);
+    p.k = qk.ColBlock(f.q_cols, f.k_cols);
+  } else {
+    p.q_storage.resize(tx * f.q_cols);
+    p.k_storage.resize(tc * f.k_cols);
+    MatrixView q(p.q_storage.data(), tx, f.q_cols), k(p.k_storage.data(), tc, f.k_cols);
+    ProjectColumns(f, x, 0, f.q_cols, q, threads);
+    ProjectColumns(f, c, f.q_cols, f.k_cols, k, threads);
+    p.q = q;
+    p.k = k;
+  }
+  p.val_storage.resize(tc * f.value_cols);
+  MatrixView val(p.val_storage.data(), tc, f.value_cols);
+  ProjectColumns(f, c, f.q_cols + f.k_cols, f.value_cols, val, threads);
+  p.val = val;
+  return p;
+}
+
+// A = softmax(scale · Q_i K_g(i)^T + mask) over the sequence's visible keys, into `a` [n, L].
+void HeadScores(const FormWeights& f, const Projection& p, const Sequence& s, size_t r, int64_t head,
+                RowMatrix& a) {
+  const LayerConfig& c = f.config;
+  const int64_t n = s.n(), keys = s.visible_keys(), dh = c.d_head;
+  const auto q = AsEigen(p.q.RowBlock(p.x_row[r], n).ColBlock(head * dh, dh));
+  const auto k = AsEigen(p.k.RowBlock(p.c_row[r], keys).ColBlock(c.KvHeadOf(head) * dh, dh));
+  a.resize(n, keys);
+  a.noalias() = (q * k.transpose()) * c.SoftmaxScale();
+  for (int64_t row = 0; row < n; ++row) {
+    const int64_t visible = VisibleKeys(s, row);
+    auto v = a.row(row).head(visible).array();
+    v = (v - v.maxCoeff()).exp();
+    v /= v.sum();
+    a.row(row).tail(keys - visible).setZero();
+  }
+}
+
+// Factored and low-rank forms: O_i = A_i Val_i into O's columns of head i, then Y = O W_out + b.
+void MixProjected(const FormWeights& f, const Projection& p, std::span<const Sequence> batch, int threads) {
+  const int64_t heads = f.config.heads, tasks = static_cast<int64_t>(batch.size()) * heads;
+  const int64_t tx = p.q.rows, d = f.config.d_model;
+  std::vector<float> o_storage(tx * f.out_rows);
+  MatrixView o(o_storage.data(), tx, f.out_rows);
+#pragma omp parallel num_threads(threads)
+  {
+    RowMatrix a;
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const size_t r = t / heads;
+      const int64_t i = t % heads;
+      const Sequence& s = batch[r];
+      HeadScores(f, p, s, r, i, a);
+      const auto val = AsEigen(p.val.RowBlock(p.c_row[r], a.cols()).ColBlock(f.value_offset[i], f.value_width[i]));
+      AsEigen(o.RowBlock(p.x_row[r], s.n()).ColBlock(f.mix_offset[i], f.value_width[i])).noalias() = a * val;
+    }
+  }
+  const ConstMatrixView w_out(f.w_out.data(), f.out_rows, d);
+  // One sequence with a dense output: the GEMM writes straight into it.
+  std::vector<float> y_storage;
+  MatrixView y = batch.size() == 1 ? batch[0].output : MatrixView();
+  if (y.empty()) {
+    y_storage.resize(tx * d);
+    y = MatrixView(y_storage.data(), tx, d);
+  }
+  Gemm(o, w_out, f.b_out.empty() ? nullptr : f.b_out.data(), y, threads);
+  if (!y_storage.empty()) {
+    for (size_t r = 0; r < batch.size(); ++r) {
+      AsEigen(batch[r].output) = AsEigen(ConstMatrixView(y.RowBlock(p.x_row[r], batch[r].n())));
+    }
+  }
+}
+
+// Summed form, for the sequences [first, last) of the batch. Val's rows are [h·d] wide and
+// contiguous, so a sequence's first L rows are also the [L·h, d] matrix [M_1; …; M_h] with
+// rows ordered (key, head); A_cat puts A_i[q, j] at column j·h + i to match, and the head sum
+// is then one GEMM per sequence: Y = A_cat · Val + b_eff.
+void MixSummed(const FormWeights& f, const Projection& p, std::span<const Sequence> batch, size_t first,
+               size_t last, int threads) {
+  const int64_t heads = f.config.heads, d = f.config.d_model;
+  const size_t count = last - first;
+  std::vector<std::vector<float>> a_cat(count);
+  for (size_t r = first; r < last; ++r) a_cat[r - first].assign(batch[r].n() * batch[r].visible_keys() * heads, 0.0f);
+  const int64_t tasks = static_cast<int64_t>(count) * heads;
+#pragma omp parallel num_threads(threads)
+  {
+    RowMatrix a;
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const size_t r = first + t / heads;
+      const int64_t i = t % heads;
+      HeadScores(f, p, batch[r], r, i, a);
+      float* dst = a_cat[r - first].data();
+      const int64_t keys = a.cols();
+      for (int64_t q = 0; q < a.rows(); ++q) {
+        for (int64_t j = 0; j < keys; ++j) dst[(q * keys + j) * heads + i] = a(q, j);
+      }
+    }
+  }
+  // Many sequences: one per thread, each GEMM single-threaded; one sequence: Eigen's threads.
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (count > 1)
+  for (size_t r = first; r < last; ++r) {
+    const Sequence& s = batch[r];
+    const int64_t keys = s.visible_keys();
+    const ConstMatrixView a(a_cat[r - first].data(), s.n(), keys * heads);
+    const ConstMatrixView m(p.val.row(p.c_row[r]), keys * heads, d);
+    auto y = AsEigen(s.output);
+    y.noalias() = AsEigen(a) * AsEigen(m);
+    if (!f.b_out.empty()) y.rowwise() += BiasMap(f.b_out.data(), d);
+  }
+}
+
+}  // namespace
+
+CpuBackend::CpuBackend(CpuBackendOptions options)
+    : threads_(options.threads > 0 ? options.threads : omp_get_max_threads()),
+      max_score_scratch_bytes_(options.max_score_scratch_bytes) {
+  Eigen::setNbThreads(threads_);
+}
+
+StatusOr<std::shared_ptr<const ResidentForm>> CpuBackend::Upload(std::shared_ptr<const FormWeights> form) {
+  if (!form) return InvalidArgumentError("Upload: no form given");
+  return std::shared_ptr<const ResidentForm>(std::make_shared<CpuResidentForm>(std::move(form)));
+}
+
+Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequence> batch) {
+  const FormWeights& f = resident.weights();
+  if (batch.empty()) return OkStatus();
+  ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(f.config, batch));
+  const Projection p = Project(f, batch, threads_);
+  if (f.has_output_projection()) {
+    MixProjected(f, p, batch, threads_);
+    return OkStatus();
+  }
+  // The summed form's A_cat is n·L·h floats per sequence: run in chunks under the bound.
+  size_t first = 0;
+  while (first < batch.size()) {
+    size_t last = first;
+    int64_t bytes = 0;
+    do {
+      bytes += batch[last].n() * batch[last].visible_keys() * f.config.heads * int64_t{sizeof(float)};
+      ++last;
+    } while (last < batch.size() &&
+             bytes + batch[last].n() * batch[last].visible_keys() * f.config.heads * int64_t{sizeof(float)} <=
+                 max_score_scratch_bytes_);
+    MixSummed(f, p, batch, first, last, threads_);
+    first = last;
+  }
+  return OkStatus();
+}
+
+}  // namespace attnserve

@@ -1,0 +1,35 @@
+// The CPU backend: Eigen GEMMs for the projections (one per batch over all stacked tokens) and
+// an OpenMP loop over (sequence, head) for the scores and the mix.
+// Thread-safety: Forward is reentrant (each call owns its scratch). Construction sets Eigen's
+// process-wide thread count: create one CpuBackend per process.
+#pragma once
+
+#include <memory>
+
+#include "server/backend/backend.h"
+
+namespace attnserve {
+
+struct CpuBackendOptions {
+  int threads = 0;  // 0: all cores OpenMP sees
+  // Upper bound on the score scratch of the summed form held at once (its [n, h·m] matrix per
+  // sequence); larger batches run in chunks so memory stays bounded.
+  int64_t max_score_scratch_bytes = int64_t{256} << 20;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(CpuBackendOptions options = {});
+
+  std::string DeviceName() const override { return "cpu"; }
+  StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override;
+  Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override;
+
+  int threads() const { return threads_; }
+
+ private:
+  int threads_;
+  int64_t max_score_scratch_bytes_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,125 @@
+#include "server/core/forms.h"
+
+#include <Eigen/Core>
+
+namespace attnserve {
+namespace {
+
+using RowMatrixD = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using RowMatrixF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using ConstMapF = Eigen::Map<const RowMatrixF>;
+
+// Copies `src` ([d, cols], row-major) into columns [col0, col0 + cols) of `dst` ([d, ld]).
+void PlaceColumns(const std::vector<float>& src, int64_t d, int64_t cols, std::vector<float>& dst,
+                  int64_t ld, int64_t col0) {
+  for (int64_t r = 0; r < d; ++r) {
+    std::copy(src.begin() + r * cols, src.begin() + (r + 1) * cols, dst.begin() + r * ld + col0);
+  }
+}
+
+// The parts every form shares: W_in's Q and K columns, b_in's Q and K entries.
+FormWeights StartForm(Form form, const LayerWeights& w, int64_t value_cols) {
+  const LayerConfig& c = w.config;
+  FormWeights f;
+  f.form = form;
+  f.config = c;
+  f.q_cols = c.heads * c.d_head;
+  f.k_cols = c.kv_heads * c.d_head;
+  f.value_cols = value_cols;
+  f.w_in.assign(c.d_model * f.in_cols(), 0.0f);
+  PlaceColumns(w.w_q, c.d_model, f.q_cols, f.w_in, f.in_cols(), 0);
+  PlaceColumns(w.w_k, c.d_model, f.k_cols, f.w_in, f.in_cols(), f.q_cols);
+  if (c.bias) {
+    f.b_in = w.b_q;
+    f.b_in.insert(f.b_in.end(), w.b_k.begin(), w.b_k.end());
+  }
+  return f;
+}
+
+}  // namespace
+
+std::string_view FormName(Form form) {
+  switch (form) {
+    case Form::kFactored: return "factored";
+    case Form::kSummed: return "summed";
+    case Form::kLowRank: return "lowrank";
+  }
+  return "unknown";
+}
+
+std::optional<Form> ParseForm(std::string_view name) {
+  for (Form f : kAllForms) {
+    if (FormName(f) == name) return f;
+  }
+  return std::nullopt;
+}
+
+int64_t FormWeights::Parameters() const {
+  return static_cast<int64_t>(w_in.size() + b_in.size() + w_out.size() + b_out.size());
+}
+
+FormWeights MaterializeFactored(const LayerWeights& w) {
+  const LayerConfig& c = w.config;
+  FormWeights f = StartForm(Form::kFactored, w, c.kv_heads * c.d_head);
+  PlaceColumns(w.w_v, c.d_model, f.value_cols, f.w_in, f.in_cols(), f.q_cols + f.k_cols);
+  if (c.bias) f.b_in.insert(f.b_in.end(), w.b_v.begin(), w.b_v.end());
+  for (int64_t i = 0; i < c.heads; ++i) {
+    f.value_offset.push_back(c.KvHeadOf(i) * c.d_head);
+    f.value_width.push_back(c.d_head);
+    f.mix_offset.push_back(i * c.d_head);
+  }
+  f.w_out = w.w_o;
+  f.out_rows = c.heads * c.d_head;
+  f.b_out = w.b_o;
+  return f;
+}
+
+FormWeights MaterializeSummed(const LayerWeights& w) {
+  const LayerConfig& c = w.config;
+  const int64_t d = c.d_model, dh = c.d_head, kv_cols = c.kv_heads * dh;
+  FormWeights f = StartForm(Form::kSummed, w, c.heads * d);
+  const RowMatrixD w_v = ConstMapF(w.w_v.data(), d, kv_cols).cast<double>();
+  const RowMatrixD w_o = ConstMapF(w.w_o.data(), c.heads * dh, d).cast<double>();
+  Eigen::RowVectorXd b_eff = Eigen::RowVectorXd::Zero(d);
+  if (c.bias) b_eff = Eigen::Map<const Eigen::RowVectorXf>(w.b_o.data(), d).cast<double>();
+  Eigen::Map<RowMatrixF, 0, Eigen::OuterStride<>> w_in(f.w_in.data(), d, f.in_cols(),
+                                                      Eigen::OuterStride<>(f.in_cols()));
+  for (int64_t i = 0; i < c.heads; ++i) {
+    const int64_t g = c.KvHeadOf(i);
+    const auto w_v_g = w_v.middleCols(g * dh, dh);
+    const auto w_o_i = w_o.middleRows(i * dh, dh);
+    const int64_t col0 = f.q_cols + f.k_cols + i * d;
+    w_in.middleCols(col0, d) = (w_v_g * w_o_i).cast<float>();
+    if (c.bias) {
+      b_eff += Eigen::Map<const Eigen::RowVectorXf>(w.b_v.data() + g * dh, dh).cast<double>() * w_o_i;
+    }
+    f.value_offset.push_back(i * d);
+    f.value_width.push_back(d);
+    f.mix_offset.push_back(0);  // every head adds into the same d output columns
+  }
+  if (c.bias) {
+    f.b_out.resize(d);
+    Eigen::Map<Eigen::RowVectorXf>(f.b_out.data(), d) = b_eff.cast<float>();
+  }
+  return f;
+}
+
+double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch) {
+  const double d = static_cast<double>(f.config.d_model);
+  double mix_width = 0;
+  for (int64_t w : f.value_width) mix_width += static_cast<double>(w);
+  const double score_width = static_cast<double>(f.config.heads * f.config.d_head);
+  double flops = 0;
+  for (const SequenceShape& s : batch) {
+    const double n = static_cast<double>(s.n), m = static_cast<double>(s.m);
+    const double keys = static_cast<double>(s.keys < 0 ? s.m : s.keys);
+    flops += 2 * n * d * static_cast<double>(f.q_cols);                   // Q projection
+    flops += 2 * m * d * static_cast<double>(f.k_cols + f.value_cols);    // K and value projections
+    flops += 2 * n * keys * score_width;                                  // scores, all heads
+    flops += 2 * n * keys * mix_width;                                    // A_i · Val_i, all heads
+    flops += 2 * n * static_cast<double>(f.out_rows) * d;                 // output projection
+  }
+  return flops;
+}
+
+}  // namespace attnserve

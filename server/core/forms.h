@@ -1,0 +1,78 @@
+// The forms a layer is held in, laid out for execution, and what each costs.
+//
+// Every form runs the same skeleton (docs/architecture.md §1):
+//   [Q | K | Val] = [X | C] W_in + b_in         (one GEMM over all stacked tokens)
+//   A_i = softmax(scale · Q_i K_g(i)^T + mask)  (per sequence and head)
+//   mix: factored / lowrank  O_i = A_i Val_i,  Y = O W_out + b_out
+//        summed              Y = Σ_i A_i Val_i + b_out   (one GEMM over the heads)
+// The forms differ only in the value block Val and in W_out:
+//   factored  Val = C W_V (h_kv · d_h columns; head i reads its group's), W_out = W_O
+//   summed    Val = C [W_M_1 | … | W_M_h] (h · d columns), no W_out, b_out = b_eff
+//   lowrank   Val = C [P_1 | … | P_h] (R columns), W_out = [Q_1; …; Q_h], b_out = b_eff
+// Thread-safety: FormWeights is immutable once built; share it as shared_ptr<const>.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "server/core/layer.h"
+#include "server/core/status.h"
+
+namespace attnserve {
+
+enum class Form { kFactored = 0, kSummed = 1, kLowRank = 2 };
+inline constexpr Form kAllForms[] = {Form::kFactored, Form::kSummed, Form::kLowRank};
+
+// "factored", "summed", "lowrank": the label metrics and the CLI use.
+std::string_view FormName(Form form);
+std::optional<Form> ParseForm(std::string_view name);
+
+struct FormWeights {
+  Form form = Form::kFactored;
+  LayerConfig config;
+  // [d_model, in_cols], in_cols = q_cols + k_cols + value_cols, columns [W_Q | W_K | value].
+  std::vector<float> w_in;
+  // Bias of W_in's first b_in.size() columns: [q_cols + k_cols] plus, for the factored form,
+  // the value bias; the summed and low-rank forms fold the value bias into b_out instead.
+  // Empty when the layer has no bias.
+  std::vector<float> b_in;
+  int64_t q_cols = 0, k_cols = 0, value_cols = 0;
+  // Per query head i: the columns [value_offset[i], + value_width[i]) of the value block that
+  // A_i mixes, and (factored, lowrank) where O_i lands in O: columns [mix_offset[i], + width).
+  std::vector<int64_t> value_offset, value_width, mix_offset;
+  // [out_rows, d_model]: W_O (factored, out_rows = h·d_h) or the stacked Q_i (lowrank, = R);
+  // empty for the summed form, whose head sum needs no output projection.
+  std::vector<float> w_out;
+  int64_t out_rows = 0;
+  std::vector<float> b_out;  // [d_model]: b_O or b_eff; empty when the layer has no bias
+
+  int64_t in_cols() const { return q_cols + k_cols + value_cols; }
+  bool has_output_projection() const { return !w_out.empty(); }
+  int64_t Parameters() const;
+  int64_t Bytes() const { return Parameters() * static_cast<int64_t>(sizeof(float)); }
+};
+
+// The standard form: W_in = [W_Q | W_K | W_V], W_out = W_O.
+FormWeights MaterializeFactored(const LayerWeights& weights);
+
+// The summed-head form: W_M_i = W_V_g(i) · W_O_i (computed in float64, rounded once) and
+// b_eff = b_O + Σ_i b_V_g(i) W_O_i — the value bias folds into the output bias because every
+// row of A_i sums to 1.
+FormWeights MaterializeSummed(const LayerWeights& weights);
+
+// The shape of one sequence, for cost counts.
+struct SequenceShape {
+  int64_t n = 0;  // queries
+  int64_t m = 0;  // context rows (= n for self-attention)
+  int64_t keys = -1;  // keys the scores and mix use (key_length); -1: all m
+};
+
+// FLOPs (multiply and add counted as 2) that a forward of these sequences does in this form:
+// the projections, the scores, the mix and the output projection. Masked scores are counted
+// as computed where the backend computes them (it skips keys beyond key_length only).
+double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batch);
+
+}  // namespace attnserve

@@ -1,0 +1,71 @@
+#include "server/core/reference.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace attnserve {
+namespace {
+
+// y = x W + b for x [rows, d] (float views) and W [d, cols]; all in double.
+std::vector<double> Project(ConstMatrixView x, const std::vector<float>& w, const std::vector<float>& b,
+                            int64_t cols) {
+  const int64_t rows = x.rows, d = x.cols;
+  std::vector<double> y(rows * cols, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t k = 0; k < d; ++k) {
+      const double xv = x.at(r, k);
+      for (int64_t c = 0; c < cols; ++c) y[r * cols + c] += xv * w[k * cols + c];
+    }
+    if (!b.empty()) {
+      for (int64_t c = 0; c < cols; ++c) y[r * cols + c] += b[c];
+    }
+  }
+  return y;
+}
+
+}  // namespace
+
+std::vector<double> ReferenceForward(const LayerWeights& w, const Sequence& seq) {
+  const LayerConfig& c = w.config;
+  const int64_t n = seq.n(), m = seq.m(), d = c.d_model, dh = c.d_head;
+  const int64_t qc = c.heads * dh, kvc = c.kv_heads * dh;
+  const std::vector<double> q = Project(seq.input, w.w_q, w.b_q, qc);
+  const std::vector<double> k = Project(seq.keys_source(), w.w_k, w.b_k, kvc);
+  const std::vector<double> v = Project(seq.keys_source(), w.w_v, w.b_v, kvc);
+  const double scale = c.scale != 0.0f ? c.scale : 1.0 / std::sqrt(static_cast<double>(dh));
+
+  std::vector<double> concat(n * qc, 0.0), p(m);
+  for (int64_t i = 0; i < c.heads; ++i) {
+    const int64_t g = i / (c.heads / c.kv_heads);
+    for (int64_t r = 0; r < n; ++r) {
+      // Written out here rather than shared with the backends, so a mask bug cannot hide.
+      int64_t keys = seq.key_length < 0 ? m : seq.key_length;
+      if (seq.causal) keys = std::min(keys, r + 1);
+      double top = -INFINITY;
+      for (int64_t j = 0; j < keys; ++j) {
+        double s = 0;
+        for (int64_t t = 0; t < dh; ++t) s += q[r * qc + i * dh + t] * k[j * kvc + g * dh + t];
+        p[j] = s * scale;
+        top = std::max(top, p[j]);
+      }
+      double sum = 0;
+      for (int64_t j = 0; j < keys; ++j) sum += (p[j] = std::exp(p[j] - top));
+      for (int64_t j = 0; j < keys; ++j) {
+        for (int64_t t = 0; t < dh; ++t) concat[r * qc + i * dh + t] += p[j] / sum * v[j * kvc + g * dh + t];
+      }
+    }
+  }
+  std::vector<double> y(n * d, 0.0);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t t = 0; t < qc; ++t) {
+      const double o = concat[r * qc + t];
+      for (int64_t col = 0; col < d; ++col) y[r * d + col] += o * w.w_o[t * d + col];
+    }
+    if (!w.b_o.empty()) {
+      for (int64_t col = 0; col < d; ++col) y[r * d + col] += w.b_o[col];
+    }
+  }
+  return y;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,41 @@
+// One attention sequence as the backends see it: a query block, an optional context block, its
+// masks and where its output goes. A wire request [batch, n, d] becomes `batch` sequences; a
+// backend batch is a span of sequences with their own n, m and masks (a ragged batch).
+// Thread-safety: views only; the caller keeps the memory alive for the call.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "server/core/layer.h"
+#include "server/core/status.h"
+#include "server/core/tensor.h"
+
+namespace attnserve {
+
+struct Sequence {
+  ConstMatrixView input;    // [n, d_model]: the queries
+  ConstMatrixView context;  // [m, d_model]; empty: self-attention (the context is the input)
+  // Query q sees key j only if j <= q (top-left aligned, as torch's is_causal).
+  bool causal = false;
+  // Keys [0, key_length) are visible; -1: all m. Must be in [1, m] otherwise.
+  int64_t key_length = -1;
+  MatrixView output;        // [n, d_model], written by the backend
+
+  bool self_attention() const { return context.empty(); }
+  int64_t n() const { return input.rows; }
+  int64_t m() const { return self_attention() ? input.rows : context.rows; }
+  ConstMatrixView keys_source() const { return self_attention() ? input : context; }
+  int64_t visible_keys() const { return key_length < 0 ? m() : key_length; }
+};
+
+// Checks the sequence's shapes against the layer; errors name the field, expected and got.
+Status ValidateSequence(const LayerConfig& config, const Sequence& seq);
+
+// Number of keys query row q sees.
+inline int64_t VisibleKeys(const Sequence& seq, int64_t q) {
+  const int64_t limit = seq.visible_keys();
+  return seq.causal ? (q + 1 < limit ? q + 1 : limit) : limit;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,216 @@
+// Every backend, every form, against the float64 reference: randomized configurations and
+// ragged batches, edge cases, batched vs alone, and bad input. Parameterised over backends;
+// a backend that cannot run here is SKIPPED with the reason.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+
+#include "server/backend/backend.h"
+#include "server/core/forms.h"
+#include "server/core/reference.h"
+#include "tests/unit/test_support.h"
+
+namespace attnserve {
+namespace {
+
+using testing::OwnedSequence;
+using testing::RandomSequence;
+using testing::RelativeL2;
+using ::testing::HasSubstr;
+
+// fp32 tolerance for relative L2 error against float64 at the shapes drawn here (d ≤ 160,
+// m ≤ 200, h ≤ 16): fp32 rounding of sums of a few thousand terms is ~1e-6; 1e-5 leaves margin.
+constexpr double kFp32Tolerance = 1e-5;
+
+class BackendTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    std::string why;
+    backend_ = testing::MakeBackend(GetParam(), &why);
+    if (!backend_) GTEST_SKIP() << why;
+  }
+
+  std::shared_ptr<const ResidentForm> Upload(FormWeights f) {
+    auto r = backend_->Upload(std::make_shared<const FormWeights>(std::move(f)));
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? *r : nullptr;
+  }
+
+  // Runs both forms over the batch; checks every output against the float64 reference and
+  // the forms against each other. Returns the worst relative error seen.
+  double CheckBothForms(const LayerWeights& w, std::vector<OwnedSequence>& seqs, double tol = kFp32Tolerance) {
+    std::vector<std::vector<double>> want;
+    for (auto& s : seqs) want.push_back(ReferenceForward(w, s.View()));
+    std::vector<std::vector<float>> factored_out;
+    double worst = 0;
+    for (Form form : {Form::kFactored, Form::kSummed}) {
+      auto resident = Upload(form == Form::kFactored ? MaterializeFactored(w) : MaterializeSummed(w));
+      std::vector<Sequence> batch;
+      for (auto& s : seqs) {
+        std::fill(s.output.begin(), s.output.end(), std::nanf(""));
+        batch.push_back(s.View());
+      }
+      Status st = backend_->Forward(*resident, batch);
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      for (size_t r = 0; r < seqs.size(); ++r) {
+        const double err = RelativeL2(seqs[r].output.data(), want[r]);
+        worst = std::max(worst, err);
+        EXPECT_LT(err, tol) << FormName(form) << " sequence " << r << " n=" << seqs[r].n << " m=" << seqs[r].m
+                            << " causal=" << seqs[r].causal << " key_length=" << seqs[r].key_length
+                            << " config " << w.config.ToString();
+        if (form == Form::kFactored) {
+          factored_out.push_back(seqs[r].output);
+        } else {
+          EXPECT_LT(RelativeL2(seqs[r].output.data(), factored_out[r].data(), factored_out[r].size()), 2 * tol)
+              << "factored vs summed, sequence " << r;
+        }
+      }
+    }
+    return worst;
+  }
+
+  std::unique_ptr<Backend> backend_;
+};
+
+// Draws a layer config: heads 1–16, kv_heads dividing heads, d_head 1–128, d_model 1–160
+// (independent of heads·d_head), bias on or off, default or custom scale.
+LayerConfig DrawConfig(std::mt19937_64& rng) {
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  LayerConfig c;
+  c.heads = pick(1, 16);
+  std::vector<int64_t> divisors;
+  for (int64_t k = 1; k <= c.heads; ++k) {
+    if (c.heads % k == 0) divisors.push_back(k);
+  }
+  c.kv_heads = divisors[pick(0, divisors.size() - 1)];
+  // Mostly small heads, sometimes up to 128, keeping h·d_h ≤ 1024 so the reference stays quick.
+  c.d_head = pick(0, 3) == 0 ? pick(1, std::min<int64_t>(128, 1024 / c.heads)) : pick(1, 32);
+  c.d_model = pick(1, 160);
+  c.bias = pick(0, 1) == 1;
+  if (pick(0, 4) == 0) c.scale = 0.05f + 0.5f * static_cast<float>(pick(0, 100)) / 100.0f;
+  return *CompleteConfig(c);
+}
+
+TEST_P(BackendTest, RandomizedFormsMatchFloat64Reference) {
+  std::mt19937_64 rng(testing::TestSeed());
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto length = [&]() { return pick(0, 1) ? pick(1, 16) : pick(1, 200); };
+  const int cases = testing::RandomCases(100);
+  double worst = 0;
+  for (int k = 0; k < cases; ++k) {
+    const LayerConfig c = DrawConfig(rng);
+    const LayerWeights w = RandomLayerWeights(c, rng());
+    std::vector<OwnedSequence> seqs;
+    const int64_t batch = pick(1, 5);
+    for (int64_t r = 0; r < batch; ++r) {
+      const bool cross = pick(0, 2) == 0;
+      const int64_t n = length(), m = cross ? length() : n;
+      const int64_t key_length = pick(0, 2) == 0 ? pick(1, m) : -1;
+      seqs.push_back(RandomSequence(rng, c.d_model, n, m, cross, pick(0, 2) == 0, key_length));
+    }
+    worst = std::max(worst, CheckBothForms(w, seqs));
+    if (HasFailure()) {
+      ADD_FAILURE() << "case " << k << " (seed " << testing::TestSeed() << ")";
+      return;
+    }
+  }
+  std::cout << "[ info     ] " << cases << " random cases, worst relative L2 error " << worst << "\n";
+}
+
+TEST_P(BackendTest, SingleQueryAndSingleKey) {
+  std::mt19937_64 rng(1);
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 48, .heads = 4}), 11);
+  std::vector<OwnedSequence> seqs;
+  seqs.push_back(RandomSequence(rng, 48, 1, 1, false, false, -1));  // n = m = 1
+  seqs.push_back(RandomSequence(rng, 48, 7, 1, true, false, -1));   // m = 1, cross
+  seqs.push_back(RandomSequence(rng, 48, 1, 9, true, true, -1));    // n = 1, causal: sees key 0 only
+  CheckBothForms(w, seqs);
+}
+
+TEST_P(BackendTest, OneHeadAndNoBias) {
+  std::mt19937_64 rng(2);
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 40, .heads = 1, .bias = false}), 12);
+  std::vector<OwnedSequence> seqs;
+  seqs.push_back(RandomSequence(rng, 40, 33, 33, false, true, 20));
+  CheckBothForms(w, seqs);
+}
+
+TEST_P(BackendTest, GroupedQueryAttention) {
+  std::mt19937_64 rng(3);
+  const LayerWeights w =
+      RandomLayerWeights(*CompleteConfig({.d_model = 64, .heads = 8, .kv_heads = 2, .d_head = 24}), 13);
+  std::vector<OwnedSequence> seqs;
+  seqs.push_back(RandomSequence(rng, 64, 50, 50, false, true, -1));
+  seqs.push_back(RandomSequence(rng, 64, 20, 70, true, false, 35));
+  CheckBothForms(w, seqs);
+}
+
+TEST_P(BackendTest, SixtyFourTinyRequests) {
+  std::mt19937_64 rng(4);
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 64, .heads = 4, .kv_heads = 2}), 14);
+  std::vector<OwnedSequence> seqs;
+  for (int r = 0; r < 64; ++r) {
+    const int64_t n = 1 + r % 4;
+    seqs.push_back(RandomSequence(rng, 64, n, n, false, r % 3 == 0, r % 5 == 0 ? 1 : -1));
+  }
+  CheckBothForms(w, seqs);
+}
+
+// A sequence gets the same result in a batch as alone (within fp32 rounding).
+TEST_P(BackendTest, BatchedEqualsAlone) {
+  std::mt19937_64 rng(5);
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 96, .heads = 6, .kv_heads = 3}), 15);
+  for (Form form : {Form::kFactored, Form::kSummed}) {
+    auto resident = Upload(form == Form::kFactored ? MaterializeFactored(w) : MaterializeSummed(w));
+    std::vector<OwnedSequence> seqs;
+    for (int r = 0; r < 9; ++r) {
+      const int64_t n = 1 + (r * 37) % 60, m = 1 + (r * 53) % 80;
+      seqs.push_back(RandomSequence(rng, 96, n, m, r % 2 == 1, r % 3 == 0, r % 4 == 0 ? (m + 1) / 2 : -1));
+    }
+    std::vector<Sequence> batch;
+    for (auto& s : seqs) batch.push_back(s.View());
+    ASSERT_TRUE(backend_->Forward(*resident, batch).ok());
+    for (auto& s : seqs) {
+      const std::vector<float> batched = s.output;
+      const Sequence alone[] = {s.View()};
+      ASSERT_TRUE(backend_->Forward(*resident, alone).ok());
+      EXPECT_LT(RelativeL2(s.output.data(), batched.data(), batched.size()), 1e-6) << FormName(form);
+    }
+  }
+}
+
+TEST_P(BackendTest, BadSequencesFailCleanlyBeforeAnyCompute) {
+  std::mt19937_64 rng(6);
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 32, .heads = 4}), 16);
+  auto resident = Upload(MaterializeFactored(w));
+  OwnedSequence good = RandomSequence(rng, 32, 5, 5, false, false, -1);
+  OwnedSequence wrong_width = RandomSequence(rng, 31, 5, 5, false, false, -1);
+  OwnedSequence bad_keys = RandomSequence(rng, 32, 5, 8, true, false, 9);
+  OwnedSequence zero_keys = RandomSequence(rng, 32, 5, 5, false, false, 0);
+
+  const Sequence batch1[] = {good.View(), wrong_width.View()};
+  Status st = backend_->Forward(*resident, batch1);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("sequence 1: input: expected [rows >= 1, 32], got [5, 31]"));
+  EXPECT_TRUE(std::isnan(good.output[0])) << "nothing may be computed when the batch is bad";
+
+  const Sequence batch2[] = {bad_keys.View()};
+  EXPECT_THAT(backend_->Forward(*resident, batch2).message(), HasSubstr("key_length: expected -1 (all) or a value in [1, 8], got 9"));
+  const Sequence batch3[] = {zero_keys.View()};
+  EXPECT_THAT(backend_->Forward(*resident, batch3).message(), HasSubstr("key_length"));
+
+  Sequence short_output = good.View();
+  short_output.output.rows = 4;
+  const Sequence batch4[] = {short_output};
+  EXPECT_THAT(backend_->Forward(*resident, batch4).message(), HasSubstr("output: expected [5, 32], got [4, 32]"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, BackendTest, ::testing::Values("cpu", "cuda"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace attnserve

@@ -1,0 +1,168 @@
+// Core: configs, weights, materialisation of the summed form, parameter and FLOP counts.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "server/core/forms.h"
+#include "server/core/layer.h"
+#include "server/core/status.h"
+#include "tests/unit/test_support.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(LayerConfigTest, FillsDefaults) {
+  auto c = CompleteConfig({.d_model = 768, .heads = 12});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->kv_heads, 12);
+  EXPECT_EQ(c->d_head, 64);
+  EXPECT_FLOAT_EQ(c->SoftmaxScale(), 0.125f);
+  EXPECT_EQ(c->KvHeadOf(11), 11);
+}
+
+TEST(LayerConfigTest, DHeadNeedNotDivideDModel) {
+  auto c = CompleteConfig({.d_model = 100, .heads = 3, .kv_heads = 1, .d_head = 48});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->group_size(), 3);
+  EXPECT_EQ(c->KvHeadOf(2), 0);
+}
+
+TEST(LayerConfigTest, BadConfigsNameTheField) {
+  struct Case {
+    LayerConfig config;
+    const char* field;
+  } cases[] = {
+      {{.d_model = 64, .heads = 0}, "heads"},
+      {{.d_model = 0, .heads = 4}, "d_model"},
+      {{.d_model = 64, .heads = 4, .kv_heads = 3}, "kv_heads must divide heads"},
+      {{.d_model = 64, .heads = 4, .kv_heads = 8}, "kv_heads"},
+      {{.d_model = 65, .heads = 4}, "d_head"},
+      {{.d_model = 64, .heads = 4, .d_head = -2}, "d_head"},
+      {{.d_model = 64, .heads = 4, .scale = -1.0f}, "scale"},
+      {{.d_model = 64, .heads = 4, .scale = NAN}, "scale"},
+  };
+  for (const Case& c : cases) {
+    auto got = CompleteConfig(c.config);
+    ASSERT_FALSE(got.ok()) << c.field;
+    EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(got.status().message(), HasSubstr(c.field));
+  }
+}
+
+TEST(LayerWeightsTest, ValidatesSizesAndFiniteness) {
+  auto c = CompleteConfig({.d_model = 32, .heads = 4, .kv_heads = 2});
+  ASSERT_TRUE(c.ok());
+  LayerWeights w = RandomLayerWeights(*c, 7);
+  EXPECT_TRUE(ValidateWeights(w).ok());
+
+  LayerWeights short_k = w;
+  short_k.w_k.pop_back();
+  Status st = ValidateWeights(short_k);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("w_k"));
+  EXPECT_THAT(st.message(), HasSubstr("32x16"));
+
+  LayerWeights nan_o = w;
+  nan_o.w_o[5] = NAN;
+  EXPECT_THAT(ValidateWeights(nan_o).message(), HasSubstr("w_o holds a non-finite value at index 5"));
+
+  LayerWeights no_bias = w;
+  no_bias.config.bias = false;
+  EXPECT_THAT(ValidateWeights(no_bias).message(), HasSubstr("b_q"));
+}
+
+TEST(LayerWeightsTest, RandomWeightsAreSeededAndScaled) {
+  auto c = CompleteConfig({.d_model = 256, .heads = 8});
+  ASSERT_TRUE(c.ok());
+  LayerWeights a = RandomLayerWeights(*c, 1), b = RandomLayerWeights(*c, 1), other = RandomLayerWeights(*c, 2);
+  EXPECT_EQ(a.w_q, b.w_q);
+  EXPECT_NE(a.w_q, other.w_q);
+  double sq = 0;
+  for (float x : a.w_q) sq += x * x;
+  const double std_dev = std::sqrt(sq / a.w_q.size());
+  EXPECT_NEAR(std_dev, 1.0 / 16.0, 0.002);  // fan-in scaling: 1 / sqrt(d_model)
+}
+
+TEST(FormsTest, NamesRoundTrip) {
+  for (Form f : kAllForms) EXPECT_EQ(ParseForm(FormName(f)), f);
+  EXPECT_FALSE(ParseForm("concat").has_value());
+  EXPECT_EQ(FormName(Form::kSummed), "summed");
+}
+
+// W_M_i and b_eff against sums written out from their definitions, in float64.
+TEST(FormsTest, SummedFormMatchesItsDefinition) {
+  auto c = CompleteConfig({.d_model = 24, .heads = 6, .kv_heads = 2, .d_head = 5});
+  ASSERT_TRUE(c.ok());
+  const LayerWeights w = RandomLayerWeights(*c, 3);
+  const FormWeights f = MaterializeSummed(w);
+  const int64_t d = 24, dh = 5, kvc = 10, cols = f.in_cols();
+  ASSERT_EQ(f.value_cols, 6 * d);
+  ASSERT_EQ(f.in_cols(), 6 * dh + 2 * dh + 6 * d);
+  for (int64_t i = 0; i < 6; ++i) {
+    const int64_t g = i / 3;
+    for (int64_t r = 0; r < d; ++r) {
+      for (int64_t col = 0; col < d; ++col) {
+        double want = 0;
+        for (int64_t t = 0; t < dh; ++t) want += double{w.w_v[r * kvc + g * dh + t]} * w.w_o[(i * dh + t) * d + col];
+        EXPECT_NEAR(f.w_in[r * cols + f.q_cols + f.k_cols + i * d + col], want, 1e-6);
+      }
+    }
+  }
+  for (int64_t col = 0; col < d; ++col) {
+    double want = w.b_o[col];
+    for (int64_t i = 0; i < 6; ++i) {
+      for (int64_t t = 0; t < dh; ++t) want += double{w.b_v[(i / 3) * dh + t]} * w.w_o[(i * dh + t) * d + col];
+    }
+    EXPECT_NEAR(f.b_out[col], want, 1e-6);
+  }
+  // Q and K columns are the layer's own.
+  EXPECT_EQ(f.w_in[3 * cols + 7], w.w_q[3 * 30 + 7]);
+  EXPECT_EQ(f.w_in[2 * cols + f.q_cols + 4], w.w_k[2 * kvc + 4]);
+}
+
+// Parameter counts of ARCHITECTURE §1: factored 2·d·h·d_h for V and O, summed h·d² instead.
+TEST(FormsTest, ParameterCounts) {
+  auto c = CompleteConfig({.d_model = 96, .heads = 6, .kv_heads = 3, .d_head = 20});
+  ASSERT_TRUE(c.ok());
+  const LayerWeights w = RandomLayerWeights(*c, 5);
+  const int64_t d = 96, h = 6, hkv = 3, dh = 20;
+  const int64_t qk = d * (h + hkv) * dh + (h + hkv) * dh;  // weights and biases of Q and K
+  EXPECT_EQ(MaterializeFactored(w).Parameters(), qk + d * hkv * dh + hkv * dh + h * dh * d + d);
+  EXPECT_EQ(MaterializeSummed(w).Parameters(), qk + h * d * d + d);
+  EXPECT_EQ(MaterializeSummed(w).Bytes(), 4 * (qk + h * d * d + d));
+}
+
+// FLOPs against the formulas of ARCHITECTURE §1 (QK part added: 2·n·d·h·d_h + 2·m·d·h_kv·d_h + 2·h·n·m·d_h).
+TEST(FormsTest, FlopCountsFollowTheFormulas) {
+  auto c = CompleteConfig({.d_model = 64, .heads = 8, .kv_heads = 4, .d_head = 16});
+  ASSERT_TRUE(c.ok());
+  const LayerWeights w = RandomLayerWeights(*c, 9);
+  const double d = 64, h = 8, hkv = 4, dh = 16, n = 10, m = 30;
+  const double qk = 2 * n * d * h * dh + 2 * m * d * hkv * dh + 2 * h * n * m * dh;
+  const double factored_ov = 2 * m * d * (hkv * dh) + 2 * h * n * m * dh + 2 * n * (h * dh) * d;
+  const double summed_ov = 2 * m * d * (h * d) + 2 * n * (h * m) * d;
+  const SequenceShape shape{.n = 10, .m = 30};
+  EXPECT_DOUBLE_EQ(ForwardFlops(MaterializeFactored(w), {&shape, 1}), qk + factored_ov);
+  EXPECT_DOUBLE_EQ(ForwardFlops(MaterializeSummed(w), {&shape, 1}), qk + summed_ov);
+  // Two sequences cost the sum of each.
+  const SequenceShape two[] = {shape, {.n = 3, .m = 3}};
+  const double second = ForwardFlops(MaterializeSummed(w), {&two[1], 1});
+  EXPECT_DOUBLE_EQ(ForwardFlops(MaterializeSummed(w), two), qk + summed_ov + second);
+}
+
+TEST(StatusTest, CodesHaveGrpcNamesAndValues) {
+  EXPECT_EQ(StatusCodeName(StatusCode::kResourceExhausted), "RESOURCE_EXHAUSTED");
+  EXPECT_EQ(static_cast<int>(StatusCode::kUnavailable), 14);
+  Status st = FailedPreconditionError("layer 'x' does not hold form summed");
+  EXPECT_EQ(st.ToString(), "FAILED_PRECONDITION: layer 'x' does not hold form summed");
+  StatusOr<int> bad = NotFoundError("no layer");
+  EXPECT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace attnserve

@@ -1,0 +1,73 @@
+#include "tests/unit/test_support.h"
+
+#include <cmath>
+#include <cstdlib>
+
+#include "server/backend/cpu/cpu_backend.h"
+
+namespace attnserve::testing {
+
+std::vector<float> RandomVector(std::mt19937_64& rng, size_t count, float std_dev) {
+  std::normal_distribution<float> dist(0.0f, std_dev);
+  std::vector<float> v(count);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+double RelativeL2(const float* got, const std::vector<double>& want) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double e = static_cast<double>(got[i]) - want[i];
+    num += e * e;
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num / den);
+}
+
+double RelativeL2(const float* got, const float* want, size_t count) {
+  return RelativeL2(got, std::vector<double>(want, want + count));
+}
+
+Sequence OwnedSequence::View() {
+  Sequence s;
+  s.input = ConstMatrixView(input.data(), n, d_model);
+  if (cross) s.context = ConstMatrixView(context.data(), m, d_model);
+  s.causal = causal;
+  s.key_length = key_length;
+  s.output = MatrixView(output.data(), n, d_model);
+  return s;
+}
+
+OwnedSequence RandomSequence(std::mt19937_64& rng, int64_t d_model, int64_t n, int64_t m, bool cross,
+                             bool causal, int64_t key_length) {
+  OwnedSequence s;
+  s.d_model = d_model;
+  s.n = n;
+  s.m = cross ? m : n;
+  s.cross = cross;
+  s.causal = causal;
+  s.key_length = key_length;
+  s.input = RandomVector(rng, n * d_model);
+  if (cross) s.context = RandomVector(rng, m * d_model);
+  // Filled with NaN so that any element the backend fails to write shows up.
+  s.output.assign(n * d_model, std::nanf(""));
+  return s;
+}
+
+std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why) {
+  if (name == "cpu") return std::make_unique<CpuBackend>();
+  *why = "backend '" + name + "' is not compiled into this build";
+  return nullptr;
+}
+
+int RandomCases(int fallback) {
+  const char* v = std::getenv("ATTNSERVE_RANDOM_CASES");
+  return v ? std::max(1, std::atoi(v)) : fallback;
+}
+
+uint64_t TestSeed() {
+  const char* v = std::getenv("ATTNSERVE_SEED");
+  return v ? std::strtoull(v, nullptr, 10) : 20261129;
+}
+
+}  // namespace attnserve::testing

@@ -1,0 +1,47 @@
+// Shared pieces of the unit tests: random draws, error measures, backends under test.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "server/backend/backend.h"
+#include "server/core/layer.h"
+#include "server/core/sequence.h"
+
+namespace attnserve::testing {
+
+// Random values from a normal distribution (never zeros).
+std::vector<float> RandomVector(std::mt19937_64& rng, size_t count, float std_dev = 1.0f);
+
+// ||got - want||_2 / ||want||_2, in float64.
+double RelativeL2(const float* got, const std::vector<double>& want);
+double RelativeL2(const float* got, const float* want, size_t count);
+
+// A sequence with its own input, context and output storage.
+struct OwnedSequence {
+  std::vector<float> input, context, output;
+  int64_t n = 0, m = 0;
+  bool cross = false, causal = false;
+  int64_t key_length = -1;
+  int64_t d_model = 0;
+
+  Sequence View();
+};
+
+OwnedSequence RandomSequence(std::mt19937_64& rng, int64_t d_model, int64_t n, int64_t m, bool cross,
+                             bool causal, int64_t key_length);
+
+// The backends this build can run: "cpu" always, "cuda" when compiled in. Returns nullptr and
+// sets `why` when the backend cannot run here (the test then skips, saying why).
+std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why);
+
+// The number of random cases a randomized test draws: ATTNSERVE_RANDOM_CASES or `fallback`.
+int RandomCases(int fallback);
+
+// A seed for a test: ATTNSERVE_SEED when set, else a fixed default; tests log it.
+uint64_t TestSeed();
+
+}  // namespace attnserve::testing
