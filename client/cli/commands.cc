@@ -1,0 +1,165 @@
+#include "client/cli/commands.h"
+
+#include <array>
+#include <exception>
+#include <ostream>
+#include <string>
+
+#include "client/cli/args.h"
+
+namespace attnserve::cli {
+namespace {
+
+constexpr std::string_view kProgram = "attnserve-cli";
+
+std::string ForwardDetails() {
+  return ForwardFlagsHelp() +
+         "\nExactly one of --input and --random. Prints 'key: value' lines: form, queue_us,\n"
+         "compute_us, batch_requests, client_ms, output_shape, mean, std, min, max, first, and\n"
+         "one 'divergence: form=F max_abs=X rel_l2=Y' line per other form with --compare.\n";
+}
+
+// The table; --help lists the commands in this order.
+const std::array<Subcommand, 6>& Table() {
+  static const std::array<Subcommand, 6> table = {{
+      {"health", "check the server's health (grpc.health.v1)", "[SERVICE]",
+       [] {
+         return std::string(
+             "Prints SERVING, NOT_SERVING, SERVICE_UNKNOWN (the server does not know SERVICE)\n"
+             "or UNKNOWN, and exits 0 only when SERVING. SERVICE defaults to \"\", the whole\n"
+             "server; e.g. attnserve.v1.AttentionService.\n");
+       },
+       &RunHealth},
+      {"layers", "list the loaded layers", "",
+       [] {
+         return std::string(
+             "One row per layer: NAME D_MODEL HEADS KV_HEADS D_HEAD BIAS FORMS, where FORMS lists\n"
+             "form:params=P,bytes=B,device=D for each held form.\n");
+       },
+       &RunLayers},
+      {"layer", "describe one layer", "NAME",
+       [] {
+         return std::string("Prints 'key: value' lines and one 'form F:' line per held form.\n");
+       },
+       &RunLayer},
+      {"load", "load a layer from a source", "NAME SOURCE",
+       [] {
+         return std::string(
+             "SOURCE follows the grammar of docs/sources.md. Prints the loaded layer as `layer`\n"
+             "does.\n");
+       },
+       &RunLoad},
+      {"unload", "unload a layer", "NAME", nullptr, &RunUnload},
+      {"forward", "run a forward pass",
+       "--layer L [--form F] (--input X.npy | --random B,N[,M]) [--context C.npy] [--causal]\n"
+       "       [--key-lengths L1,L2,..] [--output Y.npy] [--compare] [--seed S] [--request-key K]",
+       &ForwardDetails, &RunForward},
+  }};
+  return table;
+}
+
+std::string UsageLine(const Subcommand& c) {
+  std::string s = "usage: " + std::string(kProgram) + " [global flags] " + std::string(c.name);
+  if (!c.usage.empty()) s += " " + std::string(c.usage);
+  return s;
+}
+
+void PrintTopHelp(std::ostream& out) {
+  out << "usage: " << kProgram << " [global flags] COMMAND [args]\n\n"
+      << "Client of an attnserve server.\n\nGlobal flags:\n"
+      << GlobalFlagsHelp() << "\nCommands:\n";
+  for (const Subcommand& c : Subcommands()) {
+    std::string name = "  " + std::string(c.name);
+    name.resize(12, ' ');
+    out << name << c.summary << "\n";
+  }
+  out << "\nRun '" << kProgram << " COMMAND --help' for a command's arguments.\n"
+      << "Exit status: 0 success, 1 failure (the server's status is printed), 2 usage error.\n";
+}
+
+void PrintCommandHelp(const Subcommand& c, std::ostream& out) {
+  out << UsageLine(c) << "\n\n" << c.summary << "\n";
+  if (c.details != nullptr) out << "\n" << c.details();
+}
+
+}  // namespace
+
+std::span<const Subcommand> Subcommands() { return Table(); }
+
+const Subcommand* FindSubcommand(std::string_view name) {
+  for (const Subcommand& c : Subcommands()) {
+    if (c.name == name) return &c;
+  }
+  return nullptr;
+}
+
+Client& CommandContext::client() {
+  if (!client_) client_ = std::make_unique<Client>(options_);
+  return *client_;
+}
+
+int CommandContext::Fail(const grpc::Status& status) {
+  err_ << "error: " << GrpcCodeName(status.error_code()) << ": " << status.error_message() << "\n";
+  return kExitFailure;
+}
+
+int CommandContext::UsageError(std::string_view command, const std::string& message) {
+  err_ << kProgram << " " << command << ": " << message << "\n";
+  if (const Subcommand* c = FindSubcommand(command)) err_ << UsageLine(*c) << "\n";
+  return kExitUsage;
+}
+
+int RunCli(const std::vector<std::string>& args, const GlobalEnv& env, std::ostream& out,
+           std::ostream& err) {
+  try {
+    GlobalArgs global;
+    std::string error;
+    if (!ParseGlobalArgs(args, env, &global, &error)) {
+      err << kProgram << ": " << error << "\n"
+          << "usage: " << kProgram << " [global flags] COMMAND [args]  (see --help)\n";
+      return kExitUsage;
+    }
+    if (global.command == "help") {
+      // `help COMMAND` is the same as `COMMAND --help`.
+      if (global.command_args.empty()) {
+        PrintTopHelp(out);
+        return kExitOk;
+      }
+      global.command = global.command_args[0];
+      global.command_args = {"--help"};
+    }
+    if (global.command.empty()) {
+      if (global.help) {
+        PrintTopHelp(out);
+        return kExitOk;
+      }
+      err << kProgram << ": missing COMMAND\n"
+          << "usage: " << kProgram << " [global flags] COMMAND [args]  (see --help)\n";
+      return kExitUsage;
+    }
+    const Subcommand* cmd = FindSubcommand(global.command);
+    if (cmd == nullptr) {
+      err << kProgram << ": unknown command '" << global.command << "'\n"
+          << "usage: " << kProgram << " [global flags] COMMAND [args]  (see --help)\n";
+      return kExitUsage;
+    }
+    for (const std::string& a : global.command_args) {
+      if (a == "--") break;
+      if (a == "-h" || a == "--help") {
+        PrintCommandHelp(*cmd, out);
+        return kExitOk;
+      }
+    }
+    if (global.help) {
+      PrintCommandHelp(*cmd, out);
+      return kExitOk;
+    }
+    CommandContext ctx(global.client, out, err);
+    return cmd->run(ctx, global.command_args);
+  } catch (const std::exception& e) {
+    err << "error: INTERNAL: " << e.what() << "\n";
+    return kExitFailure;
+  }
+}
+
+}  // namespace attnserve::cli
