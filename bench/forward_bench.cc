@@ -2,7 +2,9 @@
 // a ratio to a large Eigen SGEMM of the same build measured in the same run (the machine is
 // shared and noisy, so only ratios measured together mean much).
 //
-//   forward_bench [--threads 1,2] [--min-time-s 0.5] [--json FILE] [--shapes a,b]
+//   forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]
+//                 [--json FILE] [--shapes a,b]
+// On a GPU the ceiling is a cuBLAS SGEMM and the times include the host-device copies.
 #include <omp.h>
 
 #include <Eigen/Core>
@@ -21,6 +23,9 @@
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/core/forms.h"
 #include "server/core/layer.h"
+#ifdef ATTNSERVE_HAVE_CUDA
+#include "server/backend/cuda/cuda_backend.h"
+#endif
 
 namespace attnserve {
 namespace {
@@ -34,10 +39,11 @@ const BenchShape kShapes[] = {
     {"bert-base", 8, 128, 768, 12},
     {"gpt2-medium", 4, 256, 1024, 16},
     {"small-request", 1, 16, 768, 12},
+    {"large", 32, 512, 1024, 16},  // GPU-sized; run on the CPU only when asked by --shapes
 };
 
 struct Record {
-  std::string shape, form;
+  std::string shape, form, device;
   int threads;
   double ms, gflops, ceiling_gflops;
 };
@@ -47,6 +53,8 @@ struct Options {
   double min_time_s = 0.5;
   std::string json;
   std::vector<std::string> shapes;
+  std::string device = "cpu";
+  bool tf32 = false;
 };
 
 std::vector<std::string> Split(const std::string& s) {
@@ -81,8 +89,29 @@ double GemmCeilingGflops(int threads, double min_time_s) {
   return 2.0 * k * k * k / s * 1e-9;
 }
 
-std::vector<Record> RunShape(const BenchShape& shape, int threads, double ceiling, double min_time_s) {
-  CpuBackend backend(CpuBackendOptions{.threads = threads});
+StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int threads) {
+  if (opt.device == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(CpuBackendOptions{.threads = threads}));
+#ifdef ATTNSERVE_HAVE_CUDA
+  if (opt.device.rfind("cuda", 0) == 0) {
+    const int device = opt.device.size() > 5 ? std::atoi(opt.device.c_str() + 5) : 0;
+    return MakeCudaBackend({.device = device, .tf32 = opt.tf32});
+  }
+#endif
+  return InvalidArgumentError("--device: expected cpu or cuda[:N] (when built with CUDA), got " + opt.device);
+}
+
+StatusOr<double> CeilingGflops(const Options& opt, int threads) {
+  if (opt.device == "cpu") return GemmCeilingGflops(threads, opt.min_time_s);
+#ifdef ATTNSERVE_HAVE_CUDA
+  const int device = opt.device.size() > 5 ? std::atoi(opt.device.c_str() + 5) : 0;
+  return CudaSgemmGflops({.device = device, .tf32 = opt.tf32}, 8192);
+#else
+  return InvalidArgumentError("no CUDA in this build");
+#endif
+}
+
+std::vector<Record> RunShape(const BenchShape& shape, Backend& backend, int threads, double ceiling,
+                             double min_time_s) {
   const LayerConfig config = *CompleteConfig({.d_model = shape.d_model, .heads = shape.heads});
   const LayerWeights weights = RandomLayerWeights(config, 1);
   std::mt19937_64 rng(2);
@@ -103,6 +132,10 @@ std::vector<Record> RunShape(const BenchShape& shape, int threads, double ceilin
     auto f = std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(weights)
                                                                          : MaterializeSummed(weights));
     auto resident = backend.Upload(f);
+    if (!resident.ok()) {
+      std::cerr << "forward_bench: upload: " << resident.status().ToString() << "\n";
+      std::exit(1);
+    }
     const double s = MedianSeconds(
         [&] {
           Status st = backend.Forward(**resident, batch);
@@ -113,7 +146,7 @@ std::vector<Record> RunShape(const BenchShape& shape, int threads, double ceilin
         },
         min_time_s);
     const double gflops = ForwardFlops(*f, shapes) / s * 1e-9;
-    records.push_back({shape.name, std::string(FormName(form)), threads, s * 1e3, gflops, ceiling});
+    records.push_back({shape.name, std::string(FormName(form)), backend.DeviceName(), threads, s * 1e3, gflops, ceiling});
   }
   return records;
 }
@@ -135,9 +168,9 @@ void WriteJson(const std::string& path, const std::vector<Record>& records) {
     const Record& r = records[i];
     char line[512];
     std::snprintf(line, sizeof line,
-                  "  {\"shape\": \"%s\", \"form\": \"%s\", \"threads\": %d, \"ms\": %.4f, \"gflops\": %.2f, "
-                  "\"ceiling_gflops\": %.2f, \"ratio_to_ceiling\": %.4f}%s\n",
-                  r.shape.c_str(), r.form.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops,
+                  "  {\"shape\": \"%s\", \"form\": \"%s\", \"device\": \"%s\", \"threads\": %d, \"ms\": %.4f, "
+                  "\"gflops\": %.2f, \"ceiling_gflops\": %.2f, \"ratio_to_ceiling\": %.4f}%s\n",
+                  r.shape.c_str(), r.form.c_str(), r.device.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops,
                   r.gflops / r.ceiling_gflops, i + 1 < records.size() ? "," : "");
     out << line;
   }
@@ -146,8 +179,8 @@ void WriteJson(const std::string& path, const std::vector<Record>& records) {
 
 int Usage(const char* why) {
   std::cerr << "forward_bench: " << why << "\n"
-            << "usage: forward_bench [--threads 1,2] [--min-time-s 0.5] [--json FILE] [--shapes "
-               "bert-base,gpt2-medium,small-request]\n";
+            << "usage: forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]\n"
+               "                     [--json FILE] [--shapes bert-base,gpt2-medium,small-request,large]\n";
   return 2;
 }
 
@@ -156,6 +189,10 @@ int Main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") return Usage("both forms at reference shapes, as ratios to a GEMM ceiling");
+    if (arg == "--tf32") {
+      opt.tf32 = true;
+      continue;
+    }
     if (i + 1 >= argc) return Usage(("missing value for " + arg).c_str());
     const std::string value = argv[++i];
     if (arg == "--threads") {
@@ -168,6 +205,8 @@ int Main(int argc, char** argv) {
       opt.min_time_s = std::atof(value.c_str());
     } else if (arg == "--json") {
       opt.json = value;
+    } else if (arg == "--device") {
+      opt.device = value;
     } else if (arg == "--shapes") {
       opt.shapes = Split(value);
     } else {
@@ -176,18 +215,30 @@ int Main(int argc, char** argv) {
   }
   std::vector<Record> records;
   std::printf("%-38s %-9s %7s %9s %9s %9s %7s\n", "shape", "form", "threads", "ms", "GFLOP/s", "ceiling", "ratio");
+  const bool on_cpu = opt.device == "cpu";
+  if (!on_cpu) opt.threads = {1};  // host threads do not matter to a GPU
   for (int threads : opt.threads) {
+    auto backend = MakeBenchBackend(opt, threads);
+    if (!backend.ok()) {
+      std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
+      return 1;
+    }
     // The ceiling is taken before and after the cases; the larger is used, so drift in the
     // machine's load cannot flatter the ratios.
-    const double before = GemmCeilingGflops(threads, opt.min_time_s);
+    auto before = CeilingGflops(opt, threads);
+    if (!before.ok()) {
+      std::cerr << "forward_bench: ceiling: " << before.status().ToString() << "\n";
+      return 1;
+    }
     std::vector<Record> group;
     for (const auto& shape : kShapes) {
-      if (!opt.shapes.empty() && std::find(opt.shapes.begin(), opt.shapes.end(), shape.name) == opt.shapes.end()) {
-        continue;
-      }
-      for (auto& r : RunShape(shape, threads, before, opt.min_time_s)) group.push_back(r);
+      const bool asked = std::find(opt.shapes.begin(), opt.shapes.end(), shape.name) != opt.shapes.end();
+      const bool by_default = shape.name != "large" || !on_cpu;
+      if (opt.shapes.empty() ? !by_default : !asked) continue;
+      for (auto& r : RunShape(shape, **backend, threads, *before, opt.min_time_s)) group.push_back(r);
     }
-    const double ceiling = std::max(before, GemmCeilingGflops(threads, opt.min_time_s));
+    const auto after = CeilingGflops(opt, threads);
+    const double ceiling = std::max(*before, after.ok() ? *after : 0.0);
     for (auto& r : group) {
       r.ceiling_gflops = ceiling;
       std::printf("%-38s %-9s %7d %9.3f %9.1f %9.1f %7.3f\n", ShapeLabel(r.shape).c_str(), r.form.c_str(), r.threads,

@@ -32,6 +32,10 @@ class Backend {
   // Makes the form resident on this device. Called once per (layer, form) at load.
   virtual StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) = 0;
 
+  // False once a device error made the backend unusable (a GPU fault): the server then reports
+  // NOT_SERVING for it. The CPU backend is always healthy.
+  virtual bool Healthy() const { return true; }
+
   // Runs the form over a ragged batch and writes every sequence's output. The sequences keep
   // their own n, m, causal flag and key length; each is checked with ValidateSequence first,
   // and a bad one fails the call before anything is computed.

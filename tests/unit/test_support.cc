@@ -4,6 +4,9 @@
 #include <cstdlib>
 
 #include "server/backend/cpu/cpu_backend.h"
+#ifdef ATTNSERVE_HAVE_CUDA
+#include "server/backend/cuda/cuda_backend.h"
+#endif
 
 namespace attnserve::testing {
 
@@ -56,8 +59,23 @@ OwnedSequence RandomSequence(std::mt19937_64& rng, int64_t d_model, int64_t n, i
 
 std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why) {
   if (name == "cpu") return std::make_unique<CpuBackend>();
+#ifdef ATTNSERVE_HAVE_CUDA
+  if (name == "cuda" || name == "cuda-tf32") {
+    auto backend = MakeCudaBackend({.device = 0, .tf32 = name == "cuda-tf32"});
+    if (backend.ok()) return std::move(backend).value();
+    *why = backend.status().message();
+    return nullptr;
+  }
+#endif
   *why = "backend '" + name + "' is not compiled into this build";
   return nullptr;
+}
+
+bool BackendRequired(const std::string& name) {
+  const char* v = std::getenv("ATTNSERVE_REQUIRE_BACKENDS");
+  if (v == nullptr) return false;
+  const std::string list = std::string(",") + v + ",";
+  return list.find("," + name + ",") != std::string::npos;
 }
 
 int RandomCases(int fallback) {

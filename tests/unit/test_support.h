@@ -38,6 +38,10 @@ OwnedSequence RandomSequence(std::mt19937_64& rng, int64_t d_model, int64_t n, i
 // sets `why` when the backend cannot run here (the test then skips, saying why).
 std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why);
 
+// True when ATTNSERVE_REQUIRE_BACKENDS (a comma list, e.g. "cuda,cuda-tf32") names it: the
+// test then fails instead of skipping when the backend cannot run.
+bool BackendRequired(const std::string& name);
+
 // The number of random cases a randomized test draws: ATTNSERVE_RANDOM_CASES or `fallback`.
 int RandomCases(int fallback);
 

@@ -1,0 +1,427 @@
+#include "server/backend/cuda/cuda_backend.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "server/backend/cuda/kernels.h"
+
+namespace attnserve {
+namespace {
+
+std::string CublasName(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default: return "cuBLAS status " + std::to_string(static_cast<int>(s));
+  }
+}
+
+Status CudaCheck(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return OkStatus();
+  return InternalError(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
+}
+
+Status CublasCheck(cublasStatus_t s, const char* what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return OkStatus();
+  return InternalError(std::string("cuBLAS error in ") + what + ": " + CublasName(s));
+}
+
+#define CUDA_TRY(call) ATTNSERVE_RETURN_IF_ERROR(CudaCheck((call), #call))
+#define CUBLAS_TRY(call) ATTNSERVE_RETURN_IF_ERROR(CublasCheck((call), #call))
+
+// Device memory that frees itself.
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+  }
+  // Grows to at least `count` floats (contents not kept).
+  Status Reserve(size_t count) {
+    if (count <= capacity_) return OkStatus();
+    if (ptr_ != nullptr) cudaFree(ptr_);
+    ptr_ = nullptr;
+    capacity_ = 0;
+    CUDA_TRY(cudaMalloc(&ptr_, count * sizeof(float)));
+    capacity_ = count;
+    return OkStatus();
+  }
+  Status Upload(const std::vector<float>& host) {
+    if (host.empty()) return OkStatus();
+    ATTNSERVE_RETURN_IF_ERROR(Reserve(host.size()));
+    CUDA_TRY(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+    return OkStatus();
+  }
+  float* get() const { return ptr_; }
+
+ private:
+  float* ptr_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+// Page-locked host memory, so copies run asynchronously on the stream.
+class PinnedArray {
+ public:
+  PinnedArray() = default;
+  PinnedArray(const PinnedArray&) = delete;
+  PinnedArray& operator=(const PinnedArray&) = delete;
+  ~PinnedArray() {
+    if (ptr_ != nullptr) cudaFreeHost(ptr_);
+  }
+  Status Reserve(size_t count) {
+    if (count <= capacity_) return OkStatus();
+    if (ptr_ != nullptr) cudaFreeHost(ptr_);
+    ptr_ = nullptr;
+    capacity_ = 0;
+    CUDA_TRY(cudaMallocHost(&ptr_, count * sizeof(float)));
+    capacity_ = count;
+    return OkStatus();
+  }
+  float* get() const { return ptr_; }
+
+ private:
+  float* ptr_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+class CudaResidentForm final : public ResidentForm {
+ public:
+  explicit CudaResidentForm(std::shared_ptr<const FormWeights> w) : host_(std::move(w)) {}
+  const FormWeights& weights() const override { return *host_; }
+
+  Status Upload() {
+    ATTNSERVE_RETURN_IF_ERROR(w_in.Upload(host_->w_in));
+    ATTNSERVE_RETURN_IF_ERROR(b_in.Upload(host_->b_in));
+    ATTNSERVE_RETURN_IF_ERROR(w_out.Upload(host_->w_out));
+    return b_out.Upload(host_->b_out);
+  }
+
+  DeviceArray w_in, b_in, w_out, b_out;
+
+ private:
+  std::shared_ptr<const FormWeights> host_;
+};
+
+// A row-major device matrix block: rows × cols, row stride ld.
+struct DeviceBlock {
+  float* data;
+  int64_t rows, cols, ld;
+  DeviceBlock Rows(int64_t first, int64_t count) const { return {data + first * ld, count, cols, ld}; }
+  DeviceBlock Cols(int64_t first, int64_t count) const { return {data + first, rows, count, ld}; }
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(CudaBackendOptions options) : options_(options) {}
+  ~CudaBackend() override {
+    cudaSetDevice(options_.device);
+    if (handle_ != nullptr) cublasDestroy(handle_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  Status Init() {
+    CUDA_TRY(cudaSetDevice(options_.device));
+    CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    CUBLAS_TRY(cublasCreate(&handle_));
+    CUBLAS_TRY(cublasSetStream(handle_, stream_));
+    CUBLAS_TRY(cublasSetMathMode(handle_, options_.tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+    return OkStatus();
+  }
+
+  std::string DeviceName() const override { return "cuda:" + std::to_string(options_.device); }
+  bool Healthy() const override { return healthy_.load(); }
+
+  StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override {
+    if (!form) return InvalidArgumentError("Upload: no form given");
+    std::lock_guard<std::mutex> lock(mu_);
+    Status st = CudaCheck(cudaSetDevice(options_.device), "cudaSetDevice");
+    auto resident = std::make_shared<CudaResidentForm>(std::move(form));
+    if (st.ok()) st = resident->Upload();
+    if (!st.ok()) return MarkFailed(st);
+    return std::shared_ptr<const ResidentForm>(std::move(resident));
+  }
+
+  Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override {
+    const auto* resident = dynamic_cast<const CudaResidentForm*>(&form);
+    if (resident == nullptr) return InvalidArgumentError("Forward: form was not uploaded to " + DeviceName());
+    if (batch.empty()) return OkStatus();
+    ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(resident->weights().config, batch));
+    if (!Healthy()) return InternalError(DeviceName() + " is unhealthy after an earlier device error");
+    std::lock_guard<std::mutex> lock(mu_);
+    Status st = RunBatch(*resident, batch);
+    return st.ok() ? st : MarkFailed(st);
+  }
+
+ private:
+  Status MarkFailed(Status st) {
+    healthy_.store(false);
+    return st;
+  }
+
+  cublasComputeType_t ComputeType() const {
+    return options_.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  }
+
+  // Row-major y = alpha · x · w (+ beta · y). cuBLAS is column-major, where a row-major [r, c]
+  // block is a [c, r] one: y^T = w^T x^T, so the operands swap.
+  Status Gemm(DeviceBlock x, DeviceBlock w, DeviceBlock y, float alpha = 1.0f) {
+    const float beta = 0.0f;
+    CUBLAS_TRY(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(w.cols), static_cast<int>(x.rows),
+                            static_cast<int>(x.cols), &alpha, w.data, CUDA_R_32F, static_cast<int>(w.ld), x.data,
+                            CUDA_R_32F, static_cast<int>(x.ld), &beta, y.data, CUDA_R_32F, static_cast<int>(y.ld),
+                            ComputeType(), CUBLAS_GEMM_DEFAULT));
+    return OkStatus();
+  }
+
+  // `count` products C_b = op(A_b) · B_b laid out at fixed strides, column-major as cuBLAS sees them.
+  Status GemmStridedBatched(cublasOperation_t op_a, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                            int64_t lda, int64_t stride_a, const float* b, int64_t ldb, int64_t stride_b, float* c,
+                            int64_t ldc, int64_t stride_c, int64_t count) {
+    const float beta = 0.0f;
+    CUBLAS_TRY(cublasGemmStridedBatchedEx(handle_, op_a, CUBLAS_OP_N, static_cast<int>(m), static_cast<int>(n),
+                                          static_cast<int>(k), &alpha, a, CUDA_R_32F, static_cast<int>(lda), stride_a,
+                                          b, CUDA_R_32F, static_cast<int>(ldb), stride_b, &beta, c, CUDA_R_32F,
+                                          static_cast<int>(ldc), stride_c, static_cast<int>(count), ComputeType(),
+                                          CUBLAS_GEMM_DEFAULT));
+    return OkStatus();
+  }
+
+  // y = x · W_in[:, col0 : col0 + count] + b_in (where the form has a bias for those columns).
+  Status Project(const CudaResidentForm& r, DeviceBlock x, int64_t col0, int64_t count, DeviceBlock y) {
+    const FormWeights& f = r.weights();
+    const DeviceBlock w_in{r.w_in.get(), f.config.d_model, f.in_cols(), f.in_cols()};
+    ATTNSERVE_RETURN_IF_ERROR(Gemm(x, w_in.Cols(col0, count), y));
+    if (static_cast<int64_t>(f.b_in.size()) >= col0 + count) {
+      CUDA_TRY(cuda::AddRowBias(y.data, y.rows, y.cols, y.ld, r.b_in.get() + col0, stream_));
+    }
+    return OkStatus();
+  }
+
+  // Scores of every head of one sequence: S_i = scale · Q_i K_g(i)^T ([heads, n, L] in `s`),
+  // then the masked softmax. In column-major terms S_i^T = K_g · Q_i^T: op(K) = T. Heads
+  // i = g·group + j share K_g, so each j is one strided batch over the kv heads.
+  Status Scores(const LayerConfig& c, DeviceBlock q, DeviceBlock k, const Sequence& seq, float* s) {
+    const int64_t n = seq.n(), keys = seq.visible_keys(), dh = c.d_head, group = c.group_size();
+    for (int64_t j = 0; j < group; ++j) {
+      ATTNSERVE_RETURN_IF_ERROR(GemmStridedBatched(CUBLAS_OP_T, keys, n, dh, c.SoftmaxScale(), k.data, k.ld, dh,
+                                                   q.data + j * dh, q.ld, group * dh, s + j * n * keys, keys,
+                                                   group * n * keys, c.kv_heads));
+    }
+    CUDA_TRY(cuda::MaskedSoftmax(s, c.heads, n, keys, seq.causal, stream_));
+    return OkStatus();
+  }
+
+  // O_i = A_i · Val_i into O's columns of head i. Column-major: O_i^T = Val_i^T · A_i^T.
+  // The factored form's heads are uniform (width d_h, group offsets) and run as strided batches;
+  // ragged widths (the low-rank form) run head by head.
+  Status Mix(const FormWeights& f, DeviceBlock val, const float* s, int64_t n, int64_t keys, DeviceBlock o) {
+    const LayerConfig& c = f.config;
+    const int64_t group = c.group_size(), w = f.value_width[0];
+    bool uniform = true;
+    for (int64_t i = 0; i < c.heads; ++i) {
+      uniform = uniform && f.value_width[i] == w && f.value_offset[i] == c.KvHeadOf(i) * w && f.mix_offset[i] == i * w;
+    }
+    if (uniform) {
+      for (int64_t j = 0; j < group; ++j) {
+        ATTNSERVE_RETURN_IF_ERROR(GemmStridedBatched(CUBLAS_OP_N, w, n, keys, 1.0f, val.data, val.ld, w,
+                                                     s + j * n * keys, keys, group * n * keys, o.data + j * w, o.ld,
+                                                     group * w, c.kv_heads));
+      }
+      return OkStatus();
+    }
+    for (int64_t i = 0; i < c.heads; ++i) {
+      const DeviceBlock a{const_cast<float*>(s) + i * n * keys, n, keys, keys};
+      ATTNSERVE_RETURN_IF_ERROR(Gemm(a, val.Cols(f.value_offset[i], f.value_width[i]).Rows(0, keys),
+                                     o.Cols(f.mix_offset[i], f.value_width[i])));
+    }
+    return OkStatus();
+  }
+
+  Status RunBatch(const CudaResidentForm& r, std::span<const Sequence> batch) {
+    const FormWeights& f = r.weights();
+    const LayerConfig& c = f.config;
+    const int64_t d = c.d_model;
+    CUDA_TRY(cudaSetDevice(options_.device));
+
+    // Row offsets of each sequence among the stacked queries and contexts.
+    std::vector<int64_t> x_row, c_row;
+    int64_t tx = 0, tc = 0, max_scores = 0, max_cat = 0;
+    bool all_self = true;
+    for (const Sequence& s : batch) {
+      x_row.push_back(tx);
+      c_row.push_back(tc);
+      tx += s.n();
+      tc += s.m();
+      all_self = all_self && s.self_attention();
+      max_scores = std::max(max_scores, c.heads * s.n() * s.visible_keys());
+    }
+    if (!f.has_output_projection()) max_cat = max_scores;
+    const int64_t c_rows = all_self ? 0 : tc;  // contexts are staged only when some differ
+
+    // Workspace: one allocation carved into the pieces this batch needs.
+    const int64_t qk_cols = f.q_cols + f.k_cols;
+    // Inputs and (when staged) contexts share the first piece, in that order.
+    const int64_t sizes[] = {(tx + c_rows) * d, all_self ? tx * qk_cols : tx * f.q_cols + tc * f.k_cols,
+                             tc * f.value_cols, max_scores, max_cat, tx * f.out_rows, tx * d};
+    constexpr int kPieces = sizeof(sizes) / sizeof(sizes[0]);
+    int64_t total = 0;
+    for (int64_t s : sizes) total += (s + 63) / 64 * 64;  // 256-byte aligned pieces
+    ATTNSERVE_RETURN_IF_ERROR(workspace_.Reserve(total));
+    float* piece[kPieces];
+    float* next = workspace_.get();
+    for (int p = 0; p < kPieces; ++p) {
+      piece[p] = next;
+      next += (sizes[p] + 63) / 64 * 64;
+    }
+    float *d_x = piece[0], *d_qk = piece[1], *d_val = piece[2], *d_s = piece[3], *d_cat = piece[4], *d_o = piece[5],
+          *d_y = piece[6];
+
+    // Stage the inputs (and contexts) in pinned memory, one copy to the device.
+    ATTNSERVE_RETURN_IF_ERROR(staging_in_.Reserve((tx + c_rows) * d));
+    float* h = staging_in_.get();
+    auto pack = [&](ConstMatrixView v) {
+      for (int64_t row = 0; row < v.rows; ++row, h += d) std::memcpy(h, v.row(row), d * sizeof(float));
+    };
+    for (const Sequence& s : batch) pack(s.input);
+    if (!all_self) {
+      for (const Sequence& s : batch) pack(s.keys_source());
+    }
+    CUDA_TRY(cudaMemcpyAsync(d_x, staging_in_.get(), (tx + c_rows) * d * sizeof(float), cudaMemcpyHostToDevice,
+                             stream_));
+    const DeviceBlock x{d_x, tx, d, d}, ctx = all_self ? x : DeviceBlock{d_x + tx * d, tc, d, d};
+
+    // Projections: one GEMM per weight block over all stacked tokens.
+    DeviceBlock q, k;
+    if (all_self) {
+      const DeviceBlock qk{d_qk, tx, qk_cols, qk_cols};
+      ATTNSERVE_RETURN_IF_ERROR(Project(r, x, 0, qk_cols, qk));
+      q = qk.Cols(0, f.q_cols);
+      k = qk.Cols(f.q_cols, f.k_cols);
+    } else {
+      q = {d_qk, tx, f.q_cols, f.q_cols};
+      k = {d_qk + tx * f.q_cols, tc, f.k_cols, f.k_cols};
+      ATTNSERVE_RETURN_IF_ERROR(Project(r, x, 0, f.q_cols, q));
+      ATTNSERVE_RETURN_IF_ERROR(Project(r, ctx, f.q_cols, f.k_cols, k));
+    }
+    const DeviceBlock val{d_val, tc, f.value_cols, f.value_cols};
+    ATTNSERVE_RETURN_IF_ERROR(Project(r, ctx, qk_cols, f.value_cols, val));
+
+    const DeviceBlock o{d_o, tx, f.out_rows, f.out_rows}, y{d_y, tx, d, d};
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Sequence& s = batch[i];
+      const int64_t n = s.n(), keys = s.visible_keys();
+      ATTNSERVE_RETURN_IF_ERROR(Scores(c, q.Rows(x_row[i], n), k.Rows(c_row[i], keys), s, d_s));
+      if (f.has_output_projection()) {
+        ATTNSERVE_RETURN_IF_ERROR(Mix(f, val.Rows(c_row[i], keys), d_s, n, keys, o.Rows(x_row[i], n)));
+        continue;
+      }
+      // Summed: Val's rows are contiguous [h·d], so the first L rows are [M_1; …; M_h] as an
+      // [L·h, d] matrix with rows (key, head); A_cat matches it and the head sum is one GEMM.
+      CUDA_TRY(cuda::InterleaveHeads(d_s, c.heads, n, keys, d_cat, stream_));
+      const DeviceBlock a_cat{d_cat, n, keys * c.heads, keys * c.heads};
+      const DeviceBlock m{d_val + c_row[i] * f.value_cols, keys * c.heads, d, d};
+      ATTNSERVE_RETURN_IF_ERROR(Gemm(a_cat, m, y.Rows(x_row[i], n)));
+    }
+    if (f.has_output_projection()) {
+      ATTNSERVE_RETURN_IF_ERROR(Gemm(o, DeviceBlock{r.w_out.get(), f.out_rows, d, d}, y));
+    }
+    if (!f.b_out.empty()) CUDA_TRY(cuda::AddRowBias(d_y, tx, d, d, r.b_out.get(), stream_));
+
+    ATTNSERVE_RETURN_IF_ERROR(staging_out_.Reserve(tx * d));
+    CUDA_TRY(cudaMemcpyAsync(staging_out_.get(), d_y, tx * d * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    CUDA_TRY(cudaStreamSynchronize(stream_));
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Sequence& s = batch[i];
+      for (int64_t row = 0; row < s.n(); ++row) {
+        std::memcpy(s.output.row(row), staging_out_.get() + (x_row[i] + row) * d, d * sizeof(float));
+      }
+    }
+    return OkStatus();
+  }
+
+  CudaBackendOptions options_;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t handle_ = nullptr;
+  std::atomic<bool> healthy_{true};
+  std::mutex mu_;  // serialises Upload and Forward on the one stream and handle
+  DeviceArray workspace_;
+  PinnedArray staging_in_, staging_out_;
+};
+
+}  // namespace
+
+int CudaDeviceCount(std::string* why) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    if (why != nullptr) *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(e);
+    return 0;
+  }
+  if (count == 0 && why != nullptr) *why = "no CUDA device present";
+  return count;
+}
+
+StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options) {
+  std::string why;
+  const int count = CudaDeviceCount(&why);
+  if (count == 0) return UnavailableError("no usable GPU: " + why);
+  if (options.device < 0 || options.device >= count) {
+    return UnavailableError("cuda:" + std::to_string(options.device) + " requested, but only " +
+                            std::to_string(count) + " device(s) present");
+  }
+  auto backend = std::make_unique<CudaBackend>(options);
+  Status st = backend->Init();
+  if (!st.ok()) return UnavailableError("cuda:" + std::to_string(options.device) + ": " + st.message());
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+StatusOr<double> CudaSgemmGflops(const CudaBackendOptions& options, int64_t size) {
+  auto backend = MakeCudaBackend(options);
+  if (!backend.ok()) return backend.status();
+  DeviceArray a, b, c;
+  const size_t count = size * size;
+  ATTNSERVE_RETURN_IF_ERROR(a.Reserve(count));
+  ATTNSERVE_RETURN_IF_ERROR(b.Reserve(count));
+  ATTNSERVE_RETURN_IF_ERROR(c.Reserve(count));
+  CUDA_TRY(cudaMemset(a.get(), 0, count * sizeof(float)));  // timing only: values do not matter
+  CUDA_TRY(cudaMemset(b.get(), 0, count * sizeof(float)));
+  cublasHandle_t handle;
+  CUBLAS_TRY(cublasCreate(&handle));
+  cublasSetMathMode(handle, options.tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH);
+  const float one = 1.0f, zero = 0.0f;
+  const int s = static_cast<int>(size);
+  auto run = [&] { return cublasSgemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, s, s, s, &one, a.get(), s, b.get(), s, &zero, c.get(), s); };
+  for (int i = 0; i < 3; ++i) run();
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  constexpr int kReps = 20;
+  cudaEventRecord(start);
+  for (int i = 0; i < kReps; ++i) run();
+  cudaEventRecord(stop);
+  const cudaError_t e = cudaEventSynchronize(stop);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, start, stop);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cublasDestroy(handle);
+  ATTNSERVE_RETURN_IF_ERROR(CudaCheck(e, "SGEMM ceiling"));
+  return 2.0 * size * size * size * kReps / (ms * 1e-3) * 1e-9;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,31 @@
+// The CUDA backend: cuBLAS for every GEMM, small kernels (kernels.cu) for the masked softmax,
+// bias adds and the summed form's head interleave. This header includes no CUDA headers, so
+// the server can choose a device without compiling against CUDA.
+// Thread-safety: a CUDA backend owns one stream and one cuBLAS handle; Forward calls are
+// serialised on them (one backend per compute worker gives parallel streams).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "server/backend/backend.h"
+
+namespace attnserve {
+
+struct CudaBackendOptions {
+  int device = 0;
+  // TF32 tensor cores for the GEMMs (10-bit mantissa inputs): faster, looser. Off by default.
+  bool tf32 = false;
+};
+
+// Number of usable CUDA devices; 0 with `why` set when there are none or the driver fails
+// (with the runtime linked but no GPU, cudaGetDeviceCount returns an error, not 0).
+int CudaDeviceCount(std::string* why);
+
+// Fails with UNAVAILABLE and the reason when the device cannot be used.
+StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options);
+
+// GFLOP/s of a size×size×size cuBLAS SGEMM on the device (the ceiling benchmarks compare with).
+StatusOr<double> CudaSgemmGflops(const CudaBackendOptions& options, int64_t size);
+
+}  // namespace attnserve
