@@ -74,35 +74,42 @@ FormWeights MaterializeFactored(const LayerWeights& w) {
   return f;
 }
 
+std::vector<float> FoldedOutputBias(const LayerWeights& w) {
+  const LayerConfig& c = w.config;
+  if (!c.bias) return {};
+  const int64_t d = c.d_model, dh = c.d_head;
+  const RowMatrixD w_o = ConstMapF(w.w_o.data(), c.heads * dh, d).cast<double>();
+  Eigen::RowVectorXd b_eff = Eigen::Map<const Eigen::RowVectorXf>(w.b_o.data(), d).cast<double>();
+  for (int64_t i = 0; i < c.heads; ++i) {
+    const auto b_v_g = Eigen::Map<const Eigen::RowVectorXf>(w.b_v.data() + c.KvHeadOf(i) * dh, dh).cast<double>();
+    b_eff += b_v_g * w_o.middleRows(i * dh, dh);
+  }
+  std::vector<float> out(d);
+  Eigen::Map<Eigen::RowVectorXf>(out.data(), d) = b_eff.cast<float>();
+  return out;
+}
+
 FormWeights MaterializeSummed(const LayerWeights& w) {
   const LayerConfig& c = w.config;
   const int64_t d = c.d_model, dh = c.d_head, kv_cols = c.kv_heads * dh;
   FormWeights f = StartForm(Form::kSummed, w, c.heads * d);
   const RowMatrixD w_v = ConstMapF(w.w_v.data(), d, kv_cols).cast<double>();
   const RowMatrixD w_o = ConstMapF(w.w_o.data(), c.heads * dh, d).cast<double>();
-  Eigen::RowVectorXd b_eff = Eigen::RowVectorXd::Zero(d);
-  if (c.bias) b_eff = Eigen::Map<const Eigen::RowVectorXf>(w.b_o.data(), d).cast<double>();
   Eigen::Map<RowMatrixF, 0, Eigen::OuterStride<>> w_in(f.w_in.data(), d, f.in_cols(),
                                                       Eigen::OuterStride<>(f.in_cols()));
   for (int64_t i = 0; i < c.heads; ++i) {
-    const int64_t g = c.KvHeadOf(i);
-    const auto w_v_g = w_v.middleCols(g * dh, dh);
+    const auto w_v_g = w_v.middleCols(c.KvHeadOf(i) * dh, dh);
     const auto w_o_i = w_o.middleRows(i * dh, dh);
-    const int64_t col0 = f.q_cols + f.k_cols + i * d;
-    w_in.middleCols(col0, d) = (w_v_g * w_o_i).cast<float>();
-    if (c.bias) {
-      b_eff += Eigen::Map<const Eigen::RowVectorXf>(w.b_v.data() + g * dh, dh).cast<double>() * w_o_i;
-    }
+    w_in.middleCols(f.q_cols + f.k_cols + i * d, d) = (w_v_g * w_o_i).cast<float>();
     f.value_offset.push_back(i * d);
     f.value_width.push_back(d);
     f.mix_offset.push_back(0);  // every head adds into the same d output columns
   }
-  if (c.bias) {
-    f.b_out.resize(d);
-    Eigen::Map<Eigen::RowVectorXf>(f.b_out.data(), d) = b_eff.cast<float>();
-  }
+  f.b_out = FoldedOutputBias(w);
   return f;
 }
+
+FormWeights MaterializeQueryKeyOnly(Form form, const LayerWeights& w) { return StartForm(form, w, 0); }
 
 double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch) {
   const double d = static_cast<double>(f.config.d_model);

@@ -63,6 +63,13 @@ FormWeights MaterializeFactored(const LayerWeights& weights);
 // row of A_i sums to 1.
 FormWeights MaterializeSummed(const LayerWeights& weights);
 
+// b_eff = b_O + Σ_i b_V_g(i) W_O_i in float64 (empty when the layer has no bias).
+std::vector<float> FoldedOutputBias(const LayerWeights& weights);
+
+// A form with only W_Q, W_K and their biases filled (value_cols = 0): the start of forms whose
+// value block is built elsewhere (the low-rank form, server/core/spectrum.h).
+FormWeights MaterializeQueryKeyOnly(Form form, const LayerWeights& weights);
+
 // The shape of one sequence, for cost counts.
 struct SequenceShape {
   int64_t n = 0;  // queries

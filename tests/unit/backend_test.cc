@@ -12,6 +12,8 @@
 #include "server/backend/backend.h"
 #include "server/core/forms.h"
 #include "server/core/reference.h"
+#include "server/core/spectrum.h"
+#include "server/backend/cpu/cpu_backend.h"
 #include "tests/unit/test_support.h"
 
 namespace attnserve {
@@ -226,6 +228,34 @@ TEST_P(BackendTest, LargeRaggedBatchOffMultiplesOf32) {
     seqs.push_back(RandomSequence(rng, 97, n, m, r % 3 == 0, r % 2 == 0, r % 4 == 1 ? n / 2 + 1 : -1));
   }
   CheckBothForms(w, seqs);
+}
+
+// The low-rank form through each backend: exact at full rank; at ragged ranks (some heads at 0)
+// the same as the CPU backend's result, which spectrum_test holds to the discarded-energy bound.
+TEST_P(BackendTest, LowRankForm) {
+  std::mt19937_64 rng(8);
+  const LayerWeights w =
+      RandomLayerWeights(*CompleteConfig({.d_model = 72, .heads = 6, .kv_heads = 3, .d_head = 20}), 18);
+  std::vector<OwnedSequence> seqs;
+  seqs.push_back(RandomSequence(rng, 72, 41, 41, false, true, -1));
+  seqs.push_back(RandomSequence(rng, 72, 9, 30, true, false, 17));
+  std::vector<Sequence> batch;
+  for (auto& s : seqs) batch.push_back(s.View());
+
+  auto full = Upload(*MaterializeLowRank(w, std::vector<int64_t>(6, 20)));
+  ASSERT_TRUE(backend_->Forward(*full, batch).ok());
+  for (auto& s : seqs) EXPECT_LT(RelativeL2(s.output.data(), ReferenceForward(w, s.View())), Tolerance());
+
+  const std::vector<int64_t> ragged = {20, 0, 7, 1, 13, 3};
+  auto form = std::make_shared<const FormWeights>(*MaterializeLowRank(w, ragged));
+  ASSERT_TRUE(backend_->Forward(**backend_->Upload(form), batch).ok());
+  CpuBackend cpu;
+  for (auto& s : seqs) {
+    OwnedSequence copy = s;
+    const Sequence alone[] = {copy.View()};
+    ASSERT_TRUE(cpu.Forward(**cpu.Upload(form), alone).ok());
+    EXPECT_LT(RelativeL2(s.output.data(), copy.output.data(), copy.output.size()), Tolerance());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, BackendTest, ::testing::Values("cpu", "cuda", "cuda-tf32"),
