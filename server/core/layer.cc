@@ -58,7 +58,7 @@ float LayerConfig::SoftmaxScale() const {
 std::string LayerConfig::ToString() const {
   return "d_model=" + std::to_string(d_model) + " heads=" + std::to_string(heads) +
          " kv_heads=" + std::to_string(kv_heads) + " d_head=" + std::to_string(d_head) +
-         " bias=" + (bias ? "true" : "false");
+         " bias=" + (bias ? "true" : "false") + (rope_theta > 0 ? " rope_theta=" + std::to_string(rope_theta) : "");
 }
 
 StatusOr<LayerConfig> CompleteConfig(LayerConfig c) {
@@ -82,6 +82,14 @@ StatusOr<LayerConfig> CompleteConfig(LayerConfig c) {
   if (!std::isfinite(c.scale) || c.scale < 0.0f) {
     return InvalidArgumentError("layer config: scale must be finite and >= 0 (0 = 1/sqrt(d_head)), got " +
                                 std::to_string(c.scale));
+  }
+  if (!std::isfinite(c.rope_theta) || c.rope_theta < 0.0) {
+    return InvalidArgumentError("layer config: rope_theta must be finite and >= 0 (0 = no rotary embedding), got " +
+                                std::to_string(c.rope_theta));
+  }
+  if (c.rope_theta > 0.0 && c.d_head % 2 != 0) {
+    return InvalidArgumentError("layer config: rotary embedding needs an even d_head, got d_head=" +
+                                std::to_string(c.d_head));
   }
   return c;
 }

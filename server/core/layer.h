@@ -18,6 +18,9 @@ struct LayerConfig {
   int64_t d_head = 0;    // 0 means d_model / heads; need not equal d_model / heads
   bool bias = true;
   float scale = 0.0f;    // softmax scale; 0 means 1 / sqrt(d_head)
+  // Rotary position embedding on Q and K (LLaMA family, rotate-half pairing (t, t + d_head/2));
+  // 0 means none. Needs an even d_head.
+  double rope_theta = 0.0;
 
   int64_t group_size() const { return heads / kv_heads; }
   // g(i): the key/value head that query head i reads.

@@ -29,8 +29,28 @@ std::vector<double> ReferenceForward(const LayerWeights& w, const Sequence& seq)
   const LayerConfig& c = w.config;
   const int64_t n = seq.n(), m = seq.m(), d = c.d_model, dh = c.d_head;
   const int64_t qc = c.heads * dh, kvc = c.kv_heads * dh;
-  const std::vector<double> q = Project(seq.input, w.w_q, w.b_q, qc);
-  const std::vector<double> k = Project(seq.keys_source(), w.w_k, w.b_k, kvc);
+  std::vector<double> q = Project(seq.input, w.w_q, w.b_q, qc);
+  std::vector<double> k = Project(seq.keys_source(), w.w_k, w.b_k, kvc);
+  if (c.rope_theta > 0) {
+    // Rotary embedding from its definition: pair (t, t + d_h/2) turned by p · θ^(−2t/d_h).
+    auto rotate = [&](std::vector<double>& x, int64_t rows, int64_t heads, int64_t first) {
+      const int64_t cols = heads * dh, half = dh / 2;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t h = 0; h < heads; ++h) {
+          for (int64_t t = 0; t < half; ++t) {
+            const double angle = static_cast<double>(first + r) * std::pow(c.rope_theta, -2.0 * t / dh);
+            double& a = x[r * cols + h * dh + t];
+            double& b = x[r * cols + h * dh + t + half];
+            const double a0 = a, b0 = b;
+            a = a0 * std::cos(angle) - b0 * std::sin(angle);
+            b = b0 * std::cos(angle) + a0 * std::sin(angle);
+          }
+        }
+      }
+    };
+    rotate(q, n, c.heads, seq.position_offset);
+    rotate(k, m, c.kv_heads, seq.self_attention() ? seq.position_offset : 0);
+  }
   const std::vector<double> v = Project(seq.keys_source(), w.w_v, w.b_v, kvc);
   const double scale = c.scale != 0.0f ? c.scale : 1.0 / std::sqrt(static_cast<double>(dh));
 

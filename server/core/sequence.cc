@@ -29,6 +29,10 @@ Status ValidateSequence(const LayerConfig& config, const Sequence& seq) {
     return InvalidArgumentError("key_length: expected -1 (all) or a value in [1, " + std::to_string(seq.m()) +
                                 "], got " + std::to_string(seq.key_length));
   }
+  if (seq.position_offset < 0 || seq.position_offset > kMaxPosition) {
+    return InvalidArgumentError("position_offset: expected a value in [0, " + std::to_string(kMaxPosition) + "], got " +
+                                std::to_string(seq.position_offset));
+  }
   return OkStatus();
 }
 

@@ -13,6 +13,9 @@
 
 namespace attnserve {
 
+// Largest rotary position accepted (keeps position · frequency exact enough in float64).
+inline constexpr int64_t kMaxPosition = int64_t{1} << 40;
+
 struct Sequence {
   ConstMatrixView input;    // [n, d_model]: the queries
   ConstMatrixView context;  // [m, d_model]; empty: self-attention (the context is the input)
@@ -21,12 +24,16 @@ struct Sequence {
   // Keys [0, key_length) are visible; -1: all m. Must be in [1, m] otherwise.
   int64_t key_length = -1;
   MatrixView output;        // [n, d_model], written by the backend
+  // Rotary embedding positions (layers with rope_theta > 0): query q is at position_offset + q;
+  // key j at position_offset + j in self-attention and at j for a separate context.
+  int64_t position_offset = 0;
 
   bool self_attention() const { return context.empty(); }
   int64_t n() const { return input.rows; }
   int64_t m() const { return self_attention() ? input.rows : context.rows; }
   ConstMatrixView keys_source() const { return self_attention() ? input : context; }
   int64_t visible_keys() const { return key_length < 0 ? m() : key_length; }
+  int64_t key_position_offset() const { return self_attention() ? position_offset : 0; }
 };
 
 // Checks the sequence's shapes against the layer; errors name the field, expected and got.

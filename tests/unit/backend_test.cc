@@ -100,6 +100,7 @@ LayerConfig DrawConfig(std::mt19937_64& rng) {
   c.d_model = pick(1, 160);
   c.bias = pick(0, 1) == 1;
   if (pick(0, 4) == 0) c.scale = 0.05f + 0.5f * static_cast<float>(pick(0, 100)) / 100.0f;
+  if (c.d_head % 2 == 0 && pick(0, 3) == 0) c.rope_theta = pick(0, 1) ? 10000.0 : 500000.0;
   return *CompleteConfig(c);
 }
 
@@ -119,6 +120,7 @@ TEST_P(BackendTest, RandomizedFormsMatchFloat64Reference) {
       const int64_t n = length(), m = cross ? length() : n;
       const int64_t key_length = pick(0, 2) == 0 ? pick(1, m) : -1;
       seqs.push_back(RandomSequence(rng, c.d_model, n, m, cross, pick(0, 2) == 0, key_length));
+      if (pick(0, 1) == 0) seqs.back().position_offset = pick(0, 5000);
     }
     worst = std::max(worst, CheckBothForms(w, seqs));
     if (HasFailure()) {
@@ -228,6 +230,36 @@ TEST_P(BackendTest, LargeRaggedBatchOffMultiplesOf32) {
     seqs.push_back(RandomSequence(rng, 97, n, m, r % 3 == 0, r % 2 == 0, r % 4 == 1 ? n / 2 + 1 : -1));
   }
   CheckBothForms(w, seqs);
+}
+
+// Rotary embedding (LLaMA-style layer: grouped-query, no bias) at several position offsets,
+// self- and cross-attention, with a causal mask.
+TEST_P(BackendTest, RotaryEmbedding) {
+  std::mt19937_64 rng(9);
+  const LayerWeights w = RandomLayerWeights(
+      *CompleteConfig({.d_model = 64, .heads = 8, .kv_heads = 2, .d_head = 16, .bias = false, .rope_theta = 10000.0}),
+      19);
+  std::vector<OwnedSequence> seqs;
+  for (int64_t offset : {0, 1, 777, 100000}) {
+    seqs.push_back(RandomSequence(rng, 64, 13, 13, false, true, -1));
+    seqs.back().position_offset = offset;
+  }
+  seqs.push_back(RandomSequence(rng, 64, 5, 11, true, false, -1));
+  seqs.back().position_offset = 42;
+  CheckBothForms(w, seqs);
+  auto resident = Upload(MaterializeFactored(w));
+  // RoPE encodes relative position: self-attention shifted as a whole gives the same output...
+  OwnedSequence a = RandomSequence(rng, 64, 9, 9, false, true, -1), b = a;
+  b.position_offset = 777;
+  const Sequence same[] = {a.View(), b.View()};
+  ASSERT_TRUE(backend_->Forward(*resident, same).ok());
+  EXPECT_LT(RelativeL2(a.output.data(), b.output.data(), a.output.size()), 1e-5);
+  // ...while a separate context keeps positions from 0, so shifting only the queries changes it.
+  OwnedSequence x = RandomSequence(rng, 64, 6, 6, true, false, -1), y = x;
+  y.position_offset = 5;
+  const Sequence shifted[] = {x.View(), y.View()};
+  ASSERT_TRUE(backend_->Forward(*resident, shifted).ok());
+  EXPECT_GT(RelativeL2(x.output.data(), y.output.data(), x.output.size()), 1e-3);
 }
 
 // The low-rank form through each backend: exact at full rank; at ragged ranks (some heads at 0)

@@ -44,6 +44,8 @@ TEST(LayerConfigTest, BadConfigsNameTheField) {
       {{.d_model = 64, .heads = 4, .d_head = -2}, "d_head"},
       {{.d_model = 64, .heads = 4, .scale = -1.0f}, "scale"},
       {{.d_model = 64, .heads = 4, .scale = NAN}, "scale"},
+      {{.d_model = 60, .heads = 4, .d_head = 15, .rope_theta = 10000.0}, "even d_head, got d_head=15"},
+      {{.d_model = 64, .heads = 4, .rope_theta = -1.0}, "rope_theta"},
   };
   for (const Case& c : cases) {
     auto got = CompleteConfig(c.config);

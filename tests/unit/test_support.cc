@@ -37,6 +37,7 @@ Sequence OwnedSequence::View() {
   if (cross) s.context = ConstMatrixView(context.data(), m, d_model);
   s.causal = causal;
   s.key_length = key_length;
+  s.position_offset = position_offset;
   s.output = MatrixView(output.data(), n, d_model);
   return s;
 }

@@ -27,6 +27,7 @@ struct OwnedSequence {
   bool cross = false, causal = false;
   int64_t key_length = -1;
   int64_t d_model = 0;
+  int64_t position_offset = 0;
 
   Sequence View();
 };

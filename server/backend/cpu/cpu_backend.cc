@@ -8,6 +8,8 @@
 #include <limits>
 #include <vector>
 
+#include "server/core/rope.h"
+
 namespace attnserve {
 namespace {
 
@@ -75,7 +77,7 @@ ConstMatrixView StackRows(const std::vector<ConstMatrixView>& blocks, std::vecto
 // context token, stacked in sequence order.
 struct Projection {
   std::vector<float> q_storage, k_storage, val_storage, x_storage, c_storage;
-  ConstMatrixView q, k;  // [Tx, q_cols], [Tc, k_cols] (may share storage, with ld = their sum)
+  MatrixView q, k;       // [Tx, q_cols], [Tc, k_cols] (may share storage, with ld = their sum)
   ConstMatrixView val;   // [Tc, value_cols], contiguous: the summed form reads it as [m·h, d]
   std::vector<int64_t> x_row, c_row;  // first row of each sequence in q and in k / val
 };
@@ -112,6 +114,15 @@ Projection Project(const FormWeights& f, std::span<const Sequence> batch, int th
     p.q = q;
     p.k = k;
   }
+  if (f.config.rope_theta > 0) {
+    // Q and K live in storage this function owns; rotate each sequence's rows in place.
+    const int64_t dh = f.config.d_head;
+    for (size_t r = 0; r < batch.size(); ++r) {
+      const Sequence& s = batch[r];
+      ApplyRope(p.q.RowBlock(p.x_row[r], s.n()), f.config.heads, dh, f.config.rope_theta, s.position_offset);
+      ApplyRope(p.k.RowBlock(p.c_row[r], s.m()), f.config.kv_heads, dh, f.config.rope_theta, s.key_position_offset());
+    }
+  }
   p.val_storage.resize(tc * f.value_cols);
   MatrixView val(p.val_storage.data(), tc, f.value_cols);
   ProjectColumns(f, c, f.q_cols + f.k_cols, f.value_cols, val, threads);
@@ -124,8 +135,8 @@ void HeadScores(const FormWeights& f, const Projection& p, const Sequence& s, si
                 RowMatrix& a) {
   const LayerConfig& c = f.config;
   const int64_t n = s.n(), keys = s.visible_keys(), dh = c.d_head;
-  const auto q = AsEigen(p.q.RowBlock(p.x_row[r], n).ColBlock(head * dh, dh));
-  const auto k = AsEigen(p.k.RowBlock(p.c_row[r], keys).ColBlock(c.KvHeadOf(head) * dh, dh));
+  const auto q = AsEigen(ConstMatrixView(p.q.RowBlock(p.x_row[r], n).ColBlock(head * dh, dh)));
+  const auto k = AsEigen(ConstMatrixView(p.k.RowBlock(p.c_row[r], keys).ColBlock(c.KvHeadOf(head) * dh, dh)));
   a.resize(n, keys);
   a.noalias() = (q * k.transpose()) * c.SoftmaxScale();
   for (int64_t row = 0; row < n; ++row) {

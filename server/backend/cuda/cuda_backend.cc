@@ -318,6 +318,15 @@ class CudaBackend final : public Backend {
       ATTNSERVE_RETURN_IF_ERROR(Project(r, x, 0, f.q_cols, q));
       ATTNSERVE_RETURN_IF_ERROR(Project(r, ctx, f.q_cols, f.k_cols, k));
     }
+    if (c.rope_theta > 0) {
+      for (size_t i = 0; i < batch.size(); ++i) {
+        const Sequence& s = batch[i];
+        const DeviceBlock qi = q.Rows(x_row[i], s.n()), ki = k.Rows(c_row[i], s.m());
+        CUDA_TRY(cuda::ApplyRope(qi.data, qi.rows, c.heads, c.d_head, qi.ld, c.rope_theta, s.position_offset, stream_));
+        CUDA_TRY(cuda::ApplyRope(ki.data, ki.rows, c.kv_heads, c.d_head, ki.ld, c.rope_theta, s.key_position_offset(),
+                                 stream_));
+      }
+    }
     const DeviceBlock val{d_val, tc, f.value_cols, f.value_cols};
     ATTNSERVE_RETURN_IF_ERROR(Project(r, ctx, qk_cols, f.value_cols, val));
 

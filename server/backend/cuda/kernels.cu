@@ -71,12 +71,37 @@ __global__ void InterleaveHeadsKernel(const float* scores, int64_t heads, int64_
   }
 }
 
+__global__ void RopeKernel(float* x, int64_t rows, int64_t heads, int64_t d_head, int64_t ld, double theta,
+                           int64_t first_position) {
+  const int64_t half = d_head / 2, total = rows * heads * half;
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = idx / (heads * half), rest = idx % (heads * half);
+    const int64_t h = rest / half, t = rest % half;
+    // The angle in float64: positions reach millions, where float32 loses the low bits.
+    const double angle = static_cast<double>(first_position + r) * pow(theta, -2.0 * t / d_head);
+    double s, c;
+    sincos(angle, &s, &c);
+    float* p = x + r * ld + h * d_head;
+    const float a = p[t], b = p[t + half];
+    p[t] = a * static_cast<float>(c) - b * static_cast<float>(s);
+    p[t + half] = b * static_cast<float>(c) + a * static_cast<float>(s);
+  }
+}
+
 unsigned GridFor(int64_t total) {
   const int64_t blocks = (total + kThreads - 1) / kThreads;
   return static_cast<unsigned>(blocks < 65535 * 16 ? (blocks > 0 ? blocks : 1) : 65535 * 16);
 }
 
 }  // namespace
+
+cudaError_t ApplyRope(float* x, int64_t rows, int64_t heads, int64_t d_head, int64_t ld, double theta,
+                      int64_t first_position, cudaStream_t stream) {
+  RopeKernel<<<GridFor(rows * heads * (d_head / 2)), kThreads, 0, stream>>>(x, rows, heads, d_head, ld, theta,
+                                                                           first_position);
+  return cudaGetLastError();
+}
 
 cudaError_t AddRowBias(float* y, int64_t rows, int64_t cols, int64_t ld, const float* bias, cudaStream_t stream) {
   AddRowBiasKernel<<<GridFor(rows * cols), kThreads, 0, stream>>>(y, rows, cols, ld, bias);

@@ -20,4 +20,9 @@ cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t n, int64_t keys,
 cudaError_t InterleaveHeads(const float* scores, int64_t heads, int64_t n, int64_t keys, float* a_cat,
                             cudaStream_t stream);
 
+// Rotary embedding in place on the [rows, heads·d_head] block of x (row stride ld), row r at
+// position first_position + r; pairs (t, t + d_head/2), angle p · theta^(−2t/d_head).
+cudaError_t ApplyRope(float* x, int64_t rows, int64_t heads, int64_t d_head, int64_t ld, double theta,
+                      int64_t first_position, cudaStream_t stream);
+
 }  // namespace attnserve::cuda

@@ -1,0 +1,73 @@
+// LayerStore: the layers this server holds, by name, each in every form it keeps.
+// A Layer is immutable once published; readers take a shared_ptr and keep it for the whole
+// request, so an unload or replace never frees weights a batch is using.
+// Thread-safety: every method may be called from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "server/backend/backend.h"
+#include "server/core/forms.h"
+#include "server/core/layer.h"
+#include "server/core/status.h"
+
+namespace attnserve {
+
+struct Layer {
+  std::string name;
+  std::string source;  // the SOURCE string it was loaded from (docs/architecture.md, "Layer sources")
+  LayerConfig config;  // complete
+  std::string device;  // the backend's DeviceName()
+  // The forms held, resident on the backend. The factored form is always held.
+  std::map<Form, std::shared_ptr<const ResidentForm>> forms;
+
+  // nullptr when the layer does not hold that form.
+  const ResidentForm* Find(Form form) const {
+    auto it = forms.find(form);
+    return it == forms.end() ? nullptr : it->second.get();
+  }
+};
+
+// Layer names are what requests, metrics and logs name a layer by: 1 to 128 characters of
+// [A-Za-z0-9._-]. INVALID_ARGUMENT saying what is wrong otherwise.
+inline constexpr size_t kMaxLayerNameLength = 128;
+Status ValidateLayerName(std::string_view name);
+
+struct LayerStoreOptions {
+  // The largest single form a load may materialise (see LoadSource in source.h).
+  int64_t max_form_bytes = int64_t{16} << 30;
+};
+
+class LayerStore {
+ public:
+  explicit LayerStore(Backend* backend, LayerStoreOptions options = {}) : backend_(backend), options_(options) {}
+
+  // Parses SOURCE, reads or draws the weights, materialises the forms, uploads them and
+  // publishes the layer under `name`, replacing any layer of that name (requests already
+  // holding the old one finish on it). Errors name the source and what was wrong.
+  StatusOr<std::shared_ptr<const Layer>> Load(const std::string& name, const std::string& source);
+
+  // NOT_FOUND when no such layer.
+  Status Unload(std::string_view name);
+
+  // nullptr when no such layer.
+  std::shared_ptr<const Layer> Get(std::string_view name) const;
+
+  // All layers, ordered by name.
+  std::vector<std::shared_ptr<const Layer>> List() const;
+
+ private:
+  Backend* backend_;
+  const LayerStoreOptions options_;
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<const Layer>, std::less<>> layers_;
+};
+
+}  // namespace attnserve

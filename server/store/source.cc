@@ -1,0 +1,788 @@
+#include "server/store/source.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <new>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "server/store/safetensors.h"
+
+namespace attnserve {
+namespace {
+
+constexpr int64_t kMaxIndex = 1'000'000;
+constexpr uintmax_t kMaxConfigJsonBytes = uintmax_t{16} << 20;
+
+Status Prefixed(const std::string& prefix, const Status& status) {
+  return Status(status.code(), prefix + status.message());
+}
+
+std::string_view Trim(std::string_view s) {
+  const auto space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
+  while (!s.empty() && space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && space(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+std::vector<std::string_view> Split(std::string_view s, char sep) {
+  std::vector<std::string_view> parts;
+  size_t start = 0;
+  while (true) {
+    const size_t end = s.find(sep, start);
+    parts.push_back(s.substr(start, end == std::string_view::npos ? std::string_view::npos : end - start));
+    if (end == std::string_view::npos) break;
+    start = end + 1;
+  }
+  return parts;
+}
+
+std::string Join(const std::vector<std::string_view>& items) {
+  std::string s;
+  for (auto item : items) {
+    if (!s.empty()) s += ", ";
+    s += item;
+  }
+  return s;
+}
+
+// The key=value options of a source, each key at most once and each known to the kind.
+class Options {
+ public:
+  static StatusOr<Options> Parse(const std::vector<std::string_view>& items, std::string_view kind,
+                                 const std::vector<std::string_view>& known,
+                                 const std::vector<std::string_view>& may_be_empty) {
+    Options o;
+    for (std::string_view raw : items) {
+      const std::string_view item = Trim(raw);
+      if (item.empty()) {
+        return InvalidArgumentError("empty option (a stray comma?); expected key=value with key one of " +
+                                    Join(known));
+      }
+      const size_t eq = item.find('=');
+      const std::string key(Trim(item.substr(0, eq)));
+      if (key.empty()) return InvalidArgumentError("option '" + std::string(item) + "' has no key");
+      if (std::find(known.begin(), known.end(), key) == known.end()) {
+        return InvalidArgumentError("unknown option '" + key + "' for a " + std::string(kind) +
+                                    " source (expected one of " + Join(known) + ")");
+      }
+      const std::string value(eq == std::string_view::npos ? std::string_view() : Trim(item.substr(eq + 1)));
+      const bool empty_ok = std::find(may_be_empty.begin(), may_be_empty.end(), key) != may_be_empty.end();
+      if (eq == std::string_view::npos || (value.empty() && !empty_ok)) {
+        return InvalidArgumentError("option '" + key + "' has no value (expected " + key + "=VALUE)");
+      }
+      if (!o.values_.emplace(key, value).second) {
+        return InvalidArgumentError("option '" + key + "' is given more than once");
+      }
+    }
+    return o;
+  }
+
+  bool Has(const std::string& key) const { return values_.count(key) > 0; }
+  const std::string& Get(const std::string& key) const { return values_.at(key); }
+
+  // Sets *out when the key is present; an error naming the key when its value is bad.
+  Status Int(const std::string& key, int64_t lo, int64_t hi, int64_t* out) const {
+    if (!Has(key)) return OkStatus();
+    const std::string& v = Get(key);
+    int64_t parsed = 0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), parsed);
+    if (ec != std::errc() || end != v.data() + v.size() || parsed < lo || parsed > hi) {
+      return InvalidArgumentError("option '" + key + "': expected an integer in [" + std::to_string(lo) + ", " +
+                                  std::to_string(hi) + "], got '" + v + "'");
+    }
+    *out = parsed;
+    return OkStatus();
+  }
+
+  Status Uint(const std::string& key, uint64_t* out) const {
+    if (!Has(key)) return OkStatus();
+    const std::string& v = Get(key);
+    uint64_t parsed = 0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), parsed);
+    if (ec != std::errc() || end != v.data() + v.size()) {
+      return InvalidArgumentError("option '" + key + "': expected an unsigned 64-bit integer, got '" + v + "'");
+    }
+    *out = parsed;
+    return OkStatus();
+  }
+
+  Status Bool(const std::string& key, bool* out) const {
+    if (!Has(key)) return OkStatus();
+    const std::string& v = Get(key);
+    if (v == "true") {
+      *out = true;
+    } else if (v == "false") {
+      *out = false;
+    } else {
+      return InvalidArgumentError("option '" + key + "': expected true or false, got '" + v + "'");
+    }
+    return OkStatus();
+  }
+
+ private:
+  std::map<std::string, std::string> values_;
+};
+
+Status ParseRandom(const std::vector<std::string_view>& items, SourceSpec* spec) {
+  auto parsed = Options::Parse(items, "random", {"d_model", "heads", "kv_heads", "d_head", "bias", "seed", "summed"}, {});
+  if (!parsed.ok()) return parsed.status();
+  const Options& o = *parsed;
+  for (const char* required : {"d_model", "heads"}) {
+    if (!o.Has(required)) {
+      return InvalidArgumentError(std::string("missing option '") + required +
+                                  "' (a random source needs d_model= and heads=)");
+    }
+  }
+  LayerConfig c;
+  ATTNSERVE_RETURN_IF_ERROR(o.Int("d_model", 1, kMaxDModel, &c.d_model));
+  ATTNSERVE_RETURN_IF_ERROR(o.Int("heads", 1, kMaxHeads, &c.heads));
+  ATTNSERVE_RETURN_IF_ERROR(o.Int("kv_heads", 1, kMaxHeads, &c.kv_heads));
+  ATTNSERVE_RETURN_IF_ERROR(o.Int("d_head", 1, kMaxDHead, &c.d_head));
+  ATTNSERVE_RETURN_IF_ERROR(o.Bool("bias", &c.bias));
+  ATTNSERVE_RETURN_IF_ERROR(o.Uint("seed", &spec->seed));
+  ATTNSERVE_RETURN_IF_ERROR(o.Bool("summed", &spec->hold_summed));
+  auto complete = CompleteConfig(c);
+  if (!complete.ok()) return complete.status();
+  spec->config = *complete;
+  return OkStatus();
+}
+
+Status ParseSafetensors(const std::vector<std::string_view>& items, SourceSpec* spec) {
+  spec->path = std::string(Trim(items[0]));
+  if (spec->path.empty()) {
+    return InvalidArgumentError("missing the file path (expected safetensors:PATH[,key=value...])");
+  }
+  // An empty prefix is meaningful: "no prefix", which also turns detection off.
+  auto parsed = Options::Parse({items.begin() + 1, items.end()}, "safetensors",
+                               {"arch", "index", "prefix", "heads", "kv_heads", "summed"}, {"prefix"});
+  if (!parsed.ok()) return parsed.status();
+  const Options& o = *parsed;
+  if (o.Has("arch")) {
+    const std::string& a = o.Get("arch");
+    if (a == "torch-mha") {
+      spec->arch = CheckpointArch::kTorchMha;
+    } else if (a == "gpt2") {
+      spec->arch = CheckpointArch::kGpt2;
+    } else if (a == "bert") {
+      spec->arch = CheckpointArch::kBert;
+    } else {
+      return InvalidArgumentError("option 'arch': expected torch-mha, gpt2 or bert, got '" + a + "'");
+    }
+  }
+  if (o.Has("index")) {
+    int64_t index = 0;
+    ATTNSERVE_RETURN_IF_ERROR(o.Int("index", 0, kMaxIndex, &index));
+    spec->index = index;
+  }
+  if (o.Has("prefix")) spec->prefix = o.Get("prefix");
+  ATTNSERVE_RETURN_IF_ERROR(o.Int("heads", 1, kMaxHeads, &spec->heads));
+  ATTNSERVE_RETURN_IF_ERROR(o.Int("kv_heads", 1, kMaxHeads, &spec->kv_heads));
+  ATTNSERVE_RETURN_IF_ERROR(o.Bool("summed", &spec->hold_summed));
+  if (spec->index && spec->arch == CheckpointArch::kTorchMha) {
+    return InvalidArgumentError("option 'index' does not apply to arch=torch-mha (its tensors have no block "
+                                "number); select the module with prefix= instead");
+  }
+  return OkStatus();
+}
+
+// ---- Checkpoint layouts ---------------------------------------------------------------
+
+// How an arch's anchor tensor (its input projection weight) is named:
+//   PREFIX + head + [INDEX] + tail, PREFIX empty or ending in '.'.
+struct Pattern {
+  CheckpointArch arch;
+  std::string_view head;
+  bool indexed;
+  std::string_view tail;
+};
+
+constexpr Pattern kPatterns[] = {
+    {CheckpointArch::kTorchMha, "", false, "in_proj_weight"},
+    {CheckpointArch::kGpt2, "h.", true, ".attn.c_attn.weight"},
+    {CheckpointArch::kBert, "encoder.layer.", true, ".attention.self.query.weight"},
+};
+
+const Pattern& PatternOf(CheckpointArch arch) {
+  for (const Pattern& p : kPatterns) {
+    if (p.arch == arch) return p;
+  }
+  return kPatterns[0];
+}
+
+std::string PatternText(const Pattern& p) {
+  return std::string(p.head) + (p.indexed ? "N" : "") + std::string(p.tail);
+}
+
+struct Match {
+  std::string prefix;
+  int64_t index = -1;
+};
+
+// Splits `name` into PREFIX and INDEX when it is an anchor of `p`.
+std::optional<Match> MatchAnchor(const Pattern& p, std::string_view name) {
+  if (name.size() < p.tail.size() || name.substr(name.size() - p.tail.size()) != p.tail) return std::nullopt;
+  name.remove_suffix(p.tail.size());
+  Match m;
+  if (p.indexed) {
+    size_t digits = 0;
+    while (digits < name.size() && digits < 10 && name[name.size() - 1 - digits] >= '0' &&
+           name[name.size() - 1 - digits] <= '9') {
+      ++digits;
+    }
+    if (digits == 0 || digits > 9) return std::nullopt;
+    m.index = 0;
+    for (char c : name.substr(name.size() - digits)) m.index = m.index * 10 + (c - '0');
+    name.remove_suffix(digits);
+  }
+  if (name.size() < p.head.size() || name.substr(name.size() - p.head.size()) != p.head) return std::nullopt;
+  name.remove_suffix(p.head.size());
+  if (!name.empty() && name.back() != '.') return std::nullopt;
+  m.prefix = std::string(name);
+  return m;
+}
+
+// Every anchor of `p` in the file, under `prefix` when one is given.
+std::vector<Match> FindAnchors(const SafetensorsFile& file, const Pattern& p, const std::optional<std::string>& prefix) {
+  std::vector<Match> found;
+  for (const TensorInfo& t : file.tensors()) {
+    auto m = MatchAnchor(p, t.name);
+    if (m && (!prefix || m->prefix == *prefix)) found.push_back(std::move(*m));
+  }
+  return found;
+}
+
+// The tensor names of one layer in one layout.
+struct LayerNames {
+  CheckpointArch arch = CheckpointArch::kAuto;
+  // torch-mha, gpt2: the packed input projection; bert: query, key, value separately.
+  std::string w_in, b_in;
+  std::string w_q, w_k, w_v, b_q, b_k, b_v;
+  std::string w_out, b_out;
+};
+
+LayerNames NamesOf(CheckpointArch arch, const std::string& prefix, int64_t index) {
+  LayerNames n;
+  n.arch = arch;
+  const std::string i = std::to_string(index);
+  switch (arch) {
+    case CheckpointArch::kTorchMha:
+      n.w_in = prefix + "in_proj_weight";
+      n.b_in = prefix + "in_proj_bias";
+      n.w_out = prefix + "out_proj.weight";
+      n.b_out = prefix + "out_proj.bias";
+      break;
+    case CheckpointArch::kGpt2: {
+      const std::string block = prefix + "h." + i + ".attn.";
+      n.w_in = block + "c_attn.weight";
+      n.b_in = block + "c_attn.bias";
+      n.w_out = block + "c_proj.weight";
+      n.b_out = block + "c_proj.bias";
+      break;
+    }
+    case CheckpointArch::kBert:
+    case CheckpointArch::kAuto: {
+      const std::string block = prefix + "encoder.layer." + i + ".attention.";
+      n.w_q = block + "self.query.weight";
+      n.w_k = block + "self.key.weight";
+      n.w_v = block + "self.value.weight";
+      n.b_q = block + "self.query.bias";
+      n.b_k = block + "self.key.bias";
+      n.b_v = block + "self.value.bias";
+      n.w_out = block + "output.dense.weight";
+      n.b_out = block + "output.dense.bias";
+      break;
+    }
+  }
+  return n;
+}
+
+// Picks the layout and the names of the requested layer: the arch given or the only one whose
+// anchors the file holds, the prefix given or the only one found, the index given or 0.
+StatusOr<LayerNames> ResolveLayout(const SafetensorsFile& file, const SourceSpec& spec) {
+  const std::string at = "safetensors file '" + file.path() + "': ";
+  const std::string under = spec.prefix ? " under prefix '" + *spec.prefix + "'" : "";
+  std::vector<std::pair<const Pattern*, std::vector<Match>>> candidates;
+  for (const Pattern& p : kPatterns) {
+    if (spec.arch != CheckpointArch::kAuto && p.arch != spec.arch) continue;
+    auto anchors = FindAnchors(file, p, spec.prefix);
+    if (!anchors.empty()) candidates.emplace_back(&p, std::move(anchors));
+  }
+  if (candidates.empty()) {
+    if (spec.arch != CheckpointArch::kAuto) {
+      const Pattern& p = PatternOf(spec.arch);
+      return NotFoundError(at + "no tensor named like '" + PatternText(p) + "'" + under + ", as arch=" +
+                           std::string(CheckpointArchName(spec.arch)) + " needs");
+    }
+    std::string expected;
+    for (const Pattern& p : kPatterns) {
+      if (!expected.empty()) expected += ", ";
+      expected += "'" + PatternText(p) + "' (" + std::string(CheckpointArchName(p.arch)) + ")";
+    }
+    return NotFoundError(at + "cannot tell the layout: no tensor named like " + expected + under +
+                         "; give arch= (and prefix=) to say where the attention weights are");
+  }
+  if (candidates.size() > 1) {
+    std::string archs;
+    for (const auto& c : candidates) archs += (archs.empty() ? "" : ", ") + std::string(CheckpointArchName(c.first->arch));
+    return InvalidArgumentError(at + "holds tensors of several layouts (" + archs + "); give arch=");
+  }
+  const Pattern& p = *candidates[0].first;
+  const std::vector<Match>& anchors = candidates[0].second;
+  std::set<std::string> prefixes;
+  for (const Match& m : anchors) prefixes.insert(m.prefix);
+  if (prefixes.size() > 1) {
+    std::string list;
+    int shown = 0;
+    for (const auto& pr : prefixes) {
+      if (shown++ == 8) {
+        list += ", ...";
+        break;
+      }
+      list += (list.empty() ? "'" : ", '") + pr + "'";
+    }
+    return InvalidArgumentError(at + "holds " + std::string(CheckpointArchName(p.arch)) +
+                                " layers under several prefixes (" + list + "); give prefix=");
+  }
+  const std::string& prefix = *prefixes.begin();
+  const int64_t index = spec.index.value_or(0);
+  if (p.indexed) {
+    bool present = false;
+    int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+    for (const Match& m : anchors) {
+      present = present || m.index == index;
+      lo = std::min(lo, m.index);
+      hi = std::max(hi, m.index);
+    }
+    if (!present) {
+      return NotFoundError(at + "no " + std::string(CheckpointArchName(p.arch)) + " layer index=" +
+                           std::to_string(index) + (prefix.empty() ? "" : " under prefix '" + prefix + "'") +
+                           " (the file holds indices " + std::to_string(lo) + ".." + std::to_string(hi) + ")");
+    }
+  }
+  return NamesOf(p.arch, prefix, index);
+}
+
+// ---- Shapes and heads -------------------------------------------------------------------
+
+StatusOr<const TensorInfo*> Require(const SafetensorsFile& file, const std::string& name) {
+  const TensorInfo* t = file.Find(name);
+  if (t == nullptr) {
+    return NotFoundError("safetensors file '" + file.path() + "', tensor '" + name + "': no such tensor in the file");
+  }
+  if (!IsFloatDtype(t->dtype)) {
+    return InvalidArgumentError("safetensors file '" + file.path() + "', tensor '" + name + "': dtype " +
+                                std::string(DtypeName(t->dtype)) + " is not a floating type (expected F32, F16, BF16 or F64)");
+  }
+  return t;
+}
+
+Status ExpectShape(const SafetensorsFile& file, const TensorInfo& t, const std::vector<int64_t>& expected,
+                   const std::string& why) {
+  if (t.shape != expected) {
+    return InvalidArgumentError("safetensors file '" + file.path() + "', tensor '" + t.name + "': expected shape " +
+                                ShapeString(expected) + " (" + why + "), got " + ShapeString(t.shape));
+  }
+  return OkStatus();
+}
+
+Status ExpectRank2(const SafetensorsFile& file, const TensorInfo& t) {
+  if (t.shape.size() != 2 || t.shape[0] < 1 || t.shape[1] < 1) {
+    return InvalidArgumentError("safetensors file '" + file.path() + "', tensor '" + t.name +
+                                "': expected a non-empty matrix, got shape " + ShapeString(t.shape));
+  }
+  return OkStatus();
+}
+
+// The widths a layer's tensors imply: d_model, the query width (heads · d_head) and the
+// key/value width (kv_heads · d_head); and whether the layer has biases.
+struct Widths {
+  int64_t d_model = 0, q = 0, kv = 0;
+  bool bias = false;
+  std::string q_from;   // the tensor the query width was read from, for error messages
+  std::string kv_from;
+};
+
+StatusOr<Widths> CheckShapes(const SafetensorsFile& file, const LayerNames& n) {
+  Widths w;
+  const std::string at = "safetensors file '" + file.path() + "': ";
+  std::vector<std::string> bias_names;
+  if (n.arch == CheckpointArch::kBert) {
+    auto wq = Require(file, n.w_q);
+    if (!wq.ok()) return wq.status();
+    auto wk = Require(file, n.w_k);
+    if (!wk.ok()) return wk.status();
+    auto wv = Require(file, n.w_v);
+    if (!wv.ok()) return wv.status();
+    auto wo = Require(file, n.w_out);
+    if (!wo.ok()) return wo.status();
+    ATTNSERVE_RETURN_IF_ERROR(ExpectRank2(file, **wq));
+    ATTNSERVE_RETURN_IF_ERROR(ExpectRank2(file, **wk));
+    // Linear stores [out, in].
+    w.q = (*wq)->shape[0];
+    w.d_model = (*wq)->shape[1];
+    w.kv = (*wk)->shape[0];
+    w.q_from = n.w_q;
+    w.kv_from = n.w_k;
+    ATTNSERVE_RETURN_IF_ERROR(ExpectShape(file, **wk, {w.kv, w.d_model}, "Linear [kv_heads·d_head, d_model]"));
+    ATTNSERVE_RETURN_IF_ERROR(ExpectShape(file, **wv, {w.kv, w.d_model}, "the key's shape"));
+    ATTNSERVE_RETURN_IF_ERROR(ExpectShape(file, **wo, {w.d_model, w.q}, "Linear [d_model, heads·d_head]"));
+    bias_names = {n.b_q, n.b_k, n.b_v, n.b_out};
+  } else {
+    auto wi = Require(file, n.w_in);
+    if (!wi.ok()) return wi.status();
+    auto wo = Require(file, n.w_out);
+    if (!wo.ok()) return wo.status();
+    ATTNSERVE_RETURN_IF_ERROR(ExpectRank2(file, **wi));
+    ATTNSERVE_RETURN_IF_ERROR(ExpectRank2(file, **wo));
+    int64_t packed = 0;
+    if (n.arch == CheckpointArch::kTorchMha) {
+      // Linear: in_proj_weight [q + 2·kv, d_model], out_proj.weight [d_model, q].
+      packed = (*wi)->shape[0];
+      w.d_model = (*wi)->shape[1];
+      w.q = (*wo)->shape[1];
+      ATTNSERVE_RETURN_IF_ERROR(ExpectShape(file, **wo, {w.d_model, w.q}, "Linear [d_model, heads·d_head]"));
+      const std::string p = n.w_in.substr(0, n.w_in.size() - std::string_view("in_proj_weight").size());
+      for (const char* extra : {"bias_k", "bias_v", "q_proj_weight"}) {
+        if (file.Has(p + extra)) {
+          return InvalidArgumentError(at + "tensor '" + p + extra + "' is present: MultiheadAttention with "
+                                      "add_bias_kv or separate kdim/vdim is not supported");
+        }
+      }
+    } else {
+      // Conv1D: c_attn.weight [d_model, q + 2·kv], c_proj.weight [q, d_model].
+      w.d_model = (*wi)->shape[0];
+      packed = (*wi)->shape[1];
+      w.q = (*wo)->shape[0];
+      ATTNSERVE_RETURN_IF_ERROR(ExpectShape(file, **wo, {w.q, w.d_model}, "Conv1D [heads·d_head, d_model]"));
+    }
+    w.q_from = n.w_out;
+    w.kv_from = n.w_in;
+    if (packed <= w.q || (packed - w.q) % 2 != 0) {
+      return InvalidArgumentError("safetensors file '" + file.path() + "', tensor '" + n.w_in + "': packed Q|K|V width " +
+                                  std::to_string(packed) + " must be the query width " + std::to_string(w.q) +
+                                  " (from '" + n.w_out + "') plus twice a key/value width");
+    }
+    w.kv = (packed - w.q) / 2;
+    bias_names = {n.b_in, n.b_out};
+  }
+  // Biases: all or none.
+  std::vector<std::string> present, absent;
+  for (const auto& b : bias_names) (file.Has(b) ? present : absent).push_back(b);
+  if (!present.empty() && !absent.empty()) {
+    return InvalidArgumentError(at + "has bias '" + present[0] + "' but not '" + absent[0] +
+                                "' (a layer has all its biases or none)");
+  }
+  w.bias = !present.empty();
+  if (w.bias) {
+    const int64_t packed = w.q + 2 * w.kv;
+    const std::vector<std::pair<std::string, int64_t>> sizes =
+        n.arch == CheckpointArch::kBert
+            ? std::vector<std::pair<std::string, int64_t>>{{n.b_q, w.q}, {n.b_k, w.kv}, {n.b_v, w.kv}, {n.b_out, w.d_model}}
+            : std::vector<std::pair<std::string, int64_t>>{{n.b_in, packed}, {n.b_out, w.d_model}};
+    for (const auto& [name, size] : sizes) {
+      auto t = Require(file, name);
+      if (!t.ok()) return t.status();
+      ATTNSERVE_RETURN_IF_ERROR(ExpectShape(file, **t, {size}, "a bias of its weight's output width"));
+    }
+  }
+  return w;
+}
+
+// Reads a positive integer field of config.json, if there.
+StatusOr<int64_t> JsonPositive(const nlohmann::json& j, const char* key, const std::string& where) {
+  const auto it = j.find(key);
+  if (it == j.end()) return int64_t{0};
+  if (!it->is_number_unsigned() || it->get<uint64_t>() < 1 || it->get<uint64_t>() > static_cast<uint64_t>(kMaxHeads)) {
+    return InvalidArgumentError(where + ": '" + key + "' must be an integer in [1, " + std::to_string(kMaxHeads) +
+                                "], got " + it->dump());
+  }
+  return static_cast<int64_t>(it->get<uint64_t>());
+}
+
+// The number of heads from config.json beside the checkpoint (Hugging Face's layout).
+StatusOr<int64_t> HeadsFromConfigJson(const std::string& checkpoint) {
+  namespace fs = std::filesystem;
+  const fs::path config = fs::path(checkpoint).parent_path() / "config.json";
+  const std::string where = "'" + config.string() + "'";
+  const std::string ask = "; give the number of heads in the source with heads=H";
+  std::error_code ec;
+  if (!fs::is_regular_file(config, ec)) {
+    return InvalidArgumentError("the source does not say how many heads the layer has and there is no " + where +
+                                " beside '" + checkpoint + "'" + ask);
+  }
+  const uintmax_t size = fs::file_size(config, ec);
+  if (ec || size > kMaxConfigJsonBytes) {
+    return InvalidArgumentError(where + ": cannot read it or larger than " + std::to_string(kMaxConfigJsonBytes) +
+                                " bytes" + ask);
+  }
+  std::ifstream in(config, std::ios::binary);
+  if (!in) return InvalidArgumentError(where + ": cannot open it" + ask);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    return InvalidArgumentError(where + ": not valid JSON: " + e.what() + ask);
+  }
+  if (!j.is_object()) return InvalidArgumentError(where + ": expected a JSON object" + ask);
+  for (const char* key : {"num_attention_heads", "n_head"}) {
+    auto heads = JsonPositive(j, key, where);
+    if (!heads.ok()) return heads.status();
+    if (*heads > 0) return *heads;
+  }
+  return InvalidArgumentError(where + " has neither 'num_attention_heads' nor 'n_head'" + ask);
+}
+
+// ---- Weights ----------------------------------------------------------------------------
+
+Status CheckFinite(const SafetensorsFile& file, const std::string& name, const std::vector<float>& v) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!std::isfinite(v[i])) {
+      return InvalidArgumentError("safetensors file '" + file.path() + "', tensor '" + name +
+                                  "': non-finite value at flat index " + std::to_string(i));
+    }
+  }
+  return OkStatus();
+}
+
+StatusOr<std::vector<float>> ReadValues(const SafetensorsFile& file, const std::string& name) {
+  auto t = file.ReadFloat(name);
+  if (!t.ok()) return t.status();
+  ATTNSERVE_RETURN_IF_ERROR(CheckFinite(file, name, t->values));
+  return std::move(t->values);
+}
+
+// Rows [row0, row0 + rows) of `src` ([*, cols], row-major), transposed: [cols, rows]. Linear
+// stores y = x Wᵀ; our convention is y = x W.
+std::vector<float> TransposedRows(const std::vector<float>& src, int64_t cols, int64_t row0, int64_t rows) {
+  std::vector<float> out(static_cast<size_t>(cols * rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = src[(row0 + r) * cols + c];
+  }
+  return out;
+}
+
+// Columns [col0, col0 + count) of `src` ([rows, cols], row-major): [rows, count].
+std::vector<float> Columns(const std::vector<float>& src, int64_t rows, int64_t cols, int64_t col0, int64_t count) {
+  std::vector<float> out(static_cast<size_t>(rows * count));
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy(src.begin() + r * cols + col0, src.begin() + r * cols + col0 + count, out.begin() + r * count);
+  }
+  return out;
+}
+
+std::vector<float> Slice(const std::vector<float>& src, int64_t first, int64_t count) {
+  return {src.begin() + first, src.begin() + first + count};
+}
+
+Status FillWeights(const SafetensorsFile& file, const LayerNames& n, const Widths& w, LayerWeights* out) {
+  const int64_t d = w.d_model, q = w.q, kv = w.kv, packed = q + 2 * kv;
+  switch (n.arch) {
+    case CheckpointArch::kTorchMha: {
+      auto in = ReadValues(file, n.w_in);  // [packed, d]
+      if (!in.ok()) return in.status();
+      auto o = ReadValues(file, n.w_out);  // [d, q]
+      if (!o.ok()) return o.status();
+      out->w_q = TransposedRows(*in, d, 0, q);
+      out->w_k = TransposedRows(*in, d, q, kv);
+      out->w_v = TransposedRows(*in, d, q + kv, kv);
+      out->w_o = TransposedRows(*o, q, 0, d);
+      break;
+    }
+    case CheckpointArch::kGpt2: {
+      auto in = ReadValues(file, n.w_in);  // [d, packed]
+      if (!in.ok()) return in.status();
+      auto o = ReadValues(file, n.w_out);  // [q, d]
+      if (!o.ok()) return o.status();
+      out->w_q = Columns(*in, d, packed, 0, q);
+      out->w_k = Columns(*in, d, packed, q, kv);
+      out->w_v = Columns(*in, d, packed, q + kv, kv);
+      out->w_o = std::move(*o);
+      break;
+    }
+    case CheckpointArch::kBert:
+    case CheckpointArch::kAuto: {
+      const std::pair<const std::string*, std::vector<float>*> parts[] = {
+          {&n.w_q, &out->w_q}, {&n.w_k, &out->w_k}, {&n.w_v, &out->w_v}, {&n.w_out, &out->w_o}};
+      const int64_t in_cols[] = {d, d, d, q};
+      for (int k = 0; k < 4; ++k) {
+        auto m = ReadValues(file, *parts[k].first);
+        if (!m.ok()) return m.status();
+        const int64_t rows = static_cast<int64_t>(m->size()) / in_cols[k];
+        *parts[k].second = TransposedRows(*m, in_cols[k], 0, rows);
+      }
+      break;
+    }
+  }
+  if (!w.bias) return OkStatus();
+  if (n.arch == CheckpointArch::kBert) {
+    const std::pair<const std::string*, std::vector<float>*> biases[] = {
+        {&n.b_q, &out->b_q}, {&n.b_k, &out->b_k}, {&n.b_v, &out->b_v}, {&n.b_out, &out->b_o}};
+    for (const auto& [name, dst] : biases) {
+      auto b = ReadValues(file, *name);
+      if (!b.ok()) return b.status();
+      *dst = std::move(*b);
+    }
+  } else {
+    auto b = ReadValues(file, n.b_in);
+    if (!b.ok()) return b.status();
+    out->b_q = Slice(*b, 0, q);
+    out->b_k = Slice(*b, q, kv);
+    out->b_v = Slice(*b, q + kv, kv);
+    auto bo = ReadValues(file, n.b_out);
+    if (!bo.ok()) return bo.status();
+    out->b_o = std::move(*bo);
+  }
+  return OkStatus();
+}
+
+Status CheckFormSizes(const LayerConfig& config, bool hold_summed, int64_t max_form_bytes) {
+  const int64_t factored = FactoredFormParameters(config) * int64_t{sizeof(float)};
+  if (factored > max_form_bytes) {
+    return ResourceExhaustedError("the layer (" + config.ToString() + ") takes " + std::to_string(factored) +
+                                  " bytes, more than the limit of " + std::to_string(max_form_bytes) + " per form");
+  }
+  const int64_t summed = SummedFormParameters(config) * int64_t{sizeof(float)};
+  if (hold_summed && summed > max_form_bytes) {
+    return ResourceExhaustedError("the summed form of the layer (" + config.ToString() + ") would take " +
+                                  std::to_string(summed) + " bytes, more than the limit of " +
+                                  std::to_string(max_form_bytes) + " per form; add summed=false to the source");
+  }
+  return OkStatus();
+}
+
+StatusOr<LayerSource> LoadSafetensors(const SourceSpec& spec, int64_t max_form_bytes) {
+  auto file = ReadSafetensors(spec.path);
+  if (!file.ok()) return file.status();
+  auto names = ResolveLayout(*file, spec);
+  if (!names.ok()) return names.status();
+  auto widths = CheckShapes(*file, *names);
+  if (!widths.ok()) return widths.status();
+  const Widths& w = *widths;
+  const std::string at = "safetensors file '" + spec.path + "': ";
+
+  int64_t heads = spec.heads;
+  if (heads == 0) {
+    auto from_json = HeadsFromConfigJson(spec.path);
+    if (!from_json.ok()) return Prefixed(at, from_json.status());
+    heads = *from_json;
+  }
+  if (w.q % heads != 0) {
+    return InvalidArgumentError(at + "the query width " + std::to_string(w.q) + " (from tensor '" + w.q_from +
+                                "') is not a multiple of heads=" + std::to_string(heads));
+  }
+  const int64_t d_head = w.q / heads;
+  if (w.kv % d_head != 0) {
+    return InvalidArgumentError(at + "the key/value width " + std::to_string(w.kv) + " (from tensor '" + w.kv_from +
+                                "') is not a multiple of d_head=" + std::to_string(d_head) + " (query width " +
+                                std::to_string(w.q) + " / heads=" + std::to_string(heads) + ")");
+  }
+  const int64_t kv_heads = w.kv / d_head;
+  if (spec.kv_heads != 0 && spec.kv_heads != kv_heads) {
+    return InvalidArgumentError(at + "option kv_heads=" + std::to_string(spec.kv_heads) + " but tensor '" + w.kv_from +
+                                "' holds " + std::to_string(kv_heads) + " key/value heads of d_head=" +
+                                std::to_string(d_head));
+  }
+  LayerConfig c;
+  c.d_model = w.d_model;
+  c.heads = heads;
+  c.kv_heads = kv_heads;
+  c.d_head = d_head;
+  c.bias = w.bias;
+  auto config = CompleteConfig(c);
+  if (!config.ok()) return Prefixed(at, config.status());
+  ATTNSERVE_RETURN_IF_ERROR(CheckFormSizes(*config, spec.hold_summed, max_form_bytes));
+
+  LayerSource out;
+  out.hold_summed = spec.hold_summed;
+  out.arch = names->arch;
+  out.weights.config = *config;
+  ATTNSERVE_RETURN_IF_ERROR(FillWeights(*file, *names, w, &out.weights));
+  Status valid = ValidateWeights(out.weights);
+  if (!valid.ok()) return Prefixed(at, valid);
+  return out;
+}
+
+}  // namespace
+
+std::string_view CheckpointArchName(CheckpointArch arch) {
+  switch (arch) {
+    case CheckpointArch::kAuto: return "auto";
+    case CheckpointArch::kTorchMha: return "torch-mha";
+    case CheckpointArch::kGpt2: return "gpt2";
+    case CheckpointArch::kBert: return "bert";
+  }
+  return "unknown";
+}
+
+int64_t FactoredFormParameters(const LayerConfig& c) {
+  const int64_t q = c.heads * c.d_head, kv = c.kv_heads * c.d_head;
+  const int64_t biases = c.bias ? q + 2 * kv + c.d_model : 0;
+  return c.d_model * (q + 2 * kv) + q * c.d_model + biases;
+}
+
+int64_t SummedFormParameters(const LayerConfig& c) {
+  const int64_t q = c.heads * c.d_head, kv = c.kv_heads * c.d_head;
+  const int64_t biases = c.bias ? q + kv + c.d_model : 0;
+  return c.d_model * (q + kv + c.heads * c.d_model) + biases;
+}
+
+StatusOr<SourceSpec> ParseSource(std::string_view source) {
+  const std::string at = "source '" + std::string(source) + "': ";
+  const size_t colon = source.find(':');
+  const std::string_view kind = Trim(source.substr(0, colon));
+  if (colon == std::string_view::npos || (kind != "random" && kind != "safetensors")) {
+    return InvalidArgumentError(at + "expected random:OPTIONS or safetensors:PATH[,OPTIONS], got kind '" +
+                                std::string(colon == std::string_view::npos ? source : kind) + "'");
+  }
+  // A path holding a comma cannot be written: the first comma ends it (docs/sources.md).
+  const std::vector<std::string_view> items = Split(source.substr(colon + 1), ',');
+  SourceSpec spec;
+  Status st;
+  if (kind == "random") {
+    spec.kind = SourceKind::kRandom;
+    st = ParseRandom(items.size() == 1 && Trim(items[0]).empty() ? std::vector<std::string_view>{} : items, &spec);
+  } else {
+    spec.kind = SourceKind::kSafetensors;
+    st = ParseSafetensors(items, &spec);
+  }
+  if (!st.ok()) return Prefixed(at, st);
+  return spec;
+}
+
+StatusOr<LayerSource> LoadSource(const SourceSpec& spec, int64_t max_form_bytes) {
+  try {
+    if (spec.kind == SourceKind::kSafetensors) return LoadSafetensors(spec, max_form_bytes);
+    auto config = CompleteConfig(spec.config);
+    if (!config.ok()) return config.status();
+    ATTNSERVE_RETURN_IF_ERROR(CheckFormSizes(*config, spec.hold_summed, max_form_bytes));
+    LayerSource out;
+    out.hold_summed = spec.hold_summed;
+    out.weights = RandomLayerWeights(*config, spec.seed);
+    ATTNSERVE_RETURN_IF_ERROR(ValidateWeights(out.weights));
+    return out;
+  } catch (const std::bad_alloc&) {
+    return ResourceExhaustedError("out of memory loading the layer's weights");
+  } catch (const std::exception& e) {
+    return InternalError(std::string("unexpected error loading the layer's weights: ") + e.what());
+  }
+}
+
+StatusOr<LayerSource> LoadSource(std::string_view source, int64_t max_form_bytes) {
+  auto spec = ParseSource(source);
+  if (!spec.ok()) return spec.status();
+  auto loaded = LoadSource(*spec, max_form_bytes);
+  if (!loaded.ok()) return Prefixed("source '" + std::string(source) + "': ", loaded.status());
+  return loaded;
+}
+
+}  // namespace attnserve

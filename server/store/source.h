@@ -1,0 +1,71 @@
+// Layer sources: the SOURCE strings of the server's `--layer NAME=SOURCE` flag and of the
+// LoadLayer RPC, and how each becomes validated LayerWeights (docs/sources.md):
+//   random:d_model=D,heads=H[,kv_heads=K][,d_head=E][,bias=B][,seed=S][,summed=B]
+//   safetensors:PATH[,arch=torch-mha|gpt2|bert][,index=I][,prefix=P][,heads=H][,kv_heads=K][,summed=B]
+// Parsing (ParseSource) does no I/O, so the grammar is checked before any file is touched.
+// Thread-safety: free functions over values; call from any thread.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "server/core/layer.h"
+#include "server/core/status.h"
+
+namespace attnserve {
+
+enum class SourceKind { kRandom, kSafetensors };
+
+// The checkpoint layouts a safetensors source may hold; kAuto: detect from tensor names.
+enum class CheckpointArch { kAuto, kTorchMha, kGpt2, kBert };
+std::string_view CheckpointArchName(CheckpointArch arch);  // "auto", "torch-mha", "gpt2", "bert"
+
+// A parsed SOURCE string. Fields that a kind does not use keep their defaults.
+struct SourceSpec {
+  SourceKind kind = SourceKind::kRandom;
+  bool hold_summed = true;  // summed=false: the layer opts out of the summed form
+
+  // random: the layer's shape as given (CompleteConfig not yet applied) and the draw's seed.
+  LayerConfig config;
+  uint64_t seed = 1;
+
+  // safetensors
+  std::string path;
+  CheckpointArch arch = CheckpointArch::kAuto;
+  std::optional<int64_t> index;        // gpt2, bert: the block number; default 0
+  std::optional<std::string> prefix;   // prepended to every tensor name; default: detected
+  int64_t heads = 0;                   // 0: from config.json beside the file
+  int64_t kv_heads = 0;                // 0: inferred from the K/V tensor widths
+};
+
+// Parses SOURCE; INVALID_ARGUMENT naming the key (or the kind) that is unknown, repeated,
+// missing its value or holding a bad one.
+StatusOr<SourceSpec> ParseSource(std::string_view source);
+
+// What a source yields: weights that passed ValidateWeights, and whether to hold the summed form.
+struct LayerSource {
+  LayerWeights weights;
+  bool hold_summed = true;
+  CheckpointArch arch = CheckpointArch::kAuto;  // safetensors: the layout read (given or detected)
+};
+
+// Largest single form (weights and biases, float32) a source may produce by default: far above
+// any real attention layer, far below what would take a server down.
+inline constexpr int64_t kDefaultMaxFormBytes = int64_t{16} << 30;
+
+// Draws or reads the weights of a parsed source and validates them. Checks the size of every
+// form that will be materialised (the factored one; the summed one unless opted out) against
+// `max_form_bytes` before allocating, RESOURCE_EXHAUSTED naming summed=false when only the
+// summed form is too large. Errors from files name the file and the tensor.
+StatusOr<LayerSource> LoadSource(const SourceSpec& spec, int64_t max_form_bytes = kDefaultMaxFormBytes);
+
+// ParseSource then LoadSource.
+StatusOr<LayerSource> LoadSource(std::string_view source, int64_t max_form_bytes = kDefaultMaxFormBytes);
+
+// Parameters (float32 values) of the factored and the summed forms of a complete config.
+int64_t FactoredFormParameters(const LayerConfig& config);
+int64_t SummedFormParameters(const LayerConfig& config);
+
+}  // namespace attnserve
