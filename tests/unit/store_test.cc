@@ -782,7 +782,8 @@ TEST(LayerStore, ConcurrentGetAndLoad) {
   for (int t = 0; t < 2; ++t) {
     threads.emplace_back([&, t] {
       std::mt19937_64 rng(testing::TestSeed() + t);
-      while (!stop.load()) {
+      // At least a few rounds each, however the scheduler orders the threads on a busy machine.
+      for (int round = 0; !stop.load() || round < 5; ++round) {
         const auto layer = store.Get("l" + std::to_string(rng() % 3));
         EXPECT_NE(layer, nullptr);
         if (!layer) continue;
@@ -814,7 +815,7 @@ TEST(LayerStore, ConcurrentGetAndLoad) {
   stop = true;
   for (auto& r : threads) r.join();
   EXPECT_EQ(loads.load(), 50);
-  EXPECT_GT(forwards.load(), 0);
+  EXPECT_GE(forwards.load(), 10);
   EXPECT_EQ(store.List().size(), 3u);
 }
 
