@@ -11,6 +11,8 @@
 
 namespace attnserve {
 
+// Every function that takes a LayerConfig (or weights or a form built from one) expects it
+// complete: passed through CompleteConfig, so kv_heads and d_head are set and valid.
 struct LayerConfig {
   int64_t d_model = 0;
   int64_t heads = 0;

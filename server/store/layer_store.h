@@ -22,7 +22,7 @@ namespace attnserve {
 
 struct Layer {
   std::string name;
-  std::string source;  // the SOURCE string it was loaded from (docs/architecture.md, "Layer sources")
+  std::string source;  // the SOURCE string it was loaded from (docs/sources.md)
   LayerConfig config;  // complete
   std::string device;  // the backend's DeviceName()
   // The forms held, resident on the backend. The factored form is always held.

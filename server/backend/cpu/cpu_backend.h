@@ -13,7 +13,8 @@ namespace attnserve {
 struct CpuBackendOptions {
   int threads = 0;  // 0: all cores OpenMP sees
   // Upper bound on the score scratch of the summed form held at once (its [n, h·m] matrix per
-  // sequence); larger batches run in chunks so memory stays bounded.
+  // sequence); larger batches run in chunks so memory stays bounded. A single sequence larger
+  // than the bound still runs whole: the service's size limits bound that case.
   int64_t max_score_scratch_bytes = int64_t{256} << 20;
 };
 
