@@ -1,0 +1,188 @@
+// attnserve: flags and config → backend, layer store, executor, gRPC server; runs until
+// SIGTERM or SIGINT. Wiring only: every piece it starts lives in its own component.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <spdlog/pattern_formatter.h>
+#include <spdlog/sinks/stdout_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "server/backend/cpu/cpu_backend.h"
+#include "server/batching/executor.h"
+#include "server/server_options.h"
+#include "server/service/service.h"
+#include "server/store/layer_store.h"
+
+#ifndef ATTNSERVE_VERSION
+#define ATTNSERVE_VERSION "unknown"
+#endif
+
+namespace attnserve {
+namespace {
+
+// How long in-flight calls get to finish after a signal before they are cancelled.
+constexpr auto kShutdownDeadline = std::chrono::seconds(2);
+
+// %v escaped for a JSON string, so that --log-json lines stay valid JSON whatever the message.
+class JsonMessageFlag final : public spdlog::custom_flag_formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, const std::tm&, spdlog::memory_buf_t& dest) override {
+    for (char c : std::string_view(msg.payload.data(), msg.payload.size())) {
+      switch (c) {
+        case '"': dest.append(std::string_view("\\\"")); break;
+        case '\\': dest.append(std::string_view("\\\\")); break;
+        case '\n': dest.append(std::string_view("\\n")); break;
+        case '\r': dest.append(std::string_view("\\r")); break;
+        case '\t': dest.append(std::string_view("\\t")); break;
+        default:
+          if (static_cast<unsigned char>(c) < 0x20) {
+            char buf[8];
+            std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+            dest.append(std::string_view(buf));
+          } else {
+            dest.push_back(c);
+          }
+      }
+    }
+  }
+  std::unique_ptr<custom_flag_formatter> clone() const override { return std::make_unique<JsonMessageFlag>(); }
+};
+
+void ConfigureLogging(const ServerOptions& options) {
+  // Logs go to stderr; stdout carries only the 'listening on' line that scripts read.
+  auto logger = std::make_shared<spdlog::logger>("attnserve", std::make_shared<spdlog::sinks::stderr_sink_mt>());
+  if (options.log_json) {
+    auto formatter = std::make_unique<spdlog::pattern_formatter>(spdlog::pattern_time_type::utc);
+    formatter->add_flag<JsonMessageFlag>('*').set_pattern(
+        R"({"time":"%Y-%m-%dT%H:%M:%S.%fZ","level":"%l","thread":%t,"msg":"%*"})");
+    logger->set_formatter(std::move(formatter));
+  } else {
+    logger->set_pattern("%Y-%m-%d %H:%M:%S.%e %^%-5l%$ %v");
+  }
+  logger->set_level(spdlog::level::from_str(options.log_level));
+  logger->flush_on(spdlog::level::info);
+  spdlog::set_default_logger(std::move(logger));
+}
+
+std::string HostOf(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  return colon == std::string::npos ? listen : listen.substr(0, colon);
+}
+
+bool WritePortFile(const std::string& path, int port) {
+  // Written whole and then renamed: a reader never sees a half-written port.
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << port << "\n";
+    if (!out.good()) return false;
+  }
+  return std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+int Run(int argc, char** argv) {
+  StatusOr<ServerOptions> parsed = ParseServerOptions(argc, argv);
+  if (!parsed.ok()) {
+    std::cerr << "attnserve: " << parsed.status().message() << "\n";
+    return 2;
+  }
+  const ServerOptions& options = *parsed;
+  if (options.help) {
+    std::cout << UsageText();
+    return 0;
+  }
+  if (options.version) {
+    std::cout << "attnserve " << ATTNSERVE_VERSION << "\n";
+    return 0;
+  }
+  ConfigureLogging(options);
+
+  // Block the shutdown signals before any thread exists so that every thread inherits the
+  // mask and only the waiter below receives them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  CpuBackend backend(CpuBackendOptions{.threads = options.threads});
+  LayerStore store(&backend);
+  for (const auto& [name, source] : options.layers) {
+    StatusOr<std::shared_ptr<const Layer>> layer = store.Load(name, source);
+    if (!layer.ok()) {
+      spdlog::critical("cannot load layer '{}' from '{}': {}", name, source, layer.status().ToString());
+      return 1;
+    }
+    std::string forms;
+    for (const auto& [form, _] : (*layer)->forms) forms += (forms.empty() ? "" : ", ") + std::string(FormName(form));
+    spdlog::info("layer '{}' from '{}': {} (forms: {})", name, source, (*layer)->config.ToString(), forms);
+  }
+
+  ThreadPoolExecutor executor(&backend, {.threads = options.workers, .queue_capacity = options.queue_capacity});
+  AttentionServiceImpl service(&store, &executor,
+                               ServiceOptions{.admin_token = options.admin_token,
+                                              .max_score_bytes = int64_t{options.max_scores_mb} << 20});
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
+  // gRPC sets SO_REUSEPORT by default: a second server on a busy port would start and share
+  // it silently. Refuse to start instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(options.max_message_mb << 20);
+  builder.SetMaxSendMessageSize(options.max_message_mb << 20);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    spdlog::critical("cannot listen on {} (address in use or invalid?)", options.listen);
+    return 1;
+  }
+  server->GetHealthCheckService()->SetServingStatus("attnserve.v1.AttentionService", true);
+  const std::string bound = HostOf(options.listen) + ":" + std::to_string(port);
+  std::cout << "listening on " << bound << std::endl;
+  spdlog::info("attnserve {} listening on {} (backend {}, {} threads, {} workers, max message {} MiB{})",
+               ATTNSERVE_VERSION, bound, backend.DeviceName(), backend.threads(), options.workers,
+               options.max_message_mb, options.admin_token.empty() ? "" : ", admin token required");
+  if (!options.port_file.empty() && !WritePortFile(options.port_file, port)) {
+    spdlog::critical("cannot write the port file '{}'", options.port_file);
+    server->Shutdown();
+    return 1;
+  }
+
+  std::thread signal_waiter([&] {
+    int signal = 0;
+    sigwait(&signals, &signal);
+    spdlog::info("signal {}: shutting down (in-flight calls get {} s)", signal,
+                 std::chrono::duration_cast<std::chrono::seconds>(kShutdownDeadline).count());
+    server->GetHealthCheckService()->Shutdown();  // health checks answer NOT_SERVING from now on
+    server->Shutdown(std::chrono::system_clock::now() + kShutdownDeadline);
+  });
+  server->Wait();
+  signal_waiter.join();
+  executor.Shutdown();
+  spdlog::info("stopped");
+  return 0;
+}
+
+}  // namespace
+}  // namespace attnserve
+
+int main(int argc, char** argv) {
+  try {
+    return attnserve::Run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "attnserve: fatal: " << e.what() << "\n";
+    return 1;
+  }
+}

@@ -1,0 +1,265 @@
+#include "server/server_options.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <charconv>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string_view>
+
+#include "server/store/layer_store.h"  // ValidateLayerName
+
+namespace attnserve {
+namespace {
+
+constexpr const char* kLogLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+
+Status CheckInt(const std::string& what, const std::string& text, int min, int max, int* out) {
+  int v = 0;
+  const char* end = text.data() + text.size();
+  auto [p, ec] = std::from_chars(text.data(), end, v);
+  if (ec != std::errc() || p != end || v < min || v > max) {
+    return InvalidArgumentError(what + ": expected an integer in [" + std::to_string(min) + ", " +
+                                std::to_string(max) + "], got '" + text + "'");
+  }
+  *out = v;
+  return OkStatus();
+}
+
+Status CheckBool(const std::string& what, const std::string& text, bool* out) {
+  if (text == "true" || text == "1" || text == "yes") {
+    *out = true;
+  } else if (text == "false" || text == "0" || text == "no") {
+    *out = false;
+  } else {
+    return InvalidArgumentError(what + ": expected true or false, got '" + text + "'");
+  }
+  return OkStatus();
+}
+
+Status CheckLogLevel(const std::string& what, const std::string& level) {
+  for (const char* l : kLogLevels) {
+    if (level == l) return OkStatus();
+  }
+  return InvalidArgumentError(what + ": expected one of trace, debug, info, warn, error, critical, off, got '" +
+                              level + "'");
+}
+
+void AddLayer(std::vector<std::pair<std::string, std::string>>& layers, std::pair<std::string, std::string> layer) {
+  for (auto& l : layers) {
+    if (l.first == layer.first) {
+      l.second = std::move(layer.second);
+      return;
+    }
+  }
+  layers.push_back(std::move(layer));
+}
+
+// The limits every setting must respect, wherever it came from.
+Status CheckRanges(const ServerOptions& o) {
+  if (o.listen.empty()) return InvalidArgumentError("--listen: expected HOST:PORT, got an empty string");
+  if (o.threads < 0 || o.threads > 1024) {
+    return InvalidArgumentError("threads: expected [0, 1024], got " + std::to_string(o.threads));
+  }
+  if (o.workers < 1 || o.workers > 256) {
+    return InvalidArgumentError("workers: expected [1, 256], got " + std::to_string(o.workers));
+  }
+  if (o.queue_capacity < 1 || o.queue_capacity > 1000000) {
+    return InvalidArgumentError("queue_capacity: expected [1, 1000000], got " + std::to_string(o.queue_capacity));
+  }
+  // gRPC takes the limit as an int of bytes.
+  if (o.max_message_mb < 1 || o.max_message_mb > 2047) {
+    return InvalidArgumentError("max_message_mb: expected [1, 2047], got " + std::to_string(o.max_message_mb));
+  }
+  if (o.max_scores_mb < 1 || o.max_scores_mb > 1048576) {
+    return InvalidArgumentError("max_scores_mb: expected [1, 1048576], got " + std::to_string(o.max_scores_mb));
+  }
+  ATTNSERVE_RETURN_IF_ERROR(CheckLogLevel("log_level", o.log_level));
+  for (const auto& [name, source] : o.layers) {
+    ATTNSERVE_RETURN_IF_ERROR(ValidateLayerName(name));
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+StatusOr<std::pair<std::string, std::string>> ParseLayerFlag(const std::string& value) {
+  const size_t eq = value.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == value.size()) {
+    return InvalidArgumentError("--layer: expected NAME=SOURCE (e.g. demo=random:d_model=64,heads=4), got '" + value +
+                                "'");
+  }
+  return std::make_pair(value.substr(0, eq), value.substr(eq + 1));
+}
+
+Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, ServerOptions* o) {
+  try {
+    const YAML::Node root = YAML::Load(yaml_text);
+    if (root.IsNull()) return OkStatus();
+    if (!root.IsMap()) return InvalidArgumentError(origin + ": expected a mapping of settings at the top level");
+    for (const auto& kv : root) {
+      const std::string key = kv.first.as<std::string>();
+      const YAML::Node& v = kv.second;
+      const std::string what = origin + ": " + key;
+      if (key == "layers") {
+        if (!v.IsMap()) return InvalidArgumentError(what + ": expected a mapping NAME: SOURCE");
+        for (const auto& layer : v) {
+          AddLayer(o->layers, {layer.first.as<std::string>(), layer.second.as<std::string>()});
+        }
+        continue;
+      }
+      if (!v.IsScalar()) return InvalidArgumentError(what + ": expected a single value");
+      const std::string s = v.as<std::string>();
+      if (key == "listen") {
+        o->listen = s;
+      } else if (key == "port_file") {
+        o->port_file = s;
+      } else if (key == "threads") {
+        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 0, 1024, &o->threads));
+      } else if (key == "workers") {
+        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 1, 256, &o->workers));
+      } else if (key == "queue_capacity") {
+        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 1, 1000000, &o->queue_capacity));
+      } else if (key == "max_message_mb") {
+        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 1, 2047, &o->max_message_mb));
+      } else if (key == "max_scores_mb") {
+        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 1, 1048576, &o->max_scores_mb));
+      } else if (key == "log_level") {
+        ATTNSERVE_RETURN_IF_ERROR(CheckLogLevel(what, s));
+        o->log_level = s;
+      } else if (key == "log_json") {
+        ATTNSERVE_RETURN_IF_ERROR(CheckBool(what, s, &o->log_json));
+      } else if (key == "admin_token") {
+        o->admin_token = s;
+      } else {
+        // A misspelt key silently ignored would leave a setting at its default.
+        return InvalidArgumentError(what + ": unknown key (expected listen, port_file, layers, threads, workers, "
+                                           "queue_capacity, max_message_mb, max_scores_mb, log_level, log_json, admin_token)");
+      }
+    }
+  } catch (const YAML::Exception& e) {
+    return InvalidArgumentError(origin + ": not valid YAML: " + e.what());
+  }
+  return OkStatus();
+}
+
+StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv) {
+  struct Flag {
+    std::string name, value;
+    bool has_value;
+  };
+  std::vector<Flag> flags;
+  static const std::string_view kBoolFlags[] = {"--help", "-h", "--version", "--log-json"};
+  static const std::string_view kValueFlags[] = {"--listen",     "--port-file",      "--layer",     "--threads",
+                                                 "--workers",    "--queue-capacity", "--max-message-mb",
+                                                 "--max-scores-mb",
+                                                 "--log-level",  "--admin-token",    "--config"};
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    Flag f;
+    const size_t eq = arg.find('=');
+    f.name = arg.substr(0, eq);
+    f.has_value = eq != std::string::npos;
+    if (f.has_value) f.value = arg.substr(eq + 1);
+    bool is_bool = false, is_value = false;
+    for (auto b : kBoolFlags) is_bool = is_bool || f.name == b;
+    for (auto v : kValueFlags) is_value = is_value || f.name == v;
+    if (!is_bool && !is_value) return InvalidArgumentError("unknown flag '" + arg + "' (see --help)");
+    if (is_value && !f.has_value) {
+      if (i + 1 >= argc) return InvalidArgumentError(f.name + ": expected a value after it");
+      f.value = argv[++i];
+      f.has_value = true;
+    }
+    flags.push_back(std::move(f));
+  }
+
+  ServerOptions o;
+  if (const char* token = std::getenv("ATTNSERVE_ADMIN_TOKEN")) o.admin_token = token;
+  for (const Flag& f : flags) {
+    if (f.name != "--config") continue;
+    o.config_file = f.value;
+    std::ifstream in(f.value);
+    if (!in) return InvalidArgumentError("--config: cannot read '" + f.value + "'");
+    std::stringstream text;
+    text << in.rdbuf();
+    ATTNSERVE_RETURN_IF_ERROR(ApplyYamlConfig(text.str(), f.value, &o));
+  }
+  for (const Flag& f : flags) {
+    const std::string& v = f.value;
+    if (f.name == "--help" || f.name == "-h") {
+      o.help = true;
+    } else if (f.name == "--version") {
+      o.version = true;
+    } else if (f.name == "--log-json") {
+      if (f.has_value) {
+        ATTNSERVE_RETURN_IF_ERROR(CheckBool("--log-json", v, &o.log_json));
+      } else {
+        o.log_json = true;
+      }
+    } else if (f.name == "--listen") {
+      o.listen = v;
+    } else if (f.name == "--port-file") {
+      o.port_file = v;
+    } else if (f.name == "--layer") {
+      StatusOr<std::pair<std::string, std::string>> layer = ParseLayerFlag(v);
+      if (!layer.ok()) return layer.status();
+      AddLayer(o.layers, std::move(layer).value());
+    } else if (f.name == "--threads") {
+      ATTNSERVE_RETURN_IF_ERROR(CheckInt("--threads", v, 0, 1024, &o.threads));
+    } else if (f.name == "--workers") {
+      ATTNSERVE_RETURN_IF_ERROR(CheckInt("--workers", v, 1, 256, &o.workers));
+    } else if (f.name == "--queue-capacity") {
+      ATTNSERVE_RETURN_IF_ERROR(CheckInt("--queue-capacity", v, 1, 1000000, &o.queue_capacity));
+    } else if (f.name == "--max-message-mb") {
+      ATTNSERVE_RETURN_IF_ERROR(CheckInt("--max-message-mb", v, 1, 2047, &o.max_message_mb));
+    } else if (f.name == "--max-scores-mb") {
+      ATTNSERVE_RETURN_IF_ERROR(CheckInt("--max-scores-mb", v, 1, 1048576, &o.max_scores_mb));
+    } else if (f.name == "--log-level") {
+      ATTNSERVE_RETURN_IF_ERROR(CheckLogLevel("--log-level", v));
+      o.log_level = v;
+    } else if (f.name == "--admin-token") {
+      o.admin_token = v;
+    }
+  }
+  if (o.help || o.version) return o;
+  ATTNSERVE_RETURN_IF_ERROR(CheckRanges(o));
+  if (o.layers.empty()) o.layers.emplace_back(kDemoLayerName, kDemoLayerSource);
+  return o;
+}
+
+std::string UsageText() {
+  return std::string(
+             "Usage: attnserve [flags]\n"
+             "Serves multi-head attention layers over gRPC (attnserve.v1.AttentionService, grpc.health.v1,\n"
+             "server reflection). Flags override the --config file; see docs/service.md.\n"
+             "\n"
+             "  --listen ADDR          address to listen on (default 0.0.0.0:50051); port 0 picks a free\n"
+             "                         port, printed as 'listening on HOST:PORT'\n"
+             "  --port-file FILE       also write the bound port to FILE once listening\n"
+             "  --layer NAME=SOURCE    load a layer at start-up (repeatable); SOURCE is random:... or\n"
+             "                         safetensors:... (docs/sources.md). Without any layer the server\n"
+             "                         serves '") +
+         kDemoLayerName + "' = " + kDemoLayerSource +
+         "\n"
+         "  --threads N            CPU backend threads per Forward (default 0 = every core)\n"
+         "  --workers N            Forward jobs computed side by side (default 1)\n"
+         "  --queue-capacity N     Forward jobs waiting at most; beyond: RESOURCE_EXHAUSTED (default 256)\n"
+         "  --max-message-mb N     largest request and response in MiB (default 64)\n"
+         "  --max-scores-mb N      largest attention scores one sequence may need, n*m*heads*4 bytes,\n"
+         "                         in MiB (default 2048); beyond: RESOURCE_EXHAUSTED\n"
+         "  --log-level LEVEL      trace, debug, info, warn, error, critical or off (default info)\n"
+         "  --log-json             log one JSON object per line\n"
+         "  --admin-token TOKEN    require 'authorization: Bearer TOKEN' on LoadLayer and UnloadLayer\n"
+         "                         (or set ATTNSERVE_ADMIN_TOKEN, which keeps it out of ps)\n"
+         "  --config FILE          YAML file with the same settings: listen, port_file, layers\n"
+         "                         {NAME: SOURCE}, threads, workers, queue_capacity, max_message_mb,\n"
+         "                         max_scores_mb, log_level, log_json, admin_token\n"
+         "  --help, -h             print this help and exit\n"
+         "  --version              print the version and exit\n"
+         "\n"
+         "Exit status: 0 after a clean shutdown on SIGTERM or SIGINT; 1 when start-up fails (bad layer,\n"
+         "address in use); 2 for bad flags or configuration.\n";
+}
+
+}  // namespace attnserve

@@ -1,0 +1,49 @@
+// The attnserve binary's settings: command-line flags over an optional YAML file (flags win),
+// checked before anything starts. `attnserve --help` prints UsageText().
+// Thread-safety: plain values and pure functions; parse once in main.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "server/core/status.h"
+
+namespace attnserve {
+
+struct ServerOptions {
+  std::string listen = "0.0.0.0:50051";
+  std::string port_file;  // when set, the bound port is written there once listening
+  // NAME=SOURCE pairs in load order. Empty after parsing: serve the built-in demo layer.
+  std::vector<std::pair<std::string, std::string>> layers;
+  int threads = 0;  // the CPU backend's threads per Forward; 0 = every core
+  int workers = 1;  // executor threads running Forward jobs side by side
+  int queue_capacity = 256;
+  int max_message_mb = 64;  // receive and send limit
+  int max_scores_mb = 2048;  // attention scores of one sequence (n · m · heads · 4 bytes)
+  std::string log_level = "info";
+  bool log_json = false;
+  std::string admin_token;  // empty: LoadLayer / UnloadLayer are unguarded
+  std::string config_file;
+  bool help = false;
+  bool version = false;
+};
+
+inline constexpr char kDemoLayerName[] = "demo";
+inline constexpr char kDemoLayerSource[] = "random:d_model=768,heads=12,seed=1";
+
+// Parses argv (flags as `--name value` or `--name=value`); reads --config first so that every
+// other flag overrides the file. Layers from flags replace file layers of the same name. The
+// admin token may also come from the environment variable ATTNSERVE_ADMIN_TOKEN (lowest
+// precedence), which keeps it out of `ps`. INVALID_ARGUMENT naming the flag or key otherwise.
+StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv);
+
+// Applies a YAML document (the keys of docs/service.md) onto `options`; `origin` names it in errors.
+Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, ServerOptions* options);
+
+// Splits "NAME=SOURCE"; INVALID_ARGUMENT when either side is missing.
+StatusOr<std::pair<std::string, std::string>> ParseLayerFlag(const std::string& value);
+
+std::string UsageText();
+
+}  // namespace attnserve

@@ -1,0 +1,399 @@
+#include "server/service/service.h"
+
+#include <spdlog/spdlog.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "server/batching/divergence.h"
+#include "server/core/forms.h"
+#include "server/service/validation.h"
+
+namespace attnserve {
+
+// validation.h speaks the wire's numbers without including the proto; they must agree.
+static_assert(static_cast<int>(WireDtype::kFloat32) == v1::DATA_TYPE_FLOAT32);
+static_assert(static_cast<int>(WireDtype::kFloat16) == v1::DATA_TYPE_FLOAT16);
+static_assert(static_cast<int>(WireDtype::kBFloat16) == v1::DATA_TYPE_BFLOAT16);
+static_assert(static_cast<int>(WireForm::kUnspecified) == v1::FORM_UNSPECIFIED);
+static_assert(static_cast<int>(WireForm::kFactored) == v1::FORM_FACTORED);
+static_assert(static_cast<int>(WireForm::kSummed) == v1::FORM_SUMMED);
+static_assert(static_cast<int>(WireForm::kLowRank) == v1::FORM_LOWRANK);
+// attnserve::StatusCode has gRPC's numbers, so conversion is a cast.
+static_assert(static_cast<int>(StatusCode::kInvalidArgument) == grpc::StatusCode::INVALID_ARGUMENT);
+static_assert(static_cast<int>(StatusCode::kResourceExhausted) == grpc::StatusCode::RESOURCE_EXHAUSTED);
+static_assert(static_cast<int>(StatusCode::kUnauthenticated) == grpc::StatusCode::UNAUTHENTICATED);
+
+// One thread that runs admin tasks in order. A layer load reads files and materialises forms
+// (seconds for a large layer); doing that on a gRPC callback thread would stall other calls.
+class AdminWorker {
+ public:
+  AdminWorker() : thread_([this] { Run(); }) {}
+  ~AdminWorker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  void Post(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;  // guarded by mu_
+  bool stopping_ = false;                    // guarded by mu_
+  std::thread thread_;
+};
+
+namespace {
+
+grpc::Status ToGrpc(const Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
+}
+
+v1::Form ToProtoForm(Form form) { return static_cast<v1::Form>(FormToWire(form)); }
+
+WireTensor ViewTensor(bool present, const v1::Tensor& t) {
+  WireTensor w;
+  w.present = present;
+  w.dtype = static_cast<int>(t.dtype());
+  w.shape = std::span<const int64_t>(t.shape().data(), t.shape().size());
+  w.data = t.data();
+  return w;
+}
+
+std::string LoadedNames(const LayerStore& store) {
+  std::string names;
+  for (const auto& layer : store.List()) names += (names.empty() ? "" : ", ") + layer->name;
+  return names.empty() ? "none" : names;
+}
+
+// The state of one Forward call: its decoded input, where each job writes, and the outcome of
+// every job. Shared by the jobs' completions; the last one to finish answers the call.
+class ForwardCall {
+ public:
+  ForwardCall(grpc::ServerUnaryReactor* reactor, v1::ForwardResponse* response, std::shared_ptr<const Layer> layer,
+              DecodedForward decoded)
+      : reactor_(reactor), response_(response), layer_(std::move(layer)), decoded_(std::move(decoded)) {}
+
+  // Prepares the output buffers and submits the served form's job and, for `compare`, one per
+  // other held form. The call is answered from the last job's completion.
+  static void Start(std::shared_ptr<ForwardCall> call, Form served, bool compare, Executor* executor,
+                    std::chrono::steady_clock::time_point arrived) {
+    call->forms_.push_back(served);
+    if (compare) {
+      for (const auto& [form, _] : call->layer_->forms) {
+        if (form != served) call->forms_.push_back(form);
+      }
+    }
+    const int64_t elements = call->decoded_.output_elements();
+    v1::Tensor* out = call->response_->mutable_output();
+    out->set_dtype(v1::DATA_TYPE_FLOAT32);
+    out->add_shape(call->decoded_.batch());
+    out->add_shape(call->decoded_.n());
+    out->add_shape(call->decoded_.d_model());
+    std::string* bytes = out->mutable_data();
+    bytes->resize(elements * sizeof(float));
+    // The backend writes straight into the response's bytes; a string's heap buffer is
+    // aligned for float, but check rather than assume.
+    if (reinterpret_cast<uintptr_t>(bytes->data()) % alignof(float) == 0) {
+      call->served_output_ = reinterpret_cast<float*>(bytes->data());
+    } else {
+      call->fallback_output_.resize(elements);
+      call->served_output_ = call->fallback_output_.data();
+    }
+    call->compare_outputs_.resize(call->forms_.size() - 1);
+    for (auto& o : call->compare_outputs_) o.resize(elements);
+    call->statuses_.resize(call->forms_.size());
+    call->pending_ = static_cast<int>(call->forms_.size());
+
+    // Every job is built before the first is submitted: what allocates may throw, and after
+    // a Submit only the jobs' completions may answer the call.
+    std::vector<ForwardJob> jobs(call->forms_.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      jobs[i].layer = call->layer_;
+      jobs[i].form = call->forms_[i];
+      jobs[i].sequences =
+          call->decoded_.Sequences(i == 0 ? call->served_output_ : call->compare_outputs_[i - 1].data());
+      jobs[i].enqueued = arrived;
+      jobs[i].done = [call, i](Status status, JobTimings timings) { call->JobDone(i, std::move(status), timings); };
+    }
+    call.reset();  // the jobs hold the call now; the last completion answers and frees it
+    for (ForwardJob& job : jobs) executor->Submit(std::move(job));
+  }
+
+ private:
+  void JobDone(size_t index, Status status, JobTimings timings) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      statuses_[index] = std::move(status);
+      if (index == 0) served_timings_ = timings;
+      if (--pending_ > 0) return;
+    }
+    Finish();
+  }
+
+  // Runs once, on the thread of the last job's completion.
+  void Finish() {
+    if (!statuses_[0].ok()) {
+      reactor_->Finish(ToGrpc(statuses_[0]));
+      return;
+    }
+    for (size_t i = 1; i < statuses_.size(); ++i) {
+      if (!statuses_[i].ok()) {
+        // The client asked for the comparison; an answer without it would look like agreement.
+        reactor_->Finish(grpc::Status(static_cast<grpc::StatusCode>(statuses_[i].code()),
+                                      "compare (" + std::string(FormName(forms_[i])) + " form): " +
+                                          statuses_[i].message()));
+        return;
+      }
+    }
+    const size_t elements = static_cast<size_t>(decoded_.output_elements());
+    if (!fallback_output_.empty()) {
+      std::memcpy(response_->mutable_output()->mutable_data()->data(), fallback_output_.data(),
+                  elements * sizeof(float));
+    }
+    const std::span<const float> served(served_output_, elements);
+    for (size_t i = 1; i < forms_.size(); ++i) {
+      const DivergenceStats d = MeasureDivergence(served, compare_outputs_[i - 1]);
+      v1::Divergence* div = response_->add_divergence();
+      div->set_form(ToProtoForm(forms_[i]));
+      div->set_max_abs(d.max_abs);
+      div->set_rel_l2(d.rel_l2);
+    }
+    response_->set_form(ToProtoForm(forms_[0]));
+    response_->set_queue_us(served_timings_.queue_us);
+    response_->set_compute_us(served_timings_.compute_us);
+    response_->set_batch_requests(served_timings_.batch_requests);
+    reactor_->Finish(grpc::Status::OK);
+  }
+
+  grpc::ServerUnaryReactor* const reactor_;
+  v1::ForwardResponse* const response_;
+  const std::shared_ptr<const Layer> layer_;  // keeps the weights alive for every job
+  const DecodedForward decoded_;
+  std::vector<Form> forms_;  // [0]: the served form; the rest: compared against it
+  float* served_output_ = nullptr;
+  std::vector<float> fallback_output_;
+  std::vector<std::vector<float>> compare_outputs_;
+
+  std::mutex mu_;
+  std::vector<Status> statuses_;  // guarded by mu_ until pending_ reaches 0
+  JobTimings served_timings_;     // guarded by mu_ until pending_ reaches 0
+  int pending_ = 0;               // guarded by mu_
+};
+
+// Runs `body` and turns anything it throws into INTERNAL (or RESOURCE_EXHAUSTED for memory):
+// no exception crosses the service boundary.
+template <typename Body>
+Status Guarded(const char* what, Body&& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return ResourceExhaustedError(std::string(what) + ": out of memory");
+  } catch (const std::exception& e) {
+    spdlog::error("{}: unexpected exception: {}", what, e.what());
+    return InternalError(std::string(what) + ": " + e.what());
+  } catch (...) {
+    spdlog::error("{}: unexpected exception", what);
+    return InternalError(std::string(what) + ": unexpected exception");
+  }
+}
+
+}  // namespace
+
+void FillLayerInfo(const Layer& layer, v1::LayerInfo* info) {
+  info->set_name(layer.name);
+  info->set_source(layer.source);
+  v1::LayerConfig* c = info->mutable_config();
+  c->set_d_model(layer.config.d_model);
+  c->set_heads(layer.config.heads);
+  c->set_kv_heads(layer.config.kv_heads);
+  c->set_d_head(layer.config.d_head);
+  c->set_bias(layer.config.bias);
+  c->set_scale(layer.config.SoftmaxScale());
+  for (const auto& [form, resident] : layer.forms) {
+    const FormWeights& w = resident->weights();
+    v1::FormInfo* f = info->add_forms();
+    f->set_form(ToProtoForm(form));
+    f->set_parameters(w.Parameters());
+    f->set_bytes(w.Bytes());
+    f->set_device(layer.device);
+    const SequenceShape shape{kFlopsReferenceLength, kFlopsReferenceLength, -1};
+    f->set_flops_per_token(ForwardFlops(w, std::span<const SequenceShape>(&shape, 1)) /
+                           static_cast<double>(kFlopsReferenceLength));
+    f->set_flops_reference_length(kFlopsReferenceLength);
+  }
+}
+
+AttentionServiceImpl::AttentionServiceImpl(LayerStore* store, Executor* executor, ServiceOptions options)
+    : store_(store), executor_(executor), options_(std::move(options)), admin_(std::make_unique<AdminWorker>()) {}
+
+AttentionServiceImpl::~AttentionServiceImpl() = default;
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerContext* context,
+                                                        const v1::ForwardRequest* request,
+                                                        v1::ForwardResponse* response) {
+  const auto arrived = std::chrono::steady_clock::now();
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  Status status = Guarded("Forward", [&]() -> Status {
+    ATTNSERVE_RETURN_IF_ERROR(CheckWireForm(request->form()));
+    if (request->layer().empty()) {
+      return InvalidArgumentError("layer: expected a layer name, got an empty string (loaded: " +
+                                  LoadedNames(*store_) + ")");
+    }
+    std::shared_ptr<const Layer> layer = store_->Get(request->layer());
+    if (layer == nullptr) {
+      return NotFoundError("layer: no layer named '" + request->layer() + "' is loaded (loaded: " +
+                           LoadedNames(*store_) + ")");
+    }
+    StatusOr<Form> form = ChooseForm(request->form(), *layer);
+    if (!form.ok()) return form.status();
+
+    WireForwardRequest wire;
+    wire.form = request->form();
+    wire.input = ViewTensor(request->has_input(), request->input());
+    wire.context = ViewTensor(request->has_context(), request->context());
+    wire.causal = request->causal();
+    wire.key_lengths = std::span<const int32_t>(request->key_lengths().data(), request->key_lengths().size());
+    StatusOr<DecodedForward> decoded =
+        DecodeForward(layer->config, wire, ForwardLimits{.max_score_bytes = options_.max_score_bytes});
+    if (!decoded.ok()) return decoded.status();
+
+    auto call = std::make_shared<ForwardCall>(reactor, response, layer, std::move(decoded).value());
+    ForwardCall::Start(std::move(call), *form, request->compare(), executor_, arrived);
+    return OkStatus();
+  });
+  // Once Start has run, the jobs' completions answer the call; only earlier errors end here.
+  if (!status.ok()) {
+    spdlog::debug("Forward layer='{}': {}", request->layer(), status.ToString());
+    reactor->Finish(ToGrpc(status));
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListLayers(grpc::CallbackServerContext* context,
+                                                           const v1::ListLayersRequest* /*request*/,
+                                                           v1::ListLayersResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpc(Guarded("ListLayers", [&]() -> Status {
+    for (const auto& layer : store_->List()) FillLayerInfo(*layer, response->add_layers());
+    return OkStatus();
+  })));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetLayer(grpc::CallbackServerContext* context,
+                                                         const v1::GetLayerRequest* request, v1::LayerInfo* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(ToGrpc(Guarded("GetLayer", [&]() -> Status {
+    std::shared_ptr<const Layer> layer = store_->Get(request->name());
+    if (layer == nullptr) {
+      return NotFoundError("name: no layer named '" + request->name() + "' is loaded (loaded: " +
+                           LoadedNames(*store_) + ")");
+    }
+    // include_spectrum: no spectra are computed yet; the answer simply has none.
+    FillLayerInfo(*layer, response);
+    return OkStatus();
+  })));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerContext* context,
+                                                          const v1::LoadLayerRequest* request,
+                                                          v1::LayerInfo* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  Status status = Guarded("LoadLayer", [&]() -> Status {
+    ATTNSERVE_RETURN_IF_ERROR(CheckAdmin(*context));
+    // Checked here too (the store checks again) so a bad name does not wait behind a load.
+    ATTNSERVE_RETURN_IF_ERROR(ValidateLayerName(request->name()));
+    if (request->source().empty()) {
+      return InvalidArgumentError("source: expected a SOURCE such as 'random:d_model=64,heads=4' or "
+                                  "'safetensors:PATH', got an empty string");
+    }
+    // The request and response stay valid until Finish, which the task calls.
+    admin_->Post([this, reactor, request, response] {
+      Status st = Guarded("LoadLayer", [&]() -> Status {
+        StatusOr<std::shared_ptr<const Layer>> layer = store_->Load(request->name(), request->source());
+        if (!layer.ok()) return layer.status();
+        FillLayerInfo(**layer, response);
+        return OkStatus();
+      });
+      if (st.ok()) {
+        spdlog::info("loaded layer '{}' from '{}'", request->name(), request->source());
+      } else {
+        spdlog::warn("LoadLayer '{}' from '{}' refused: {}", request->name(), request->source(), st.ToString());
+      }
+      reactor->Finish(ToGrpc(st));
+    });
+    return OkStatus();
+  });
+  if (!status.ok()) reactor->Finish(ToGrpc(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::UnloadLayer(grpc::CallbackServerContext* context,
+                                                            const v1::UnloadLayerRequest* request,
+                                                            v1::UnloadLayerResponse* /*response*/) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  Status status = Guarded("UnloadLayer", [&]() -> Status {
+    ATTNSERVE_RETURN_IF_ERROR(CheckAdmin(*context));
+    // Requests already holding the layer finish on it; the weights go with the last of them.
+    Status st = store_->Unload(request->name());
+    if (st.ok()) spdlog::info("unloaded layer '{}'", request->name());
+    return st;
+  });
+  reactor->Finish(ToGrpc(status));
+  return reactor;
+}
+
+Status AttentionServiceImpl::CheckAdmin(const grpc::CallbackServerContext& context) const {
+  if (options_.admin_token.empty()) return OkStatus();
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) {
+    return Status(StatusCode::kUnauthenticated,
+                  "authorization: expected metadata 'authorization: Bearer <admin token>' (this server guards "
+                  "LoadLayer and UnloadLayer), got none");
+  }
+  const std::string_view got(it->second.data(), it->second.size());
+  const std::string want = "Bearer " + options_.admin_token;
+  // Compare every byte whatever the first mismatch, so timing does not reveal the token.
+  unsigned char diff = got.size() == want.size() ? 0 : 1;
+  for (size_t i = 0; i < want.size(); ++i) diff |= static_cast<unsigned char>(want[i] ^ (i < got.size() ? got[i] : 0));
+  if (diff != 0) return Status(StatusCode::kPermissionDenied, "authorization: the admin token is not accepted");
+  return OkStatus();
+}
+
+}  // namespace attnserve

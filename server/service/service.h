@@ -1,0 +1,59 @@
+// attnserve.v1.AttentionService over gRPC's callback API: converts proto ⇄ core, checks
+// requests (validation.h), hands Forward work to the Executor and finishes each call from the
+// job's completion. No math here (docs/architecture.md §2).
+// Thread-safety: every handler may run on any gRPC thread at once; per-call state lives in
+// the call's own reactor state, shared state in LayerStore and Executor (both thread-safe).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "server/batching/executor.h"
+#include "server/store/layer_store.h"
+
+namespace attnserve {
+
+// FLOPs per token in LayerInfo are those of self-attention at this sequence length.
+inline constexpr int64_t kFlopsReferenceLength = 128;
+
+struct ServiceOptions {
+  // When non-empty, LoadLayer and UnloadLayer need the metadata "authorization: Bearer TOKEN".
+  std::string admin_token;
+  // Attention scores one sequence may need (n · m · heads · 4 bytes); beyond: RESOURCE_EXHAUSTED.
+  int64_t max_score_bytes = int64_t{2048} << 20;
+};
+
+class AdminWorker;  // runs slow admin calls (layer loads) off gRPC's threads; service.cc
+
+class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+ public:
+  // `store` and `executor` outlive the service; destroy the service after the server's
+  // Shutdown has returned (no call may still be running).
+  AttentionServiceImpl(LayerStore* store, Executor* executor, ServiceOptions options);
+  ~AttentionServiceImpl() override;
+
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
+                                    v1::ForwardResponse* response) override;
+  grpc::ServerUnaryReactor* ListLayers(grpc::CallbackServerContext* context, const v1::ListLayersRequest* request,
+                                       v1::ListLayersResponse* response) override;
+  grpc::ServerUnaryReactor* GetLayer(grpc::CallbackServerContext* context, const v1::GetLayerRequest* request,
+                                     v1::LayerInfo* response) override;
+  grpc::ServerUnaryReactor* LoadLayer(grpc::CallbackServerContext* context, const v1::LoadLayerRequest* request,
+                                      v1::LayerInfo* response) override;
+  grpc::ServerUnaryReactor* UnloadLayer(grpc::CallbackServerContext* context, const v1::UnloadLayerRequest* request,
+                                        v1::UnloadLayerResponse* response) override;
+
+ private:
+  Status CheckAdmin(const grpc::CallbackServerContext& context) const;
+
+  LayerStore* const store_;
+  Executor* const executor_;
+  const ServiceOptions options_;
+  std::unique_ptr<AdminWorker> admin_;
+};
+
+// What LayerInfo says of a layer (also used by the server's start-up log).
+void FillLayerInfo(const Layer& layer, v1::LayerInfo* info);
+
+}  // namespace attnserve

@@ -1,0 +1,236 @@
+#include "server/service/validation.h"
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "server/store/safetensors.h"  // HalfToFloat, BFloat16ToFloat: one conversion for files and wire
+
+namespace attnserve {
+namespace {
+
+// The wire is little-endian; a view of its bytes as floats is only right on such a host.
+static_assert(std::endian::native == std::endian::little, "attnserve reads wire tensors in place: little-endian only");
+
+std::string ShapeOf(std::span<const int64_t> shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+std::string Str(std::string_view v) { return std::string(v); }
+
+
+}  // namespace
+
+std::string WireDtypeName(int dtype) {
+  switch (static_cast<WireDtype>(dtype)) {
+    case WireDtype::kUnspecified: return "DATA_TYPE_UNSPECIFIED";
+    case WireDtype::kFloat32: return "FLOAT32";
+    case WireDtype::kFloat16: return "FLOAT16";
+    case WireDtype::kBFloat16: return "BFLOAT16";
+  }
+  return std::to_string(dtype);
+}
+
+int64_t WireDtypeSize(int dtype) {
+  switch (static_cast<WireDtype>(dtype)) {
+    case WireDtype::kFloat32: return 4;
+    case WireDtype::kFloat16:
+    case WireDtype::kBFloat16: return 2;
+    case WireDtype::kUnspecified: break;
+  }
+  return 0;
+}
+
+std::optional<Form> FormFromWire(int wire_form) {
+  switch (static_cast<WireForm>(wire_form)) {
+    case WireForm::kFactored: return Form::kFactored;
+    case WireForm::kSummed: return Form::kSummed;
+    case WireForm::kLowRank: return Form::kLowRank;
+    case WireForm::kUnspecified: break;
+  }
+  return std::nullopt;
+}
+
+WireForm FormToWire(Form form) {
+  switch (form) {
+    case Form::kFactored: return WireForm::kFactored;
+    case Form::kSummed: return WireForm::kSummed;
+    case Form::kLowRank: return WireForm::kLowRank;
+  }
+  return WireForm::kUnspecified;
+}
+
+Status CheckWireForm(int wire_form) {
+  if (wire_form == static_cast<int>(WireForm::kUnspecified) || FormFromWire(wire_form)) return OkStatus();
+  return InvalidArgumentError("form: expected FORM_UNSPECIFIED, FORM_FACTORED, FORM_SUMMED or FORM_LOWRANK, got " +
+                              std::to_string(wire_form));
+}
+
+StatusOr<Form> ChooseForm(int wire_form, const Layer& layer) {
+  ATTNSERVE_RETURN_IF_ERROR(CheckWireForm(wire_form));
+  // FORM_UNSPECIFIED: the factored form until routing decides (docs/architecture.md §3.2).
+  const Form form = FormFromWire(wire_form).value_or(Form::kFactored);
+  if (layer.Find(form) == nullptr) {
+    std::string held;
+    for (const auto& [f, _] : layer.forms) held += (held.empty() ? "" : ", ") + Str(FormName(f));
+    return FailedPreconditionError("form: layer '" + layer.name + "' does not hold the " + Str(FormName(form)) +
+                                   " form (it holds: " + held + ")");
+  }
+  return form;
+}
+
+StatusOr<DecodedTensor> DecodeTensor(std::string_view field, const WireTensor& wire, int64_t d_model,
+                                     std::optional<int64_t> batch) {
+  const std::string f(field);
+  const int64_t elem_size = WireDtypeSize(wire.dtype);
+  if (elem_size == 0) {
+    return InvalidArgumentError(f + ".dtype: expected FLOAT32, FLOAT16 or BFLOAT16, got " + WireDtypeName(wire.dtype));
+  }
+  if (wire.shape.size() != 3) {
+    return InvalidArgumentError(f + ".shape: expected rank 3 [batch, " + (f == "context" ? "m" : "n") + ", d_model=" +
+                                std::to_string(d_model) + "], got " + ShapeOf(wire.shape) + " (rank " +
+                                std::to_string(wire.shape.size()) + ")");
+  }
+  const char* const dim_names[] = {"batch", f == "context" ? "m" : "n", "d_model"};
+  for (size_t i = 0; i < 3; ++i) {
+    if (wire.shape[i] < 1) {
+      return InvalidArgumentError(f + ".shape[" + std::to_string(i) + "] (" + dim_names[i] + "): expected >= 1, got " +
+                                  std::to_string(wire.shape[i]));
+    }
+  }
+  if (wire.shape[2] != d_model) {
+    return InvalidArgumentError(f + ".shape[2] (d_model): expected " + std::to_string(d_model) + " (the layer's), got " +
+                                std::to_string(wire.shape[2]));
+  }
+  if (batch && wire.shape[0] != *batch) {
+    return InvalidArgumentError(f + ".shape[0] (batch): expected " + std::to_string(*batch) + " (input's batch), got " +
+                                std::to_string(wire.shape[0]));
+  }
+  // The product is checked before anything is sized from it: a hostile shape cannot make us
+  // allocate, and the byte length comparison below cannot be fooled by a wrapped product.
+  int64_t elements = 0, bytes = 0;
+  if (__builtin_mul_overflow(wire.shape[0], wire.shape[1], &elements) ||
+      __builtin_mul_overflow(elements, wire.shape[2], &elements) ||
+      __builtin_mul_overflow(elements, elem_size, &bytes)) {
+    return InvalidArgumentError(f + ".shape: the element count of " + ShapeOf(wire.shape) + " overflows int64");
+  }
+  if (bytes != static_cast<int64_t>(wire.data.size())) {
+    return InvalidArgumentError(f + ".data: expected " + std::to_string(bytes) + " bytes (" + ShapeOf(wire.shape) +
+                                " x " + std::to_string(elem_size) + "-byte " + WireDtypeName(wire.dtype) + "), got " +
+                                std::to_string(wire.data.size()));
+  }
+
+  DecodedTensor out;
+  out.batch = wire.shape[0];
+  out.rows = wire.shape[1];
+  out.cols = wire.shape[2];
+  const char* raw = wire.data.data();
+  if (static_cast<WireDtype>(wire.dtype) == WireDtype::kFloat32) {
+    if (reinterpret_cast<uintptr_t>(raw) % alignof(float) == 0) {
+      out.view_ = reinterpret_cast<const float*>(raw);
+    } else {
+      // Protobuf's buffers are aligned in practice; copy rather than read misaligned floats.
+      out.owned_.resize(elements);
+      std::memcpy(out.owned_.data(), raw, bytes);
+    }
+  } else {
+    const bool half = static_cast<WireDtype>(wire.dtype) == WireDtype::kFloat16;
+    out.owned_.resize(elements);
+    for (int64_t i = 0; i < elements; ++i) {
+      uint16_t bits;
+      std::memcpy(&bits, raw + 2 * i, 2);
+      out.owned_[i] = half ? HalfToFloat(bits) : BFloat16ToFloat(bits);
+    }
+  }
+  const float* values = out.data();
+  for (int64_t i = 0; i < elements; ++i) {
+    if (!std::isfinite(values[i])) {
+      const int64_t row = i / out.cols, col = i % out.cols;
+      return InvalidArgumentError(f + ".data: expected finite values, got " + std::to_string(values[i]) + " at [" +
+                                  std::to_string(row / out.rows) + ", " + std::to_string(row % out.rows) + ", " +
+                                  std::to_string(col) + "]");
+    }
+  }
+  return out;
+}
+
+StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForwardRequest& request,
+                                       const ForwardLimits& limits) {
+  DecodedForward out;
+  if (!request.input.present) {
+    return InvalidArgumentError("input: expected a [batch, n, d_model=" + std::to_string(config.d_model) +
+                                "] tensor, got none");
+  }
+  StatusOr<DecodedTensor> input = DecodeTensor("input", request.input, config.d_model);
+  if (!input.ok()) return input.status();
+  out.input = std::move(input).value();
+  if (request.context.present) {
+    StatusOr<DecodedTensor> context = DecodeTensor("context", request.context, config.d_model, out.input.batch);
+    if (!context.ok()) return context.status();
+    out.context = std::move(context).value();
+  }
+  // The input's size is bounded by the message limit, but its scores grow with n · m: bound
+  // them before the backend allocates them.
+  {
+    const int64_t n = out.input.rows;
+    const int64_t m = out.context ? out.context->rows : n;
+    int64_t score_bytes = 0;
+    const bool overflow = __builtin_mul_overflow(n, m, &score_bytes) ||
+                          __builtin_mul_overflow(score_bytes, config.heads, &score_bytes) ||
+                          __builtin_mul_overflow(score_bytes, int64_t{sizeof(float)}, &score_bytes);
+    if (overflow || score_bytes > limits.max_score_bytes) {
+      const double mib = static_cast<double>(n) * static_cast<double>(m) * static_cast<double>(config.heads) * 4.0 /
+                         static_cast<double>(1 << 20);
+      return ResourceExhaustedError("input: a sequence of n=" + std::to_string(n) + " queries over m=" +
+                                    std::to_string(m) + " keys with " + std::to_string(config.heads) +
+                                    " heads needs " + std::to_string(static_cast<int64_t>(std::ceil(mib))) +
+                                    " MiB of attention scores; this server allows " +
+                                    std::to_string(limits.max_score_bytes >> 20) +
+                                    " MiB per sequence (--max-scores-mb): send shorter sequences");
+    }
+  }
+  out.causal = request.causal;
+  if (!request.key_lengths.empty()) {
+    const int64_t m = out.context ? out.context->rows : out.input.rows;
+    if (static_cast<int64_t>(request.key_lengths.size()) != out.input.batch) {
+      return InvalidArgumentError("key_lengths: expected " + std::to_string(out.input.batch) +
+                                  " values (one per batch row) or none, got " +
+                                  std::to_string(request.key_lengths.size()));
+    }
+    out.key_lengths.reserve(request.key_lengths.size());
+    for (size_t b = 0; b < request.key_lengths.size(); ++b) {
+      const int64_t len = request.key_lengths[b];
+      if (len < 1 || len > m) {
+        return InvalidArgumentError("key_lengths[" + std::to_string(b) + "]: expected a value in [1, " +
+                                    std::to_string(m) + "] (m = " + (out.context ? "context" : "input") +
+                                    " rows), got " + std::to_string(len));
+      }
+      out.key_lengths.push_back(len);
+    }
+  }
+  return out;
+}
+
+std::vector<Sequence> DecodedForward::Sequences(float* output) const {
+  std::vector<Sequence> seqs;
+  seqs.reserve(input.batch);
+  const int64_t d = input.cols;
+  for (int64_t b = 0; b < input.batch; ++b) {
+    Sequence s;
+    s.input = ConstMatrixView(input.data() + b * input.rows * d, input.rows, d);
+    if (context) s.context = ConstMatrixView(context->data() + b * context->rows * d, context->rows, d);
+    s.causal = causal;
+    s.key_length = key_lengths.empty() ? -1 : key_lengths[b];
+    s.output = MatrixView(output + b * input.rows * d, input.rows, d);
+    seqs.push_back(s);
+  }
+  return seqs;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,69 @@
+// Runs the real attnserve binary as a child process on 127.0.0.1 with an ephemeral port, for
+// the integration tests. The child dies with the test process (PR_SET_PDEATHSIG) and is
+// stopped by the destructor, so no server outlives a test, even a failing or crashing one.
+// Thread-safety: create and destroy on the test's main thread (the death signal follows the
+// thread that forked); client() is thread-safe.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "client/client.h"
+
+namespace attnserve::testing {
+
+class ServerProcess {
+ public:
+  // Starts `binary` with `args` plus --listen 127.0.0.1:0 and a --port-file, then waits until
+  // the port is known and grpc.health.v1 answers SERVING. nullptr and `error` (with the
+  // server's log) when it does not come up within `timeout`.
+  static std::unique_ptr<ServerProcess> Start(const std::string& binary, const std::vector<std::string>& args,
+                                              std::string* error,
+                                              std::chrono::seconds timeout = std::chrono::seconds(60));
+  ~ServerProcess();
+  ServerProcess(const ServerProcess&) = delete;
+  ServerProcess& operator=(const ServerProcess&) = delete;
+
+  int port() const { return port_; }
+  std::string target() const { return "127.0.0.1:" + std::to_string(port_); }
+  pid_t pid() const { return pid_; }
+  // A client of this server (64 MiB messages, 60 s deadline).
+  Client& client() { return *client_; }
+  // Everything the server wrote to stdout and stderr so far.
+  std::string Log() const;
+
+  // Sends `signal` and waits up to `timeout` for the exit; returns the exit status, 128 + the
+  // signal that killed it, or -1 when it had to be killed after the timeout.
+  int Stop(int signal, std::chrono::seconds timeout = std::chrono::seconds(15));
+
+ private:
+  ServerProcess() = default;
+
+  pid_t pid_ = -1;
+  int port_ = 0;
+  std::string dir_;  // temporary folder: port file and log
+  std::unique_ptr<Client> client_;
+};
+
+// Spawns `binary args...` (dying with this process), waits at most `timeout` and returns its
+// exit status (-1 when it had to be killed); `output` receives stdout and stderr.
+int RunToExit(const std::string& binary, const std::vector<std::string>& args, std::string* output,
+              std::chrono::seconds timeout = std::chrono::seconds(60));
+
+// A fresh temporary folder, removed by the destructor.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+  std::string File(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+}  // namespace attnserve::testing

@@ -1,0 +1,865 @@
+// The real attnserve binary on loopback, through attnserve::Client and attnserve-cli: outputs
+// of every form against a float64 reference and against PyTorch's vectors, every bad input's
+// status code and message, layer load/unload under traffic, the message limit, checkpoint
+// files, admin tokens, health, reflection, start-up errors and signals.
+#include <gmock/gmock.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <future>
+#include <limits>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "client/client.h"
+#include "client/npy.h"
+#include "server/core/layer.h"
+#include "server/core/reference.h"
+#include "server/store/safetensors.h"
+#include "tests/integration/server_process.h"
+
+namespace attnserve {
+namespace {
+
+using testing::ServerProcess;
+using testing::TempDir;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+// fp32 against float64 at these shapes (d <= 64, m <= 40): rounding is ~1e-6.
+constexpr double kTolerance = 1e-5;
+
+// Layers of the shared server: their sources and the weights the `random:` source draws
+// (server/store/source.h: CompleteConfig, then RandomLayerWeights(config, seed)).
+struct RandomLayer {
+  const char* name;
+  int64_t d_model, heads, kv_heads, d_head;
+  uint64_t seed;
+  bool summed;
+
+  std::string Source() const {
+    std::string s = "random:d_model=" + std::to_string(d_model) + ",heads=" + std::to_string(heads) +
+                    ",seed=" + std::to_string(seed);
+    if (kv_heads) s += ",kv_heads=" + std::to_string(kv_heads);
+    if (d_head) s += ",d_head=" + std::to_string(d_head);
+    if (!summed) s += ",summed=false";
+    return s;
+  }
+  LayerWeights Weights() const {
+    LayerConfig c;
+    c.d_model = d_model;
+    c.heads = heads;
+    c.kv_heads = kv_heads;
+    c.d_head = d_head;
+    return RandomLayerWeights(*CompleteConfig(c), seed);
+  }
+};
+
+const RandomLayer kSmall{"small", 64, 4, 0, 0, 5, true};
+const RandomLayer kGqa{"gqa", 48, 6, 2, 12, 9, true};
+const RandomLayer kFactoredOnly{"factored-only", 32, 4, 0, 0, 3, false};
+
+std::vector<float> RandomFloats(std::mt19937_64& rng, size_t count) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> v(count);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// The float64 reference of a [batch, n, d] request.
+std::vector<double> Reference(const LayerWeights& w, const std::vector<float>& input, int64_t batch, int64_t n,
+                              const std::vector<float>* context = nullptr, int64_t m = 0, bool causal = false,
+                              const std::vector<int32_t>& key_lengths = {}) {
+  const int64_t d = w.config.d_model;
+  std::vector<double> out;
+  for (int64_t b = 0; b < batch; ++b) {
+    Sequence s;
+    s.input = ConstMatrixView(input.data() + b * n * d, n, d);
+    if (context) s.context = ConstMatrixView(context->data() + b * m * d, m, d);
+    s.causal = causal;
+    s.key_length = key_lengths.empty() ? -1 : key_lengths[b];
+    const std::vector<double> y = ReferenceForward(w, s);
+    out.insert(out.end(), y.begin(), y.end());
+  }
+  return out;
+}
+
+double RelativeL2(const std::vector<float>& got, const std::vector<double>& want) {
+  if (got.size() != want.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double e = got[i] - want[i];
+    num += e * e;
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num / den);
+}
+
+v1::ForwardRequest Request(const std::string& layer, const std::vector<float>& input, std::vector<int64_t> shape,
+                           v1::Form form = v1::FORM_UNSPECIFIED) {
+  v1::ForwardRequest req;
+  req.set_layer(layer);
+  req.set_form(form);
+  *req.mutable_input() = MakeTensor(input, std::move(shape));
+  return req;
+}
+
+std::vector<float> Output(const v1::ForwardResponse& resp) {
+  std::vector<float> v;
+  const grpc::Status st = TensorToFloats(resp.output(), &v);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return v;
+}
+
+std::string Describe(const grpc::Status& s) {
+  return std::string(GrpcCodeName(s.error_code())) + ": " + s.error_message();
+}
+
+// gRPC 1.51 as Debian builds it (no background iomgr) serves the client callback API
+// (ForwardAsync / ForwardFuture) from one process-wide completion queue, torn down whenever
+// the last channel that used it is destroyed; that teardown races with the queue's own polling
+// threads (ASan sees a double free in grpc_cq_internal_unref about every other run of this
+// binary). A channel that has made one callback call and is never destroyed keeps the queue
+// alive, so the teardown never runs while tests create and destroy clients.
+class KeepCallbackQueueAlive : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    ClientOptions options;
+    options.target = "127.0.0.1:1";  // nothing listens there: the call fails at once
+    options.timeout = std::chrono::milliseconds(2000);
+    static Client* const keeper = new Client(options);  // never destroyed, on purpose
+    std::promise<void> done;
+    keeper->ForwardAsync(v1::ForwardRequest(), [&done](grpc::Status, v1::ForwardResponse) { done.set_value(); });
+    done.get_future().wait();
+  }
+};
+[[maybe_unused]] ::testing::Environment* const kKeepCallbackQueueAlive =
+    ::testing::AddGlobalTestEnvironment(new KeepCallbackQueueAlive);
+
+// One server for the tests that do not need their own flags.
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    std::string error;
+    server_ = ServerProcess::Start(ATTNSERVE_BINARY,
+                                   {"--threads", "2", "--layer", std::string(kSmall.name) + "=" + kSmall.Source(),
+                                    "--layer", std::string(kGqa.name) + "=" + kGqa.Source(), "--layer",
+                                    std::string(kFactoredOnly.name) + "=" + kFactoredOnly.Source()},
+                                   &error);
+    if (!server_) start_error_ = new std::string(error);
+  }
+  static void TearDownTestSuite() { server_.reset(); }
+  void SetUp() override {
+    if (!server_) GTEST_FAIL() << "the server did not start: " << *start_error_;
+  }
+  // After each test: the server still answers.
+  void TearDown() override {
+    if (!server_) return;
+    bool serving = false;
+    EXPECT_TRUE(server_->client().Health("", &serving).ok() && serving) << server_->Log();
+  }
+  Client& client() { return server_->client(); }
+
+  static std::unique_ptr<ServerProcess> server_;
+  static std::string* start_error_;
+};
+std::unique_ptr<ServerProcess> ServerTest::server_;
+std::string* ServerTest::start_error_ = nullptr;
+
+TEST_F(ServerTest, EveryFormMatchesTheFloat64Reference) {
+  std::mt19937_64 rng(42);
+  for (const RandomLayer* layer : {&kSmall, &kGqa}) {
+    const LayerWeights w = layer->Weights();
+    const int64_t d = layer->d_model;
+    struct Case {
+      int64_t batch, n, m;
+      bool cross, causal;
+      std::vector<int32_t> key_lengths;
+    };
+    const std::vector<Case> cases = {{1, 7, 7, false, false, {}},       {3, 5, 5, false, true, {}},
+                                     {2, 4, 9, true, false, {}},        {3, 6, 6, false, false, {6, 2, 1}},
+                                     {2, 8, 8, false, true, {5, 8}},    {2, 3, 11, true, false, {11, 4}},
+                                     {1, 1, 1, false, false, {}}};
+    for (const Case& c : cases) {
+      const std::vector<float> input = RandomFloats(rng, c.batch * c.n * d);
+      const std::vector<float> context = c.cross ? RandomFloats(rng, c.batch * c.m * d) : std::vector<float>();
+      const std::vector<double> want =
+          Reference(w, input, c.batch, c.n, c.cross ? &context : nullptr, c.m, c.causal, c.key_lengths);
+      for (v1::Form form : {v1::FORM_UNSPECIFIED, v1::FORM_FACTORED, v1::FORM_SUMMED}) {
+        v1::ForwardRequest req = Request(layer->name, input, {c.batch, c.n, d}, form);
+        if (c.cross) *req.mutable_context() = MakeTensor(context, {c.batch, c.m, d});
+        req.set_causal(c.causal);
+        for (int32_t len : c.key_lengths) req.add_key_lengths(len);
+        v1::ForwardResponse resp;
+        const grpc::Status st = client().Forward(req, &resp);
+        ASSERT_TRUE(st.ok()) << Describe(st);
+        const std::string what = std::string(layer->name) + " " + v1::Form_Name(form) + " batch=" +
+                                 std::to_string(c.batch) + " n=" + std::to_string(c.n) + " m=" + std::to_string(c.m);
+        EXPECT_EQ(resp.form(), form == v1::FORM_UNSPECIFIED ? v1::FORM_FACTORED : form) << what;
+        EXPECT_EQ(resp.output().dtype(), v1::DATA_TYPE_FLOAT32);
+        EXPECT_THAT(resp.output().shape(), ::testing::ElementsAre(c.batch, c.n, d)) << what;
+        EXPECT_LT(RelativeL2(Output(resp), want), kTolerance) << what;
+        EXPECT_EQ(resp.batch_requests(), 1);
+        EXPECT_GE(resp.queue_us(), 0);
+        EXPECT_GE(resp.compute_us(), 0);
+        EXPECT_TRUE(resp.divergence().empty());
+      }
+    }
+  }
+}
+
+TEST_F(ServerTest, CompareReportsTheOtherFormsDivergence) {
+  std::mt19937_64 rng(7);
+  const LayerWeights w = kSmall.Weights();
+  const std::vector<float> input = RandomFloats(rng, 2 * 9 * 64);
+  for (v1::Form served : {v1::FORM_FACTORED, v1::FORM_SUMMED}) {
+    v1::ForwardRequest req = Request("small", input, {2, 9, 64}, served);
+    req.set_compare(true);
+    req.set_causal(true);
+    v1::ForwardResponse resp;
+    const grpc::Status st = client().Forward(req, &resp);
+    ASSERT_TRUE(st.ok()) << Describe(st);
+    EXPECT_EQ(resp.form(), served);
+    EXPECT_LT(RelativeL2(Output(resp), Reference(w, input, 2, 9, nullptr, 0, true)), kTolerance);
+    ASSERT_EQ(resp.divergence_size(), 1);
+    const v1::Divergence& d = resp.divergence(0);
+    EXPECT_EQ(d.form(), served == v1::FORM_FACTORED ? v1::FORM_SUMMED : v1::FORM_FACTORED);
+    // Equal in exact arithmetic; in float32 close but (almost surely) not bit-identical.
+    EXPECT_LT(d.rel_l2(), 2 * kTolerance);
+    EXPECT_GE(d.rel_l2(), 0);
+    EXPECT_LT(d.max_abs(), 1e-3);
+  }
+  // A layer holding one form has nothing to compare with.
+  v1::ForwardRequest req = Request("factored-only", RandomFloats(rng, 32), {1, 1, 32});
+  req.set_compare(true);
+  v1::ForwardResponse resp;
+  ASSERT_TRUE(client().Forward(req, &resp).ok());
+  EXPECT_TRUE(resp.divergence().empty());
+}
+
+// IEEE binary16 / bfloat16 encodings by rounding to nearest even, for inputs built here.
+uint16_t ToHalf(float f) {
+  // Exact for the values used: multiples of 1/64 in [-4, 4] (binary16 holds them exactly).
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  if (f == 0) return static_cast<uint16_t>(sign);
+  const int exp = static_cast<int>((x >> 23) & 0xff) - 127 + 15;
+  const uint32_t mant = (x >> 13) & 0x3ffu;
+  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp) << 10) | mant);
+}
+uint16_t ToBFloat16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  return static_cast<uint16_t>(x >> 16);  // exact for values with <= 8 significant bits
+}
+
+TEST_F(ServerTest, HalfPrecisionInputsAreConvertedOnArrival) {
+  std::mt19937_64 rng(3);
+  std::uniform_int_distribution<int> q(-256, 256);
+  std::vector<float> input(2 * 5 * 64);
+  for (float& x : input) x = static_cast<float>(q(rng)) / 64.0f;  // exact in both dtypes
+  const std::vector<double> want = Reference(kSmall.Weights(), input, 2, 5);
+  for (v1::DataType dtype : {v1::DATA_TYPE_FLOAT16, v1::DATA_TYPE_BFLOAT16}) {
+    std::string bytes;
+    for (float x : input) {
+      const uint16_t h = dtype == v1::DATA_TYPE_FLOAT16 ? ToHalf(x) : ToBFloat16(x);
+      bytes.append(reinterpret_cast<const char*>(&h), 2);
+    }
+    v1::ForwardRequest req;
+    req.set_layer("small");
+    req.mutable_input()->set_dtype(dtype);
+    for (int64_t s : {2, 5, 64}) req.mutable_input()->add_shape(s);
+    req.mutable_input()->set_data(bytes);
+    v1::ForwardResponse resp;
+    const grpc::Status st = client().Forward(req, &resp);
+    ASSERT_TRUE(st.ok()) << Describe(st);
+    EXPECT_EQ(resp.output().dtype(), v1::DATA_TYPE_FLOAT32);
+    EXPECT_LT(RelativeL2(Output(resp), want), kTolerance) << v1::DataType_Name(dtype);
+  }
+}
+
+// Every bad request: its code and the words its message must hold.
+TEST_F(ServerTest, BadInputsYieldTheirCodeAndNameTheField) {
+  std::mt19937_64 rng(5);
+  const std::vector<float> good = RandomFloats(rng, 2 * 3 * 64);
+  struct Bad {
+    std::string what;
+    v1::ForwardRequest req;
+    grpc::StatusCode code;
+    std::vector<std::string> words;
+  };
+  std::vector<Bad> bad;
+  auto base = [&] { return Request("small", good, {2, 3, 64}); };
+  {
+    auto r = base();
+    *r.mutable_input() = MakeTensor(good, {6, 64});
+    bad.push_back({"rank 2", r, grpc::INVALID_ARGUMENT, {"input.shape", "rank 3", "got [6, 64]"}});
+  }
+  {
+    auto r = base();
+    *r.mutable_input() = MakeTensor(good, {2, 6, 32});
+    bad.push_back({"d_model", r, grpc::INVALID_ARGUMENT, {"input.shape[2] (d_model)", "expected 64", "got 32"}});
+  }
+  {
+    auto r = base();
+    r.mutable_input()->mutable_data()->resize(100);
+    bad.push_back({"byte length", r, grpc::INVALID_ARGUMENT, {"input.data", "expected 1536 bytes", "got 100"}});
+  }
+  {
+    auto r = base();
+    r.mutable_input()->set_shape(1, -3);
+    bad.push_back({"negative dim", r, grpc::INVALID_ARGUMENT, {"input.shape[1] (n)", ">= 1", "got -3"}});
+  }
+  {
+    auto r = base();
+    r.mutable_input()->set_shape(0, int64_t{1} << 40);
+    r.mutable_input()->set_shape(1, int64_t{1} << 40);
+    bad.push_back({"overflow", r, grpc::INVALID_ARGUMENT, {"input.shape", "overflows"}});
+  }
+  {
+    auto r = base();
+    const float nan = std::nanf("");
+    std::memcpy(r.mutable_input()->mutable_data()->data() + 4 * 70, &nan, 4);
+    bad.push_back({"nan", r, grpc::INVALID_ARGUMENT, {"input.data", "finite", "at [0, 1, 6]"}});
+  }
+  {
+    auto r = base();
+    const float inf = std::numeric_limits<float>::infinity();
+    std::memcpy(r.mutable_input()->mutable_data()->data() + 4 * 200, &inf, 4);
+    bad.push_back({"inf", r, grpc::INVALID_ARGUMENT, {"input.data", "finite"}});
+  }
+  {
+    auto r = base();
+    r.add_key_lengths(3);
+    bad.push_back({"key_lengths count", r, grpc::INVALID_ARGUMENT, {"key_lengths", "expected 2 values", "got 1"}});
+  }
+  {
+    auto r = base();
+    r.add_key_lengths(3);
+    r.add_key_lengths(4);
+    bad.push_back({"key_length > m", r, grpc::INVALID_ARGUMENT, {"key_lengths[1]", "[1, 3]", "got 4"}});
+  }
+  {
+    auto r = base();
+    r.add_key_lengths(0);
+    r.add_key_lengths(1);
+    bad.push_back({"key_length 0", r, grpc::INVALID_ARGUMENT, {"key_lengths[0]", "got 0"}});
+  }
+  {
+    auto r = base();
+    *r.mutable_context() = MakeTensor(RandomFloats(rng, 3 * 4 * 64), {3, 4, 64});
+    bad.push_back({"context batch", r, grpc::INVALID_ARGUMENT, {"context.shape[0] (batch)", "expected 2", "got 3"}});
+  }
+  {
+    auto r = base();
+    *r.mutable_context() = MakeTensor(RandomFloats(rng, 2 * 4 * 16), {2, 4, 16});
+    bad.push_back({"context d_model", r, grpc::INVALID_ARGUMENT, {"context.shape[2] (d_model)", "got 16"}});
+  }
+  {
+    auto r = base();
+    r.set_form(static_cast<v1::Form>(7));
+    bad.push_back({"form enum", r, grpc::INVALID_ARGUMENT, {"form", "got 7"}});
+  }
+  {
+    auto r = base();
+    r.mutable_input()->set_dtype(v1::DATA_TYPE_UNSPECIFIED);
+    bad.push_back({"dtype unspecified", r, grpc::INVALID_ARGUMENT, {"input.dtype", "FLOAT32", "DATA_TYPE_UNSPECIFIED"}});
+  }
+  {
+    auto r = base();
+    r.mutable_input()->set_dtype(static_cast<v1::DataType>(9));
+    bad.push_back({"dtype unknown", r, grpc::INVALID_ARGUMENT, {"input.dtype", "got 9"}});
+  }
+  {
+    auto r = base();
+    r.clear_input();
+    bad.push_back({"no input", r, grpc::INVALID_ARGUMENT, {"input", "got none"}});
+  }
+  {
+    auto r = base();
+    r.set_layer("nope");
+    bad.push_back({"unknown layer", r, grpc::NOT_FOUND, {"layer", "'nope'", "small"}});
+  }
+  {
+    auto r = base();
+    r.set_layer("");
+    bad.push_back({"empty layer", r, grpc::INVALID_ARGUMENT, {"layer", "empty"}});
+  }
+  {
+    auto r = Request("factored-only", RandomFloats(rng, 32), {1, 1, 32}, v1::FORM_SUMMED);
+    bad.push_back({"form not held", r, grpc::FAILED_PRECONDITION, {"form", "summed", "factored-only"}});
+  }
+  {
+    auto r = Request("small", good, {2, 3, 64}, v1::FORM_LOWRANK);
+    bad.push_back({"lowrank not held", r, grpc::FAILED_PRECONDITION, {"lowrank"}});
+  }
+  for (const Bad& b : bad) {
+    v1::ForwardResponse resp;
+    const grpc::Status st = client().Forward(b.req, &resp);
+    EXPECT_EQ(st.error_code(), b.code) << b.what << ": " << Describe(st);
+    for (const std::string& word : b.words) EXPECT_THAT(st.error_message(), HasSubstr(word)) << b.what;
+    // ...and the server still answers a good request.
+    v1::ForwardResponse ok;
+    ASSERT_TRUE(client().Forward(base(), &ok).ok()) << "after " << b.what << "\n" << server_->Log();
+  }
+}
+
+TEST_F(ServerTest, LayerInfo) {
+  std::vector<v1::LayerInfo> layers;
+  ASSERT_TRUE(client().ListLayers(&layers).ok());
+  std::vector<std::string> names;
+  for (const auto& l : layers) names.push_back(l.name());
+  EXPECT_THAT(names, ::testing::IsSupersetOf({"small", "gqa", "factored-only"}));
+
+  v1::LayerInfo info;
+  ASSERT_TRUE(client().GetLayer("gqa", &info).ok());
+  EXPECT_EQ(info.name(), "gqa");
+  EXPECT_EQ(info.source(), kGqa.Source());
+  EXPECT_EQ(info.config().d_model(), 48);
+  EXPECT_EQ(info.config().heads(), 6);
+  EXPECT_EQ(info.config().kv_heads(), 2);
+  EXPECT_EQ(info.config().d_head(), 12);
+  EXPECT_TRUE(info.config().bias());
+  EXPECT_FLOAT_EQ(info.config().scale(), 1.0f / std::sqrt(12.0f));
+  ASSERT_EQ(info.forms_size(), 2);
+  // Parameter counts from the definitions (docs/architecture.md §1), d = 48, h = 6, h_kv = 2, d_h = 12.
+  const int64_t d = 48, q = 6 * 12, kv = 2 * 12;
+  const int64_t factored = d * q + 2 * d * kv + q * d + (q + 2 * kv + d);
+  const int64_t summed = d * (q + kv) + d * 6 * d + (q + kv) + d;
+  std::map<v1::Form, v1::FormInfo> forms;
+  for (const auto& f : info.forms()) forms[f.form()] = f;
+  ASSERT_TRUE(forms.count(v1::FORM_FACTORED) && forms.count(v1::FORM_SUMMED));
+  EXPECT_EQ(forms[v1::FORM_FACTORED].parameters(), factored);
+  EXPECT_EQ(forms[v1::FORM_SUMMED].parameters(), summed);
+  for (auto& [form, f] : forms) {
+    EXPECT_EQ(f.bytes(), 4 * f.parameters());
+    EXPECT_EQ(f.device(), "cpu");
+    EXPECT_EQ(f.flops_reference_length(), 128);
+    EXPECT_GT(f.flops_per_token(), 0);
+  }
+  EXPECT_GT(forms[v1::FORM_SUMMED].flops_per_token(), forms[v1::FORM_FACTORED].flops_per_token());
+
+  const grpc::Status missing = client().GetLayer("nope", &info);
+  EXPECT_EQ(missing.error_code(), grpc::NOT_FOUND);
+  EXPECT_THAT(missing.error_message(), HasSubstr("'nope'"));
+}
+
+TEST_F(ServerTest, LoadAndUnloadWhileForwardCallsRun) {
+  const RandomLayer hot{"hot", 32, 4, 0, 0, 17, true};
+  const LayerWeights w = hot.Weights();
+  ASSERT_TRUE(client().LoadLayer("hot", hot.Source(), nullptr).ok());
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, not_found{0};
+  std::vector<std::string> unexpected;
+  std::mutex mu;
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 4; ++t) {
+    callers.emplace_back([&, t] {
+      std::mt19937_64 rng(100 + t);
+      while (!stop) {
+        const std::vector<float> input = RandomFloats(rng, 2 * 6 * 32);
+        v1::ForwardRequest req = Request("hot", input, {2, 6, 32}, t % 2 ? v1::FORM_SUMMED : v1::FORM_FACTORED);
+        v1::ForwardResponse resp;
+        const grpc::Status st = client().Forward(req, &resp);
+        if (st.ok()) {
+          ++ok;
+          const double err = RelativeL2(Output(resp), Reference(w, input, 2, 6));
+          if (err > kTolerance) {
+            std::lock_guard<std::mutex> lock(mu);
+            unexpected.push_back("wrong output, relative error " + std::to_string(err));
+          }
+        } else if (st.error_code() == grpc::NOT_FOUND) {
+          ++not_found;
+        } else {
+          std::lock_guard<std::mutex> lock(mu);
+          unexpected.push_back(Describe(st));
+        }
+      }
+    });
+  }
+  for (int round = 0; round < 15; ++round) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_TRUE(client().UnloadLayer("hot").ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    v1::LayerInfo info;
+    EXPECT_TRUE(client().LoadLayer("hot", hot.Source(), &info).ok());
+    EXPECT_EQ(info.name(), "hot");
+  }
+  stop = true;
+  for (auto& t : callers) t.join();
+  EXPECT_TRUE(unexpected.empty()) << unexpected.size() << " unexpected results, first: "
+                                  << (unexpected.empty() ? "" : unexpected[0]);
+  EXPECT_GT(ok.load(), 0);
+  // Once unloaded for good, the layer is NOT_FOUND.
+  ASSERT_TRUE(client().UnloadLayer("hot").ok());
+  v1::ForwardResponse resp;
+  EXPECT_EQ(client().Forward(Request("hot", std::vector<float>(32), {1, 1, 32}), &resp).error_code(), grpc::NOT_FOUND);
+  EXPECT_EQ(client().UnloadLayer("hot").error_code(), grpc::NOT_FOUND);
+  std::cout << "[ info ] " << ok << " Forward calls answered, " << not_found << " NOT_FOUND during unloads\n";
+}
+
+// The checkpoint layouts of tests/data/torch-mha, loaded through LoadLayer, against the
+// vectors PyTorch computed (tests/data/torch-mha/README.md).
+TEST_F(ServerTest, CheckpointLayoutsLoadFromFilesAndMatchPyTorch) {
+  const std::string dir = std::string(ATTNSERVE_TEST_DATA_DIR) + "/torch-mha/";
+  std::ifstream manifest_file(dir + "manifest.json");
+  ASSERT_TRUE(manifest_file.good());
+  const nlohmann::json manifest = nlohmann::json::parse(manifest_file);
+  const nlohmann::json& small = manifest["layers"]["small"];
+  StatusOr<SafetensorsFile> cases = ReadSafetensors(dir + "small.cases.safetensors");
+  ASSERT_TRUE(cases.ok()) << cases.status().ToString();
+  const int64_t d = small["d_model"].get<int64_t>();
+  const std::string heads = std::to_string(small["heads"].get<int64_t>());
+  int checked = 0;
+  for (const char* layout : {"torch-mha", "gpt2", "bert"}) {
+    const std::string name = std::string("ckpt-") + layout;
+    const std::string source = "safetensors:" + dir + "small." + layout + ".safetensors,heads=" + heads;
+    v1::LayerInfo info;
+    const grpc::Status load = client().LoadLayer(name, source, &info);
+    ASSERT_TRUE(load.ok()) << layout << ": " << Describe(load);
+    EXPECT_EQ(info.config().d_model(), d);
+    for (const auto& c : small["cases"]) {
+      const std::string case_name = c["name"].get<std::string>();
+      StatusOr<FloatTensor> input = cases->ReadFloat(case_name + ".input");
+      StatusOr<FloatTensor> want = cases->ReadFloat(case_name + ".output");
+      ASSERT_TRUE(input.ok() && want.ok()) << case_name;
+      for (v1::Form form : {v1::FORM_FACTORED, v1::FORM_SUMMED}) {
+        v1::ForwardRequest req = Request(name, input->values, input->shape, form);
+        if (c["has_context"].get<bool>()) {
+          StatusOr<FloatTensor> context = cases->ReadFloat(case_name + ".context");
+          ASSERT_TRUE(context.ok());
+          *req.mutable_context() = MakeTensor(context->values, context->shape);
+        }
+        req.set_causal(c["causal"].get<bool>());
+        if (!c["key_lengths"].is_null()) {
+          for (const auto& len : c["key_lengths"]) req.add_key_lengths(len.get<int32_t>());
+        }
+        v1::ForwardResponse resp;
+        const grpc::Status st = client().Forward(req, &resp);
+        ASSERT_TRUE(st.ok()) << layout << " " << case_name << ": " << Describe(st);
+        const std::vector<double> want64(want->values.begin(), want->values.end());
+        EXPECT_LT(RelativeL2(Output(resp), want64), 2e-5) << layout << " " << case_name << " " << v1::Form_Name(form);
+        ++checked;
+      }
+    }
+    EXPECT_TRUE(client().UnloadLayer(name).ok());
+  }
+  EXPECT_GE(checked, 3 * 2 * 4);
+}
+
+TEST_F(ServerTest, CorruptCheckpointIsRefusedAndTheServerKeepsServing) {
+  TempDir tmp;
+  const std::string good = std::string(ATTNSERVE_TEST_DATA_DIR) + "/torch-mha/small.gpt2.safetensors";
+  std::ifstream in(good, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 1000u);
+  struct Corrupt {
+    std::string what, contents;
+  };
+  std::string bad_header = bytes;
+  bad_header[10] = '\x01';  // inside the JSON header
+  const std::vector<Corrupt> corrupt = {{"truncated", bytes.substr(0, bytes.size() / 2)},
+                                        {"garbage", std::string(4096, '\x7f')},
+                                        {"empty", ""},
+                                        {"bad header", bad_header}};
+  for (const Corrupt& c : corrupt) {
+    const std::string path = tmp.File(c.what + ".safetensors");
+    std::ofstream(path, std::ios::binary) << c.contents;
+    const grpc::Status st = client().LoadLayer("corrupt", "safetensors:" + path + ",heads=4", nullptr);
+    EXPECT_FALSE(st.ok()) << c.what;
+    EXPECT_NE(st.error_code(), grpc::INTERNAL) << c.what << ": " << Describe(st);
+    EXPECT_THAT(st.error_message(), HasSubstr(path)) << c.what;
+    v1::LayerInfo info;
+    EXPECT_EQ(client().GetLayer("corrupt", &info).error_code(), grpc::NOT_FOUND) << c.what;
+  }
+  const grpc::Status missing =
+      client().LoadLayer("corrupt", "safetensors:" + tmp.File("absent.safetensors") + ",heads=4", nullptr);
+  EXPECT_EQ(missing.error_code(), grpc::NOT_FOUND) << Describe(missing);
+  const grpc::Status bad_source = client().LoadLayer("corrupt", "random:d_model=8", nullptr);
+  EXPECT_EQ(bad_source.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(bad_source.error_message(), HasSubstr("heads"));
+  const grpc::Status bad_name = client().LoadLayer("bad name", "random:d_model=8,heads=2", nullptr);
+  EXPECT_EQ(bad_name.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(bad_name.error_message(), HasSubstr("name"));
+  std::mt19937_64 rng(1);
+  v1::ForwardResponse resp;
+  EXPECT_TRUE(client().Forward(Request("small", RandomFloats(rng, 64), {1, 1, 64}), &resp).ok());
+}
+
+TEST_F(ServerTest, HealthOfBothServiceNames) {
+  ServingStatus status;
+  ASSERT_TRUE(client().HealthStatus("", &status).ok());
+  EXPECT_EQ(status, ServingStatus::kServing);
+  ASSERT_TRUE(client().HealthStatus("attnserve.v1.AttentionService", &status).ok());
+  EXPECT_EQ(status, ServingStatus::kServing);
+  EXPECT_EQ(client().HealthStatus("no.such.Service", &status).error_code(), grpc::NOT_FOUND);
+}
+
+// Waits for one completion-queue event and checks it is `tag` and succeeded.
+bool Next(grpc::CompletionQueue& cq, void* tag) {
+  void* got = nullptr;
+  bool ok = false;
+  return cq.Next(&got, &ok) && ok && got == tag;
+}
+
+TEST_F(ServerTest, ReflectionListsTheService) {
+  // grpc.reflection.v1alpha.ServerReflectionRequest{list_services: ""}: field 7, length 0.
+  // Raw bytes through the generic stub: the reflection protos are not installed as headers.
+  grpc::GenericStub stub(client().channel());
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto call = stub.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  int tags[5];
+  call->StartCall(&tags[0]);
+  ASSERT_TRUE(Next(cq, &tags[0]));
+  const std::string request("\x3a\x00", 2);
+  grpc::Slice slice(request);
+  grpc::ByteBuffer buffer(&slice, 1);
+  call->Write(buffer, &tags[1]);
+  ASSERT_TRUE(Next(cq, &tags[1]));
+  grpc::ByteBuffer reply;
+  call->Read(&reply, &tags[2]);
+  ASSERT_TRUE(Next(cq, &tags[2]));
+  call->WritesDone(&tags[3]);
+  ASSERT_TRUE(Next(cq, &tags[3]));
+  grpc::Status status;
+  call->Finish(&status, &tags[4]);
+  ASSERT_TRUE(Next(cq, &tags[4]));
+  EXPECT_TRUE(status.ok()) << Describe(status);
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(reply.Dump(&slices).ok());
+  std::string text;
+  for (const auto& s : slices) text.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_THAT(text, HasSubstr("attnserve.v1.AttentionService"));
+  EXPECT_THAT(text, HasSubstr("grpc.health.v1.Health"));
+  cq.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
+  }
+}
+
+TEST_F(ServerTest, NpyRoundTripThroughTheCli) {
+  TempDir tmp;
+  std::mt19937_64 rng(11);
+  NpyArray x;
+  x.shape = {2, 5, 64};
+  x.data = RandomFloats(rng, 2 * 5 * 64);
+  ASSERT_TRUE(WriteNpy(tmp.File("x.npy"), x).ok());
+  std::string output;
+  const int rc = testing::RunToExit(ATTNSERVE_CLI_BINARY,
+                                    {"--target", server_->target(), "forward", "--layer", "small", "--form", "summed",
+                                     "--causal", "--input", tmp.File("x.npy"), "--output", tmp.File("y.npy")},
+                                    &output);
+  ASSERT_EQ(rc, 0) << output;
+  NpyArray y;
+  ASSERT_TRUE(ReadNpy(tmp.File("y.npy"), &y).ok());
+  EXPECT_EQ(y.shape, x.shape);
+  EXPECT_LT(RelativeL2(y.data, Reference(kSmall.Weights(), x.data, 2, 5, nullptr, 0, true)), kTolerance);
+  // A wrong d_model comes back as the server's error, exit status 1.
+  x.shape = {1, 5, 128};
+  ASSERT_TRUE(WriteNpy(tmp.File("bad.npy"), x).ok());
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_CLI_BINARY,
+                               {"--target", server_->target(), "forward", "--layer", "small", "--input",
+                                tmp.File("bad.npy"), "--output", tmp.File("z.npy")},
+                               &output),
+            1);
+  EXPECT_THAT(output, AllOf(HasSubstr("INVALID_ARGUMENT"), HasSubstr("d_model")));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Servers with their own flags.
+
+std::unique_ptr<ServerProcess> StartOrFail(const std::vector<std::string>& args) {
+  std::string error;
+  auto server = ServerProcess::Start(ATTNSERVE_BINARY, args, &error);
+  EXPECT_NE(server, nullptr) << error;
+  return server;
+}
+
+TEST(ServerFlagsTest, MessageLimitJustUnderPassesJustOverIsResourceExhausted) {
+  auto server = StartOrFail({"--max-message-mb", "1", "--layer", "tiny=random:d_model=64,heads=4,seed=2"});
+  ASSERT_NE(server, nullptr);
+  std::mt19937_64 rng(2);
+  // 4094 rows of one token: 1 048 064 bytes of data plus ~20 bytes of framing < 1 MiB.
+  const std::vector<float> under = RandomFloats(rng, 4094 * 64);
+  v1::ForwardRequest req = Request("tiny", under, {4094, 1, 64});
+  ASSERT_LT(req.ByteSizeLong(), size_t{1} << 20);
+  ASSERT_GT(req.ByteSizeLong(), (size_t{1} << 20) - 1024);
+  v1::ForwardResponse resp;
+  grpc::Status st = server->client().Forward(req, &resp);
+  ASSERT_TRUE(st.ok()) << Describe(st);
+  EXPECT_EQ(Output(resp).size(), under.size());
+
+  const std::vector<float> over = RandomFloats(rng, 4097 * 64);
+  req = Request("tiny", over, {4097, 1, 64});
+  ASSERT_GT(req.ByteSizeLong(), size_t{1} << 20);
+  st = server->client().Forward(req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::RESOURCE_EXHAUSTED) << Describe(st);
+  // ...and the server still serves.
+  EXPECT_TRUE(server->client().Forward(Request("tiny", RandomFloats(rng, 64), {1, 1, 64}), &resp).ok());
+}
+
+TEST(ServerFlagsTest, AttentionScoresAreBoundedPerSequence) {
+  // d_model 64, 4 heads: n = m = 256 needs exactly 1 MiB of scores, 257 more.
+  auto server = StartOrFail({"--max-scores-mb", "1", "--layer", "tiny=random:d_model=64,heads=4,seed=2"});
+  ASSERT_NE(server, nullptr);
+  std::mt19937_64 rng(4);
+  v1::ForwardResponse resp;
+  grpc::Status st = server->client().Forward(Request("tiny", RandomFloats(rng, 2 * 256 * 64), {2, 256, 64}), &resp);
+  EXPECT_TRUE(st.ok()) << Describe(st);
+  st = server->client().Forward(Request("tiny", RandomFloats(rng, 257 * 64), {1, 257, 64}), &resp);
+  EXPECT_EQ(st.error_code(), grpc::RESOURCE_EXHAUSTED) << Describe(st);
+  EXPECT_THAT(st.error_message(), AllOf(HasSubstr("n=257"), HasSubstr("--max-scores-mb")));
+}
+
+TEST(ServerFlagsTest, AdminTokenGuardsLoadAndUnload) {
+  auto server = StartOrFail({"--admin-token", "s3cret"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::AttentionService::NewStub(server->client().channel());
+  auto load = [&](const char* authorization) {
+    grpc::ClientContext ctx;
+    if (authorization) ctx.AddMetadata("authorization", authorization);
+    v1::LoadLayerRequest req;
+    req.set_name("guarded");
+    req.set_source("random:d_model=8,heads=2");
+    v1::LayerInfo info;
+    return stub->LoadLayer(&ctx, req, &info);
+  };
+  auto unload = [&](const char* authorization) {
+    grpc::ClientContext ctx;
+    if (authorization) ctx.AddMetadata("authorization", authorization);
+    v1::UnloadLayerRequest req;
+    req.set_name("guarded");
+    v1::UnloadLayerResponse resp;
+    return stub->UnloadLayer(&ctx, req, &resp);
+  };
+  grpc::Status st = load(nullptr);
+  EXPECT_EQ(st.error_code(), grpc::UNAUTHENTICATED) << Describe(st);
+  EXPECT_THAT(st.error_message(), HasSubstr("authorization"));
+  EXPECT_EQ(load("Bearer wrong").error_code(), grpc::PERMISSION_DENIED);
+  EXPECT_EQ(load("s3cret").error_code(), grpc::PERMISSION_DENIED);
+  EXPECT_EQ(load("Bearer s3cret2").error_code(), grpc::PERMISSION_DENIED);
+  EXPECT_EQ(unload(nullptr).error_code(), grpc::UNAUTHENTICATED);
+  st = load("Bearer s3cret");
+  EXPECT_TRUE(st.ok()) << Describe(st);
+  EXPECT_EQ(unload("Bearer nope").error_code(), grpc::PERMISSION_DENIED);
+  EXPECT_TRUE(unload("Bearer s3cret").ok());
+  // Reads stay open to everyone; with no --layer the demo layer is served.
+  v1::LayerInfo info;
+  ASSERT_TRUE(server->client().GetLayer("demo", &info).ok());
+  EXPECT_EQ(info.source(), "random:d_model=768,heads=12,seed=1");
+  EXPECT_EQ(info.config().d_model(), 768);
+  EXPECT_EQ(info.config().heads(), 12);
+}
+
+TEST(ServerFlagsTest, FullQueueAnswersResourceExhausted) {
+  // One compute thread, one waiting slot, calls of tens of ms: of 8 sent at once, some are refused.
+  auto server = StartOrFail({"--threads", "1", "--workers", "1", "--queue-capacity", "1", "--layer",
+                             "slow=random:d_model=256,heads=8,seed=4"});
+  ASSERT_NE(server, nullptr);
+  std::mt19937_64 rng(3);
+  const std::vector<float> input = RandomFloats(rng, 1 * 1024 * 256);
+  std::vector<std::future<std::pair<grpc::Status, v1::ForwardResponse>>> calls;
+  for (int i = 0; i < 8; ++i) {
+    calls.push_back(server->client().ForwardFuture(Request("slow", input, {1, 1024, 256}, v1::FORM_SUMMED)));
+  }
+  int ok = 0, refused = 0;
+  for (auto& f : calls) {
+    auto [st, resp] = f.get();
+    if (st.ok()) {
+      ++ok;
+    } else {
+      EXPECT_EQ(st.error_code(), grpc::RESOURCE_EXHAUSTED) << Describe(st);
+      EXPECT_EQ(st.error_message(), "queue full (1 requests)");
+      ++refused;
+    }
+  }
+  EXPECT_GE(ok, 1);
+  EXPECT_GE(refused, 1);
+}
+
+TEST(ServerFlagsTest, YamlConfigWithFlagOverride) {
+  TempDir tmp;
+  std::ofstream(tmp.File("attnserve.yaml")) << "layers:\n  a: random:d_model=8,heads=2\n  b: random:d_model=16,heads=2\n"
+                                               "max_message_mb: 4\nlog_level: debug\nlog_json: true\n";
+  auto server = StartOrFail({"--config", tmp.File("attnserve.yaml"), "--layer", "b=random:d_model=24,heads=3"});
+  ASSERT_NE(server, nullptr);
+  std::vector<v1::LayerInfo> layers;
+  ASSERT_TRUE(server->client().ListLayers(&layers).ok());
+  ASSERT_EQ(layers.size(), 2u);
+  EXPECT_EQ(layers[0].name(), "a");
+  EXPECT_EQ(layers[1].config().d_model(), 24) << "the flag's b replaces the file's";
+  // --log-json: every log line is a JSON object.
+  std::istringstream log(server->Log());
+  int json_lines = 0;
+  for (std::string line; std::getline(log, line);) {
+    if (line.rfind("listening on", 0) == 0) continue;  // stdout's one plain line
+    EXPECT_TRUE(nlohmann::json::accept(line)) << line;
+    ++json_lines;
+  }
+  EXPECT_GT(json_lines, 0);
+}
+
+TEST(ServerFlagsTest, BadStartupRefusesWithAClearError) {
+  std::string output;
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--listen", "127.0.0.1:0", "--layer", "x=random:d_model=0,heads=1"},
+                               &output),
+            1);
+  EXPECT_THAT(output, AllOf(HasSubstr("'x'"), HasSubstr("d_model")));
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY,
+                               {"--listen", "127.0.0.1:0", "--layer", "y=safetensors:/nonexistent/w.safetensors,heads=2"},
+                               &output),
+            1);
+  EXPECT_THAT(output, HasSubstr("/nonexistent/w.safetensors"));
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--layer", "nosource"}, &output), 2);
+  EXPECT_THAT(output, HasSubstr("NAME=SOURCE"));
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--frobnicate"}, &output), 2);
+  EXPECT_THAT(output, HasSubstr("--frobnicate"));
+  // Address already in use.
+  auto first = StartOrFail({"--layer", "t=random:d_model=8,heads=2"});
+  ASSERT_NE(first, nullptr);
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY,
+                               {"--listen", first->target(), "--layer", "t=random:d_model=8,heads=2"}, &output,
+                               std::chrono::seconds(20)),
+            1);
+  EXPECT_THAT(output, HasSubstr("cannot listen"));
+}
+
+TEST(ServerFlagsTest, HelpAndVersion) {
+  std::string output;
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--help"}, &output), 0);
+  for (const char* flag : {"--listen", "--port-file", "--layer", "--threads", "--workers", "--queue-capacity",
+                           "--max-message-mb", "--max-scores-mb", "--log-level", "--log-json", "--admin-token",
+                           "--config", "--help", "--version"}) {
+    EXPECT_THAT(output, HasSubstr(flag));
+  }
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--version"}, &output), 0);
+  EXPECT_THAT(output, HasSubstr("attnserve "));
+}
+
+TEST(ServerFlagsTest, SigtermAndSigintShutDownCleanly) {
+  for (int signal : {SIGTERM, SIGINT}) {
+    auto server = StartOrFail({"--layer", "t=random:d_model=8,heads=2"});
+    ASSERT_NE(server, nullptr);
+    const int status = server->Stop(signal);
+    EXPECT_EQ(status, 0) << "signal " << signal << "\n" << server->Log();
+    EXPECT_THAT(server->Log(), HasSubstr("stopped"));
+  }
+}
+
+}  // namespace
+}  // namespace attnserve

@@ -1,0 +1,143 @@
+// The attnserve binary's flags and YAML config (server/server_options.h).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "server/server_options.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+
+StatusOr<ServerOptions> Parse(std::vector<std::string> args) {
+  args.insert(args.begin(), "attnserve");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return ParseServerOptions(static_cast<int>(argv.size()), argv.data());
+}
+
+std::string WriteTemp(const std::string& text) {
+  char path[] = "/tmp/attnserve_options_XXXXXX";
+  const int fd = mkstemp(path);
+  EXPECT_GE(fd, 0);
+  const ssize_t written = write(fd, text.data(), text.size());
+  EXPECT_EQ(written, static_cast<ssize_t>(text.size()));
+  close(fd);
+  return path;
+}
+
+TEST(ServerOptionsTest, DefaultsServeTheDemoLayer) {
+  StatusOr<ServerOptions> o = Parse({});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->listen, "0.0.0.0:50051");
+  EXPECT_EQ(o->max_message_mb, 64);
+  ASSERT_EQ(o->layers.size(), 1u);
+  EXPECT_EQ(o->layers[0].first, "demo");
+  EXPECT_EQ(o->layers[0].second, "random:d_model=768,heads=12,seed=1");
+}
+
+TEST(ServerOptionsTest, FlagsInBothSpellings) {
+  StatusOr<ServerOptions> o =
+      Parse({"--listen", "127.0.0.1:0", "--layer=a=random:d_model=8,heads=2", "--layer", "b=safetensors:/x.st",
+             "--threads=3", "--workers", "2", "--max-message-mb", "1", "--log-level=debug", "--log-json",
+             "--admin-token", "s3cret", "--port-file", "/tmp/p", "--queue-capacity=5", "--max-scores-mb", "16"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->listen, "127.0.0.1:0");
+  ASSERT_EQ(o->layers.size(), 2u);
+  EXPECT_EQ(o->layers[0], std::make_pair(std::string("a"), std::string("random:d_model=8,heads=2")));
+  EXPECT_EQ(o->layers[1].second, "safetensors:/x.st");
+  EXPECT_EQ(o->threads, 3);
+  EXPECT_EQ(o->workers, 2);
+  EXPECT_EQ(o->max_message_mb, 1);
+  EXPECT_EQ(o->log_level, "debug");
+  EXPECT_TRUE(o->log_json);
+  EXPECT_EQ(o->admin_token, "s3cret");
+  EXPECT_EQ(o->port_file, "/tmp/p");
+  EXPECT_EQ(o->queue_capacity, 5);
+  EXPECT_EQ(o->max_scores_mb, 16);
+}
+
+TEST(ServerOptionsTest, YamlFileWithFlagsOverriding) {
+  const std::string path = WriteTemp(
+      "listen: 127.0.0.1:6000\n"
+      "threads: 4\n"
+      "max_message_mb: 8\n"
+      "max_scores_mb: 100\n"
+      "log_level: warn\n"
+      "log_json: true\n"
+      "layers:\n"
+      "  small: random:d_model=8,heads=2\n"
+      "  big: random:d_model=64,heads=4\n");
+  StatusOr<ServerOptions> o = Parse({"--config", path, "--threads", "2", "--layer", "big=random:d_model=16,heads=2"});
+  std::remove(path.c_str());
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->listen, "127.0.0.1:6000");
+  EXPECT_EQ(o->threads, 2) << "the flag wins over the file";
+  EXPECT_EQ(o->max_message_mb, 8);
+  EXPECT_EQ(o->max_scores_mb, 100);
+  EXPECT_EQ(o->log_level, "warn");
+  EXPECT_TRUE(o->log_json);
+  ASSERT_EQ(o->layers.size(), 2u);
+  EXPECT_EQ(o->layers[1], std::make_pair(std::string("big"), std::string("random:d_model=16,heads=2")));
+}
+
+TEST(ServerOptionsTest, ConfigIsReadFirstWhereverItStands) {
+  const std::string path = WriteTemp("threads: 4\n");
+  StatusOr<ServerOptions> o = Parse({"--threads", "2", "--config", path});
+  std::remove(path.c_str());
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->threads, 2);
+}
+
+TEST(ServerOptionsTest, Errors) {
+  EXPECT_THAT(Parse({"--bogus"}).status().message(), HasSubstr("unknown flag '--bogus'"));
+  EXPECT_THAT(Parse({"--threads"}).status().message(), HasSubstr("--threads: expected a value"));
+  EXPECT_THAT(Parse({"--threads", "x"}).status().message(), HasSubstr("--threads: expected an integer"));
+  EXPECT_THAT(Parse({"--max-message-mb", "0"}).status().message(), HasSubstr("[1, 2047]"));
+  EXPECT_THAT(Parse({"--max-message-mb", "4096"}).status().message(), HasSubstr("got '4096'"));
+  EXPECT_THAT(Parse({"--log-level", "loud"}).status().message(), HasSubstr("got 'loud'"));
+  EXPECT_THAT(Parse({"--layer", "nosource"}).status().message(), HasSubstr("NAME=SOURCE"));
+  EXPECT_THAT(Parse({"--layer", "=random:x"}).status().message(), HasSubstr("NAME=SOURCE"));
+  EXPECT_THAT(Parse({"--layer", "bad name=random:x"}).status().message(), HasSubstr("layer name"));
+  EXPECT_THAT(Parse({"--config", "/nonexistent/x.yaml"}).status().message(), HasSubstr("cannot read"));
+  EXPECT_THAT(Parse({"--log-json=maybe"}).status().message(), HasSubstr("true or false"));
+}
+
+TEST(ServerOptionsTest, YamlErrorsNameTheKey) {
+  ServerOptions o;
+  EXPECT_THAT(ApplyYamlConfig("thraeds: 2\n", "f.yaml", &o).message(), HasSubstr("f.yaml: thraeds: unknown key"));
+  EXPECT_THAT(ApplyYamlConfig("threads: many\n", "f.yaml", &o).message(), HasSubstr("f.yaml: threads"));
+  EXPECT_THAT(ApplyYamlConfig("layers: [a, b]\n", "f.yaml", &o).message(), HasSubstr("NAME: SOURCE"));
+  EXPECT_THAT(ApplyYamlConfig("- 1\n- 2\n", "f.yaml", &o).message(), HasSubstr("mapping"));
+  EXPECT_THAT(ApplyYamlConfig("listen: [\n", "f.yaml", &o).message(), HasSubstr("not valid YAML"));
+  EXPECT_TRUE(ApplyYamlConfig("", "f.yaml", &o).ok());
+}
+
+TEST(ServerOptionsTest, AdminTokenFromEnvironmentHasLowestPrecedence) {
+  setenv("ATTNSERVE_ADMIN_TOKEN", "from-env", 1);
+  EXPECT_EQ(Parse({})->admin_token, "from-env");
+  EXPECT_EQ(Parse({"--admin-token", "flag"})->admin_token, "flag");
+  unsetenv("ATTNSERVE_ADMIN_TOKEN");
+}
+
+TEST(ServerOptionsTest, HelpNamesEveryFlag) {
+  const std::string usage = UsageText();
+  for (const char* flag : {"--listen", "--port-file", "--layer", "--threads", "--workers", "--queue-capacity",
+                           "--max-message-mb", "--max-scores-mb", "--log-level", "--log-json", "--admin-token",
+                           "--config", "--help", "--version"}) {
+    EXPECT_THAT(usage, HasSubstr(flag));
+  }
+  EXPECT_TRUE(Parse({"--help"})->help);
+  EXPECT_TRUE(Parse({"--version"})->version);
+}
+
+}  // namespace
+}  // namespace attnserve
