@@ -81,6 +81,12 @@ double MedianSeconds(Fn fn, double min_time_s) {
 
 // The GEMM ceiling: a large square SGEMM through the same Eigen build and thread count.
 double GemmCeilingGflops(int threads, double min_time_s) {
+  // Eigen's own threading for a large square GEMM (where it does well), then back off: the
+  // backend splits its GEMMs itself and expects Eigen single-threaded.
+  struct RestoreThreads {
+    int previous = Eigen::nbThreads();
+    ~RestoreThreads() { Eigen::setNbThreads(previous); }
+  } restore;
   Eigen::setNbThreads(threads);
   const int64_t k = 2048;
   using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;

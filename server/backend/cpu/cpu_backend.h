@@ -1,7 +1,7 @@
 // The CPU backend: Eigen GEMMs for the projections (one per batch over all stacked tokens) and
 // an OpenMP loop over (sequence, head) for the scores and the mix.
-// Thread-safety: Forward is reentrant (each call owns its scratch). Construction sets Eigen's
-// process-wide thread count: create one CpuBackend per process.
+// Thread-safety: Forward is reentrant (each call owns its scratch). Construction turns Eigen's
+// own (process-wide) GEMM threading off: the backend splits GEMMs across its threads itself.
 #pragma once
 
 #include <memory>
