@@ -30,7 +30,41 @@ StatusOr<std::shared_ptr<const ResidentForm>> UploadForm(Backend* backend, FormW
   return resident;
 }
 
+// The low-rank form of a loaded source: ranks from the spectrum by the source's selection, its
+// size checked before it is allocated.
+StatusOr<FormWeights> BuildLowRank(const LayerSource& loaded, const LayerSpectrum& spectrum, int64_t max_form_bytes) {
+  auto ranks = SelectRanks(spectrum, loaded.lowrank->selection);
+  if (!ranks.ok()) return Prefixed("option 'lowrank=" + loaded.lowrank->text + "': ", ranks.status());
+  int64_t total = 0;
+  for (int64_t r : *ranks) total += r;
+  if (total == 0) {
+    // A form with no value columns would have no output projection either: refuse it rather
+    // than serve a layer whose attention contributes nothing but the bias.
+    return InvalidArgumentError("option 'lowrank=" + loaded.lowrank->text +
+                                "': keeps no direction at all (every head's OV product W_V·W_O is zero)");
+  }
+  const int64_t bytes = LowRankFormParameters(loaded.weights.config, total) * int64_t{sizeof(float)};
+  if (bytes > max_form_bytes) {
+    return ResourceExhaustedError("the low-rank form (total rank " + std::to_string(total) + ") would take " +
+                                  std::to_string(bytes) + " bytes, more than the limit of " +
+                                  std::to_string(max_form_bytes) + " per form; choose a smaller lowrank=budget:R");
+  }
+  return MaterializeLowRank(loaded.weights, *ranks);
+}
+
 }  // namespace
+
+double KeptEnergy(const LayerSpectrum& spectrum, const std::vector<int64_t>& ranks) {
+  double kept = 0, total = 0;
+  for (size_t i = 0; i < spectrum.ov.size(); ++i) {
+    const std::vector<double>& s = spectrum.ov[i].singular_values;
+    for (size_t j = 0; j < s.size(); ++j) {
+      total += s[j] * s[j];
+      if (i < ranks.size() && static_cast<int64_t>(j) < ranks[i]) kept += s[j] * s[j];
+    }
+  }
+  return total > 0 ? kept / total : 1.0;
+}
 
 Status ValidateLayerName(std::string_view name) {
   if (name.empty()) return InvalidArgumentError("layer name: expected 1 to 128 characters of [A-Za-z0-9._-], got ''");
@@ -70,6 +104,17 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
     FormWeights factored = MaterializeFactored(loaded->weights);
     std::optional<FormWeights> summed;
     if (loaded->hold_summed) summed = MaterializeSummed(loaded->weights);
+    // Once per load, never per request: GetLayer and the low-rank form read this one.
+    if (loaded->compute_spectrum || loaded->lowrank) layer->spectrum = std::make_shared<const LayerSpectrum>(ComputeSpectrum(loaded->weights));
+    std::optional<FormWeights> lowrank;
+    if (loaded->lowrank) {
+      auto built = BuildLowRank(*loaded, *layer->spectrum, options_.max_form_bytes);
+      if (!built.ok()) return Prefixed(at + "source '" + source + "': ", built.status());
+      layer->lowrank_selection = loaded->lowrank->text;
+      layer->lowrank_ranks = built->value_width;
+      layer->lowrank_kept_energy = KeptEnergy(*layer->spectrum, layer->lowrank_ranks);
+      lowrank = std::move(*built);
+    }
     loaded->weights = LayerWeights();  // the forms hold all we need: free the source copy now
 
     auto resident = UploadForm(backend_, std::move(factored));
@@ -79,6 +124,11 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
       resident = UploadForm(backend_, std::move(*summed));
       if (!resident.ok()) return Prefixed(at, resident.status());
       layer->forms[Form::kSummed] = std::move(*resident);
+    }
+    if (lowrank) {
+      resident = UploadForm(backend_, std::move(*lowrank));
+      if (!resident.ok()) return Prefixed(at, resident.status());
+      layer->forms[Form::kLowRank] = std::move(*resident);
     }
     published = std::move(layer);
   } catch (const std::bad_alloc&) {

@@ -16,6 +16,7 @@
 #include "server/backend/backend.h"
 #include "server/core/forms.h"
 #include "server/core/layer.h"
+#include "server/core/spectrum.h"
 #include "server/core/status.h"
 
 namespace attnserve {
@@ -27,6 +28,15 @@ struct Layer {
   std::string device;  // the backend's DeviceName()
   // The forms held, resident on the backend. The factored form is always held.
   std::map<Form, std::shared_ptr<const ResidentForm>> forms;
+  // Per-head OV and QK spectra, computed once at load (server/core/spectrum.h); null when the
+  // source said spectrum=false.
+  std::shared_ptr<const LayerSpectrum> spectrum;
+  // The low-rank form's selection as the source gave it ("energy:0.99", "budget:256"), the
+  // rank r_i it chose per query head, and the share of Σ_i ‖W_M_i‖_F² those ranks keep.
+  // Empty / 0 when the layer does not hold the low-rank form.
+  std::string lowrank_selection;
+  std::vector<int64_t> lowrank_ranks;
+  double lowrank_kept_energy = 0;
 
   // nullptr when the layer does not hold that form.
   const ResidentForm* Find(Form form) const {
@@ -34,6 +44,10 @@ struct Layer {
     return it == forms.end() ? nullptr : it->second.get();
   }
 };
+
+// The share of the OV energy Σ_i Σ_{j<r_i} σ_ij² / Σ_i Σ_j σ_ij² that per-head ranks keep
+// (1 for a layer whose OV products are all zero).
+double KeptEnergy(const LayerSpectrum& spectrum, const std::vector<int64_t>& ranks);
 
 // Layer names are what requests, metrics and logs name a layer by: 1 to 128 characters of
 // [A-Za-z0-9._-]. INVALID_ARGUMENT saying what is wrong otherwise.
@@ -49,8 +63,9 @@ class LayerStore {
  public:
   explicit LayerStore(Backend* backend, LayerStoreOptions options = {}) : backend_(backend), options_(options) {}
 
-  // Parses SOURCE, reads or draws the weights, materialises the forms, uploads them and
-  // publishes the layer under `name`, replacing any layer of that name (requests already
+  // Parses SOURCE, reads or draws the weights, computes the spectrum, materialises the forms
+  // (the low-rank one from the spectrum, when the source asks), uploads them and publishes the
+  // layer under `name`, replacing any layer of that name (requests already
   // holding the old one finish on it). Errors name the source and what was wrong.
   StatusOr<std::shared_ptr<const Layer>> Load(const std::string& name, const std::string& source);
 

@@ -54,6 +54,25 @@ std::string Join(const std::vector<std::string_view>& items) {
   return s;
 }
 
+// Shortest text that reads back as the same double ("0.99", "1e+06").
+std::string FormatDouble(double v) {
+  char buf[32];
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  return ec == std::errc() ? std::string(buf, end) : std::to_string(v);
+}
+
+// Largest rope_theta accepted: real models use 1e4 to 1e6; far beyond that the angles are all
+// zero and the option is surely a typo.
+constexpr double kMaxRopeTheta = 1e12;
+
+// The options every kind of source takes, after its own.
+constexpr std::string_view kCommonOptions[] = {"summed", "spectrum", "lowrank", "rope_theta"};
+
+std::vector<std::string_view> WithCommon(std::vector<std::string_view> own) {
+  own.insert(own.end(), std::begin(kCommonOptions), std::end(kCommonOptions));
+  return own;
+}
+
 // The key=value options of a source, each key at most once and each known to the kind.
 class Options {
  public:
@@ -115,6 +134,20 @@ class Options {
     return OkStatus();
   }
 
+  // A finite decimal or exponent number ("500000", "1e6", "0.99") in [lo, hi].
+  Status Double(const std::string& key, double lo, double hi, std::optional<double>* out) const {
+    if (!Has(key)) return OkStatus();
+    const std::string& v = Get(key);
+    double parsed = 0;
+    const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), parsed);
+    if (ec != std::errc() || end != v.data() + v.size() || !std::isfinite(parsed) || parsed < lo || parsed > hi) {
+      return InvalidArgumentError("option '" + key + "': expected a number in [" + FormatDouble(lo) + ", " +
+                                  FormatDouble(hi) + "], got '" + v + "'");
+    }
+    *out = parsed;
+    return OkStatus();
+  }
+
   Status Bool(const std::string& key, bool* out) const {
     if (!Has(key)) return OkStatus();
     const std::string& v = Get(key);
@@ -132,8 +165,57 @@ class Options {
   std::map<std::string, std::string> values_;
 };
 
+// lowrank=energy:E (0 < E <= 1) or lowrank=budget:R (R >= 1; its upper bound, the sum of every
+// head's full rank, is checked at load against the layer's shape).
+StatusOr<LowRankSpec> ParseLowRank(const std::string& value) {
+  const std::string expected =
+      "option 'lowrank': expected energy:E (a share of each head's energy, 0 < E <= 1) or budget:R (a total "
+      "rank over all heads, R >= 1), got '" + value + "'";
+  const size_t colon = value.find(':');
+  if (colon == std::string::npos) return InvalidArgumentError(expected);
+  const std::string kind(Trim(std::string_view(value).substr(0, colon)));
+  const std::string arg(Trim(std::string_view(value).substr(colon + 1)));
+  LowRankSpec out;
+  if (kind == "energy") {
+    double e = 0;
+    const auto [end, ec] = std::from_chars(arg.data(), arg.data() + arg.size(), e);
+    if (ec != std::errc() || end != arg.data() + arg.size() || !(e > 0 && e <= 1)) return InvalidArgumentError(expected);
+    out.selection.kind = RankSelection::Kind::kEnergy;
+    out.selection.energy = e;
+    out.text = "energy:" + FormatDouble(e);
+    return out;
+  }
+  if (kind == "budget") {
+    int64_t r = 0;
+    const auto [end, ec] = std::from_chars(arg.data(), arg.data() + arg.size(), r);
+    if (ec != std::errc() || end != arg.data() + arg.size() || r < 1 || r > kMaxHeads * kMaxDHead) {
+      return InvalidArgumentError(expected);
+    }
+    out.selection.kind = RankSelection::Kind::kBudget;
+    out.selection.budget = r;
+    out.text = "budget:" + std::to_string(r);
+    return out;
+  }
+  return InvalidArgumentError(expected);
+}
+
+Status ParseCommon(const Options& o, SourceSpec* spec) {
+  ATTNSERVE_RETURN_IF_ERROR(o.Bool("summed", &spec->hold_summed));
+  ATTNSERVE_RETURN_IF_ERROR(o.Bool("spectrum", &spec->compute_spectrum));
+  ATTNSERVE_RETURN_IF_ERROR(o.Double("rope_theta", 0.0, kMaxRopeTheta, &spec->rope_theta));
+  if (o.Has("lowrank")) {
+    auto lowrank = ParseLowRank(o.Get("lowrank"));
+    if (!lowrank.ok()) return lowrank.status();
+    spec->lowrank = std::move(*lowrank);
+    if (!spec->compute_spectrum) {
+      return InvalidArgumentError("option 'lowrank' needs the layer's spectrum, but spectrum=false: drop one of them");
+    }
+  }
+  return OkStatus();
+}
+
 Status ParseRandom(const std::vector<std::string_view>& items, SourceSpec* spec) {
-  auto parsed = Options::Parse(items, "random", {"d_model", "heads", "kv_heads", "d_head", "bias", "seed", "summed"}, {});
+  auto parsed = Options::Parse(items, "random", WithCommon({"d_model", "heads", "kv_heads", "d_head", "bias", "seed"}), {});
   if (!parsed.ok()) return parsed.status();
   const Options& o = *parsed;
   for (const char* required : {"d_model", "heads"}) {
@@ -149,7 +231,8 @@ Status ParseRandom(const std::vector<std::string_view>& items, SourceSpec* spec)
   ATTNSERVE_RETURN_IF_ERROR(o.Int("d_head", 1, kMaxDHead, &c.d_head));
   ATTNSERVE_RETURN_IF_ERROR(o.Bool("bias", &c.bias));
   ATTNSERVE_RETURN_IF_ERROR(o.Uint("seed", &spec->seed));
-  ATTNSERVE_RETURN_IF_ERROR(o.Bool("summed", &spec->hold_summed));
+  ATTNSERVE_RETURN_IF_ERROR(ParseCommon(o, spec));
+  c.rope_theta = spec->rope_theta.value_or(0.0);
   auto complete = CompleteConfig(c);
   if (!complete.ok()) return complete.status();
   spec->config = *complete;
@@ -163,7 +246,7 @@ Status ParseSafetensors(const std::vector<std::string_view>& items, SourceSpec* 
   }
   // An empty prefix is meaningful: "no prefix", which also turns detection off.
   auto parsed = Options::Parse({items.begin() + 1, items.end()}, "safetensors",
-                               {"arch", "index", "prefix", "heads", "kv_heads", "summed"}, {"prefix"});
+                               WithCommon({"arch", "index", "prefix", "heads", "kv_heads"}), {"prefix"});
   if (!parsed.ok()) return parsed.status();
   const Options& o = *parsed;
   if (o.Has("arch")) {
@@ -174,8 +257,10 @@ Status ParseSafetensors(const std::vector<std::string_view>& items, SourceSpec* 
       spec->arch = CheckpointArch::kGpt2;
     } else if (a == "bert") {
       spec->arch = CheckpointArch::kBert;
+    } else if (a == "llama") {
+      spec->arch = CheckpointArch::kLlama;
     } else {
-      return InvalidArgumentError("option 'arch': expected torch-mha, gpt2 or bert, got '" + a + "'");
+      return InvalidArgumentError("option 'arch': expected torch-mha, gpt2, bert or llama, got '" + a + "'");
     }
   }
   if (o.Has("index")) {
@@ -186,7 +271,7 @@ Status ParseSafetensors(const std::vector<std::string_view>& items, SourceSpec* 
   if (o.Has("prefix")) spec->prefix = o.Get("prefix");
   ATTNSERVE_RETURN_IF_ERROR(o.Int("heads", 1, kMaxHeads, &spec->heads));
   ATTNSERVE_RETURN_IF_ERROR(o.Int("kv_heads", 1, kMaxHeads, &spec->kv_heads));
-  ATTNSERVE_RETURN_IF_ERROR(o.Bool("summed", &spec->hold_summed));
+  ATTNSERVE_RETURN_IF_ERROR(ParseCommon(o, spec));
   if (spec->index && spec->arch == CheckpointArch::kTorchMha) {
     return InvalidArgumentError("option 'index' does not apply to arch=torch-mha (its tensors have no block "
                                 "number); select the module with prefix= instead");
@@ -209,6 +294,7 @@ constexpr Pattern kPatterns[] = {
     {CheckpointArch::kTorchMha, "", false, "in_proj_weight"},
     {CheckpointArch::kGpt2, "h.", true, ".attn.c_attn.weight"},
     {CheckpointArch::kBert, "encoder.layer.", true, ".attention.self.query.weight"},
+    {CheckpointArch::kLlama, "layers.", true, ".self_attn.q_proj.weight"},
 };
 
 const Pattern& PatternOf(CheckpointArch arch) {
@@ -263,7 +349,7 @@ std::vector<Match> FindAnchors(const SafetensorsFile& file, const Pattern& p, co
 // The tensor names of one layer in one layout.
 struct LayerNames {
   CheckpointArch arch = CheckpointArch::kAuto;
-  // torch-mha, gpt2: the packed input projection; bert: query, key, value separately.
+  // torch-mha, gpt2: the packed input projection; bert, llama: query, key, value separately.
   std::string w_in, b_in;
   std::string w_q, w_k, w_v, b_q, b_k, b_v;
   std::string w_out, b_out;
@@ -286,6 +372,19 @@ LayerNames NamesOf(CheckpointArch arch, const std::string& prefix, int64_t index
       n.b_in = block + "c_attn.bias";
       n.w_out = block + "c_proj.weight";
       n.b_out = block + "c_proj.bias";
+      break;
+    }
+    case CheckpointArch::kLlama: {
+      const std::string block = prefix + "layers." + i + ".self_attn.";
+      n.w_q = block + "q_proj.weight";
+      n.w_k = block + "k_proj.weight";
+      n.w_v = block + "v_proj.weight";
+      n.w_out = block + "o_proj.weight";
+      // LLaMA has none; attention_bias=true variants have all four.
+      n.b_q = block + "q_proj.bias";
+      n.b_k = block + "k_proj.bias";
+      n.b_v = block + "v_proj.bias";
+      n.b_out = block + "o_proj.bias";
       break;
     }
     case CheckpointArch::kBert:
@@ -411,11 +510,16 @@ struct Widths {
   std::string kv_from;
 };
 
+// bert and llama store query, key, value and output as four nn.Linear weights.
+bool SeparateProjections(CheckpointArch arch) {
+  return arch == CheckpointArch::kBert || arch == CheckpointArch::kLlama;
+}
+
 StatusOr<Widths> CheckShapes(const SafetensorsFile& file, const LayerNames& n) {
   Widths w;
   const std::string at = "safetensors file '" + file.path() + "': ";
   std::vector<std::string> bias_names;
-  if (n.arch == CheckpointArch::kBert) {
+  if (SeparateProjections(n.arch)) {
     auto wq = Require(file, n.w_q);
     if (!wq.ok()) return wq.status();
     auto wk = Require(file, n.w_k);
@@ -485,7 +589,7 @@ StatusOr<Widths> CheckShapes(const SafetensorsFile& file, const LayerNames& n) {
   if (w.bias) {
     const int64_t packed = w.q + 2 * w.kv;
     const std::vector<std::pair<std::string, int64_t>> sizes =
-        n.arch == CheckpointArch::kBert
+        SeparateProjections(n.arch)
             ? std::vector<std::pair<std::string, int64_t>>{{n.b_q, w.q}, {n.b_k, w.kv}, {n.b_v, w.kv}, {n.b_out, w.d_model}}
             : std::vector<std::pair<std::string, int64_t>>{{n.b_in, packed}, {n.b_out, w.d_model}};
     for (const auto& [name, size] : sizes) {
@@ -508,17 +612,14 @@ StatusOr<int64_t> JsonPositive(const nlohmann::json& j, const char* key, const s
   return static_cast<int64_t>(it->get<uint64_t>());
 }
 
-// The number of heads from config.json beside the checkpoint (Hugging Face's layout).
-StatusOr<int64_t> HeadsFromConfigJson(const std::string& checkpoint) {
+// config.json beside the checkpoint (Hugging Face's layout), parsed; nullopt when there is none.
+// `ask` ends every error, saying what the source can give instead.
+StatusOr<std::optional<nlohmann::json>> ReadConfigJson(const std::string& checkpoint, const std::string& ask) {
   namespace fs = std::filesystem;
   const fs::path config = fs::path(checkpoint).parent_path() / "config.json";
   const std::string where = "'" + config.string() + "'";
-  const std::string ask = "; give the number of heads in the source with heads=H";
   std::error_code ec;
-  if (!fs::is_regular_file(config, ec)) {
-    return InvalidArgumentError("the source does not say how many heads the layer has and there is no " + where +
-                                " beside '" + checkpoint + "'" + ask);
-  }
+  if (!fs::is_regular_file(config, ec)) return std::optional<nlohmann::json>();
   const uintmax_t size = fs::file_size(config, ec);
   if (ec || size > kMaxConfigJsonBytes) {
     return InvalidArgumentError(where + ": cannot read it or larger than " + std::to_string(kMaxConfigJsonBytes) +
@@ -534,12 +635,77 @@ StatusOr<int64_t> HeadsFromConfigJson(const std::string& checkpoint) {
     return InvalidArgumentError(where + ": not valid JSON: " + e.what() + ask);
   }
   if (!j.is_object()) return InvalidArgumentError(where + ": expected a JSON object" + ask);
+  return std::optional<nlohmann::json>(std::move(j));
+}
+
+std::string ConfigJsonPath(const std::string& checkpoint) {
+  return "'" + (std::filesystem::path(checkpoint).parent_path() / "config.json").string() + "'";
+}
+
+// The number of heads from config.json beside the checkpoint.
+StatusOr<int64_t> HeadsFromConfigJson(const std::string& checkpoint) {
+  const std::string where = ConfigJsonPath(checkpoint);
+  const std::string ask = "; give the number of heads in the source with heads=H";
+  auto j = ReadConfigJson(checkpoint, ask);
+  if (!j.ok()) return j.status();
+  if (!*j) {
+    return InvalidArgumentError("the source does not say how many heads the layer has and there is no " + where +
+                                " beside '" + checkpoint + "'" + ask);
+  }
   for (const char* key : {"num_attention_heads", "n_head"}) {
-    auto heads = JsonPositive(j, key, where);
+    auto heads = JsonPositive(**j, key, where);
     if (!heads.ok()) return heads.status();
     if (*heads > 0) return *heads;
   }
   return InvalidArgumentError(where + " has neither 'num_attention_heads' nor 'n_head'" + ask);
+}
+
+// What a LLaMA-family config.json says about attention; 0 / nullopt where it is silent.
+struct LlamaJson {
+  int64_t heads = 0;     // num_attention_heads
+  int64_t kv_heads = 0;  // num_key_value_heads
+  int64_t head_dim = 0;  // head_dim (some families set d_head != d_model / heads)
+  std::optional<double> rope_theta;
+};
+
+// Hugging Face's LlamaConfig default, used when config.json has no rope_theta.
+constexpr double kLlamaDefaultRopeTheta = 10000.0;
+
+StatusOr<std::optional<LlamaJson>> LlamaConfigFromJson(const std::string& checkpoint) {
+  const std::string where = ConfigJsonPath(checkpoint);
+  const std::string ask = "; give heads=H and rope_theta=T in the source instead";
+  auto j = ReadConfigJson(checkpoint, ask);
+  if (!j.ok()) return j.status();
+  if (!*j) return std::optional<LlamaJson>();
+  const nlohmann::json& json = **j;
+  LlamaJson out;
+  auto heads = JsonPositive(json, "num_attention_heads", where);
+  if (!heads.ok()) return heads.status();
+  out.heads = *heads;
+  auto kv = JsonPositive(json, "num_key_value_heads", where);
+  if (!kv.ok()) return kv.status();
+  out.kv_heads = *kv;
+  if (const auto it = json.find("head_dim"); it != json.end() && !it->is_null()) {
+    if (!it->is_number_unsigned() || it->get<uint64_t>() < 1 || it->get<uint64_t>() > static_cast<uint64_t>(kMaxDHead)) {
+      return InvalidArgumentError(where + ": 'head_dim' must be an integer in [1, " + std::to_string(kMaxDHead) +
+                                  "], got " + it->dump());
+    }
+    out.head_dim = static_cast<int64_t>(it->get<uint64_t>());
+  }
+  if (const auto it = json.find("rope_theta"); it != json.end()) {
+    if (!it->is_number() || !(it->get<double>() > 0) || it->get<double>() > kMaxRopeTheta) {
+      return InvalidArgumentError(where + ": 'rope_theta' must be a number in (0, " + FormatDouble(kMaxRopeTheta) +
+                                  "], got " + it->dump());
+    }
+    out.rope_theta = it->get<double>();
+  }
+  // Scaled RoPE (linear, dynamic, yarn, llama3) changes the frequencies: computing plain RoPE
+  // instead would silently give other outputs than the model.
+  if (const auto it = json.find("rope_scaling"); it != json.end() && !it->is_null()) {
+    return InvalidArgumentError(where + ": 'rope_scaling' is " + it->dump() +
+                                ", but only plain rotary embedding is supported (expected null or absent)");
+  }
+  return std::optional<LlamaJson>(out);
 }
 
 // ---- Weights ----------------------------------------------------------------------------
@@ -610,6 +776,7 @@ Status FillWeights(const SafetensorsFile& file, const LayerNames& n, const Width
       break;
     }
     case CheckpointArch::kBert:
+    case CheckpointArch::kLlama:
     case CheckpointArch::kAuto: {
       const std::pair<const std::string*, std::vector<float>*> parts[] = {
           {&n.w_q, &out->w_q}, {&n.w_k, &out->w_k}, {&n.w_v, &out->w_v}, {&n.w_out, &out->w_o}};
@@ -624,7 +791,7 @@ Status FillWeights(const SafetensorsFile& file, const LayerNames& n, const Width
     }
   }
   if (!w.bias) return OkStatus();
-  if (n.arch == CheckpointArch::kBert) {
+  if (SeparateProjections(n.arch)) {
     const std::pair<const std::string*, std::vector<float>*> biases[] = {
         {&n.b_q, &out->b_q}, {&n.b_k, &out->b_k}, {&n.b_v, &out->b_v}, {&n.b_out, &out->b_o}};
     for (const auto& [name, dst] : biases) {
@@ -671,7 +838,27 @@ StatusOr<LayerSource> LoadSafetensors(const SourceSpec& spec, int64_t max_form_b
   const std::string at = "safetensors file '" + spec.path + "': ";
 
   int64_t heads = spec.heads;
-  if (heads == 0) {
+  double rope_theta = spec.rope_theta.value_or(0.0);
+  std::optional<LlamaJson> llama;
+  if (names->arch == CheckpointArch::kLlama) {
+    // LLaMA-family checkpoints take heads, key/value heads and rope_theta from config.json;
+    // the source's options win over it.
+    auto from_json = LlamaConfigFromJson(spec.path);
+    if (!from_json.ok()) return Prefixed(at, from_json.status());
+    llama = *from_json;
+    if (!llama && (heads == 0 || !spec.rope_theta)) {
+      return InvalidArgumentError(at + "arch=llama needs the number of heads and rope_theta, and there is no " +
+                                  ConfigJsonPath(spec.path) + " beside the file; give heads=H and rope_theta=T");
+    }
+    if (heads == 0) {
+      if (llama->heads == 0) {
+        return InvalidArgumentError(at + ConfigJsonPath(spec.path) +
+                                    " has no 'num_attention_heads'; give heads=H in the source");
+      }
+      heads = llama->heads;
+    }
+    if (!spec.rope_theta) rope_theta = llama->rope_theta.value_or(kLlamaDefaultRopeTheta);
+  } else if (heads == 0) {
     auto from_json = HeadsFromConfigJson(spec.path);
     if (!from_json.ok()) return Prefixed(at, from_json.status());
     heads = *from_json;
@@ -692,18 +879,34 @@ StatusOr<LayerSource> LoadSafetensors(const SourceSpec& spec, int64_t max_form_b
                                 "' holds " + std::to_string(kv_heads) + " key/value heads of d_head=" +
                                 std::to_string(d_head));
   }
+  if (llama) {
+    // config.json's head counts are checks against the shapes (unless the source overrides them).
+    if (spec.heads == 0 && llama->head_dim != 0 && llama->head_dim != d_head) {
+      return InvalidArgumentError(at + ConfigJsonPath(spec.path) + " says head_dim=" + std::to_string(llama->head_dim) +
+                                  ", but tensor '" + w.q_from + "' of width " + std::to_string(w.q) + " and heads=" +
+                                  std::to_string(heads) + " give d_head=" + std::to_string(d_head));
+    }
+    if (spec.heads == 0 && spec.kv_heads == 0 && llama->kv_heads != 0 && llama->kv_heads != kv_heads) {
+      return InvalidArgumentError(at + ConfigJsonPath(spec.path) + " says num_key_value_heads=" +
+                                  std::to_string(llama->kv_heads) + ", but tensor '" + w.kv_from + "' holds " +
+                                  std::to_string(kv_heads) + " key/value heads of d_head=" + std::to_string(d_head));
+    }
+  }
   LayerConfig c;
   c.d_model = w.d_model;
   c.heads = heads;
   c.kv_heads = kv_heads;
   c.d_head = d_head;
   c.bias = w.bias;
+  c.rope_theta = rope_theta;
   auto config = CompleteConfig(c);
   if (!config.ok()) return Prefixed(at, config.status());
   ATTNSERVE_RETURN_IF_ERROR(CheckFormSizes(*config, spec.hold_summed, max_form_bytes));
 
   LayerSource out;
   out.hold_summed = spec.hold_summed;
+  out.compute_spectrum = spec.compute_spectrum;
+  out.lowrank = spec.lowrank;
   out.arch = names->arch;
   out.weights.config = *config;
   ATTNSERVE_RETURN_IF_ERROR(FillWeights(*file, *names, w, &out.weights));
@@ -720,6 +923,7 @@ std::string_view CheckpointArchName(CheckpointArch arch) {
     case CheckpointArch::kTorchMha: return "torch-mha";
     case CheckpointArch::kGpt2: return "gpt2";
     case CheckpointArch::kBert: return "bert";
+    case CheckpointArch::kLlama: return "llama";
   }
   return "unknown";
 }
@@ -728,6 +932,13 @@ int64_t FactoredFormParameters(const LayerConfig& c) {
   const int64_t q = c.heads * c.d_head, kv = c.kv_heads * c.d_head;
   const int64_t biases = c.bias ? q + 2 * kv + c.d_model : 0;
   return c.d_model * (q + 2 * kv) + q * c.d_model + biases;
+}
+
+int64_t LowRankFormParameters(const LayerConfig& c, int64_t total_rank) {
+  // W_in = [W_Q | W_K | P_1 … P_h], W_out = [Q_1; …; Q_h]; biases b_Q, b_K and b_eff.
+  const int64_t q = c.heads * c.d_head, kv = c.kv_heads * c.d_head;
+  const int64_t biases = c.bias ? q + kv + c.d_model : 0;
+  return c.d_model * (q + kv + total_rank) + total_rank * c.d_model + biases;
 }
 
 int64_t SummedFormParameters(const LayerConfig& c) {
@@ -767,6 +978,8 @@ StatusOr<LayerSource> LoadSource(const SourceSpec& spec, int64_t max_form_bytes)
     ATTNSERVE_RETURN_IF_ERROR(CheckFormSizes(*config, spec.hold_summed, max_form_bytes));
     LayerSource out;
     out.hold_summed = spec.hold_summed;
+    out.compute_spectrum = spec.compute_spectrum;
+    out.lowrank = spec.lowrank;
     out.weights = RandomLayerWeights(*config, spec.seed);
     ATTNSERVE_RETURN_IF_ERROR(ValidateWeights(out.weights));
     return out;

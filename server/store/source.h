@@ -1,7 +1,8 @@
 // Layer sources: the SOURCE strings of the server's `--layer NAME=SOURCE` flag and of the
 // LoadLayer RPC, and how each becomes validated LayerWeights (docs/sources.md):
-//   random:d_model=D,heads=H[,kv_heads=K][,d_head=E][,bias=B][,seed=S][,summed=B]
-//   safetensors:PATH[,arch=torch-mha|gpt2|bert][,index=I][,prefix=P][,heads=H][,kv_heads=K][,summed=B]
+//   random:d_model=D,heads=H[,kv_heads=K][,d_head=E][,bias=B][,seed=S][,COMMON...]
+//   safetensors:PATH[,arch=torch-mha|gpt2|bert|llama][,index=I][,prefix=P][,heads=H][,kv_heads=K][,COMMON...]
+//   COMMON: summed=B, rope_theta=T, lowrank=energy:E|budget:R, spectrum=B
 // Parsing (ParseSource) does no I/O, so the grammar is checked before any file is touched.
 // Thread-safety: free functions over values; call from any thread.
 #pragma once
@@ -12,6 +13,7 @@
 #include <string_view>
 
 #include "server/core/layer.h"
+#include "server/core/spectrum.h"
 #include "server/core/status.h"
 
 namespace attnserve {
@@ -19,13 +21,27 @@ namespace attnserve {
 enum class SourceKind { kRandom, kSafetensors };
 
 // The checkpoint layouts a safetensors source may hold; kAuto: detect from tensor names.
-enum class CheckpointArch { kAuto, kTorchMha, kGpt2, kBert };
-std::string_view CheckpointArchName(CheckpointArch arch);  // "auto", "torch-mha", "gpt2", "bert"
+enum class CheckpointArch { kAuto, kTorchMha, kGpt2, kBert, kLlama };
+// "auto", "torch-mha", "gpt2", "bert", "llama"
+std::string_view CheckpointArchName(CheckpointArch arch);
+
+// The low-rank form a source asks for: lowrank=energy:E or lowrank=budget:R.
+struct LowRankSpec {
+  RankSelection selection;
+  std::string text;  // as written, normalised: "energy:0.99", "budget:256"
+};
 
 // A parsed SOURCE string. Fields that a kind does not use keep their defaults.
 struct SourceSpec {
   SourceKind kind = SourceKind::kRandom;
   bool hold_summed = true;  // summed=false: the layer opts out of the summed form
+  // spectrum=false: no per-head spectra at load (they cost O(heads·d_model·d_head²)); the
+  // low-rank form needs them, so lowrank= and spectrum=false exclude each other.
+  bool compute_spectrum = true;
+  std::optional<LowRankSpec> lowrank;  // lowrank=: also hold the low-rank form
+  // rope_theta=: rotary embedding on Q and K (0: none). When absent, random sources have none
+  // and arch=llama reads it from config.json.
+  std::optional<double> rope_theta;
 
   // random: the layer's shape as given (CompleteConfig not yet applied) and the draw's seed.
   LayerConfig config;
@@ -48,6 +64,8 @@ StatusOr<SourceSpec> ParseSource(std::string_view source);
 struct LayerSource {
   LayerWeights weights;
   bool hold_summed = true;
+  bool compute_spectrum = true;
+  std::optional<LowRankSpec> lowrank;
   CheckpointArch arch = CheckpointArch::kAuto;  // safetensors: the layout read (given or detected)
 };
 
@@ -64,8 +82,10 @@ StatusOr<LayerSource> LoadSource(const SourceSpec& spec, int64_t max_form_bytes 
 // ParseSource then LoadSource.
 StatusOr<LayerSource> LoadSource(std::string_view source, int64_t max_form_bytes = kDefaultMaxFormBytes);
 
-// Parameters (float32 values) of the factored and the summed forms of a complete config.
+// Parameters (float32 values) of the factored and the summed forms of a complete config, and
+// of the low-rank form with a total rank R = Σ r_i.
 int64_t FactoredFormParameters(const LayerConfig& config);
 int64_t SummedFormParameters(const LayerConfig& config);
+int64_t LowRankFormParameters(const LayerConfig& config, int64_t total_rank);
 
 }  // namespace attnserve

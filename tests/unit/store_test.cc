@@ -537,6 +537,259 @@ TEST(Sources, GroupedQueryAttentionIsInferred) {
   }
 }
 
+// ---- LLaMA-family checkpoints ---------------------------------------------------------------------
+
+// A LLaMA-style layer written by hand: nn.Linear weights [out, in], no biases, grouped-query.
+struct LlamaFile {
+  int64_t d = 64, heads = 8, kv_heads = 2, d_head = 16;
+  TensorMap tensors;
+  LayerWeights want;  // the same layer in our convention, transposed here independently of the store
+};
+
+LlamaFile MakeLlama(std::mt19937_64& rng, const std::string& prefix, int64_t index) {
+  LlamaFile f;
+  const int64_t q = f.heads * f.d_head, kv = f.kv_heads * f.d_head, d = f.d;
+  const std::string p = prefix + "layers." + std::to_string(index) + ".self_attn.";
+  f.tensors[p + "q_proj.weight"] = {{q, d}, testing::RandomVector(rng, q * d, 0.15f)};
+  f.tensors[p + "k_proj.weight"] = {{kv, d}, testing::RandomVector(rng, kv * d, 0.15f)};
+  f.tensors[p + "v_proj.weight"] = {{kv, d}, testing::RandomVector(rng, kv * d, 0.15f)};
+  f.tensors[p + "o_proj.weight"] = {{d, q}, testing::RandomVector(rng, d * q, 0.15f)};
+  // What else a LLaMA checkpoint holds beside attention.
+  f.tensors[prefix + "layers." + std::to_string(index) + ".mlp.gate_proj.weight"] = {{8, d}, std::vector<float>(8 * d, 0.5f)};
+  f.tensors[prefix + "embed_tokens.weight"] = {{5, d}, std::vector<float>(5 * d, 0.25f)};
+  const auto transposed = [](const Tensor& t) {
+    std::vector<float> out(t.values.size());
+    const int64_t rows = t.shape[0], cols = t.shape[1];
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = t.values[r * cols + c];
+    }
+    return out;
+  };
+  f.want.config = *CompleteConfig({.d_model = d, .heads = f.heads, .kv_heads = f.kv_heads, .d_head = f.d_head,
+                                   .bias = false, .rope_theta = 500000.0});
+  f.want.w_q = transposed(f.tensors[p + "q_proj.weight"]);
+  f.want.w_k = transposed(f.tensors[p + "k_proj.weight"]);
+  f.want.w_v = transposed(f.tensors[p + "v_proj.weight"]);
+  f.want.w_o = transposed(f.tensors[p + "o_proj.weight"]);
+  return f;
+}
+
+constexpr const char* kLlamaConfig =
+    R"({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "rope_theta": 500000.0, "rope_scaling": null, "max_position_embeddings": 4096})";
+
+// Runs `form` and the float64 definition on causal self-attention at a position offset (and a
+// cross-attention sequence); returns the worst relative L2 error.
+double WorstAgainstReference(const ResidentForm& form, const LayerWeights& want, std::mt19937_64& rng) {
+  double worst = 0;
+  for (int64_t offset : {int64_t{0}, int64_t{37}, int64_t{4000}}) {
+    for (bool cross : {false, true}) {
+      testing::OwnedSequence seq = testing::RandomSequence(rng, want.config.d_model, 6, 9, cross, !cross, -1);
+      seq.position_offset = offset;
+      const Sequence view = seq.View();
+      const Status st = Cpu().Forward(form, std::span<const Sequence>(&view, 1));
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      if (!st.ok()) return INFINITY;
+      worst = std::max(worst, testing::RelativeL2(seq.output.data(), ReferenceForward(want, view)));
+    }
+  }
+  return worst;
+}
+
+TEST(Llama, RoundTripWithGroupedQueryAttentionAndRope) {
+  TempDir dir;
+  std::mt19937_64 rng(testing::TestSeed());
+  LlamaFile f = MakeLlama(rng, "model.", 0);
+  const LlamaFile other = MakeLlama(rng, "model.", 1);
+  f.tensors.insert(other.tensors.begin(), other.tensors.end());
+  const std::string path = dir.File("model.safetensors");
+  WriteSafetensors(path, f.tensors);
+  WriteText(dir.File("config.json"), kLlamaConfig);
+
+  // Detected from the names; heads, kv_heads and rope_theta from config.json.
+  auto s = LoadSource("safetensors:" + path);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->arch, CheckpointArch::kLlama);
+  EXPECT_EQ(s->weights.config.heads, 8);
+  EXPECT_EQ(s->weights.config.kv_heads, 2);
+  EXPECT_EQ(s->weights.config.d_head, 16);
+  EXPECT_FALSE(s->weights.config.bias);
+  EXPECT_EQ(s->weights.config.rope_theta, 500000.0);
+  ExpectSameWeights(s->weights, f.want, "llama layer 0");
+  ExpectSameWeights(MustLoad("safetensors:" + path + ",arch=llama,prefix=model.,index=0"), f.want, "explicit");
+  LayerWeights want1 = other.want;
+  ExpectSameWeights(MustLoad("safetensors:" + path + ",index=1"), want1, "llama layer 1");
+
+  // Every form the store holds computes what the float64 definition (with RoPE) computes.
+  LayerStore store(&Cpu());
+  auto layer = store.Load("llama", "safetensors:" + path + ",lowrank=energy:1");
+  ASSERT_TRUE(layer.ok()) << layer.status().ToString();
+  EXPECT_EQ((*layer)->config.rope_theta, 500000.0);
+  for (Form form : {Form::kFactored, Form::kSummed, Form::kLowRank}) {
+    ASSERT_NE((*layer)->Find(form), nullptr) << FormName(form);
+    EXPECT_LT(WorstAgainstReference(*(*layer)->Find(form), f.want, rng), 1e-5) << FormName(form);
+  }
+  // RoPE matters: without it the same weights give other outputs.
+  LayerWeights no_rope = f.want;
+  no_rope.config.rope_theta = 0;
+  auto plain = store.Load("plain", "safetensors:" + path + ",rope_theta=0");
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_EQ((*plain)->config.rope_theta, 0.0);
+  EXPECT_LT(WorstAgainstReference(*(*plain)->Find(Form::kFactored), no_rope, rng), 1e-5);
+  EXPECT_GT(WorstAgainstReference(*(*plain)->Find(Form::kFactored), f.want, rng), 1e-2);
+}
+
+TEST(Llama, ConfigJsonAndOptions) {
+  TempDir dir;
+  std::mt19937_64 rng(testing::TestSeed() + 1);
+  const LlamaFile f = MakeLlama(rng, "", 0);  // LlamaModel: no "model." prefix
+  const std::string path = dir.File("model.safetensors");
+  WriteSafetensors(path, f.tensors);
+  const std::string source = "safetensors:" + path;
+
+  // No config.json: heads= and rope_theta= must both come from the source.
+  ExpectError(LoadSource(source).status(), StatusCode::kInvalidArgument,
+              {path, "arch=llama", "config.json", "heads=H", "rope_theta=T"}, "no config.json");
+  ExpectError(LoadSource(source + ",heads=8").status(), StatusCode::kInvalidArgument, {"rope_theta=T"},
+              "no rope_theta");
+  auto given = LoadSource(source + ",heads=8,rope_theta=500000");
+  ASSERT_TRUE(given.ok()) << given.status().ToString();
+  ExpectSameWeights(given->weights, f.want, "options only");
+  EXPECT_EQ(MustLoad(source + ",heads=8,rope_theta=1e4,kv_heads=2").config.rope_theta, 10000.0);
+
+  // config.json without rope_theta: Hugging Face's default, 10000.
+  WriteText(dir.File("config.json"), R"({"num_attention_heads": 8, "num_key_value_heads": 2})");
+  EXPECT_EQ(MustLoad(source).config.rope_theta, 10000.0);
+  EXPECT_EQ(MustLoad(source + ",rope_theta=250000").config.rope_theta, 250000.0);
+  // config.json's head counts are checked against the shapes.
+  WriteText(dir.File("config.json"), R"({"num_attention_heads": 8, "num_key_value_heads": 4})");
+  ExpectError(LoadSource(source).status(), StatusCode::kInvalidArgument,
+              {"config.json", "num_key_value_heads=4", "k_proj.weight", "2 key/value heads"}, "kv mismatch");
+  WriteText(dir.File("config.json"), R"({"num_attention_heads": 8, "head_dim": 8})");
+  ExpectError(LoadSource(source).status(), StatusCode::kInvalidArgument,
+              {"config.json", "head_dim=8", "q_proj.weight", "d_head=16"}, "head_dim mismatch");
+  WriteText(dir.File("config.json"), R"({"num_attention_heads": 8, "head_dim": 16, "rope_theta": 1000000})");
+  EXPECT_EQ(MustLoad(source).config.rope_theta, 1e6);
+  // Scaled RoPE is refused, not silently computed as plain RoPE.
+  WriteText(dir.File("config.json"),
+            R"({"num_attention_heads": 8, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})");
+  ExpectError(LoadSource(source).status(), StatusCode::kInvalidArgument, {"config.json", "rope_scaling", "llama3"},
+              "rope_scaling");
+  WriteText(dir.File("config.json"), R"({"num_attention_heads": 8, "rope_theta": "big"})");
+  ExpectError(LoadSource(source).status(), StatusCode::kInvalidArgument, {"config.json", "'rope_theta'", "\"big\""},
+              "string rope_theta");
+  WriteText(dir.File("config.json"), R"({"hidden_size": 64, "rope_theta": 10000})");
+  ExpectError(LoadSource(source).status(), StatusCode::kInvalidArgument, {"num_attention_heads", "heads=H"},
+              "no heads in config.json");
+
+  // Biases: all four or none.
+  TensorMap partial = f.tensors;
+  partial["layers.0.self_attn.q_proj.bias"] = {{128}, std::vector<float>(128, 0.1f)};
+  WriteSafetensors(path, partial);
+  ExpectError(LoadSource(source + ",heads=8,rope_theta=10000").status(), StatusCode::kInvalidArgument,
+              {"q_proj.bias", "k_proj.bias"}, "partial bias");
+  // A wrong shape names the tensor.
+  TensorMap bad = f.tensors;
+  bad["layers.0.self_attn.v_proj.weight"] = {{16, 64}, std::vector<float>(16 * 64, 0.1f)};
+  WriteSafetensors(path, bad);
+  ExpectError(LoadSource(source + ",heads=8,rope_theta=10000").status(), StatusCode::kInvalidArgument,
+              {"v_proj.weight", "expected shape [32, 64]", "got [16, 64]"}, "bad shape");
+  // An odd d_head cannot carry the rotary pairs.
+  WriteSafetensors(path, f.tensors);
+  ExpectError(LoadSource(source + ",heads=128,rope_theta=10000").status(), StatusCode::kInvalidArgument,
+              {"even d_head", "d_head=1"}, "odd d_head");
+}
+
+// ---- The spectrum and the low-rank form -----------------------------------------------------------
+
+TEST(LowRank, StoreHoldsTheSpectrumAndTheLowRankForm) {
+  LayerStore store(&Cpu());
+  std::mt19937_64 rng(testing::TestSeed() + 2);
+  const std::string base = "random:d_model=48,heads=6,kv_heads=3,d_head=8,seed=4";
+  const LayerWeights w = MustLoad(base);
+
+  // Every layer carries its spectrum, computed once at load.
+  auto plain = store.Load("plain", base);
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  ASSERT_NE((*plain)->spectrum, nullptr);
+  const LayerSpectrum want = ComputeSpectrum(w);
+  ASSERT_EQ((*plain)->spectrum->ov.size(), 6u);
+  ASSERT_EQ((*plain)->spectrum->qk.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ((*plain)->spectrum->ov[i].singular_values, want.ov[i].singular_values);
+    EXPECT_EQ((*plain)->spectrum->qk[i].singular_values, want.qk[i].singular_values);
+  }
+  EXPECT_EQ((*plain)->Find(Form::kLowRank), nullptr);
+  EXPECT_TRUE((*plain)->lowrank_ranks.empty());
+  EXPECT_EQ(store.Get("plain")->spectrum, (*plain)->spectrum);  // the same object, not recomputed
+
+  auto none = store.Load("none", base + ",spectrum=false");
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ((*none)->spectrum, nullptr);
+
+  // Full energy: the exact layer, in a third form.
+  auto full = store.Load("full", base + ",lowrank=energy:1");
+  ASSERT_TRUE(full.ok()) << full.status().ToString();
+  ASSERT_NE((*full)->Find(Form::kLowRank), nullptr);
+  EXPECT_EQ((*full)->lowrank_selection, "energy:1");
+  EXPECT_EQ((*full)->lowrank_ranks, std::vector<int64_t>(6, 8));
+  EXPECT_NEAR((*full)->lowrank_kept_energy, 1.0, 1e-12);
+  EXPECT_EQ((*full)->Find(Form::kLowRank)->weights().form, Form::kLowRank);
+  EXPECT_EQ((*full)->Find(Form::kLowRank)->weights().Parameters(), LowRankFormParameters(w.config, 48));
+  for (int k = 0; k < 3; ++k) {
+    testing::OwnedSequence seq = testing::RandomSequence(rng, 48, 7, 7, false, k == 1, -1);
+    const Sequence view = seq.View();
+    ASSERT_TRUE(Cpu().Forward(*(*full)->Find(Form::kLowRank), std::span<const Sequence>(&view, 1)).ok());
+    EXPECT_LT(testing::RelativeL2(seq.output.data(), ReferenceForward(w, view)), 1e-5);
+  }
+
+  // A budget: Σ r_i is the budget, filled by the largest singular values of all heads.
+  auto budget = store.Load("budget", base + ",lowrank=budget:20");
+  ASSERT_TRUE(budget.ok()) << budget.status().ToString();
+  int64_t total = 0;
+  for (int64_t r : (*budget)->lowrank_ranks) total += r;
+  EXPECT_EQ(total, 20);
+  EXPECT_EQ((*budget)->lowrank_selection, "budget:20");
+  RankSelection twenty;
+  twenty.kind = RankSelection::Kind::kBudget;
+  twenty.budget = 20;
+  EXPECT_EQ((*budget)->lowrank_ranks, *SelectRanks(want, twenty));
+  EXPECT_LT((*budget)->lowrank_kept_energy, 1.0);
+  EXPECT_GT((*budget)->lowrank_kept_energy, 20.0 / 48.0);  // the largest directions first
+  EXPECT_EQ((*budget)->Find(Form::kLowRank)->weights().value_cols, 20);
+
+  // An energy level: each head keeps the fewest directions holding that share.
+  auto energy = store.Load("energy", base + ",lowrank=energy:0.9");
+  ASSERT_TRUE(energy.ok()) << energy.status().ToString();
+  for (size_t i = 0; i < 6; ++i) EXPECT_EQ((*energy)->lowrank_ranks[i], want.ov[i].rank_90) << i;
+  EXPECT_GE((*energy)->lowrank_kept_energy, 0.9 - 1e-12);
+
+  // A budget beyond Σ min(d_model, d_head) names the limit.
+  ExpectError(store.Load("big", base + ",lowrank=budget:49").status(), StatusCode::kInvalidArgument,
+              {"lowrank", "[1, 48]", "49"}, "budget 49");
+  // The low-rank form's size is bounded like the others.
+  LayerStore small(&Cpu(), {.max_form_bytes = FactoredFormParameters(w.config) * 4});
+  ASSERT_TRUE(small.Load("fits", base + ",summed=false,lowrank=budget:4").ok());
+  ExpectError(small.Load("too-big", base + ",summed=false,lowrank=energy:1").status(), StatusCode::kResourceExhausted,
+              {"low-rank", "budget"}, "lowrank too big");
+}
+
+TEST(LowRank, RandomSourcesTakeRopeTheta) {
+  auto s = LoadSource("random:d_model=32,heads=4,rope_theta=10000");
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(s->weights.config.rope_theta, 10000.0);
+  EXPECT_EQ(MustLoad("random:d_model=32,heads=4").config.rope_theta, 0.0);
+  // The weights do not depend on rope_theta: only the positions do.
+  EXPECT_EQ(s->weights.w_q, MustLoad("random:d_model=32,heads=4").w_q);
+  LayerStore store(&Cpu());
+  auto layer = store.Load("r", "random:d_model=32,heads=4,rope_theta=10000,lowrank=energy:1");
+  ASSERT_TRUE(layer.ok()) << layer.status().ToString();
+  std::mt19937_64 rng(testing::TestSeed() + 3);
+  for (Form form : {Form::kFactored, Form::kSummed, Form::kLowRank}) {
+    EXPECT_LT(WorstAgainstReference(*(*layer)->Find(form), s->weights, rng), 1e-5) << FormName(form);
+  }
+}
+
 // ---- The grammar --------------------------------------------------------------------------------
 
 TEST(SourceGrammar, GoodRandomSources) {
@@ -562,6 +815,26 @@ TEST(SourceGrammar, GoodRandomSources) {
   auto c = ParseSource(" random: d_model = 64 , heads = 4 ");
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->config.d_model, 64);
+  EXPECT_TRUE(c->compute_spectrum);
+  EXPECT_FALSE(c->lowrank.has_value());
+  EXPECT_FALSE(c->rope_theta.has_value());
+  EXPECT_EQ(c->config.rope_theta, 0.0);
+
+  auto d = ParseSource("random:d_model=64,heads=4,rope_theta=500000,lowrank=energy:0.99");
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->config.rope_theta, 500000.0);
+  ASSERT_TRUE(d->lowrank.has_value());
+  EXPECT_EQ(d->lowrank->selection.kind, RankSelection::Kind::kEnergy);
+  EXPECT_EQ(d->lowrank->selection.energy, 0.99);
+  EXPECT_EQ(d->lowrank->text, "energy:0.99");
+
+  auto e = ParseSource("random:d_model=64,heads=4,lowrank= budget : 256 ,spectrum=true,rope_theta=1e4");
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  EXPECT_EQ(e->lowrank->selection.kind, RankSelection::Kind::kBudget);
+  EXPECT_EQ(e->lowrank->selection.budget, 256);
+  EXPECT_EQ(e->lowrank->text, "budget:256");
+  EXPECT_EQ(e->config.rope_theta, 10000.0);
+  EXPECT_FALSE(ParseSource("random:d_model=64,heads=4,spectrum=false")->compute_spectrum);
 }
 
 TEST(SourceGrammar, GoodSafetensorsSources) {
@@ -589,6 +862,14 @@ TEST(SourceGrammar, GoodSafetensorsSources) {
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->prefix, "");
   EXPECT_EQ(ParseSource("safetensors:a=b.safetensors,arch=torch-mha")->path, "a=b.safetensors");
+
+  auto d = ParseSource("safetensors:m.safetensors,arch=llama,index=3,rope_theta=500000.5,lowrank=energy:0.999");
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->arch, CheckpointArch::kLlama);
+  EXPECT_EQ(d->index, 3);
+  EXPECT_EQ(d->rope_theta, 500000.5);
+  EXPECT_EQ(d->lowrank->text, "energy:0.999");
+  EXPECT_EQ(ParseSource("safetensors:m.safetensors,rope_theta=0")->rope_theta, 0.0);
 }
 
 TEST(SourceGrammar, BadSourcesNameTheKey) {
@@ -621,7 +902,23 @@ TEST(SourceGrammar, BadSourcesNameTheKey) {
       {"random:d_model=64,heads=4,arch=gpt2", {"'arch'"}},
       {"safetensors:", {"path"}},
       {"safetensors:,heads=4", {"path"}},
-      {"safetensors:m.safetensors,arch=llama", {"'arch'", "'llama'"}},
+      {"safetensors:m.safetensors,arch=mistral", {"'arch'", "'mistral'", "llama"}},
+      {"random:d_model=64,heads=4,lowrank=0.99", {"'lowrank'", "energy:E", "budget:R", "'0.99'"}},
+      {"random:d_model=64,heads=4,lowrank=energy:0", {"'lowrank'", "'energy:0'"}},
+      {"random:d_model=64,heads=4,lowrank=energy:1.5", {"'lowrank'"}},
+      {"random:d_model=64,heads=4,lowrank=energy:x", {"'lowrank'"}},
+      {"random:d_model=64,heads=4,lowrank=budget:0", {"'lowrank'", "'budget:0'"}},
+      {"random:d_model=64,heads=4,lowrank=budget:2.5", {"'lowrank'"}},
+      {"random:d_model=64,heads=4,lowrank=rank:4", {"'lowrank'"}},
+      {"random:d_model=64,heads=4,lowrank=energy:0.9,spectrum=false", {"'lowrank'", "spectrum=false"}},
+      {"random:d_model=64,heads=4,spectrum=no", {"'spectrum'", "true or false"}},
+      {"random:d_model=64,heads=4,rope_theta=-1", {"'rope_theta'", "'-1'"}},
+      {"random:d_model=64,heads=4,rope_theta=inf", {"'rope_theta'"}},
+      {"random:d_model=64,heads=4,rope_theta=1e13", {"'rope_theta'"}},
+      {"random:d_model=64,heads=4,rope_theta=abc", {"'rope_theta'"}},
+      {"random:d_model=12,heads=4,rope_theta=10000", {"even d_head"}},
+      {"safetensors:m.safetensors,lowrank=budget:", {"'lowrank'"}},
+      {"safetensors:m.safetensors,rope_theta=", {"'rope_theta'", "no value"}},
       {"safetensors:m.safetensors,index=x", {"'index'"}},
       {"safetensors:m.safetensors,index=-1", {"'index'"}},
       {"safetensors:m.safetensors,heads=0", {"'heads'"}},
