@@ -40,6 +40,10 @@ struct ForwardJob {
   std::function<void(Status, JobTimings)> done;
   // Set by the submitter when the request arrived; Submit fills it when left at its default.
   std::chrono::steady_clock::time_point enqueued;
+  // The client's deadline (max: none) and a probe of its cancellation: a job whose deadline
+  // passed or whose client went away is dropped before compute.
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
+  std::function<bool()> cancelled;
 };
 
 class Executor {
@@ -83,8 +87,8 @@ class ThreadPoolExecutor final : public Executor {
   const ThreadPoolExecutorOptions options_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<ForwardJob> queue_;  // guarded by mu_
-  bool stopping_ = false;         // guarded by mu_
+  std::deque<ForwardJob> queue_;      // guarded by mu_
+  bool stopping_ = false;             // guarded by mu_
   std::vector<std::thread> threads_;  // written by the constructor only
 };
 

@@ -1,0 +1,41 @@
+// BatchObserver: what an executor reports about its queue and its backend calls, so that
+// metrics (server/metrics) can record queue time, compute time, batch sizes and FLOPs without
+// batching depending on Prometheus. Header-only; an executor without an observer reports
+// nothing.
+// Thread-safety: an implementation must accept calls from any thread at once (Submit threads
+// and compute threads); calls must be cheap and must not block, since JobQueued may run under
+// the executor's queue lock.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "server/core/forms.h"
+#include "server/core/status.h"
+
+namespace attnserve {
+
+// One backend call (a batch of one or more jobs of the same layer and form).
+struct BatchReport {
+  std::string_view layer;
+  Form form = Form::kFactored;
+  std::string_view device;     // the layer's device ("cpu", "cuda:0")
+  int32_t requests = 0;        // jobs in the call
+  int64_t tokens = 0;          // query rows over all sequences of the call
+  double flops = 0;            // ForwardFlops of the call's sequences
+  double compute_seconds = 0;  // the backend call's wall time
+  StatusCode code = StatusCode::kOk;
+};
+
+class BatchObserver {
+ public:
+  virtual ~BatchObserver() = default;
+  // A job entered the queue of (layer, form).
+  virtual void JobQueued(std::string_view layer, Form form) = 0;
+  // A job left that queue (taken into a batch, or dropped) after `queue_seconds` there.
+  virtual void JobDequeued(std::string_view layer, Form form, double queue_seconds) = 0;
+  // A backend call ended, well or not. FLOPs count only when code is kOk.
+  virtual void BatchDone(const BatchReport& report) = 0;
+};
+
+}  // namespace attnserve

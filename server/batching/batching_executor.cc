@@ -1,0 +1,127 @@
+#include "server/batching/batching_executor.h"
+
+#include <cstdio>
+#include <exception>
+#include <new>
+#include <utility>
+#include <vector>
+
+namespace attnserve {
+namespace {
+
+int64_t Micros(Clock::duration d) { return std::chrono::duration_cast<std::chrono::microseconds>(d).count(); }
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+class ForwardItem final : public BatchItem {
+ public:
+  ForwardItem(ForwardJob job, BatchObserver* observer) : job_(std::move(job)), observer_(observer) {
+    enqueued = job_.enqueued;
+    deadline = job_.deadline;
+    tokens = 0;
+    for (const Sequence& s : job_.sequences) tokens += s.n() + (s.self_attention() ? 0 : s.m());
+  }
+  bool Cancelled() const override { return job_.cancelled && job_.cancelled(); }
+  void OnQueued() override {
+    queued_ = true;
+    if (observer_ != nullptr) observer_->JobQueued(job_.layer->name, job_.form);
+  }
+  // Leaves the queue into a batch at `when`.
+  void Dequeue(Clock::time_point when) {
+    if (queued_ && observer_ != nullptr) observer_->JobDequeued(job_.layer->name, job_.form, Seconds(when - enqueued));
+    queued_ = false;
+  }
+  void Fail(Status status) override {
+    const Clock::time_point now = Clock::now();
+    Dequeue(now);
+    JobTimings timings;
+    timings.queue_us = Micros(now - enqueued);
+    job_.done(std::move(status), timings);
+  }
+  ForwardJob& job() { return job_; }
+
+ private:
+  ForwardJob job_;
+  BatchObserver* observer_;
+  bool queued_ = false;  // touched under the batcher's lock or by the one thread that owns the item
+};
+
+}  // namespace
+
+BatchingExecutor::BatchingExecutor(Backend* backend, BatchPolicy policy, BatchObserver* observer)
+    : backend_(backend),
+      observer_(observer),
+      batcher_(policy, [this](const std::string&, BatchItems batch) { RunBatch(std::move(batch)); }) {}
+
+std::string BatchingExecutor::QueueName(const Layer& layer, Form form) const {
+  // The layer object's address keeps a replaced layer's jobs apart from its successor's: a
+  // batch runs on exactly one set of weights.
+  char address[32];
+  std::snprintf(address, sizeof address, "%p", static_cast<const void*>(&layer));
+  return layer.name + "/" + std::string(FormName(form)) + "/" + backend_->DeviceName() + "@" + address;
+}
+
+void BatchingExecutor::Submit(ForwardJob job) {
+  if (job.enqueued == Clock::time_point()) job.enqueued = Clock::now();
+  if (!job.layer || job.layer->Find(job.form) == nullptr) {
+    job.done(FailedPreconditionError("layer does not hold the " + std::string(FormName(job.form)) + " form"),
+             JobTimings{});
+    return;
+  }
+  const std::string queue = QueueName(*job.layer, job.form);
+  // Enqueue ends the item itself when it refuses (full queue, draining): nothing more to do.
+  (void)batcher_.Enqueue(queue, std::make_unique<ForwardItem>(std::move(job), observer_));
+}
+
+void BatchingExecutor::RunBatch(BatchItems batch) {
+  std::vector<Sequence> sequences;
+  std::vector<SequenceShape> shapes;
+  for (auto& item : batch) {
+    for (const Sequence& s : static_cast<ForwardItem&>(*item).job().sequences) {
+      sequences.push_back(s);
+      shapes.push_back({.n = s.n(), .m = s.m(), .keys = s.visible_keys()});
+    }
+  }
+  ForwardJob& first = static_cast<ForwardItem&>(*batch.front()).job();
+  const Layer& layer = *first.layer;
+  const ResidentForm& form = *layer.Find(first.form);
+  const Clock::time_point start = Clock::now();
+  for (auto& item : batch) static_cast<ForwardItem&>(*item).Dequeue(start);
+  Status status;
+  // No exception may escape a worker thread; the backend's only expected one is bad_alloc.
+  try {
+    status = backend_->Forward(form, sequences);
+  } catch (const std::bad_alloc&) {
+    status = ResourceExhaustedError("out of memory while computing a batch of " + std::to_string(batch.size()) +
+                                    " requests");
+  } catch (const std::exception& e) {
+    status = InternalError(std::string("backend failed: ") + e.what());
+  }
+  const Clock::time_point end = Clock::now();
+  if (!status.ok() && batch.size() > 1) {
+    status = Status(status.code(), "batch of " + std::to_string(batch.size()) + " requests failed: " + status.message());
+  }
+  if (observer_ != nullptr) {
+    const std::string device = backend_->DeviceName();
+    BatchReport report;
+    report.layer = layer.name;
+    report.form = first.form;
+    report.device = device;
+    report.requests = static_cast<int32_t>(batch.size());
+    for (const SequenceShape& s : shapes) report.tokens += s.n;
+    report.flops = status.ok() ? ForwardFlops(form.weights(), shapes) : 0.0;
+    report.compute_seconds = Seconds(end - start);
+    report.code = status.code();
+    observer_->BatchDone(report);
+  }
+  for (auto& item : batch) {
+    ForwardJob& job = static_cast<ForwardItem&>(*item).job();
+    JobTimings timings;
+    timings.queue_us = Micros(start - job.enqueued);
+    timings.compute_us = Micros(end - start);
+    timings.batch_requests = static_cast<int32_t>(batch.size());
+    job.done(status, timings);
+  }
+}
+
+}  // namespace attnserve

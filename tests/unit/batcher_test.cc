@@ -1,0 +1,234 @@
+// The generic batcher alone: size, token and delay triggers, order, failures, deadlines,
+// cancellation, overload and drain. No attention here; a batch is a list of numbered items.
+#include "server/batching/batcher.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <thread>
+
+namespace attnserve {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+
+// Records what happens to numbered items: the batches they ran in, or how they failed.
+struct Log {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::vector<int>> batches;
+  std::vector<std::pair<int, Status>> failures;
+  int ended = 0;
+
+  void WaitEnded(int count) {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, 10s, [&] { return ended >= count; })) << "only " << ended << " of " << count;
+  }
+};
+
+class TestItem : public BatchItem {
+ public:
+  TestItem(int id, Log* log, int64_t item_tokens = 1) : id(id), log_(log) { tokens = item_tokens; }
+  bool Cancelled() const override { return cancelled.load(); }
+  void Fail(Status status) override {
+    std::lock_guard<std::mutex> lock(log_->mu);
+    log_->failures.emplace_back(id, std::move(status));
+    ++log_->ended;
+    log_->cv.notify_all();
+  }
+  int id;
+  std::atomic<bool> cancelled{false};
+
+ private:
+  Log* log_;
+};
+
+// A batch function that records the ids (optionally after a gate opens).
+Batcher::RunBatch Recorder(Log* log, std::shared_future<void> gate = {}) {
+  return [log, gate](const std::string&, BatchItems batch) {
+    if (gate.valid()) gate.wait();
+    std::vector<int> ids;
+    for (auto& item : batch) ids.push_back(static_cast<TestItem&>(*item).id);
+    std::lock_guard<std::mutex> lock(log->mu);
+    log->batches.push_back(ids);
+    log->ended += static_cast<int>(ids.size());
+    log->cv.notify_all();
+  };
+}
+
+TEST(BatcherTest, FullBatchGoesAtOnce) {
+  Log log;
+  Batcher batcher({.max_batch_requests = 4, .max_batch_tokens = 1000, .max_queue_delay = 10s}, Recorder(&log));
+  const auto start = Clock::now();
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(i, &log)).ok());
+  log.WaitEnded(4);
+  EXPECT_LT(Clock::now() - start, 5s) << "a full batch must not wait for the 10 s delay";
+  EXPECT_EQ(log.batches, (std::vector<std::vector<int>>{{0, 1, 2, 3}}));
+}
+
+TEST(BatcherTest, TokenBudgetSplitsBatches) {
+  Log log;
+  std::promise<void> open;
+  Batcher batcher({.max_batch_requests = 100, .max_batch_tokens = 10, .max_queue_delay = 10s},
+                  Recorder(&log, open.get_future().share()));
+  // 4 + 4 fit in 10 tokens, the third does not: the first batch is full and goes.
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(i, &log, 4)).ok());
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(3, &log, 50)).ok());  // bigger than a batch: alone
+  open.set_value();
+  log.WaitEnded(2);
+  {
+    std::lock_guard<std::mutex> lock(log.mu);
+    EXPECT_EQ(log.batches.front(), (std::vector<int>{0, 1}));
+  }
+  batcher.Drain(5s);  // the rest run at once on drain
+  EXPECT_EQ(log.batches, (std::vector<std::vector<int>>{{0, 1}, {2}, {3}}));
+}
+
+TEST(BatcherTest, DelayTriggerAndFifoOrder) {
+  Log log;
+  Batcher batcher({.max_batch_requests = 100, .max_batch_tokens = 1000, .max_queue_delay = 30ms}, Recorder(&log));
+  const auto start = Clock::now();
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(i, &log)).ok());
+  log.WaitEnded(5);
+  const auto waited = Clock::now() - start;
+  EXPECT_GE(waited, 30ms);
+  EXPECT_LT(waited, 5s);
+  EXPECT_EQ(log.batches, (std::vector<std::vector<int>>{{0, 1, 2, 3, 4}}));
+}
+
+TEST(BatcherTest, QueuesAreSeparate) {
+  Log log;
+  Batcher batcher({.max_batch_requests = 2, .max_batch_tokens = 1000, .max_queue_delay = 20ms}, Recorder(&log));
+  ASSERT_TRUE(batcher.Enqueue("a", std::make_unique<TestItem>(1, &log)).ok());
+  ASSERT_TRUE(batcher.Enqueue("b", std::make_unique<TestItem>(2, &log)).ok());
+  log.WaitEnded(2);
+  std::lock_guard<std::mutex> lock(log.mu);
+  EXPECT_EQ(log.batches.size(), 2u) << "items of different queues never share a batch";
+}
+
+TEST(BatcherTest, FailingBatchFailsItsItemsAndWorkerGoesOn) {
+  Log log;
+  std::atomic<int> calls{0};
+  Batcher batcher({.max_batch_requests = 2, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
+                  [&](const std::string&, BatchItems batch) {
+                    if (calls++ == 0) {
+                      for (auto& item : batch) item->Fail(InternalError("device fault in batch"));
+                      return;
+                    }
+                    Recorder(&log)("q", std::move(batch));
+                  });
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(1, &log)).ok());
+  log.WaitEnded(2);
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(2, &log)).ok());
+  log.WaitEnded(3);
+  std::lock_guard<std::mutex> lock(log.mu);
+  ASSERT_EQ(log.failures.size(), 2u);
+  EXPECT_EQ(log.failures[0].second.code(), StatusCode::kInternal);
+  EXPECT_EQ(log.batches, (std::vector<std::vector<int>>{{2}}));
+}
+
+TEST(BatcherTest, ExpiredAndCancelledItemsNeverRun) {
+  Log log;
+  std::promise<void> open;
+  Batcher batcher({.max_batch_requests = 10, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
+                  Recorder(&log, open.get_future().share()));
+  // A first batch holds the worker while the others wait in the queue.
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
+  std::this_thread::sleep_for(20ms);
+  auto expired = std::make_unique<TestItem>(1, &log);
+  expired->deadline = Clock::now() + 5ms;
+  auto cancelled = std::make_unique<TestItem>(2, &log);
+  TestItem* cancel_me = cancelled.get();
+  ASSERT_TRUE(batcher.Enqueue("q", std::move(expired)).ok());
+  ASSERT_TRUE(batcher.Enqueue("q", std::move(cancelled)).ok());
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(3, &log)).ok());
+  cancel_me->cancelled = true;
+  std::this_thread::sleep_for(20ms);
+  open.set_value();
+  log.WaitEnded(4);
+  std::lock_guard<std::mutex> lock(log.mu);
+  EXPECT_EQ(log.batches, (std::vector<std::vector<int>>{{0}, {3}}));
+  ASSERT_EQ(log.failures.size(), 2u);
+  for (const auto& [id, status] : log.failures) {
+    EXPECT_EQ(status.code(), id == 1 ? StatusCode::kDeadlineExceeded : StatusCode::kCancelled) << id;
+  }
+}
+
+TEST(BatcherTest, FullQueueRefusesAtOnceAndAcceptedStillComplete) {
+  Log log;
+  std::promise<void> open;
+  Batcher batcher({.max_batch_requests = 1, .max_batch_tokens = 1000, .max_queue_delay = 1ms, .max_queue_requests = 2},
+                  Recorder(&log, open.get_future().share()));
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());  // taken by the worker
+  std::this_thread::sleep_for(20ms);
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(1, &log)).ok());
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(2, &log)).ok());
+  Status refused = batcher.Enqueue("q", std::make_unique<TestItem>(3, &log));
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(refused.message(), HasSubstr("queue q is full (2 requests waiting, limit --max-queue-requests=2)"));
+  EXPECT_EQ(batcher.QueueDepth("q"), 2);
+  open.set_value();
+  log.WaitEnded(4);
+  std::lock_guard<std::mutex> lock(log.mu);
+  EXPECT_EQ(log.batches, (std::vector<std::vector<int>>{{0}, {1}, {2}}));
+  ASSERT_EQ(log.failures.size(), 1u);
+  EXPECT_EQ(log.failures[0].first, 3);
+}
+
+// Everything sent ends as run or as an explicit error; after a drain nothing is accepted.
+TEST(BatcherTest, DrainRunsWhatWasAcceptedThenRefuses) {
+  Log log;
+  Batcher batcher({.max_batch_requests = 3, .max_batch_tokens = 1000, .max_queue_delay = 10s, .workers = 2},
+                  [&](const std::string& q, BatchItems batch) {
+                    std::this_thread::sleep_for(2ms);
+                    Recorder(&log)(q, std::move(batch));
+                  });
+  constexpr int kSent = 50;
+  std::vector<std::thread> senders;
+  std::atomic<int> refused{0};
+  for (int t = 0; t < 4; ++t) {
+    senders.emplace_back([&, t] {
+      for (int i = 0; i < kSent / 5; ++i) {
+        if (!batcher.Enqueue(t % 2 ? "a" : "b", std::make_unique<TestItem>(t * 100 + i, &log)).ok()) ++refused;
+      }
+    });
+  }
+  for (auto& s : senders) s.join();
+  EXPECT_EQ(batcher.Drain(10s), 0);
+  Status after = batcher.Enqueue("a", std::make_unique<TestItem>(999, &log));
+  EXPECT_EQ(after.code(), StatusCode::kUnavailable);
+  std::lock_guard<std::mutex> lock(log.mu);
+  int ran = 0;
+  for (const auto& b : log.batches) ran += static_cast<int>(b.size());
+  EXPECT_EQ(ran, 40 - refused.load());
+  EXPECT_EQ(log.ended, 41) << "every item ended exactly once (40 sent before the drain, 1 after)";
+}
+
+TEST(BatcherTest, DrainTimeoutFailsWhatCouldNotRun) {
+  Log log;
+  std::promise<void> open;
+  Batcher batcher({.max_batch_requests = 1, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
+                  Recorder(&log, open.get_future().share()));
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(i, &log)).ok());
+  std::this_thread::sleep_for(20ms);  // item 0 is running (held by the gate)
+  std::thread opener([&] {
+    std::this_thread::sleep_for(100ms);
+    open.set_value();
+  });
+  EXPECT_EQ(batcher.Drain(30ms), 2);
+  opener.join();
+  std::lock_guard<std::mutex> lock(log.mu);
+  EXPECT_EQ(log.batches, (std::vector<std::vector<int>>{{0}}));
+  ASSERT_EQ(log.failures.size(), 2u);
+  EXPECT_EQ(log.failures[0].second.code(), StatusCode::kUnavailable);
+  EXPECT_THAT(log.failures[0].second.message(), HasSubstr("drain timeout 30 ms"));
+}
+
+}  // namespace
+}  // namespace attnserve

@@ -1,0 +1,210 @@
+// The batching executor over a fake backend (no math, no OpenMP, so it runs under
+// ThreadSanitizer): jobs share batches, keep their own outputs, honour deadlines and
+// cancellation, fail cleanly with the batch, and never mix two layers' weights.
+#include "server/batching/batching_executor.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <future>
+#include <mutex>
+#include <thread>
+
+namespace attnserve {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+
+class FakeResident final : public ResidentForm {
+ public:
+  explicit FakeResident(std::shared_ptr<const FormWeights> w) : w_(std::move(w)) {}
+  const FormWeights& weights() const override { return *w_; }
+
+ private:
+  std::shared_ptr<const FormWeights> w_;
+};
+
+// Writes output = input · scale (the scale identifies the weights), records batch sizes.
+class FakeBackend final : public Backend {
+ public:
+  std::string DeviceName() const override { return "cpu"; }
+  StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> f) override {
+    return std::shared_ptr<const ResidentForm>(std::make_shared<FakeResident>(std::move(f)));
+  }
+  Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override {
+    std::this_thread::sleep_for(delay);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      batch_sizes.push_back(static_cast<int>(batch.size()));
+      scales_seen.push_back(form.weights().config.scale);
+    }
+    if (fail) return InternalError("device fault");
+    for (const Sequence& s : batch) {
+      for (int64_t r = 0; r < s.n(); ++r)
+        for (int64_t c = 0; c < s.input.cols; ++c) s.output.at(r, c) = s.input.at(r, c) * form.weights().config.scale;
+    }
+    return OkStatus();
+  }
+  std::mutex mu;
+  std::vector<int> batch_sizes;
+  std::vector<float> scales_seen;
+  std::atomic<bool> fail{false};
+  std::chrono::milliseconds delay{2};
+};
+
+std::shared_ptr<const Layer> MakeLayer(Backend& backend, float scale) {
+  auto layer = std::make_shared<Layer>();
+  layer->name = "demo";
+  layer->config = *CompleteConfig({.d_model = 4, .heads = 2, .scale = scale});
+  FormWeights f;
+  f.config = layer->config;
+  layer->forms[Form::kFactored] = *backend.Upload(std::make_shared<const FormWeights>(f));
+  return layer;
+}
+
+// A job over its own buffers; `result` gets the outcome.
+struct OwnedJob {
+  std::vector<float> input, output;
+  std::promise<std::pair<Status, JobTimings>> result;
+
+  ForwardJob Make(std::shared_ptr<const Layer> layer, int rows, float first) {
+    input.resize(rows * 4);
+    for (size_t i = 0; i < input.size(); ++i) input[i] = first + static_cast<float>(i);
+    output.assign(rows * 4, -1.0f);
+    ForwardJob job;
+    job.layer = std::move(layer);
+    Sequence s;
+    s.input = ConstMatrixView(input.data(), rows, 4);
+    s.output = MatrixView(output.data(), rows, 4);
+    job.sequences = {s};
+    job.done = [this](Status st, JobTimings t) { result.set_value({std::move(st), t}); };
+    return job;
+  }
+};
+
+class CountingObserver final : public BatchObserver {
+ public:
+  void JobQueued(std::string_view layer, Form) override {
+    EXPECT_EQ(layer, "demo");
+    ++depth;
+  }
+  void JobDequeued(std::string_view, Form, double queue_seconds) override {
+    EXPECT_GE(queue_seconds, 0.0);
+    --depth;
+  }
+  void BatchDone(const BatchReport& report) override {
+    EXPECT_EQ(report.device, "cpu");
+    EXPECT_EQ(report.code, StatusCode::kOk);
+    EXPECT_GT(report.compute_seconds, 0.0);
+    batches += 1;
+    requests += report.requests;
+    tokens += report.tokens;
+  }
+  std::atomic<int> depth{0}, batches{0}, requests{0};
+  std::atomic<int64_t> tokens{0};
+};
+
+TEST(BatchingExecutorTest, ConcurrentJobsShareBatchesAndKeepTheirOutputs) {
+  FakeBackend backend;
+  CountingObserver observer;
+  auto layer = MakeLayer(backend, 2.0f);
+  BatchingExecutor executor(&backend, {.max_batch_requests = 8, .max_batch_tokens = 1000, .max_queue_delay = 5ms},
+                            &observer);
+  constexpr int kJobs = 40;
+  std::vector<OwnedJob> jobs(kJobs);
+  std::vector<std::thread> senders;
+  for (int t = 0; t < 4; ++t) {
+    senders.emplace_back([&, t] {
+      for (int j = t; j < kJobs; j += 4) executor.Submit(jobs[j].Make(layer, 1 + j % 3, 100.0f * j));
+    });
+  }
+  for (auto& s : senders) s.join();
+  int max_batch = 0;
+  for (int j = 0; j < kJobs; ++j) {
+    auto [status, timings] = jobs[j].result.get_future().get();
+    ASSERT_TRUE(status.ok()) << status.ToString();
+    for (size_t i = 0; i < jobs[j].input.size(); ++i) ASSERT_EQ(jobs[j].output[i], 2.0f * jobs[j].input[i]);
+    EXPECT_GE(timings.queue_us, 0);
+    EXPECT_GE(timings.compute_us, 2000) << "the fake backend takes 2 ms per batch";
+    max_batch = std::max(max_batch, timings.batch_requests);
+  }
+  EXPECT_GT(max_batch, 1) << "40 jobs from 4 threads against a 2 ms backend must share batches";
+  EXPECT_EQ(observer.requests.load(), kJobs);
+  int64_t want_tokens = 0;
+  for (int j = 0; j < kJobs; ++j) want_tokens += 1 + j % 3;
+  EXPECT_EQ(observer.tokens.load(), want_tokens);
+  EXPECT_EQ(observer.depth.load(), 0) << "every queued job left the queue once";
+}
+
+TEST(BatchingExecutorTest, DeadlineAndCancelDropBeforeCompute) {
+  FakeBackend backend;
+  backend.delay = 50ms;
+  auto layer = MakeLayer(backend, 1.0f);
+  BatchingExecutor executor(&backend, {.max_batch_requests = 1, .max_batch_tokens = 1000, .max_queue_delay = 1ms});
+  OwnedJob blocker, late, cancelled;
+  executor.Submit(blocker.Make(layer, 1, 0));  // occupies the worker for 50 ms
+  std::this_thread::sleep_for(10ms);
+  ForwardJob late_job = late.Make(layer, 1, 0);
+  late_job.deadline = Clock::now() + 5ms;
+  executor.Submit(std::move(late_job));
+  ForwardJob cancelled_job = cancelled.Make(layer, 1, 0);
+  cancelled_job.cancelled = [] { return true; };
+  executor.Submit(std::move(cancelled_job));
+  EXPECT_TRUE(blocker.result.get_future().get().first.ok());
+  EXPECT_EQ(late.result.get_future().get().first.code(), StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(cancelled.result.get_future().get().first.code(), StatusCode::kCancelled);
+  std::lock_guard<std::mutex> lock(backend.mu);
+  EXPECT_EQ(backend.batch_sizes, std::vector<int>{1}) << "dropped jobs never reach the backend";
+}
+
+TEST(BatchingExecutorTest, FailedBatchFailsEachJobWithTheReason) {
+  FakeBackend backend;
+  backend.fail = true;
+  backend.delay = 20ms;
+  auto layer = MakeLayer(backend, 1.0f);
+  BatchingExecutor executor(&backend, {.max_batch_requests = 4, .max_batch_tokens = 1000, .max_queue_delay = 10ms});
+  std::vector<OwnedJob> jobs(4);
+  for (auto& j : jobs) executor.Submit(j.Make(layer, 1, 0));
+  for (auto& j : jobs) {
+    Status st = j.result.get_future().get().first;
+    EXPECT_EQ(st.code(), StatusCode::kInternal);
+    EXPECT_THAT(st.message(), HasSubstr("device fault"));
+  }
+  backend.fail = false;
+  OwnedJob after;
+  executor.Submit(after.Make(layer, 1, 0));
+  EXPECT_TRUE(after.result.get_future().get().first.ok()) << "the worker goes on after a failed batch";
+}
+
+TEST(BatchingExecutorTest, ReplacedLayerNeverSharesABatchWithItsSuccessor) {
+  FakeBackend backend;
+  backend.delay = 20ms;
+  auto old_layer = MakeLayer(backend, 2.0f), new_layer = MakeLayer(backend, 3.0f);
+  BatchingExecutor executor(&backend, {.max_batch_requests = 16, .max_batch_tokens = 1000, .max_queue_delay = 20ms});
+  std::vector<OwnedJob> jobs(8);
+  for (int j = 0; j < 8; ++j) executor.Submit(jobs[j].Make(j % 2 ? new_layer : old_layer, 1, 1.0f));
+  for (int j = 0; j < 8; ++j) {
+    ASSERT_TRUE(jobs[j].result.get_future().get().first.ok());
+    EXPECT_EQ(jobs[j].output[0], j % 2 ? 3.0f : 2.0f) << "job " << j << " ran on the wrong weights";
+  }
+}
+
+TEST(BatchingExecutorTest, MissingFormAndDrain) {
+  FakeBackend backend;
+  auto layer = MakeLayer(backend, 1.0f);
+  BatchingExecutor executor(&backend, {.max_batch_requests = 4, .max_batch_tokens = 1000, .max_queue_delay = 1ms});
+  OwnedJob summed;
+  ForwardJob job = summed.Make(layer, 1, 0);
+  job.form = Form::kSummed;
+  executor.Submit(std::move(job));
+  EXPECT_EQ(summed.result.get_future().get().first.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(executor.Drain(1s), 0);
+  OwnedJob refused;
+  executor.Submit(refused.Make(layer, 1, 0));
+  EXPECT_EQ(refused.result.get_future().get().first.code(), StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace attnserve
