@@ -337,4 +337,46 @@ std::string ForwardFlagsHelp() {
   return flags.Describe();
 }
 
+namespace {
+
+void AddLayerFlags(FlagParser* flags, LayerArgs* out) {
+  flags->AddBool("spectrum", &out->spectrum,
+                 "also print each head's OV and QK spectrum: sigma1, Frobenius norm, stable and effective "
+                 "rank, and the ranks keeping 90/99/99.9 % of the energy");
+  flags->AddString("plot", &out->plot, "FILE.svg",
+                   "also write the spectra as an SVG plot (one curve per head, log scale)");
+}
+
+}  // namespace
+
+bool ParseLayerArgs(const std::vector<std::string>& args, LayerArgs* out, std::string* error) {
+  *out = LayerArgs();
+  FlagParser flags;
+  AddLayerFlags(&flags, out);
+  std::vector<std::string> positionals;
+  if (!flags.Parse(args, &positionals, &out->help, error)) return false;
+  if (out->help) return true;
+  if (flags.Seen("plot") && out->plot.empty()) {
+    *error = "--plot: expected a file name, got ''";
+    return false;
+  }
+  if (positionals.empty()) {
+    *error = "missing NAME";
+    return false;
+  }
+  if (positionals.size() > 1) {
+    *error = "unexpected argument '" + positionals[1] + "'";
+    return false;
+  }
+  out->name = positionals[0];
+  return true;
+}
+
+std::string LayerFlagsHelp() {
+  LayerArgs unused;
+  FlagParser flags;
+  AddLayerFlags(&flags, &unused);
+  return flags.Describe();
+}
+
 }  // namespace attnserve::cli

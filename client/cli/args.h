@@ -95,4 +95,14 @@ struct ForwardArgs {
 bool ParseForwardArgs(const std::vector<std::string>& args, ForwardArgs* out, std::string* error);
 std::string ForwardFlagsHelp();
 
+// attnserve-cli layer NAME [--spectrum] [--plot FILE.svg] (cmd_layers.cc).
+struct LayerArgs {
+  std::string name;
+  bool spectrum = false;  // print the per-head spectrum tables
+  std::string plot;       // write the spectra as SVG to this file
+  bool help = false;
+};
+bool ParseLayerArgs(const std::vector<std::string>& args, LayerArgs* out, std::string* error);
+std::string LayerFlagsHelp();
+
 }  // namespace attnserve::cli

@@ -1,12 +1,16 @@
-// attnserve-cli layers | layer NAME | load NAME SOURCE | unload NAME
+// attnserve-cli layers | layer NAME [--spectrum] [--plot FILE.svg] | load NAME SOURCE | unload NAME
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <fstream>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "client/cli/args.h"
 #include "client/cli/commands.h"
+#include "client/cli/spectrum_view.h"
 
 namespace attnserve::cli {
 namespace {
@@ -48,13 +52,15 @@ void PrintLayer(const v1::LayerInfo& info, std::ostream& out) {
       << "kv_heads: " << c.kv_heads() << "\n"
       << "d_head: " << c.d_head() << "\n"
       << "bias: " << (c.bias() ? "true" : "false") << "\n"
-      << "scale: " << Double(c.scale()) << "\n";
+      << "scale: " << Double(c.scale()) << "\n"
+      << "rope_theta: " << Double(c.rope_theta()) << "\n";
   for (const v1::FormInfo& f : info.forms()) {
     out << "form " << FormName(f.form()) << ": params=" << f.parameters() << " bytes=" << f.bytes()
         << " device=" << (f.device().empty() ? "-" : f.device())
         << " flops_per_token=" << Double(f.flops_per_token())
         << " flops_reference_length=" << f.flops_reference_length() << "\n";
   }
+  out << LowRankSummary(info);
 }
 
 }  // namespace
@@ -98,12 +104,31 @@ int RunLayers(CommandContext& ctx, const std::vector<std::string>& args) {
 }
 
 int RunLayer(CommandContext& ctx, const std::vector<std::string>& args) {
-  std::vector<std::string> pos;
-  int code = 0;
-  if (!Positionals(ctx, "layer", args, {"NAME"}, &pos, &code)) return code;
+  LayerArgs la;
+  std::string error;
+  if (!ParseLayerArgs(args, &la, &error)) return ctx.UsageError("layer", error);
+  const bool want_spectrum = la.spectrum || !la.plot.empty();
   v1::LayerInfo info;
-  if (grpc::Status s = ctx.client().GetLayer(pos[0], &info); !s.ok()) return ctx.Fail(s);
+  if (grpc::Status s = ctx.client().GetLayer(la.name, &info, want_spectrum); !s.ok()) return ctx.Fail(s);
   PrintLayer(info, ctx.out());
+  if (!want_spectrum) return kExitOk;
+  if (!HasSpectrum(info)) {
+    ctx.err() << "error: the server sent no spectra for layer '" << la.name
+              << "' (loaded with spectrum=false, or a server that does not compute them)\n";
+    return kExitFailure;
+  }
+  if (la.spectrum) ctx.out() << "\n" << SpectrumTable(info);
+  if (!la.plot.empty()) {
+    std::ofstream file(la.plot, std::ios::binary | std::ios::trunc);
+    const std::string svg = SpectrumSvg(info);
+    if (file) file.write(svg.data(), static_cast<std::streamsize>(svg.size()));
+    if (file) file.close();
+    if (!file) {
+      ctx.err() << "error: --plot: cannot write '" << la.plot << "': " << std::strerror(errno) << "\n";
+      return kExitFailure;
+    }
+    ctx.out() << "plot: " << la.plot << "\n";
+  }
   return kExitOk;
 }
 

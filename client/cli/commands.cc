@@ -37,9 +37,13 @@ const std::array<Subcommand, 6>& Table() {
              "form:params=P,bytes=B,device=D for each held form.\n");
        },
        &RunLayers},
-      {"layer", "describe one layer", "NAME",
+      {"layer", "describe one layer", "NAME [--spectrum] [--plot FILE.svg]",
        [] {
-         return std::string("Prints 'key: value' lines and one 'form F:' line per held form.\n");
+         return LayerFlagsHelp() +
+                "\nPrints 'key: value' lines, one 'form F:' line per held form and, when the layer\n"
+                "holds the low-rank form, a 'lowrank:' line (selection, ranks, energy kept, parameters\n"
+                "and FLOPs per token against the factored form). --spectrum adds the per-head\n"
+                "spectrum tables (docs/spectra.md); --plot writes them as an SVG file.\n";
        },
        &RunLayer},
       {"load", "load a layer from a source", "NAME SOURCE",

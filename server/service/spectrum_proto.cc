@@ -1,0 +1,34 @@
+#include "server/service/spectrum_proto.h"
+
+namespace attnserve {
+
+void ToProto(const HeadSpectrum& head, v1::HeadSpectrum* out) {
+  out->mutable_singular_values()->Assign(head.singular_values.begin(), head.singular_values.end());
+  out->set_frobenius(head.frobenius);
+  out->set_stable_rank(head.stable_rank);
+  out->set_effective_rank(head.effective_rank);
+  out->set_rank_90(head.rank_90);
+  out->set_rank_99(head.rank_99);
+  out->set_rank_999(head.rank_999);
+}
+
+void FillLowRankInfo(const Layer& layer, v1::LayerInfo* info) {
+  info->mutable_config()->set_rope_theta(layer.config.rope_theta);
+  if (layer.lowrank_ranks.empty()) return;
+  for (v1::FormInfo& f : *info->mutable_forms()) {
+    if (f.form() != v1::FORM_LOWRANK) continue;
+    f.mutable_ranks()->Assign(layer.lowrank_ranks.begin(), layer.lowrank_ranks.end());
+    f.set_rank_selection(layer.lowrank_selection);
+    f.set_kept_energy(layer.lowrank_kept_energy);
+  }
+}
+
+void FillSpectrumInfo(const Layer& layer, v1::LayerInfo* info) {
+  info->clear_ov_spectrum();
+  info->clear_qk_spectrum();
+  if (layer.spectrum == nullptr) return;
+  for (const HeadSpectrum& h : layer.spectrum->ov) ToProto(h, info->add_ov_spectrum());
+  for (const HeadSpectrum& h : layer.spectrum->qk) ToProto(h, info->add_qk_spectrum());
+}
+
+}  // namespace attnserve
