@@ -71,11 +71,13 @@ std::string Escaped(const std::string& s) {
 
 std::string Px(double v) { return Fmt("%.1f", v); }
 
-// Distinct colours: Tableau's ten, then evenly spaced hues for more heads.
+// Distinct colours on white: Tableau's ten, then ten darker or purer ones, so up to 20 heads
+// each get a colour of their own; beyond that, evenly spaced hues.
 std::string HeadColor(int head, int heads) {
-  static const char* kTab10[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
-                                 "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
-  if (heads <= 10) return kTab10[head];
+  static const char* kPalette[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+                                   "#7f7f7f", "#bcbd22", "#17becf", "#000080", "#800000", "#808000", "#008080",
+                                   "#ff00ff", "#00c000", "#000000", "#4b0082", "#ff69b4", "#a0522d"};
+  if (heads <= 20) return kPalette[head];
   return "hsl(" + std::to_string(head * 360 / heads) + ", 70%, " + (head % 2 ? "35%" : "50%") + ")";
 }
 
