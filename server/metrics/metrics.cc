@@ -1,0 +1,333 @@
+#include "server/metrics/metrics.h"
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <shared_mutex>
+#include <sstream>
+
+namespace attnserve {
+namespace {
+
+constexpr size_t kCodes = 17;  // gRPC's canonical codes 0..16
+// Series index of a form; kNoForm for calls refused before a form was known.
+constexpr size_t kNoForm = std::size(kAllForms);
+constexpr size_t kFormSlots = kNoForm + 1;
+
+size_t FormSlot(std::optional<Form> form) { return form ? static_cast<size_t>(*form) : kNoForm; }
+
+std::string FormLabel(size_t slot) { return slot == kNoForm ? "none" : std::string(FormName(kAllForms[slot])); }
+
+const MetricFamilySpec& Spec(std::string_view name) {
+  for (const MetricFamilySpec& spec : MetricFamilies()) {
+    if (spec.name == name) return spec;
+  }
+  // Only this file passes names, all of them from the table: a miss is a programming error.
+  std::abort();
+}
+
+prometheus::Family<prometheus::Counter>& Counter(prometheus::Registry& r, std::string_view name) {
+  const MetricFamilySpec& s = Spec(name);
+  return prometheus::BuildCounter().Name(std::string(s.name)).Help(std::string(s.help)).Register(r);
+}
+prometheus::Family<prometheus::Gauge>& Gauge(prometheus::Registry& r, std::string_view name) {
+  const MetricFamilySpec& s = Spec(name);
+  return prometheus::BuildGauge().Name(std::string(s.name)).Help(std::string(s.help)).Register(r);
+}
+prometheus::Family<prometheus::Histogram>& Histogram(prometheus::Registry& r, std::string_view name) {
+  const MetricFamilySpec& s = Spec(name);
+  return prometheus::BuildHistogram().Name(std::string(s.name)).Help(std::string(s.help)).Register(r);
+}
+
+// A child created on first use. Family::Add is thread-safe and returns the same child for the
+// same labels, so two threads racing here store the same pointer.
+template <typename T, typename MakeLabels, typename... Args>
+T& Lazy(std::atomic<T*>& slot, prometheus::Family<T>& family, MakeLabels&& labels, Args&&... args) {
+  T* child = slot.load(std::memory_order_acquire);
+  if (child == nullptr) {
+    child = &family.Add(labels(), std::forward<Args>(args)...);
+    slot.store(child, std::memory_order_release);
+  }
+  return *child;
+}
+
+}  // namespace
+
+const std::vector<MetricFamilySpec>& MetricFamilies() {
+  static const std::vector<MetricFamilySpec> families = {
+      {"attnserve_requests_total", "counter", {"layer", "form", "code"},
+       "Forward calls answered, by layer, serving form and gRPC status code."},
+      {"attnserve_request_duration_seconds", "histogram", {"layer", "form"},
+       "Forward call latency in the server, from arrival to the answer, in seconds."},
+      {"attnserve_queue_duration_seconds", "histogram", {"layer", "form"},
+       "Time a Forward job waited in the executor's queue before its batch started, in seconds."},
+      {"attnserve_compute_duration_seconds", "histogram", {"layer", "form", "device"},
+       "Wall time of one backend call (a batch), in seconds."},
+      {"attnserve_batch_requests", "histogram", {"layer", "form"}, "Jobs per backend call."},
+      {"attnserve_batch_tokens", "histogram", {"layer", "form"}, "Query tokens (rows) per backend call."},
+      {"attnserve_flops_total", "counter", {"layer", "form", "device"},
+       "Floating-point operations the backend calls performed (multiply-add = 2); rate() is the achieved "
+       "FLOP/s."},
+      {"attnserve_queue_depth", "gauge", {"layer", "form"}, "Forward jobs waiting in the executor's queue."},
+      {"attnserve_inflight_requests", "gauge", {}, "Forward calls received and not yet answered."},
+      {"attnserve_shadow_divergence", "histogram", {"layer", "form"},
+       "Relative L2 distance ||mirror - served|| / ||served|| of shadow runs, by the mirror's form."},
+      {"attnserve_shadow_divergence_max_abs", "histogram", {"layer", "form"},
+       "Largest absolute difference |mirror - served| of shadow runs, by the mirror's form."},
+      {"attnserve_shadow_dropped_total", "counter", {"layer"},
+       "Shadow runs not done: the shadow queue was full, or the mirror failed."},
+      {"attnserve_layer_parameters", "gauge", {"layer", "form"}, "Parameters of a loaded layer's form."},
+      {"attnserve_layer_bytes", "gauge", {"layer", "form", "device"},
+       "Bytes of a loaded layer's form resident on its device."},
+      {"attnserve_routing_weight", "gauge", {"layer", "form"},
+       "Share of unspecified-form requests routed to a form (layer \"*\": the default route)."},
+      {"attnserve_build_info", "gauge", {"version", "device", "blas"}, "Always 1; the labels describe the build."},
+      {"attnserve_device_errors_total", "counter", {"device"},
+       "Backend calls that failed with a device error (the backend is then unhealthy)."},
+  };
+  return families;
+}
+
+const std::vector<double>& LatencyBuckets() {
+  static const std::vector<double> b = {50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
+                                        50e-3, 100e-3, 250e-3, 500e-3, 1,    2.5,    5,    10};
+  return b;
+}
+const std::vector<double>& BatchRequestBuckets() {
+  static const std::vector<double> b = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512};
+  return b;
+}
+const std::vector<double>& BatchTokenBuckets() {
+  static const std::vector<double> b = {1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144};
+  return b;
+}
+const std::vector<double>& DivergenceBuckets() {
+  static const std::vector<double> b = {1e-9, 1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1};
+  return b;
+}
+
+struct Metrics::Impl {
+  // The series of one device for one (layer, form).
+  struct DeviceSeries {
+    std::string device;
+    prometheus::Histogram* compute = nullptr;
+    prometheus::Counter* flops = nullptr;
+  };
+  // The series of one (layer, form).
+  struct FormSeries {
+    std::atomic<prometheus::Counter*> requests[kCodes] = {};
+    std::atomic<prometheus::Histogram*> request_duration{nullptr};
+    std::atomic<prometheus::Histogram*> queue_duration{nullptr};
+    std::atomic<prometheus::Histogram*> batch_requests{nullptr};
+    std::atomic<prometheus::Histogram*> batch_tokens{nullptr};
+    std::atomic<prometheus::Gauge*> queue_depth{nullptr};
+    std::atomic<prometheus::Histogram*> shadow_divergence{nullptr};
+    std::atomic<prometheus::Histogram*> shadow_max_abs{nullptr};
+    std::mutex device_mu;  // per batch, not per request: a plain lock is cheap enough
+    std::vector<DeviceSeries> devices;  // guarded by device_mu
+  };
+  struct LayerSeries {
+    std::array<FormSeries, kFormSlots> forms;
+    std::atomic<prometheus::Counter*> shadow_dropped{nullptr};
+  };
+
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  prometheus::Family<prometheus::Counter>& requests_total = Counter(*registry, "attnserve_requests_total");
+  prometheus::Family<prometheus::Histogram>& request_duration =
+      Histogram(*registry, "attnserve_request_duration_seconds");
+  prometheus::Family<prometheus::Histogram>& queue_duration = Histogram(*registry, "attnserve_queue_duration_seconds");
+  prometheus::Family<prometheus::Histogram>& compute_duration =
+      Histogram(*registry, "attnserve_compute_duration_seconds");
+  prometheus::Family<prometheus::Histogram>& batch_requests = Histogram(*registry, "attnserve_batch_requests");
+  prometheus::Family<prometheus::Histogram>& batch_tokens = Histogram(*registry, "attnserve_batch_tokens");
+  prometheus::Family<prometheus::Counter>& flops_total = Counter(*registry, "attnserve_flops_total");
+  prometheus::Family<prometheus::Gauge>& queue_depth = Gauge(*registry, "attnserve_queue_depth");
+  prometheus::Family<prometheus::Gauge>& inflight_family = Gauge(*registry, "attnserve_inflight_requests");
+  prometheus::Family<prometheus::Histogram>& shadow_divergence = Histogram(*registry, "attnserve_shadow_divergence");
+  prometheus::Family<prometheus::Histogram>& shadow_max_abs =
+      Histogram(*registry, "attnserve_shadow_divergence_max_abs");
+  prometheus::Family<prometheus::Counter>& shadow_dropped = Counter(*registry, "attnserve_shadow_dropped_total");
+  prometheus::Family<prometheus::Gauge>& layer_parameters = Gauge(*registry, "attnserve_layer_parameters");
+  prometheus::Family<prometheus::Gauge>& layer_bytes = Gauge(*registry, "attnserve_layer_bytes");
+  prometheus::Family<prometheus::Gauge>& routing_weight = Gauge(*registry, "attnserve_routing_weight");
+  prometheus::Family<prometheus::Gauge>& build_info = Gauge(*registry, "attnserve_build_info");
+  prometheus::Family<prometheus::Counter>& device_errors = Counter(*registry, "attnserve_device_errors_total");
+  prometheus::Gauge& inflight = inflight_family.Add({});
+
+  std::shared_mutex mu;
+  std::map<std::string, std::unique_ptr<LayerSeries>, std::less<>> layers;  // guarded by mu; never erased
+
+  // Serialises the cold paths that add and remove gauge children (layers, routes), so that a
+  // remove never races an add of the same series.
+  std::mutex gauge_mu;
+  // The gauges set per layer, to remove them with the layer (guarded by gauge_mu).
+  std::map<std::string, std::vector<prometheus::Gauge*>, std::less<>> layer_gauges;
+  std::map<std::string, std::vector<prometheus::Gauge*>, std::less<>> route_gauges;
+
+  LayerSeries& Layer(std::string_view layer) {
+    {
+      std::shared_lock<std::shared_mutex> lock(mu);
+      auto it = layers.find(layer);
+      if (it != layers.end()) return *it->second;
+    }
+    std::unique_lock<std::shared_mutex> lock(mu);
+    auto [it, inserted] = layers.try_emplace(std::string(layer));
+    if (inserted) it->second = std::make_unique<LayerSeries>();
+    return *it->second;
+  }
+
+  FormSeries& Series(std::string_view layer, size_t slot) { return Layer(layer).forms[slot]; }
+
+  static prometheus::Labels LayerForm(std::string_view layer, size_t slot) {
+    return {{"layer", std::string(layer)}, {"form", FormLabel(slot)}};
+  }
+
+  DeviceSeries& Device(FormSeries& series, std::string_view layer, size_t slot, std::string_view device) {
+    // Called under series.device_mu.
+    for (DeviceSeries& d : series.devices) {
+      if (d.device == device) return d;
+    }
+    prometheus::Labels labels = LayerForm(layer, slot);
+    labels.emplace("device", std::string(device));
+    DeviceSeries d;
+    d.device = std::string(device);
+    d.compute = &compute_duration.Add(labels, LatencyBuckets());
+    d.flops = &flops_total.Add(labels);
+    series.devices.push_back(std::move(d));
+    return series.devices.back();
+  }
+};
+
+Metrics::Metrics() : impl_(std::make_unique<Impl>()) {}
+Metrics::~Metrics() = default;
+
+std::shared_ptr<prometheus::Registry> Metrics::registry() const { return impl_->registry; }
+
+std::string Metrics::Scrape() const {
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, impl_->registry->Collect());
+  return out.str();
+}
+
+void Metrics::SetBuildInfo(std::string_view version, std::string_view device, std::string_view blas) {
+  std::lock_guard<std::mutex> lock(impl_->gauge_mu);
+  impl_->build_info
+      .Add({{"version", std::string(version)}, {"device", std::string(device)}, {"blas", std::string(blas)}})
+      .Set(1);
+}
+
+void Metrics::RequestStarted() { impl_->inflight.Increment(); }
+
+void Metrics::RequestFinished(std::string_view layer, std::optional<Form> form, StatusCode code, double seconds) {
+  impl_->inflight.Decrement();
+  const size_t slot = FormSlot(form);
+  Impl::FormSeries& s = impl_->Series(layer, slot);
+  size_t c = static_cast<size_t>(code);
+  if (c >= kCodes) c = static_cast<size_t>(StatusCode::kUnknown);
+  Lazy(s.requests[c], impl_->requests_total, [&] {
+    prometheus::Labels labels = Impl::LayerForm(layer, slot);
+    labels.emplace("code", std::string(StatusCodeName(static_cast<StatusCode>(c))));
+    return labels;
+  }).Increment();
+  Lazy(s.request_duration, impl_->request_duration, [&] { return Impl::LayerForm(layer, slot); }, LatencyBuckets())
+      .Observe(seconds);
+}
+
+void Metrics::SetLayerForm(std::string_view layer, Form form, std::string_view device, int64_t parameters,
+                           int64_t bytes) {
+  const size_t slot = FormSlot(form);
+  std::lock_guard<std::mutex> lock(impl_->gauge_mu);
+  prometheus::Gauge& p = impl_->layer_parameters.Add(Impl::LayerForm(layer, slot));
+  prometheus::Labels labels = Impl::LayerForm(layer, slot);
+  labels.emplace("device", std::string(device));
+  prometheus::Gauge& b = impl_->layer_bytes.Add(labels);
+  p.Set(static_cast<double>(parameters));
+  b.Set(static_cast<double>(bytes));
+  auto& gauges = impl_->layer_gauges[std::string(layer)];
+  for (prometheus::Gauge* g : {&p, &b}) {
+    if (std::find(gauges.begin(), gauges.end(), g) == gauges.end()) gauges.push_back(g);
+  }
+}
+
+void Metrics::RemoveLayer(std::string_view layer) {
+  std::lock_guard<std::mutex> lock(impl_->gauge_mu);
+  auto it = impl_->layer_gauges.find(layer);
+  if (it == impl_->layer_gauges.end()) return;
+  // Each gauge belongs to one of the two families; Remove ignores a child it does not hold.
+  for (prometheus::Gauge* g : it->second) {
+    impl_->layer_parameters.Remove(g);
+    impl_->layer_bytes.Remove(g);
+  }
+  impl_->layer_gauges.erase(it);
+}
+
+void Metrics::CountDeviceError(std::string_view device) {
+  impl_->device_errors.Add({{"device", std::string(device)}}).Increment();
+}
+
+void Metrics::JobQueued(std::string_view layer, Form form) {
+  const size_t slot = FormSlot(form);
+  Impl::FormSeries& s = impl_->Series(layer, slot);
+  Lazy(s.queue_depth, impl_->queue_depth, [&] { return Impl::LayerForm(layer, slot); }).Increment();
+}
+
+void Metrics::JobDequeued(std::string_view layer, Form form, double queue_seconds) {
+  const size_t slot = FormSlot(form);
+  Impl::FormSeries& s = impl_->Series(layer, slot);
+  Lazy(s.queue_depth, impl_->queue_depth, [&] { return Impl::LayerForm(layer, slot); }).Decrement();
+  Lazy(s.queue_duration, impl_->queue_duration, [&] { return Impl::LayerForm(layer, slot); }, LatencyBuckets())
+      .Observe(queue_seconds);
+}
+
+void Metrics::BatchDone(const BatchReport& report) {
+  if (report.code == StatusCode::kInternal) CountDeviceError(report.device);
+  if (report.code != StatusCode::kOk) return;  // nothing was computed, or not all of it
+  const size_t slot = FormSlot(report.form);
+  Impl::FormSeries& s = impl_->Series(report.layer, slot);
+  auto labels = [&] { return Impl::LayerForm(report.layer, slot); };
+  Lazy(s.batch_requests, impl_->batch_requests, labels, BatchRequestBuckets()).Observe(report.requests);
+  Lazy(s.batch_tokens, impl_->batch_tokens, labels, BatchTokenBuckets()).Observe(static_cast<double>(report.tokens));
+  std::lock_guard<std::mutex> lock(s.device_mu);
+  Impl::DeviceSeries& d = impl_->Device(s, report.layer, slot, report.device);
+  d.compute->Observe(report.compute_seconds);
+  d.flops->Increment(report.flops);
+}
+
+void Metrics::RouteChanged(std::string_view layer, const std::vector<std::pair<Form, double>>& split) {
+  std::lock_guard<std::mutex> lock(impl_->gauge_mu);
+  auto& gauges = impl_->route_gauges[std::string(layer)];
+  for (prometheus::Gauge* g : gauges) impl_->routing_weight.Remove(g);
+  gauges.clear();
+  for (const auto& [form, share] : split) {
+    prometheus::Gauge& g = impl_->routing_weight.Add(Impl::LayerForm(layer, FormSlot(form)));
+    g.Set(share);
+    gauges.push_back(&g);
+  }
+  if (gauges.empty()) impl_->route_gauges.erase(std::string(layer));
+}
+
+void Metrics::ShadowCompared(std::string_view layer, Form mirror, const DivergenceStats& divergence) {
+  const size_t slot = FormSlot(mirror);
+  Impl::FormSeries& s = impl_->Series(layer, slot);
+  auto labels = [&] { return Impl::LayerForm(layer, slot); };
+  Lazy(s.shadow_divergence, impl_->shadow_divergence, labels, DivergenceBuckets()).Observe(divergence.rel_l2);
+  Lazy(s.shadow_max_abs, impl_->shadow_max_abs, labels, DivergenceBuckets()).Observe(divergence.max_abs);
+}
+
+void Metrics::ShadowDropped(std::string_view layer) {
+  Lazy(impl_->Layer(layer).shadow_dropped, impl_->shadow_dropped, [&] {
+    return prometheus::Labels{{"layer", std::string(layer)}};
+  }).Increment();
+}
+
+}  // namespace attnserve

@@ -1,0 +1,98 @@
+// Metrics: the one place that declares attnserve's Prometheus metric families (the design's §5
+// plus device errors and the shadow's max-abs divergence) and records into them. The rest of
+// the server calls these typed methods and never names a metric; batching and routing reach
+// it through their observer interfaces, so neither depends on Prometheus.
+//
+// Labels: `layer` is a loaded layer's name ("" for requests that named no loaded layer, "*" for
+// the default route), `form` is factored, summed or lowrank ("none" for requests refused
+// before a form was chosen), `device` is cpu or cuda:N, `code` is the gRPC status name.
+// Hot-path calls find their series in a per-(layer, form) cache under a shared lock and touch
+// only prometheus-cpp's own atomics after the first call for a label set.
+// Thread-safety: every method may be called from any thread at once.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "server/batching/batch_observer.h"
+#include "server/core/forms.h"
+#include "server/core/status.h"
+#include "server/routing/routing_observer.h"
+
+namespace prometheus {
+class Registry;
+}  // namespace prometheus
+
+namespace attnserve {
+
+// What a family is, for documentation checks and for the dashboard test.
+struct MetricFamilySpec {
+  std::string_view name;  // with the attnserve_ prefix
+  std::string_view type;  // "counter", "gauge" or "histogram"
+  std::vector<std::string_view> labels;
+  std::string_view help;
+};
+// Every family Metrics registers, in the order of docs/metrics.md.
+const std::vector<MetricFamilySpec>& MetricFamilies();
+
+// Bucket upper bounds. Latencies: 50 µs … 10 s, about three per decade.
+const std::vector<double>& LatencyBuckets();
+const std::vector<double>& BatchRequestBuckets();  // 1 … 512, powers of 2
+const std::vector<double>& BatchTokenBuckets();    // 1 … 262144, powers of 4
+const std::vector<double>& DivergenceBuckets();    // 1e-9 … 1, one per decade
+
+class Metrics final : public BatchObserver, public RoutingObserver {
+ public:
+  Metrics();
+  ~Metrics() override;
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // The registry the exposer serves.
+  std::shared_ptr<prometheus::Registry> registry() const;
+  // The registry in the text exposition format 0.0.4 (what /metrics answers).
+  std::string Scrape() const;
+
+  // build_info{version,device,blas} = 1. Call once at start-up.
+  void SetBuildInfo(std::string_view version, std::string_view device, std::string_view blas);
+
+  // A Forward call arrived (inflight_requests + 1).
+  void RequestStarted();
+  // A Forward call ended with `code` after `seconds` (inflight_requests - 1, requests_total,
+  // request_duration_seconds). `form` is the form that served it or was asked for; nullopt
+  // when the call was refused before one was known.
+  void RequestFinished(std::string_view layer, std::optional<Form> form, StatusCode code, double seconds);
+
+  // layer_parameters and layer_bytes of one held form of a loaded layer.
+  void SetLayerForm(std::string_view layer, Form form, std::string_view device, int64_t parameters, int64_t bytes);
+  // Removes every layer_parameters / layer_bytes series of `layer` (unloaded or replaced).
+  // Counters and histograms stay: a rate over the unload must not see them vanish.
+  void RemoveLayer(std::string_view layer);
+
+  // A device failed a batch (the backend is now unhealthy).
+  void CountDeviceError(std::string_view device);
+
+  // BatchObserver: queue_depth, queue_duration_seconds, compute_duration_seconds,
+  // batch_requests, batch_tokens, flops_total; a batch failing with INTERNAL also counts a
+  // device error.
+  void JobQueued(std::string_view layer, Form form) override;
+  void JobDequeued(std::string_view layer, Form form, double queue_seconds) override;
+  void BatchDone(const BatchReport& report) override;
+
+  // RoutingObserver: routing_weight, shadow_divergence (rel_l2),
+  // shadow_divergence_max_abs, shadow_dropped_total.
+  void RouteChanged(std::string_view layer, const std::vector<std::pair<Form, double>>& split) override;
+  void ShadowCompared(std::string_view layer, Form mirror, const DivergenceStats& divergence) override;
+  void ShadowDropped(std::string_view layer) override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace attnserve

@@ -1,0 +1,233 @@
+#include "server/routing/router.h"
+
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <mutex>
+#include <random>
+#include <thread>
+
+namespace attnserve {
+namespace {
+
+std::string Str(std::string_view v) { return std::string(v); }
+
+std::string_view Trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  return s;
+}
+
+std::string HeldNames() {
+  std::string names;
+  for (Form f : kAllForms) names += (names.empty() ? "" : ", ") + Str(FormName(f));
+  return names;
+}
+
+// A uniform draw in [0, 1) from this thread's generator: routing is on every request's path,
+// and one shared generator would need a lock.
+double UniformDraw() {
+  thread_local std::mt19937_64 rng(std::random_device{}() ^
+                                   std::hash<std::thread::id>{}(std::this_thread::get_id()));
+  return static_cast<double>(rng() >> 11) * 0x1.0p-53;
+}
+
+const RouteSplit& DefaultSplit() {
+  static const RouteSplit split = {{Form::kFactored, 1.0}};
+  return split;
+}
+
+}  // namespace
+
+StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what) {
+  const std::string w(what);
+  const std::string expected = "expected FORM:WEIGHT[,FORM:WEIGHT...] with FORM one of " + HeldNames() +
+                               " and WEIGHT >= 0 (e.g. factored:90,summed:10)";
+  if (Trim(spec).empty()) return InvalidArgumentError(w + ": " + expected + ", got an empty string");
+  double weights[std::size(kAllForms)] = {};
+  bool seen[std::size(kAllForms)] = {};
+  double total = 0;
+  size_t start = 0;
+  while (start <= spec.size()) {
+    const size_t comma = spec.find(',', start);
+    const std::string_view item = Trim(spec.substr(start, comma == std::string_view::npos ? spec.npos : comma - start));
+    start = comma == std::string_view::npos ? spec.size() + 1 : comma + 1;
+    const size_t colon = item.find(':');
+    if (colon == std::string_view::npos) {
+      return InvalidArgumentError(w + ": " + expected + ", got '" + Str(item) + "' (no ':') in '" + Str(spec) + "'");
+    }
+    const std::string_view name = Trim(item.substr(0, colon));
+    const std::string_view number = Trim(item.substr(colon + 1));
+    const std::optional<Form> form = ParseForm(name);
+    if (!form) {
+      return InvalidArgumentError(w + ": expected a form among " + HeldNames() + ", got '" + Str(name) + "' in '" +
+                                  Str(spec) + "'");
+    }
+    const size_t index = static_cast<size_t>(*form);
+    if (seen[index]) {
+      return InvalidArgumentError(w + ": expected each form at most once, got " + Str(name) + " twice in '" +
+                                  Str(spec) + "'");
+    }
+    seen[index] = true;
+    double weight = 0;
+    const char* end = number.data() + number.size();
+    auto [p, ec] = std::from_chars(number.data(), end, weight);
+    if (number.empty() || ec != std::errc() || p != end || !std::isfinite(weight) || weight < 0) {
+      return InvalidArgumentError(w + ": expected a finite weight >= 0 for " + Str(name) + ", got '" + Str(number) +
+                                  "' in '" + Str(spec) + "'");
+    }
+    weights[index] = weight;
+    total += weight;
+  }
+  if (!(total > 0) || !std::isfinite(total)) {
+    return InvalidArgumentError(w + ": expected at least one positive weight, got '" + Str(spec) + "'");
+  }
+  RouteSplit split;
+  for (Form f : kAllForms) {
+    const double weight = weights[static_cast<size_t>(f)];
+    if (weight > 0) split.emplace_back(f, weight / total);
+  }
+  return split;
+}
+
+std::string FormatRouteSpec(const RouteSplit& split) {
+  std::string text;
+  for (const auto& [form, share] : split) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.4g", share * 100);
+    text += (text.empty() ? "" : ",") + Str(FormName(form)) + ":" + buf;
+  }
+  return text;
+}
+
+StatusOr<std::pair<std::string, RouteSplit>> ParseRouteFlag(std::string_view flag, std::string_view what) {
+  const size_t eq = flag.find('=');
+  if (eq == std::string_view::npos || eq == 0) {
+    return InvalidArgumentError(Str(what) + ": expected LAYER=FORM:WEIGHT,... (LAYER may be *), e.g. " +
+                                "'*=factored:90,summed:10', got '" + Str(flag) + "'");
+  }
+  const std::string layer = Str(Trim(flag.substr(0, eq)));
+  StatusOr<RouteSplit> split = ParseRouteSpec(flag.substr(eq + 1), Str(what) + " " + layer);
+  if (!split.ok()) return split.status();
+  return std::make_pair(layer, std::move(split).value());
+}
+
+uint64_t Fnv1a64(std::string_view bytes) {
+  uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a 64-bit offset basis
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 0x100000001b3ULL;  // FNV-1a 64-bit prime
+  }
+  return h;
+}
+
+double StickyPoint(std::string_view key) {
+  // FNV-1a's low bits mix well but its high bits barely move for a change in the last byte;
+  // the splitmix64 finaliser spreads every input bit over the 53 bits used here.
+  uint64_t z = Fnv1a64(key);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  z ^= z >> 31;
+  return static_cast<double>(z >> 11) * 0x1.0p-53;
+}
+
+Router::Router(RoutingObserver* observer) : observer_(observer) {
+  routes_.emplace(kDefaultRoute, DefaultSplit());
+  if (observer_ != nullptr) observer_->RouteChanged(kDefaultRoute, DefaultSplit());
+}
+
+Status Router::SetRoute(std::string_view layer, RouteSplit split) {
+  if (layer.empty()) {
+    return InvalidArgumentError("layer: expected a layer name or '*' (every layer without its own route), got an "
+                                "empty string");
+  }
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  const bool is_default = layer == kDefaultRoute;
+  if (split.empty() && is_default) split = DefaultSplit();
+  if (split.empty()) {
+    auto it = routes_.find(layer);
+    if (it != routes_.end()) routes_.erase(it);
+  } else {
+    routes_.insert_or_assign(std::string(layer), split);
+  }
+  // Under the lock, so that the observer's view follows the order of the changes.
+  if (observer_ != nullptr) observer_->RouteChanged(layer, split);
+  return OkStatus();
+}
+
+const RouteSplit& Router::RouteOfLocked(std::string_view layer) const {
+  auto it = routes_.find(layer);
+  if (it == routes_.end()) it = routes_.find(std::string_view(kDefaultRoute));
+  return it->second;
+}
+
+RouteSplit Router::RouteOf(std::string_view layer) const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  return RouteOfLocked(layer);
+}
+
+std::vector<std::pair<std::string, RouteSplit>> Router::Routes() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  std::vector<std::pair<std::string, RouteSplit>> routes;
+  routes.emplace_back(kDefaultRoute, routes_.at(kDefaultRoute));
+  for (const auto& [layer, split] : routes_) {
+    if (layer != kDefaultRoute) routes.emplace_back(layer, split);
+  }
+  return routes;
+}
+
+Form Router::Choose(std::string_view layer, std::span<const Form> held, std::string_view request_key) const {
+  auto holds = [&](Form f) {
+    for (Form h : held) {
+      if (h == f) return true;
+    }
+    return false;
+  };
+  // The factored form is always held (layer_store.h); it is the answer when no share applies.
+  const Form fallback = held.empty() || holds(Form::kFactored) ? Form::kFactored : held.front();
+  // Drawn before the lock: the draw is the expensive part of an unkeyed request.
+  const double point = request_key.empty() ? UniformDraw() : StickyPoint(request_key);
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  const RouteSplit& split = RouteOfLocked(layer);
+  double total = 0;
+  for (const auto& [form, share] : split) {
+    if (holds(form)) total += share;
+  }
+  if (!(total > 0)) return fallback;
+  // Cumulative shares in Form order: moving weight between two forms only moves the keys
+  // whose points lie between the old and the new boundary.
+  const double target = point * total;
+  double cumulative = 0;
+  Form last = fallback;
+  for (const auto& [form, share] : split) {
+    if (!holds(form)) continue;
+    cumulative += share;
+    last = form;
+    if (target < cumulative) return form;
+  }
+  return last;  // rounding left target at the very top
+}
+
+Status Router::SetShadowRate(double rate) {
+  if (!std::isfinite(rate) || rate < 0 || rate > 1) {
+    return InvalidArgumentError("shadow_rate: expected a fraction in [0, 1], got " + std::to_string(rate));
+  }
+  shadow_rate_.store(rate, std::memory_order_relaxed);
+  return OkStatus();
+}
+
+std::optional<Form> Router::ShadowMirror(std::span<const Form> held, Form served) const {
+  const double rate = shadow_rate();
+  if (!(rate > 0)) return std::nullopt;
+  if (rate < 1 && UniformDraw() >= rate) return std::nullopt;
+  Form others[std::size(kAllForms)];
+  size_t count = 0;
+  for (Form f : held) {
+    if (f != served && count < std::size(others)) others[count++] = f;
+  }
+  if (count == 0) return std::nullopt;
+  const size_t pick = std::min(count - 1, static_cast<size_t>(UniformDraw() * static_cast<double>(count)));
+  return others[pick];
+}
+
+}  // namespace attnserve

@@ -1,0 +1,83 @@
+// Router: which form serves a request that left the form unspecified, and whether it is also
+// mirrored to another form (the shadow policy). The A/B of docs/metrics.md: per-layer split
+// weights ("factored:90,summed:10"), sticky on the request key, random without one.
+//
+// Routes are keyed by layer name; "*" is the default for every layer without its own, and is
+// "factored:100" until set. Forms a layer does not hold are skipped when choosing (the split is
+// renormalised over the held ones), so a route may name forms some layers lack.
+// Thread-safety: every method may be called from any thread; Choose and ShadowMirror take a
+// shared lock only, SetRoute an exclusive one.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <shared_mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "server/core/forms.h"
+#include "server/core/status.h"
+#include "server/routing/routing_observer.h"
+
+namespace attnserve {
+
+// One layer's split: (form, share) with shares > 0 summing to 1, in Form order, each form once.
+using RouteSplit = std::vector<std::pair<Form, double>>;
+
+inline constexpr char kDefaultRoute[] = "*";
+
+// Parses "factored:90,summed:10" (weights are non-negative numbers, normalised to shares; a
+// form may be left out or given 0). INVALID_ARGUMENT naming `what`, expected and got: unknown
+// form, bad or negative weight, a form twice, every weight 0, an empty spec.
+StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what = "route");
+// "factored:90,summed:10" with the shares as percentages (at most 4 significant digits).
+std::string FormatRouteSpec(const RouteSplit& split);
+// Splits "LAYER=SPEC" ("*=SPEC" for the default) and parses the SPEC; `what` names the flag.
+StatusOr<std::pair<std::string, RouteSplit>> ParseRouteFlag(std::string_view flag, std::string_view what = "--route");
+
+// 64-bit FNV-1a of the bytes: the sticky hash, fixed so that every replica and every restart
+// sends a key to the same form (std::hash promises neither).
+uint64_t Fnv1a64(std::string_view bytes);
+// A request key's point in [0, 1): FNV-1a, then a 64-bit finaliser so that keys differing in
+// the last byte spread over the whole interval.
+double StickyPoint(std::string_view key);
+
+class Router {
+ public:
+  // `observer` (may be null) hears every route change; it is told the default at once.
+  explicit Router(RoutingObserver* observer = nullptr);
+
+  // Sets the split of `layer` ("*" = the default). An empty split removes the layer's own route
+  // (for "*": back to factored:100). INVALID_ARGUMENT for an empty layer name.
+  Status SetRoute(std::string_view layer, RouteSplit split);
+  // The split `layer` is routed by: its own, else the default.
+  RouteSplit RouteOf(std::string_view layer) const;
+  // Every configured route, the default first.
+  std::vector<std::pair<std::string, RouteSplit>> Routes() const;
+
+  // The form for a request to `layer` holding `held` (non-empty). With a non-empty
+  // `request_key` the choice is a function of the key and the split; otherwise random.
+  Form Choose(std::string_view layer, std::span<const Form> held, std::string_view request_key) const;
+
+  // The fraction of served requests mirrored to another form, in [0, 1].
+  Status SetShadowRate(double rate);
+  double shadow_rate() const { return shadow_rate_.load(std::memory_order_relaxed); }
+  // With probability shadow_rate(), another held form (uniformly among them) to mirror a
+  // request served by `served`; nullopt otherwise or when the layer holds no other form.
+  std::optional<Form> ShadowMirror(std::span<const Form> held, Form served) const;
+
+ private:
+  const RouteSplit& RouteOfLocked(std::string_view layer) const;
+
+  RoutingObserver* const observer_;
+  mutable std::shared_mutex mu_;
+  std::map<std::string, RouteSplit, std::less<>> routes_;  // guarded by mu_; always holds "*"
+  std::atomic<double> shadow_rate_{0.0};
+};
+
+}  // namespace attnserve

@@ -1,0 +1,500 @@
+// server/metrics: the families are exactly the design's (§5 of the shared ARCHITECTURE.md, plus
+// the two this project adds), recorded values come out of a text-format scrape as the exact
+// samples Prometheus would read, promtool accepts the scrape, the HTTP endpoint serves it, and
+// the Grafana dashboard asks only for metrics and labels the server exports.
+#include "server/metrics/metrics.h"
+
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/metrics/metrics_endpoint.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// One sample of a scrape: name{label="value",...} value, labels sorted by name.
+using Samples = std::map<std::string, double>;
+
+std::string Key(const std::string& name, std::map<std::string, std::string> labels) {
+  std::string key = name + "{";
+  bool first = true;
+  for (const auto& [k, v] : labels) {
+    key += (first ? "" : ",") + k + "=\"" + v + "\"";
+    first = false;
+  }
+  return key + "}";
+}
+
+// Parses the text exposition format (no escapes are needed for our label values). `le`
+// values are normalised through strtod so that "0.0005" and "5.0000000000000001e-04" agree.
+Samples Parse(const std::string& text) {
+  Samples samples;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    const size_t brace = line.find('{');
+    const size_t space = line.rfind(' ');
+    std::string name = line.substr(0, std::min(brace, space));
+    std::map<std::string, std::string> labels;
+    if (brace != std::string::npos) {
+      const size_t close = line.find('}', brace);
+      const std::string body = line.substr(brace + 1, close - brace - 1);
+      std::regex pair(R"re(([a-z_]+)="([^"]*)")re");
+      for (auto it = std::sregex_iterator(body.begin(), body.end(), pair); it != std::sregex_iterator(); ++it) {
+        std::string value = (*it)[2];
+        if ((*it)[1] == "le" && value != "+Inf") {
+          char buf[64];
+          std::snprintf(buf, sizeof buf, "%g", std::strtod(value.c_str(), nullptr));
+          value = buf;
+        }
+        labels[(*it)[1]] = value;
+      }
+    }
+    samples[Key(name, labels)] = std::strtod(line.substr(space + 1).c_str(), nullptr);
+  }
+  return samples;
+}
+
+double Sample(const Samples& s, const std::string& name, std::map<std::string, std::string> labels) {
+  auto it = s.find(Key(name, labels));
+  if (it == s.end()) {
+    ADD_FAILURE() << "no sample " << Key(name, labels);
+    return -1;
+  }
+  return it->second;
+}
+
+bool Has(const Samples& s, const std::string& name, std::map<std::string, std::string> labels) {
+  return s.count(Key(name, labels)) > 0;
+}
+
+// A registry with a sample in every family.
+Metrics& FullyRecorded(Metrics& m) {
+  m.SetBuildInfo("0.1.0", "cpu", "eigen");
+  m.RequestStarted();
+  m.RequestFinished("demo", Form::kFactored, StatusCode::kOk, 0.001);
+  m.JobQueued("demo", Form::kFactored);
+  m.JobDequeued("demo", Form::kFactored, 0.0002);
+  m.BatchDone({.layer = "demo", .form = Form::kFactored, .device = "cpu", .requests = 1, .tokens = 8,
+               .flops = 1e6, .compute_seconds = 0.0005});
+  m.SetLayerForm("demo", Form::kFactored, "cpu", 100, 400);
+  m.RouteChanged("*", {{Form::kFactored, 0.9}, {Form::kSummed, 0.1}});
+  m.ShadowCompared("demo", Form::kSummed, {.max_abs = 1e-6, .rel_l2 = 1e-7});
+  m.ShadowDropped("demo");
+  m.CountDeviceError("cuda:0");
+  return m;
+}
+
+TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
+  // Written from ../shared/ARCHITECTURE.md §5 (prefix attnserve_), not from metrics.cc; the
+  // last two are this project's additions (docs/metrics.md).
+  const std::map<std::string, std::pair<std::string, std::vector<std::string_view>>> want = {
+      {"attnserve_requests_total", {"counter", {"layer", "form", "code"}}},
+      {"attnserve_request_duration_seconds", {"histogram", {"layer", "form"}}},
+      {"attnserve_queue_duration_seconds", {"histogram", {"layer", "form"}}},
+      {"attnserve_compute_duration_seconds", {"histogram", {"layer", "form", "device"}}},
+      {"attnserve_batch_requests", {"histogram", {"layer", "form"}}},
+      {"attnserve_batch_tokens", {"histogram", {"layer", "form"}}},
+      {"attnserve_flops_total", {"counter", {"layer", "form", "device"}}},
+      {"attnserve_queue_depth", {"gauge", {"layer", "form"}}},
+      {"attnserve_inflight_requests", {"gauge", {}}},
+      {"attnserve_shadow_divergence", {"histogram", {"layer", "form"}}},
+      {"attnserve_shadow_dropped_total", {"counter", {"layer"}}},
+      {"attnserve_layer_parameters", {"gauge", {"layer", "form"}}},
+      {"attnserve_layer_bytes", {"gauge", {"layer", "form", "device"}}},
+      {"attnserve_routing_weight", {"gauge", {"layer", "form"}}},
+      {"attnserve_build_info", {"gauge", {"version", "device", "blas"}}},
+      {"attnserve_shadow_divergence_max_abs", {"histogram", {"layer", "form"}}},
+      {"attnserve_device_errors_total", {"counter", {"device"}}},
+  };
+  std::map<std::string, std::pair<std::string, std::vector<std::string_view>>> got;
+  for (const MetricFamilySpec& f : MetricFamilies()) got[std::string(f.name)] = {std::string(f.type), f.labels};
+  EXPECT_EQ(got, want);
+
+  // And a scrape declares each with that type (a family appears once it has a series).
+  Metrics metrics;
+  const std::string text = FullyRecorded(metrics).Scrape();
+  for (const auto& [name, spec] : want) {
+    EXPECT_THAT(text, HasSubstr("# TYPE " + name + " " + spec.first + "\n")) << name;
+  }
+}
+
+TEST(MetricsTest, BucketsSpanMicrosecondsToSecondsAndAreIncreasing) {
+  for (const std::vector<double>* b :
+       {&LatencyBuckets(), &BatchRequestBuckets(), &BatchTokenBuckets(), &DivergenceBuckets()}) {
+    for (size_t i = 1; i < b->size(); ++i) EXPECT_LT((*b)[i - 1], (*b)[i]);
+  }
+  EXPECT_DOUBLE_EQ(LatencyBuckets().front(), 50e-6);
+  EXPECT_DOUBLE_EQ(LatencyBuckets().back(), 10.0);
+  EXPECT_DOUBLE_EQ(DivergenceBuckets().front(), 1e-9);
+  EXPECT_DOUBLE_EQ(DivergenceBuckets().back(), 1.0);
+}
+
+TEST(MetricsTest, RequestsCountByCodeAndObserveLatency) {
+  Metrics m;
+  for (int i = 0; i < 4; ++i) m.RequestStarted();
+  m.RequestFinished("demo", Form::kFactored, StatusCode::kOk, 0.0003);
+  m.RequestFinished("demo", Form::kFactored, StatusCode::kOk, 0.004);
+  m.RequestFinished("demo", Form::kSummed, StatusCode::kResourceExhausted, 0.00004);
+  const Samples s = Parse(m.Scrape());
+  const std::string req = "attnserve_requests_total", dur = "attnserve_request_duration_seconds";
+  EXPECT_EQ(Sample(s, req, {{"layer", "demo"}, {"form", "factored"}, {"code", "OK"}}), 2);
+  EXPECT_EQ(Sample(s, req, {{"layer", "demo"}, {"form", "summed"}, {"code", "RESOURCE_EXHAUSTED"}}), 1);
+  EXPECT_EQ(Sample(s, "attnserve_inflight_requests", {}), 1);  // 4 started, 3 finished
+  // Cumulative buckets: 0.0003 s lies in le=0.0005, 0.004 s in le=0.005.
+  const std::map<std::string, std::string> f = {{"layer", "demo"}, {"form", "factored"}};
+  auto bucket = [&](const std::map<std::string, std::string>& labels, const char* le) {
+    auto l = labels;
+    l["le"] = le;
+    return Sample(s, dur + "_bucket", l);
+  };
+  EXPECT_EQ(bucket(f, "0.00025"), 0);
+  EXPECT_EQ(bucket(f, "0.0005"), 1);
+  EXPECT_EQ(bucket(f, "0.0025"), 1);
+  EXPECT_EQ(bucket(f, "0.005"), 2);
+  EXPECT_EQ(bucket(f, "+Inf"), 2);
+  EXPECT_EQ(Sample(s, dur + "_count", f), 2);
+  EXPECT_DOUBLE_EQ(Sample(s, dur + "_sum", f), 0.0043);
+  EXPECT_EQ(bucket({{"layer", "demo"}, {"form", "summed"}}, "5e-05"), 1);
+}
+
+TEST(MetricsTest, RefusedBeforeAFormIsKnownCountsUnderNone) {
+  Metrics m;
+  m.RequestStarted();
+  m.RequestFinished("", std::nullopt, StatusCode::kNotFound, 0.0001);
+  const Samples s = Parse(m.Scrape());
+  EXPECT_EQ(Sample(s, "attnserve_requests_total", {{"layer", ""}, {"form", "none"}, {"code", "NOT_FOUND"}}), 1);
+}
+
+TEST(MetricsTest, BatchesRecordQueueComputeSizesAndFlops) {
+  Metrics m;
+  m.JobQueued("demo", Form::kSummed);
+  m.JobQueued("demo", Form::kSummed);
+  m.JobQueued("demo", Form::kSummed);
+  m.JobDequeued("demo", Form::kSummed, 0.002);
+  m.JobDequeued("demo", Form::kSummed, 0.0001);
+  BatchReport r{.layer = "demo",
+                .form = Form::kSummed,
+                .device = "cpu",
+                .requests = 2,
+                .tokens = 300,
+                .flops = 1.5e9,
+                .compute_seconds = 0.03,
+                .code = StatusCode::kOk};
+  m.BatchDone(r);
+  m.BatchDone(r);
+  r.code = StatusCode::kResourceExhausted;  // computed nothing: no flops, no compute time
+  m.BatchDone(r);
+  const Samples s = Parse(m.Scrape());
+  const std::map<std::string, std::string> lf = {{"layer", "demo"}, {"form", "summed"}};
+  auto with = [&](std::map<std::string, std::string> extra) {
+    auto l = lf;
+    l.insert(extra.begin(), extra.end());
+    return l;
+  };
+  EXPECT_EQ(Sample(s, "attnserve_queue_depth", lf), 1);
+  EXPECT_EQ(Sample(s, "attnserve_queue_duration_seconds_count", lf), 2);
+  EXPECT_EQ(Sample(s, "attnserve_queue_duration_seconds_bucket", with({{"le", "0.0001"}})), 1);
+  EXPECT_EQ(Sample(s, "attnserve_queue_duration_seconds_bucket", with({{"le", "0.0025"}})), 2);
+  EXPECT_DOUBLE_EQ(Sample(s, "attnserve_flops_total", with({{"device", "cpu"}})), 3e9);
+  EXPECT_EQ(Sample(s, "attnserve_compute_duration_seconds_count", with({{"device", "cpu"}})), 2);
+  EXPECT_EQ(Sample(s, "attnserve_compute_duration_seconds_bucket", with({{"device", "cpu"}, {"le", "0.025"}})), 0);
+  EXPECT_EQ(Sample(s, "attnserve_compute_duration_seconds_bucket", with({{"device", "cpu"}, {"le", "0.05"}})), 2);
+  EXPECT_EQ(Sample(s, "attnserve_batch_requests_bucket", with({{"le", "1"}})), 0);
+  EXPECT_EQ(Sample(s, "attnserve_batch_requests_bucket", with({{"le", "2"}})), 2);
+  EXPECT_EQ(Sample(s, "attnserve_batch_requests_sum", lf), 4);
+  EXPECT_EQ(Sample(s, "attnserve_batch_tokens_bucket", with({{"le", "256"}})), 0);
+  EXPECT_EQ(Sample(s, "attnserve_batch_tokens_bucket", with({{"le", "1024"}})), 2);
+  EXPECT_EQ(Sample(s, "attnserve_batch_tokens_sum", lf), 600);
+  EXPECT_FALSE(Has(s, "attnserve_device_errors_total", {{"device", "cpu"}}));
+}
+
+TEST(MetricsTest, InternalBatchFailureCountsADeviceError) {
+  Metrics m;
+  m.BatchDone({.layer = "demo", .form = Form::kFactored, .device = "cuda:0", .requests = 1, .code = StatusCode::kInternal});
+  m.CountDeviceError("cuda:0");
+  const Samples s = Parse(m.Scrape());
+  EXPECT_EQ(Sample(s, "attnserve_device_errors_total", {{"device", "cuda:0"}}), 2);
+  EXPECT_FALSE(Has(s, "attnserve_flops_total", {{"layer", "demo"}, {"form", "factored"}, {"device", "cuda:0"}}));
+}
+
+TEST(MetricsTest, LayerGaugesFollowLoadsAndUnloads) {
+  Metrics m;
+  m.SetLayerForm("a", Form::kFactored, "cpu", 1000, 4000);
+  m.SetLayerForm("a", Form::kSummed, "cpu", 3000, 12000);
+  m.SetLayerForm("b", Form::kFactored, "cpu", 10, 40);
+  Samples s = Parse(m.Scrape());
+  EXPECT_EQ(Sample(s, "attnserve_layer_parameters", {{"layer", "a"}, {"form", "summed"}}), 3000);
+  EXPECT_EQ(Sample(s, "attnserve_layer_bytes", {{"layer", "a"}, {"form", "summed"}, {"device", "cpu"}}), 12000);
+  m.RemoveLayer("a");
+  m.SetLayerForm("a", Form::kFactored, "cpu", 1001, 4004);  // reloaded with one form only
+  s = Parse(m.Scrape());
+  EXPECT_FALSE(Has(s, "attnserve_layer_parameters", {{"layer", "a"}, {"form", "summed"}}));
+  EXPECT_FALSE(Has(s, "attnserve_layer_bytes", {{"layer", "a"}, {"form", "summed"}, {"device", "cpu"}}));
+  EXPECT_EQ(Sample(s, "attnserve_layer_parameters", {{"layer", "a"}, {"form", "factored"}}), 1001);
+  EXPECT_EQ(Sample(s, "attnserve_layer_bytes", {{"layer", "b"}, {"form", "factored"}, {"device", "cpu"}}), 40);
+}
+
+TEST(MetricsTest, RoutingWeightShowsTheCurrentSplitOnly) {
+  Metrics m;
+  m.RouteChanged("*", {{Form::kFactored, 0.9}, {Form::kSummed, 0.1}});
+  m.RouteChanged("*", {{Form::kSummed, 1.0}});
+  m.RouteChanged("enc", {{Form::kFactored, 0.5}, {Form::kLowRank, 0.5}});
+  m.RouteChanged("gone", {{Form::kFactored, 1.0}});
+  m.RouteChanged("gone", {});
+  const Samples s = Parse(m.Scrape());
+  EXPECT_FALSE(Has(s, "attnserve_routing_weight", {{"layer", "*"}, {"form", "factored"}}));
+  EXPECT_EQ(Sample(s, "attnserve_routing_weight", {{"layer", "*"}, {"form", "summed"}}), 1.0);
+  EXPECT_EQ(Sample(s, "attnserve_routing_weight", {{"layer", "enc"}, {"form", "lowrank"}}), 0.5);
+  EXPECT_FALSE(Has(s, "attnserve_routing_weight", {{"layer", "gone"}, {"form", "factored"}}));
+}
+
+TEST(MetricsTest, ShadowDivergenceAndDrops) {
+  Metrics m;
+  m.ShadowCompared("demo", Form::kSummed, {.max_abs = 3e-6, .rel_l2 = 2e-7});
+  m.ShadowCompared("demo", Form::kSummed, {.max_abs = 0.5, .rel_l2 = 0.02});
+  m.ShadowDropped("demo");
+  m.ShadowDropped("demo");
+  m.ShadowDropped("demo");
+  const Samples s = Parse(m.Scrape());
+  const std::map<std::string, std::string> lf = {{"layer", "demo"}, {"form", "summed"}};
+  auto le = [&](const char* v) {
+    auto l = lf;
+    l["le"] = v;
+    return l;
+  };
+  EXPECT_EQ(Sample(s, "attnserve_shadow_divergence_bucket", le("1e-07")), 0);
+  EXPECT_EQ(Sample(s, "attnserve_shadow_divergence_bucket", le("1e-06")), 1);
+  EXPECT_EQ(Sample(s, "attnserve_shadow_divergence_bucket", le("0.1")), 2);
+  EXPECT_EQ(Sample(s, "attnserve_shadow_divergence_max_abs_bucket", le("1e-05")), 1);
+  EXPECT_EQ(Sample(s, "attnserve_shadow_divergence_max_abs_bucket", le("1")), 2);
+  EXPECT_EQ(Sample(s, "attnserve_shadow_dropped_total", {{"layer", "demo"}}), 3);
+}
+
+TEST(MetricsTest, BuildInfoIsOne) {
+  Metrics m;
+  m.SetBuildInfo("0.1.0", "cpu", "eigen");
+  const Samples s = Parse(m.Scrape());
+  EXPECT_EQ(Sample(s, "attnserve_build_info", {{"version", "0.1.0"}, {"device", "cpu"}, {"blas", "eigen"}}), 1);
+}
+
+TEST(MetricsTest, ConcurrentRecordingLosesNothing) {
+  Metrics m;
+  constexpr int kThreads = 8, kEach = 5000;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&m, t] {
+      const std::string layer = "l" + std::to_string(t % 2);  // two layers, four threads each
+      for (int i = 0; i < kEach; ++i) {
+        m.RequestStarted();
+        m.RequestFinished(layer, i % 2 ? Form::kSummed : Form::kFactored, StatusCode::kOk, 1e-4);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const Samples s = Parse(m.Scrape());
+  double total = 0;
+  for (const char* layer : {"l0", "l1"}) {
+    for (const char* form : {"factored", "summed"}) {
+      total += Sample(s, "attnserve_requests_total", {{"layer", layer}, {"form", form}, {"code", "OK"}});
+    }
+  }
+  EXPECT_EQ(total, kThreads * kEach);
+  EXPECT_EQ(Sample(s, "attnserve_inflight_requests", {}), 0);
+}
+
+std::string RunCommand(const std::string& command, int* status) {
+  std::string output;
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) {
+    *status = -1;
+    return "popen failed";
+  }
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, pipe)) output.append(buf, n);
+  *status = pclose(pipe);
+  return output;
+}
+
+TEST(MetricsTest, PromtoolAcceptsTheScrape) {
+  if (std::system("command -v promtool >/dev/null 2>&1") != 0) {
+    FAIL() << "promtool not found: scripts/setup installs it (Debian package 'prometheus')";
+  }
+  Metrics m;
+  const std::string text = FullyRecorded(m).Scrape();
+  const std::string path = ::testing::TempDir() + "/attnserve_scrape.txt";
+  std::ofstream(path) << text;
+  int status = 0;
+  const std::string out = RunCommand("promtool check metrics < " + path, &status);
+  EXPECT_EQ(status, 0) << out << "\n--- scrape:\n" << text;
+  std::remove(path.c_str());
+}
+
+// GET http://127.0.0.1:port/metrics; the whole response, headers included.
+std::string HttpGet(int port, const std::string& path) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return "";
+  }
+  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  (void)!write(fd, request.data(), request.size());
+  std::string response;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof buf)) > 0) response.append(buf, static_cast<size_t>(n));
+  close(fd);
+  return response;
+}
+
+TEST(MetricsEndpointTest, ServesTheTextFormatOnAnEphemeralPort) {
+  Metrics m;
+  FullyRecorded(m);
+  StatusOr<std::unique_ptr<MetricsEndpoint>> endpoint = MetricsEndpoint::Start("127.0.0.1:0", m);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status().ToString();
+  const int port = (*endpoint)->port();
+  ASSERT_GT(port, 0);
+  m.RequestStarted();  // recorded after start: a scrape sees the live value (0 + 1)
+  const std::string response = HttpGet(port, "/metrics");
+  EXPECT_THAT(response, HasSubstr("200 OK"));
+  EXPECT_THAT(response, HasSubstr("text/plain; version=0.0.4"));
+  EXPECT_THAT(response, HasSubstr("\nattnserve_inflight_requests 1\n"));
+  EXPECT_THAT(response, Not(HasSubstr("exposer_")));  // attnserve's families only
+  EXPECT_THAT(response, HasSubstr("attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"demo\"} 1\n"));
+
+  // The same port again is refused, naming the address.
+  StatusOr<std::unique_ptr<MetricsEndpoint>> second =
+      MetricsEndpoint::Start("127.0.0.1:" + std::to_string(port), m);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(second.status().message(), HasSubstr("127.0.0.1:" + std::to_string(port)));
+}
+
+TEST(MetricsEndpointTest, MalformedAddressIsNamed) {
+  Metrics m;
+  for (const char* bad : {"127.0.0.1:", "127.0.0.1:http", "127.0.0.1:70000", ""}) {
+    StatusOr<std::unique_ptr<MetricsEndpoint>> e = MetricsEndpoint::Start(bad, m);
+    ASSERT_FALSE(e.ok()) << bad;
+    EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(e.status().message(), HasSubstr("metrics_listen: expected HOST:PORT")) << bad;
+  }
+}
+
+// Every metric and label a dashboard query names is one the server exports: a renamed metric
+// would otherwise leave an empty panel that nobody notices.
+TEST(DashboardTest, QueriesNameOnlyExportedMetricsAndLabels) {
+  const std::string path = std::string(ATTNSERVE_SOURCE_DIR) + "/deploy/grafana/attnserve.json";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << "cannot read " << path;
+  const nlohmann::json dashboard = nlohmann::json::parse(in);
+
+  std::map<std::string, std::set<std::string>> exported;  // series name → labels
+  std::set<std::string> histograms;
+  for (const MetricFamilySpec& f : MetricFamilies()) {
+    std::set<std::string> labels(f.labels.begin(), f.labels.end());
+    if (f.type == "histogram") {
+      histograms.insert(std::string(f.name));
+      auto with_le = labels;
+      with_le.insert("le");
+      exported[std::string(f.name) + "_bucket"] = with_le;
+      exported[std::string(f.name) + "_sum"] = labels;
+      exported[std::string(f.name) + "_count"] = labels;
+    } else {
+      exported[std::string(f.name)] = labels;
+    }
+  }
+  std::set<std::string> all_labels = {"le", "instance", "job"};  // le, and what Prometheus adds
+  for (const auto& [_, labels] : exported) all_labels.insert(labels.begin(), labels.end());
+
+  std::vector<std::string> exprs;
+  std::function<void(const nlohmann::json&)> walk = [&](const nlohmann::json& j) {
+    if (j.is_object()) {
+      for (auto it = j.begin(); it != j.end(); ++it) {
+        if ((it.key() == "expr" || it.key() == "query") && it.value().is_string()) {
+          exprs.push_back(it.value().get<std::string>());
+        } else if (it.key() == "query" && it.value().is_object() && it.value().contains("query")) {
+          exprs.push_back(it.value()["query"].get<std::string>());  // templating variables
+        } else {
+          walk(it.value());
+        }
+      }
+    } else if (j.is_array()) {
+      for (const auto& e : j) walk(e);
+    }
+  };
+  walk(dashboard);
+  ASSERT_GE(exprs.size(), 10u) << "the dashboard should query every view of docs/metrics.md";
+
+  const std::regex metric(R"(\battnserve_[a-z_]+)");
+  const std::regex grouping(R"(\b(?:by|without)\s*\(([^)]*)\))");
+  const std::regex matcher(R"(([a-z_]+)\s*(?:=~|!~|!=|=)\s*")");
+  const std::regex label_values(R"(label_values\(\s*(?:[a-z_]+\s*,\s*)?([a-z_]+)\s*\))");
+  std::set<std::string> used;  // families (histogram series without their suffix)
+  for (const std::string& e : exprs) {
+    for (auto it = std::sregex_iterator(e.begin(), e.end(), metric); it != std::sregex_iterator(); ++it) {
+      const std::string name = (*it)[0];
+      EXPECT_TRUE(exported.count(name)) << "'" << name << "' is not exported, in: " << e;
+      std::string family = name;
+      for (const char* suffix : {"_bucket", "_sum", "_count"}) {
+        const std::string s(suffix);
+        if (family.size() > s.size() && family.compare(family.size() - s.size(), s.size(), s) == 0 &&
+            histograms.count(family.substr(0, family.size() - s.size()))) {
+          family.resize(family.size() - s.size());
+        }
+      }
+      used.insert(family);
+    }
+    for (auto it = std::sregex_iterator(e.begin(), e.end(), grouping); it != std::sregex_iterator(); ++it) {
+      std::stringstream list((*it)[1].str());
+      std::string label;
+      while (std::getline(list, label, ',')) {
+        label.erase(0, label.find_first_not_of(" \t"));
+        label.erase(label.find_last_not_of(" \t") + 1);
+        if (!label.empty()) {
+          EXPECT_TRUE(all_labels.count(label)) << "label '" << label << "' in: " << e;
+        }
+      }
+    }
+    for (auto it = std::sregex_iterator(e.begin(), e.end(), matcher); it != std::sregex_iterator(); ++it) {
+      EXPECT_TRUE(all_labels.count((*it)[1])) << "label '" << (*it)[1] << "' in: " << e;
+    }
+    for (auto it = std::sregex_iterator(e.begin(), e.end(), label_values); it != std::sregex_iterator(); ++it) {
+      EXPECT_TRUE(all_labels.count((*it)[1])) << "label '" << (*it)[1] << "' in: " << e;
+    }
+  }
+  // The views the issue asks for, side by side per form.
+  for (const char* needed : {"attnserve_requests_total", "attnserve_request_duration_seconds",
+                             "attnserve_queue_duration_seconds", "attnserve_compute_duration_seconds",
+                             "attnserve_flops_total", "attnserve_batch_requests", "attnserve_shadow_divergence",
+                             "attnserve_routing_weight"}) {
+    EXPECT_TRUE(used.count(needed)) << "the dashboard has no panel on " << needed;
+  }
+}
+
+}  // namespace
+}  // namespace attnserve

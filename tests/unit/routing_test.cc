@@ -1,0 +1,522 @@
+// server/routing: route specs and their errors, the split's proportions within statistical
+// bounds, sticky keys (FNV-1a against its published test vectors), forms not held, run-time
+// changes, the shadow policy, and the shadow runner's bounded queue (drops when full, never
+// blocks) and divergence, including a real mirror of the factored form by the summed one.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "server/backend/cpu/cpu_backend.h"
+#include "server/batching/batching_executor.h"
+#include "server/routing/router.h"
+#include "server/routing/shadow.h"
+#include "tests/unit/test_support.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+constexpr Form kBoth[] = {Form::kFactored, Form::kSummed};
+constexpr Form kAll[] = {Form::kFactored, Form::kSummed, Form::kLowRank};
+
+class RecordingObserver final : public RoutingObserver {
+ public:
+  void RouteChanged(std::string_view layer, const std::vector<std::pair<Form, double>>& split) override {
+    std::lock_guard<std::mutex> lock(mu);
+    routes[std::string(layer)] = split;
+    ++route_changes;
+  }
+  void ShadowCompared(std::string_view layer, Form mirror, const DivergenceStats& d) override {
+    std::lock_guard<std::mutex> lock(mu);
+    compared.push_back({std::string(layer), mirror, d});
+    cv.notify_all();
+  }
+  void ShadowDropped(std::string_view layer) override {
+    std::lock_guard<std::mutex> lock(mu);
+    dropped.push_back(std::string(layer));
+    cv.notify_all();
+  }
+  // Waits until `n` shadows were compared or dropped.
+  bool WaitForOutcomes(size_t n, std::chrono::milliseconds timeout = 10s) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, timeout, [&] { return compared.size() + dropped.size() >= n; });
+  }
+
+  struct Compared {
+    std::string layer;
+    Form mirror;
+    DivergenceStats divergence;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::string, RouteSplit> routes;
+  int route_changes = 0;
+  std::vector<Compared> compared;
+  std::vector<std::string> dropped;
+};
+
+// --- Route specs ---
+
+TEST(RouteSpecTest, ParsesAndNormalisesWeights) {
+  StatusOr<RouteSplit> s = ParseRouteSpec("factored:90,summed:10");
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_EQ(s->size(), 2u);
+  EXPECT_EQ((*s)[0].first, Form::kFactored);
+  EXPECT_DOUBLE_EQ((*s)[0].second, 0.9);
+  EXPECT_EQ((*s)[1].first, Form::kSummed);
+  EXPECT_DOUBLE_EQ((*s)[1].second, 0.1);
+
+  // Any order, spaces, fractions, zero weights left out of the split.
+  s = ParseRouteSpec(" summed : 0.25 , lowrank:0, factored:0.75 ");
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_EQ(s->size(), 2u);
+  EXPECT_EQ((*s)[0].first, Form::kFactored);
+  EXPECT_DOUBLE_EQ((*s)[0].second, 0.75);
+  EXPECT_EQ(FormatRouteSpec(*s), "factored:75,summed:25");
+}
+
+TEST(RouteSpecTest, ErrorsNameTheFieldExpectedAndGot) {
+  struct Case {
+    const char* spec;
+    const char* message;
+  };
+  for (const Case& c : {
+           Case{"", "route: expected FORM:WEIGHT[,FORM:WEIGHT...]"},
+           Case{"factored", "got 'factored' (no ':')"},
+           Case{"factored:90,bogus:10", "expected a form among factored, summed, lowrank, got 'bogus'"},
+           Case{"factored:-1", "expected a finite weight >= 0 for factored, got '-1'"},
+           Case{"factored:x", "got 'x'"},
+           Case{"factored:", "got ''"},
+           Case{"factored:nan", "got 'nan'"},
+           Case{"factored:1,factored:2", "expected each form at most once, got factored twice"},
+           Case{"factored:0,summed:0", "expected at least one positive weight"},
+           Case{"factored:1,", "(no ':')"},
+       }) {
+    StatusOr<RouteSplit> s = ParseRouteSpec(c.spec);
+    ASSERT_FALSE(s.ok()) << c.spec;
+    EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.status().message(), HasSubstr(c.message)) << c.spec;
+  }
+}
+
+TEST(RouteSpecTest, FlagSplitsLayerAndSpec) {
+  auto f = ParseRouteFlag("*=factored:90,summed:10");
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(f->first, "*");
+  EXPECT_EQ(f->second.size(), 2u);
+  f = ParseRouteFlag("enc.0=summed:1");
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(f->first, "enc.0");
+
+  f = ParseRouteFlag("factored:90");
+  ASSERT_FALSE(f.ok());
+  EXPECT_THAT(f.status().message(), HasSubstr("--route: expected LAYER=FORM:WEIGHT"));
+  EXPECT_THAT(f.status().message(), HasSubstr("got 'factored:90'"));
+  f = ParseRouteFlag("=factored:1");
+  ASSERT_FALSE(f.ok());
+  f = ParseRouteFlag("demo=factored:1,summed:oops");
+  ASSERT_FALSE(f.ok());
+  EXPECT_THAT(f.status().message(), HasSubstr("--route demo: expected a finite weight"));
+}
+
+// --- The sticky hash ---
+
+TEST(StickyHashTest, Fnv1aMatchesThePublishedVectors) {
+  // From the FNV reference test suite (Fowler, Noll, Vo).
+  EXPECT_EQ(Fnv1a64(""), 0xcbf29ce484222325ULL);
+  EXPECT_EQ(Fnv1a64("a"), 0xaf63dc4c8601ec8cULL);
+  EXPECT_EQ(Fnv1a64("foobar"), 0x85944171f73967e8ULL);
+}
+
+TEST(StickyHashTest, PointsAreUniform) {
+  // 20 equal bins over 100000 keys: a chi-square test with 19 degrees of freedom; 43.8 is its
+  // 0.999 quantile.
+  constexpr int kKeys = 100000, kBins = 20;
+  std::vector<int> bins(kBins);
+  for (int i = 0; i < kKeys; ++i) {
+    const double p = StickyPoint("user-" + std::to_string(i));
+    ASSERT_GE(p, 0.0);
+    ASSERT_LT(p, 1.0);
+    ++bins[static_cast<int>(p * kBins)];
+  }
+  const double expected = static_cast<double>(kKeys) / kBins;
+  double chi2 = 0;
+  for (int b : bins) chi2 += (b - expected) * (b - expected) / expected;
+  EXPECT_LT(chi2, 43.8);
+}
+
+// --- Router ---
+
+// |count - n·p| within 5 standard deviations of a binomial: fails by chance once in ~3.5e6 runs.
+void ExpectShare(int count, int n, double p, const std::string& what) {
+  const double sd = std::sqrt(n * p * (1 - p));
+  EXPECT_NEAR(count, n * p, 5 * sd + 1) << what;
+}
+
+TEST(RouterTest, DefaultIsFactoredOnly) {
+  Router router;
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(router.Choose("any", kBoth, ""), Form::kFactored);
+  EXPECT_EQ(FormatRouteSpec(router.RouteOf("any")), "factored:100");
+}
+
+TEST(RouterTest, RandomSplitWithinStatisticalBounds) {
+  Router router;
+  ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("factored:90,summed:10")).ok());
+  constexpr int kDraws = 100000;
+  int summed = 0;
+  for (int i = 0; i < kDraws; ++i) summed += router.Choose("demo", kBoth, "") == Form::kSummed;
+  ExpectShare(summed, kDraws, 0.1, "90/10 unkeyed");
+
+  ASSERT_TRUE(router.SetRoute("demo", *ParseRouteSpec("factored:1,summed:1,lowrank:2")).ok());
+  std::map<Form, int> count;
+  for (int i = 0; i < kDraws; ++i) ++count[router.Choose("demo", kAll, "")];
+  ExpectShare(count[Form::kFactored], kDraws, 0.25, "factored of 1:1:2");
+  ExpectShare(count[Form::kSummed], kDraws, 0.25, "summed of 1:1:2");
+  ExpectShare(count[Form::kLowRank], kDraws, 0.5, "lowrank of 1:1:2");
+}
+
+TEST(RouterTest, KeyedSplitWithinStatisticalBoundsAndSticky) {
+  Router router;
+  ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("factored:70,summed:30")).ok());
+  constexpr int kKeys = 50000;
+  int summed = 0;
+  for (int i = 0; i < kKeys; ++i) summed += router.Choose("demo", kBoth, "session-" + std::to_string(i)) == Form::kSummed;
+  ExpectShare(summed, kKeys, 0.3, "70/30 keyed");
+
+  // The same key, asked again and again, from another router (another process), and from
+  // another thread, always gets the same form.
+  Router other;
+  ASSERT_TRUE(other.SetRoute("*", *ParseRouteSpec("factored:70,summed:30")).ok());
+  for (int i = 0; i < 200; ++i) {
+    const std::string key = "session-" + std::to_string(i);
+    const Form first = router.Choose("demo", kBoth, key);
+    for (int j = 0; j < 20; ++j) ASSERT_EQ(router.Choose("demo", kBoth, key), first) << key;
+    ASSERT_EQ(other.Choose("demo", kBoth, key), first) << key;
+    Form from_thread = Form::kLowRank;
+    std::thread([&] { from_thread = router.Choose("demo", kBoth, key); }).join();
+    ASSERT_EQ(from_thread, first) << key;
+  }
+}
+
+TEST(RouterTest, WideningASplitOnlyMovesKeysTowardTheGrowingForm) {
+  Router router;
+  ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("factored:90,summed:10")).ok());
+  std::vector<Form> before;
+  for (int i = 0; i < 5000; ++i) before.push_back(router.Choose("demo", kBoth, "k" + std::to_string(i)));
+  ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("factored:50,summed:50")).ok());
+  int moved = 0;
+  for (int i = 0; i < 5000; ++i) {
+    const Form now = router.Choose("demo", kBoth, "k" + std::to_string(i));
+    if (before[i] == Form::kSummed) {
+      EXPECT_EQ(now, Form::kSummed) << "k" << i;  // canary users stay
+    }
+    moved += before[i] != now;
+  }
+  ExpectShare(moved, 5000, 0.4, "keys moved from 90/10 to 50/50");
+}
+
+TEST(RouterTest, FormsTheLayerDoesNotHoldAreSkipped) {
+  Router router;
+  ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("summed:100")).ok());
+  const Form only_factored[] = {Form::kFactored};
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(router.Choose("demo", only_factored, ""), Form::kFactored);
+
+  ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("lowrank:50,summed:50")).ok());
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(router.Choose("demo", kBoth, ""), Form::kSummed);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(router.Choose("demo", kBoth, "key" + std::to_string(i)), Form::kSummed);
+}
+
+TEST(RouterTest, LayerRoutesOverrideTheDefaultAndCanBeRemoved) {
+  RecordingObserver obs;
+  Router router(&obs);
+  EXPECT_EQ(FormatRouteSpec(obs.routes.at("*")), "factored:100");  // told the default at once
+  ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("factored:90,summed:10")).ok());
+  ASSERT_TRUE(router.SetRoute("enc", *ParseRouteSpec("summed:1")).ok());
+  EXPECT_EQ(router.Choose("enc", kBoth, "whoever"), Form::kSummed);
+  EXPECT_EQ(FormatRouteSpec(router.RouteOf("dec")), "factored:90,summed:10");
+  ASSERT_EQ(router.Routes().size(), 2u);
+  EXPECT_EQ(router.Routes()[0].first, "*");
+  EXPECT_EQ(FormatRouteSpec(obs.routes.at("enc")), "summed:100");
+
+  ASSERT_TRUE(router.SetRoute("enc", {}).ok());  // removed: back to the default
+  EXPECT_EQ(FormatRouteSpec(router.RouteOf("enc")), "factored:90,summed:10");
+  EXPECT_TRUE(obs.routes.at("enc").empty());
+  ASSERT_TRUE(router.SetRoute("*", {}).ok());  // the default resets, never disappears
+  EXPECT_EQ(FormatRouteSpec(router.RouteOf("enc")), "factored:100");
+  EXPECT_EQ(FormatRouteSpec(obs.routes.at("*")), "factored:100");
+
+  Status empty = router.SetRoute("", *ParseRouteSpec("factored:1"));
+  EXPECT_EQ(empty.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(empty.message(), HasSubstr("layer: expected a layer name or '*'"));
+}
+
+TEST(RouterTest, ConcurrentChangesAndChoicesAreSafe) {
+  Router router;
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    for (int i = 0; !stop; ++i) {
+      (void)router.SetRoute(i % 2 ? "*" : "demo", *ParseRouteSpec(i % 3 ? "factored:1,summed:1" : "summed:1"));
+    }
+  });
+  std::vector<std::thread> readers;
+  std::atomic<int> bad{0};
+  for (int t = 0; t < 4; ++t) {
+    readers.emplace_back([&, t] {
+      for (int i = 0; i < 20000; ++i) {
+        const Form f = router.Choose("demo", kBoth, i % 2 ? "" : "k" + std::to_string(t * i));
+        if (f != Form::kFactored && f != Form::kSummed) ++bad;
+      }
+    });
+  }
+  for (auto& r : readers) r.join();
+  stop = true;
+  writer.join();
+  EXPECT_EQ(bad, 0);
+}
+
+TEST(ShadowPolicyTest, RateAndMirrorChoice) {
+  Router router;
+  EXPECT_FALSE(router.ShadowMirror(kBoth, Form::kFactored).has_value());  // rate 0 by default
+  for (double bad : {-0.1, 1.5, std::nan("")}) {
+    Status s = router.SetShadowRate(bad);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("shadow_rate: expected a fraction in [0, 1]"));
+  }
+  ASSERT_TRUE(router.SetShadowRate(1).ok());
+  const Form only_factored[] = {Form::kFactored};
+  EXPECT_FALSE(router.ShadowMirror(only_factored, Form::kFactored).has_value());
+  std::map<Form, int> mirrors;
+  for (int i = 0; i < 10000; ++i) {
+    std::optional<Form> m = router.ShadowMirror(kAll, Form::kSummed);
+    ASSERT_TRUE(m.has_value());
+    ASSERT_NE(*m, Form::kSummed);
+    ++mirrors[*m];
+  }
+  ExpectShare(mirrors[Form::kFactored], 10000, 0.5, "mirror choice among two others");
+
+  ASSERT_TRUE(router.SetShadowRate(0.2).ok());
+  int mirrored = 0;
+  for (int i = 0; i < 50000; ++i) mirrored += router.ShadowMirror(kBoth, Form::kFactored).has_value();
+  ExpectShare(mirrored, 50000, 0.2, "shadow rate 0.2");
+}
+
+// --- ShadowRunner ---
+
+// Holds every job until released, then writes output = 1 everywhere.
+class GatedExecutor final : public Executor {
+ public:
+  void Submit(ForwardJob job) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(std::move(job));
+    cv_.notify_all();
+  }
+  bool WaitForJobs(size_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, 10s, [&] { return jobs_.size() >= n; });
+  }
+  void ReleaseOne(Status status = OkStatus()) {
+    ForwardJob job;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    for (Sequence& s : job.sequences) {
+      for (int64_t r = 0; r < s.n(); ++r)
+        for (int64_t c = 0; c < s.output.cols; ++c) s.output.at(r, c) = 1.0f;
+    }
+    job.done(std::move(status), JobTimings{});
+  }
+  size_t Waiting() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return jobs_.size();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<ForwardJob> jobs_;
+};
+
+std::shared_ptr<const Layer> NamedLayer(const std::string& name) {
+  auto layer = std::make_shared<Layer>();
+  layer->name = name;
+  return layer;
+}
+
+// A 1×2×2 request whose served output is {1, 1, 1, 3}: against a mirror of ones, max_abs = 2
+// and rel_l2 = 2 / sqrt(12).
+ShadowRequest SmallRequest(const std::string& layer) {
+  ShadowRequest r;
+  r.layer = NamedLayer(layer);
+  r.served = Form::kFactored;
+  r.mirror = Form::kSummed;
+  r.batch = 1;
+  r.n = 2;
+  r.d_model = 2;
+  r.input = {0.5f, 0.5f, 0.5f, 0.5f};
+  r.served_output = {1, 1, 1, 3};
+  return r;
+}
+
+TEST(ShadowRunnerTest, ComparesTheMirrorWithTheServedOutput) {
+  GatedExecutor executor;
+  RecordingObserver obs;
+  ShadowRunner runner(&executor, {.queue_capacity = 4}, &obs);
+  ASSERT_TRUE(runner.Offer("demo", 64, [] { return SmallRequest("demo"); }));
+  ASSERT_TRUE(executor.WaitForJobs(1));
+  executor.ReleaseOne();
+  ASSERT_TRUE(obs.WaitForOutcomes(1));
+  ASSERT_EQ(obs.compared.size(), 1u);
+  EXPECT_EQ(obs.compared[0].layer, "demo");
+  EXPECT_EQ(obs.compared[0].mirror, Form::kSummed);
+  EXPECT_DOUBLE_EQ(obs.compared[0].divergence.max_abs, 2.0);
+  EXPECT_NEAR(obs.compared[0].divergence.rel_l2, 2.0 / std::sqrt(12.0), 1e-12);
+}
+
+TEST(ShadowRunnerTest, DropsWhenFullWithoutCopyingOrBlocking) {
+  GatedExecutor executor;
+  RecordingObserver obs;
+  ShadowRunner runner(&executor, {.queue_capacity = 2}, &obs);
+  int copies = 0;
+  auto make = [&] {
+    ++copies;
+    return SmallRequest("demo");
+  };
+  ASSERT_TRUE(runner.Offer("demo", 64, make));
+  ASSERT_TRUE(executor.WaitForJobs(1));  // the first is running: one at a time in the executor
+  ASSERT_TRUE(runner.Offer("demo", 64, make));  // waits in the shadow queue
+  EXPECT_EQ(runner.Pending(), 2);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 5; ++i) EXPECT_FALSE(runner.Offer("demo", 64, make));  // full: dropped at once
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  EXPECT_EQ(copies, 2);
+  EXPECT_EQ(obs.dropped.size(), 5u);
+  EXPECT_EQ(executor.Waiting(), 1u);  // never more than one mirror in the executor
+
+  executor.ReleaseOne();
+  ASSERT_TRUE(executor.WaitForJobs(1));
+  executor.ReleaseOne();
+  ASSERT_TRUE(obs.WaitForOutcomes(7));
+  EXPECT_EQ(obs.compared.size(), 2u);
+  // Room again.
+  EXPECT_TRUE(runner.Offer("demo", 64, make));
+  ASSERT_TRUE(executor.WaitForJobs(1));
+  executor.ReleaseOne();
+  ASSERT_TRUE(obs.WaitForOutcomes(8));
+}
+
+TEST(ShadowRunnerTest, ByteBoundDropsLargeCopies) {
+  GatedExecutor executor;
+  RecordingObserver obs;
+  ShadowRunner runner(&executor, {.queue_capacity = 100, .max_queue_bytes = 1000}, &obs);
+  EXPECT_FALSE(runner.Offer("big", 1001, [] { return SmallRequest("big"); }));
+  EXPECT_TRUE(runner.Offer("small", 600, [] { return SmallRequest("small"); }));
+  EXPECT_FALSE(runner.Offer("small", 600, [] { return SmallRequest("small"); }));  // 1200 > 1000
+  ASSERT_EQ(obs.dropped.size(), 2u);
+  EXPECT_EQ(obs.dropped[0], "big");
+  ASSERT_TRUE(executor.WaitForJobs(1));
+  executor.ReleaseOne();
+  ASSERT_TRUE(obs.WaitForOutcomes(3));
+}
+
+TEST(ShadowRunnerTest, AFailedMirrorIsCountedAsDropped) {
+  GatedExecutor executor;
+  RecordingObserver obs;
+  ShadowRunner runner(&executor, {}, &obs);
+  ASSERT_TRUE(runner.Offer("demo", 64, [] { return SmallRequest("demo"); }));
+  ASSERT_TRUE(executor.WaitForJobs(1));
+  executor.ReleaseOne(ResourceExhaustedError("queue full"));
+  ASSERT_TRUE(obs.WaitForOutcomes(1));
+  EXPECT_EQ(obs.dropped.size(), 1u);
+  EXPECT_TRUE(obs.compared.empty());
+}
+
+TEST(ShadowRunnerTest, ShutdownDropsWhatWaitsAndRefusesLaterOffers) {
+  GatedExecutor executor;
+  RecordingObserver obs;
+  auto runner = std::make_unique<ShadowRunner>(&executor, ShadowOptions{.queue_capacity = 8}, &obs);
+  ASSERT_TRUE(runner->Offer("demo", 64, [] { return SmallRequest("demo"); }));
+  ASSERT_TRUE(executor.WaitForJobs(1));
+  ASSERT_TRUE(runner->Offer("demo", 64, [] { return SmallRequest("demo"); }));
+  ASSERT_TRUE(runner->Offer("demo", 64, [] { return SmallRequest("demo"); }));
+  // Shutdown waits for the running mirror: release it from another thread.
+  std::thread release([&] {
+    std::this_thread::sleep_for(50ms);
+    executor.ReleaseOne();
+  });
+  runner->Shutdown();
+  release.join();
+  EXPECT_EQ(obs.dropped.size(), 2u);
+  EXPECT_EQ(obs.compared.size(), 1u);
+  EXPECT_FALSE(runner->Offer("demo", 64, [] { return SmallRequest("demo"); }));
+  EXPECT_EQ(obs.dropped.size(), 3u);
+  runner.reset();  // a second Shutdown does nothing
+}
+
+TEST(ShadowRunnerTest, SummedMirrorOfTheFactoredFormAgreesOnTheCpu) {
+  CpuBackend backend(CpuBackendOptions{.threads = 1});
+  LayerConfig c;
+  c.d_model = 32;
+  c.heads = 4;
+  c.bias = true;
+  const LayerWeights weights = RandomLayerWeights(*CompleteConfig(c), 11);
+  auto layer = std::make_shared<Layer>();
+  layer->name = "real";
+  layer->config = weights.config;
+  layer->device = "cpu";
+  layer->forms[Form::kFactored] = *backend.Upload(std::make_shared<const FormWeights>(MaterializeFactored(weights)));
+  layer->forms[Form::kSummed] = *backend.Upload(std::make_shared<const FormWeights>(MaterializeSummed(weights)));
+
+  BatchingExecutor executor(&backend, BatchPolicy{.max_queue_delay = std::chrono::microseconds(100)});
+  RecordingObserver obs;
+  ShadowRunner runner(&executor, {}, &obs);
+
+  // Serve the factored form first, as the service would.
+  std::mt19937_64 rng(testing::TestSeed());
+  ShadowRequest r;
+  r.layer = layer;
+  r.served = Form::kFactored;
+  r.mirror = Form::kSummed;
+  r.batch = 2;
+  r.n = 5;
+  r.m = 7;
+  r.d_model = 32;
+  r.input = testing::RandomVector(rng, 2 * 5 * 32);
+  r.context = testing::RandomVector(rng, 2 * 7 * 32);
+  r.causal = true;
+  r.key_lengths = {7, 4};
+  r.served_output.resize(2 * 5 * 32);
+  {
+    std::promise<Status> done;
+    ForwardJob job;
+    job.layer = layer;
+    job.form = Form::kFactored;
+    job.sequences = r.Sequences(r.served_output.data());
+    job.done = [&](Status s, JobTimings) { done.set_value(std::move(s)); };
+    executor.Submit(std::move(job));
+    ASSERT_TRUE(done.get_future().get().ok());
+  }
+  ASSERT_TRUE(runner.Offer("real", ShadowRequest::BytesFor(2, 5, 7, 32), [&] { return r; }));
+  ASSERT_TRUE(obs.WaitForOutcomes(1));
+  ASSERT_EQ(obs.compared.size(), 1u) << "dropped instead";
+  EXPECT_EQ(obs.compared[0].mirror, Form::kSummed);
+  EXPECT_GT(obs.compared[0].divergence.rel_l2, 0.0);  // float32 rounding differs between forms
+  EXPECT_LT(obs.compared[0].divergence.rel_l2, 1e-5);
+  runner.Shutdown();
+  executor.Drain(std::chrono::milliseconds(1000));
+}
+
+}  // namespace
+}  // namespace attnserve
