@@ -17,7 +17,7 @@
 #include <thread>
 
 #include "server/backend/cpu/cpu_backend.h"
-#include "server/batching/executor.h"
+#include "server/batching/batching_executor.h"
 #include "server/server_options.h"
 #include "server/service/service.h"
 #include "server/store/layer_store.h"
@@ -29,20 +29,27 @@
 namespace attnserve {
 namespace {
 
-// How long in-flight calls get to finish after a signal before they are cancelled.
-constexpr auto kShutdownDeadline = std::chrono::seconds(2);
-
 // %v escaped for a JSON string, so that --log-json lines stay valid JSON whatever the message.
 class JsonMessageFlag final : public spdlog::custom_flag_formatter {
  public:
   void format(const spdlog::details::log_msg& msg, const std::tm&, spdlog::memory_buf_t& dest) override {
     for (char c : std::string_view(msg.payload.data(), msg.payload.size())) {
       switch (c) {
-        case '"': dest.append(std::string_view("\\\"")); break;
-        case '\\': dest.append(std::string_view("\\\\")); break;
-        case '\n': dest.append(std::string_view("\\n")); break;
-        case '\r': dest.append(std::string_view("\\r")); break;
-        case '\t': dest.append(std::string_view("\\t")); break;
+        case '"':
+          dest.append(std::string_view("\\\""));
+          break;
+        case '\\':
+          dest.append(std::string_view("\\\\"));
+          break;
+        case '\n':
+          dest.append(std::string_view("\\n"));
+          break;
+        case '\r':
+          dest.append(std::string_view("\\r"));
+          break;
+        case '\t':
+          dest.append(std::string_view("\\t"));
+          break;
         default:
           if (static_cast<unsigned char>(c) < 0x20) {
             char buf[8];
@@ -127,10 +134,14 @@ int Run(int argc, char** argv) {
     spdlog::info("layer '{}' from '{}': {} (forms: {})", name, source, (*layer)->config.ToString(), forms);
   }
 
-  ThreadPoolExecutor executor(&backend, {.threads = options.workers, .queue_capacity = options.queue_capacity});
-  AttentionServiceImpl service(&store, &executor,
-                               ServiceOptions{.admin_token = options.admin_token,
-                                              .max_score_bytes = int64_t{options.max_scores_mb} << 20});
+  BatchingExecutor executor(&backend, BatchPolicy{.max_batch_requests = options.max_batch_requests,
+                                                  .max_batch_tokens = options.max_batch_tokens,
+                                                  .max_queue_delay = std::chrono::microseconds(options.max_queue_delay_us),
+                                                  .max_queue_requests = options.max_queue_requests,
+                                                  .workers = options.workers});
+  AttentionServiceImpl service(
+      &store, &executor,
+      ServiceOptions{.admin_token = options.admin_token, .max_score_bytes = int64_t{options.max_scores_mb} << 20});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -151,27 +162,34 @@ int Run(int argc, char** argv) {
   server->GetHealthCheckService()->SetServingStatus("attnserve.v1.AttentionService", true);
   const std::string bound = HostOf(options.listen) + ":" + std::to_string(port);
   std::cout << "listening on " << bound << std::endl;
-  spdlog::info("attnserve {} listening on {} (backend {}, {} threads, {} workers, max message {} MiB{})",
-               ATTNSERVE_VERSION, bound, backend.DeviceName(), backend.threads(), options.workers,
-               options.max_message_mb, options.admin_token.empty() ? "" : ", admin token required");
+  spdlog::info(
+      "attnserve {} listening on {} (backend {}, {} threads, {} workers, batches of <= {} requests / {} tokens "
+      "after <= {} us, queues of {}, max message {} MiB{})",
+      ATTNSERVE_VERSION, bound, backend.DeviceName(), backend.threads(), options.workers, options.max_batch_requests,
+      options.max_batch_tokens, options.max_queue_delay_us, options.max_queue_requests, options.max_message_mb,
+      options.admin_token.empty() ? "" : ", admin token required");
   if (!options.port_file.empty() && !WritePortFile(options.port_file, port)) {
     spdlog::critical("cannot write the port file '{}'", options.port_file);
     server->Shutdown();
     return 1;
   }
 
+  // Graceful drain: NOT_SERVING first (load balancers stop sending), then gRPC refuses new
+  // calls (UNAVAILABLE) while the batcher finishes the accepted ones; calls still running at
+  // the drain deadline are cancelled by gRPC, and their queued jobs fail with UNAVAILABLE.
+  const auto drain_timeout = std::chrono::seconds(options.drain_timeout_s);
   std::thread signal_waiter([&] {
     int signal = 0;
     sigwait(&signals, &signal);
-    spdlog::info("signal {}: shutting down (in-flight calls get {} s)", signal,
-                 std::chrono::duration_cast<std::chrono::seconds>(kShutdownDeadline).count());
+    spdlog::info("signal {}: draining ({} requests queued; accepted requests get {} s)", signal,
+                 executor.QueueDepth(), options.drain_timeout_s);
     server->GetHealthCheckService()->Shutdown();  // health checks answer NOT_SERVING from now on
-    server->Shutdown(std::chrono::system_clock::now() + kShutdownDeadline);
+    server->Shutdown(std::chrono::system_clock::now() + drain_timeout);
   });
   server->Wait();
   signal_waiter.join();
-  executor.Shutdown();
-  spdlog::info("stopped");
+  const int abandoned = executor.Drain(std::chrono::milliseconds(0));
+  spdlog::info("stopped ({} queued requests abandoned at the drain deadline)", abandoned);
   return 0;
 }
 

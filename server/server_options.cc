@@ -20,8 +20,8 @@ Status CheckInt(const std::string& what, const std::string& text, int min, int m
   const char* end = text.data() + text.size();
   auto [p, ec] = std::from_chars(text.data(), end, v);
   if (ec != std::errc() || p != end || v < min || v > max) {
-    return InvalidArgumentError(what + ": expected an integer in [" + std::to_string(min) + ", " +
-                                std::to_string(max) + "], got '" + text + "'");
+    return InvalidArgumentError(what + ": expected an integer in [" + std::to_string(min) + ", " + std::to_string(max) +
+                                "], got '" + text + "'");
   }
   *out = v;
   return OkStatus();
@@ -42,8 +42,8 @@ Status CheckLogLevel(const std::string& what, const std::string& level) {
   for (const char* l : kLogLevels) {
     if (level == l) return OkStatus();
   }
-  return InvalidArgumentError(what + ": expected one of trace, debug, info, warn, error, critical, off, got '" +
-                              level + "'");
+  return InvalidArgumentError(what + ": expected one of trace, debug, info, warn, error, critical, off, got '" + level +
+                              "'");
 }
 
 void AddLayer(std::vector<std::pair<std::string, std::string>>& layers, std::pair<std::string, std::string> layer) {
@@ -56,6 +56,27 @@ void AddLayer(std::vector<std::pair<std::string, std::string>>& layers, std::pai
   layers.push_back(std::move(layer));
 }
 
+// The batcher's integer settings: one row gives the flag, the YAML key and the range.
+struct IntSetting {
+  std::string_view flag, key;
+  int min, max;
+  int ServerOptions::*field;
+};
+constexpr IntSetting kBatchingSettings[] = {
+    {"--max-batch-requests", "max_batch_requests", 1, 4096, &ServerOptions::max_batch_requests},
+    {"--max-batch-tokens", "max_batch_tokens", 1, 1 << 24, &ServerOptions::max_batch_tokens},
+    {"--max-queue-delay-us", "max_queue_delay_us", 0, 10000000, &ServerOptions::max_queue_delay_us},
+    {"--max-queue-requests", "max_queue_requests", 1, 1000000, &ServerOptions::max_queue_requests},
+    {"--drain-timeout-s", "drain_timeout_s", 0, 3600, &ServerOptions::drain_timeout_s},
+};
+
+const IntSetting* FindSetting(std::string_view name, bool by_flag) {
+  for (const IntSetting& s : kBatchingSettings) {
+    if ((by_flag ? s.flag : s.key) == name) return &s;
+  }
+  return nullptr;
+}
+
 // The limits every setting must respect, wherever it came from.
 Status CheckRanges(const ServerOptions& o) {
   if (o.listen.empty()) return InvalidArgumentError("--listen: expected HOST:PORT, got an empty string");
@@ -65,8 +86,12 @@ Status CheckRanges(const ServerOptions& o) {
   if (o.workers < 1 || o.workers > 256) {
     return InvalidArgumentError("workers: expected [1, 256], got " + std::to_string(o.workers));
   }
-  if (o.queue_capacity < 1 || o.queue_capacity > 1000000) {
-    return InvalidArgumentError("queue_capacity: expected [1, 1000000], got " + std::to_string(o.queue_capacity));
+  for (const IntSetting& setting : kBatchingSettings) {
+    const int v = o.*setting.field;
+    if (v < setting.min || v > setting.max) {
+      return InvalidArgumentError(std::string(setting.key) + ": expected [" + std::to_string(setting.min) + ", " +
+                                  std::to_string(setting.max) + "], got " + std::to_string(v));
+    }
   }
   // gRPC takes the limit as an int of bytes.
   if (o.max_message_mb < 1 || o.max_message_mb > 2047) {
@@ -119,8 +144,8 @@ Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, 
         ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 0, 1024, &o->threads));
       } else if (key == "workers") {
         ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 1, 256, &o->workers));
-      } else if (key == "queue_capacity") {
-        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 1, 1000000, &o->queue_capacity));
+      } else if (const IntSetting* setting = FindSetting(key, /*by_flag=*/false)) {
+        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, setting->min, setting->max, &(o->*setting->field)));
       } else if (key == "max_message_mb") {
         ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 1, 2047, &o->max_message_mb));
       } else if (key == "max_scores_mb") {
@@ -134,8 +159,11 @@ Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, 
         o->admin_token = s;
       } else {
         // A misspelt key silently ignored would leave a setting at its default.
-        return InvalidArgumentError(what + ": unknown key (expected listen, port_file, layers, threads, workers, "
-                                           "queue_capacity, max_message_mb, max_scores_mb, log_level, log_json, admin_token)");
+        return InvalidArgumentError(what +
+                                    ": unknown key (expected listen, port_file, layers, threads, workers, "
+                                    "max_batch_requests, max_batch_tokens, max_queue_delay_us, max_queue_requests, "
+                                    "drain_timeout_s, max_message_mb, max_scores_mb, log_level, log_json, "
+                                    "admin_token)");
       }
     }
   } catch (const YAML::Exception& e) {
@@ -151,10 +179,9 @@ StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv) {
   };
   std::vector<Flag> flags;
   static const std::string_view kBoolFlags[] = {"--help", "-h", "--version", "--log-json"};
-  static const std::string_view kValueFlags[] = {"--listen",     "--port-file",      "--layer",     "--threads",
-                                                 "--workers",    "--queue-capacity", "--max-message-mb",
-                                                 "--max-scores-mb",
-                                                 "--log-level",  "--admin-token",    "--config"};
+  static const std::string_view kValueFlags[] = {
+      "--listen",         "--port-file",     "--layer",     "--threads",     "--workers",
+      "--max-message-mb", "--max-scores-mb", "--log-level", "--admin-token", "--config"};
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     Flag f;
@@ -165,6 +192,7 @@ StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv) {
     bool is_bool = false, is_value = false;
     for (auto b : kBoolFlags) is_bool = is_bool || f.name == b;
     for (auto v : kValueFlags) is_value = is_value || f.name == v;
+    is_value = is_value || FindSetting(f.name, /*by_flag=*/true) != nullptr;
     if (!is_bool && !is_value) return InvalidArgumentError("unknown flag '" + arg + "' (see --help)");
     if (is_value && !f.has_value) {
       if (i + 1 >= argc) return InvalidArgumentError(f.name + ": expected a value after it");
@@ -209,8 +237,8 @@ StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv) {
       ATTNSERVE_RETURN_IF_ERROR(CheckInt("--threads", v, 0, 1024, &o.threads));
     } else if (f.name == "--workers") {
       ATTNSERVE_RETURN_IF_ERROR(CheckInt("--workers", v, 1, 256, &o.workers));
-    } else if (f.name == "--queue-capacity") {
-      ATTNSERVE_RETURN_IF_ERROR(CheckInt("--queue-capacity", v, 1, 1000000, &o.queue_capacity));
+    } else if (const IntSetting* setting = FindSetting(f.name, /*by_flag=*/true)) {
+      ATTNSERVE_RETURN_IF_ERROR(CheckInt(f.name, v, setting->min, setting->max, &(o.*setting->field)));
     } else if (f.name == "--max-message-mb") {
       ATTNSERVE_RETURN_IF_ERROR(CheckInt("--max-message-mb", v, 1, 2047, &o.max_message_mb));
     } else if (f.name == "--max-scores-mb") {
@@ -243,8 +271,14 @@ std::string UsageText() {
          kDemoLayerName + "' = " + kDemoLayerSource +
          "\n"
          "  --threads N            CPU backend threads per Forward (default 0 = every core)\n"
-         "  --workers N            Forward jobs computed side by side (default 1)\n"
-         "  --queue-capacity N     Forward jobs waiting at most; beyond: RESOURCE_EXHAUSTED (default 256)\n"
+         "  --workers N            batches computed side by side (default 1)\n"
+         "  --max-batch-requests N requests in one batch at most (default 32; 1 = no batching)\n"
+         "  --max-batch-tokens N   query + context rows in one batch at most (default 8192)\n"
+         "  --max-queue-delay-us N how long the oldest queued request waits for others (default 500)\n"
+         "  --max-queue-requests N requests waiting per (layer, form) queue; beyond: RESOURCE_EXHAUSTED\n"
+         "                         at once (default 256)\n"
+         "  --drain-timeout-s N    on SIGTERM/SIGINT: NOT_SERVING, refuse new calls, give accepted ones\n"
+         "                         N seconds to finish, then exit 0 (default 30)\n"
          "  --max-message-mb N     largest request and response in MiB (default 64)\n"
          "  --max-scores-mb N      largest attention scores one sequence may need, n*m*heads*4 bytes,\n"
          "                         in MiB (default 2048); beyond: RESOURCE_EXHAUSTED\n"
@@ -253,8 +287,10 @@ std::string UsageText() {
          "  --admin-token TOKEN    require 'authorization: Bearer TOKEN' on LoadLayer and UnloadLayer\n"
          "                         (or set ATTNSERVE_ADMIN_TOKEN, which keeps it out of ps)\n"
          "  --config FILE          YAML file with the same settings: listen, port_file, layers\n"
-         "                         {NAME: SOURCE}, threads, workers, queue_capacity, max_message_mb,\n"
-         "                         max_scores_mb, log_level, log_json, admin_token\n"
+         "                         {NAME: SOURCE}, threads, workers, max_batch_requests,\n"
+         "                         max_batch_tokens, max_queue_delay_us, max_queue_requests,\n"
+         "                         drain_timeout_s, max_message_mb, max_scores_mb, log_level, log_json,\n"
+         "                         admin_token\n"
          "  --help, -h             print this help and exit\n"
          "  --version              print the version and exit\n"
          "\n"

@@ -17,9 +17,14 @@ struct ServerOptions {
   // NAME=SOURCE pairs in load order. Empty after parsing: serve the built-in demo layer.
   std::vector<std::pair<std::string, std::string>> layers;
   int threads = 0;  // the CPU backend's threads per Forward; 0 = every core
-  int workers = 1;  // executor threads running Forward jobs side by side
-  int queue_capacity = 256;
-  int max_message_mb = 64;  // receive and send limit
+  int workers = 1;  // batcher threads running batches side by side
+  // The dynamic batcher (docs/architecture.md §3); defaults measured in docs/benchmarks.md.
+  int max_batch_requests = 32;    // requests in one batch at most
+  int max_batch_tokens = 8192;    // tokens (query + context rows) in one batch at most
+  int max_queue_delay_us = 500;   // how long the oldest request waits for others
+  int max_queue_requests = 256;   // per (layer, form) queue; beyond: RESOURCE_EXHAUSTED
+  int drain_timeout_s = 30;       // on SIGTERM: how long accepted requests get to finish
+  int max_message_mb = 64;   // receive and send limit
   int max_scores_mb = 2048;  // attention scores of one sequence (n · m · heads · 4 bytes)
   std::string log_level = "info";
   bool log_json = false;

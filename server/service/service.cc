@@ -99,6 +99,14 @@ std::string LoadedNames(const LayerStore& store) {
   return names.empty() ? "none" : names;
 }
 
+// The client's deadline on the steady clock the batcher uses (max when there is none).
+std::chrono::steady_clock::time_point SteadyDeadline(const grpc::CallbackServerContext& context) {
+  const auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return std::chrono::steady_clock::time_point::max();
+  const auto left = deadline - std::chrono::system_clock::now();
+  return std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
+}
+
 // The state of one Forward call: its decoded input, where each job writes, and the outcome of
 // every job. Shared by the jobs' completions; the last one to finish answers the call.
 class ForwardCall {
@@ -110,7 +118,7 @@ class ForwardCall {
   // Prepares the output buffers and submits the served form's job and, for `compare`, one per
   // other held form. The call is answered from the last job's completion.
   static void Start(std::shared_ptr<ForwardCall> call, Form served, bool compare, Executor* executor,
-                    std::chrono::steady_clock::time_point arrived) {
+                    std::chrono::steady_clock::time_point arrived, grpc::CallbackServerContext* context) {
     call->forms_.push_back(served);
     if (compare) {
       for (const auto& [form, _] : call->layer_->forms) {
@@ -147,6 +155,9 @@ class ForwardCall {
       jobs[i].sequences =
           call->decoded_.Sequences(i == 0 ? call->served_output_ : call->compare_outputs_[i - 1].data());
       jobs[i].enqueued = arrived;
+      jobs[i].deadline = SteadyDeadline(*context);
+      // The context outlives the jobs: the call is finished only from their completions.
+      jobs[i].cancelled = [context] { return context->IsCancelled(); };
       jobs[i].done = [call, i](Status status, JobTimings timings) { call->JobDone(i, std::move(status), timings); };
     }
     call.reset();  // the jobs hold the call now; the last completion answers and frees it
@@ -173,9 +184,9 @@ class ForwardCall {
     for (size_t i = 1; i < statuses_.size(); ++i) {
       if (!statuses_[i].ok()) {
         // The client asked for the comparison; an answer without it would look like agreement.
-        reactor_->Finish(grpc::Status(static_cast<grpc::StatusCode>(statuses_[i].code()),
-                                      "compare (" + std::string(FormName(forms_[i])) + " form): " +
-                                          statuses_[i].message()));
+        reactor_->Finish(
+            grpc::Status(static_cast<grpc::StatusCode>(statuses_[i].code()),
+                         "compare (" + std::string(FormName(forms_[i])) + " form): " + statuses_[i].message()));
         return;
       }
     }
@@ -270,13 +281,13 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
   Status status = Guarded("Forward", [&]() -> Status {
     ATTNSERVE_RETURN_IF_ERROR(CheckWireForm(request->form()));
     if (request->layer().empty()) {
-      return InvalidArgumentError("layer: expected a layer name, got an empty string (loaded: " +
-                                  LoadedNames(*store_) + ")");
+      return InvalidArgumentError("layer: expected a layer name, got an empty string (loaded: " + LoadedNames(*store_) +
+                                  ")");
     }
     std::shared_ptr<const Layer> layer = store_->Get(request->layer());
     if (layer == nullptr) {
-      return NotFoundError("layer: no layer named '" + request->layer() + "' is loaded (loaded: " +
-                           LoadedNames(*store_) + ")");
+      return NotFoundError("layer: no layer named '" + request->layer() +
+                           "' is loaded (loaded: " + LoadedNames(*store_) + ")");
     }
     StatusOr<Form> form = ChooseForm(request->form(), *layer);
     if (!form.ok()) return form.status();
@@ -292,7 +303,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
     if (!decoded.ok()) return decoded.status();
 
     auto call = std::make_shared<ForwardCall>(reactor, response, layer, std::move(decoded).value());
-    ForwardCall::Start(std::move(call), *form, request->compare(), executor_, arrived);
+    ForwardCall::Start(std::move(call), *form, request->compare(), executor_, arrived, context);
     return OkStatus();
   });
   // Once Start has run, the jobs' completions answer the call; only earlier errors end here.
@@ -320,8 +331,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetLayer(grpc::CallbackServerCon
   reactor->Finish(ToGrpc(Guarded("GetLayer", [&]() -> Status {
     std::shared_ptr<const Layer> layer = store_->Get(request->name());
     if (layer == nullptr) {
-      return NotFoundError("name: no layer named '" + request->name() + "' is loaded (loaded: " +
-                           LoadedNames(*store_) + ")");
+      return NotFoundError("name: no layer named '" + request->name() + "' is loaded (loaded: " + LoadedNames(*store_) +
+                           ")");
     }
     // include_spectrum: no spectra are computed yet; the answer simply has none.
     FillLayerInfo(*layer, response);
@@ -339,8 +350,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
     // Checked here too (the store checks again) so a bad name does not wait behind a load.
     ATTNSERVE_RETURN_IF_ERROR(ValidateLayerName(request->name()));
     if (request->source().empty()) {
-      return InvalidArgumentError("source: expected a SOURCE such as 'random:d_model=64,heads=4' or "
-                                  "'safetensors:PATH', got an empty string");
+      return InvalidArgumentError(
+          "source: expected a SOURCE such as 'random:d_model=64,heads=4' or "
+          "'safetensors:PATH', got an empty string");
     }
     // The request and response stay valid until Finish, which the task calls.
     admin_->Post([this, reactor, request, response] {

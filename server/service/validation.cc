@@ -24,44 +24,57 @@ std::string ShapeOf(std::span<const int64_t> shape) {
 
 std::string Str(std::string_view v) { return std::string(v); }
 
-
 }  // namespace
 
 std::string WireDtypeName(int dtype) {
   switch (static_cast<WireDtype>(dtype)) {
-    case WireDtype::kUnspecified: return "DATA_TYPE_UNSPECIFIED";
-    case WireDtype::kFloat32: return "FLOAT32";
-    case WireDtype::kFloat16: return "FLOAT16";
-    case WireDtype::kBFloat16: return "BFLOAT16";
+    case WireDtype::kUnspecified:
+      return "DATA_TYPE_UNSPECIFIED";
+    case WireDtype::kFloat32:
+      return "FLOAT32";
+    case WireDtype::kFloat16:
+      return "FLOAT16";
+    case WireDtype::kBFloat16:
+      return "BFLOAT16";
   }
   return std::to_string(dtype);
 }
 
 int64_t WireDtypeSize(int dtype) {
   switch (static_cast<WireDtype>(dtype)) {
-    case WireDtype::kFloat32: return 4;
+    case WireDtype::kFloat32:
+      return 4;
     case WireDtype::kFloat16:
-    case WireDtype::kBFloat16: return 2;
-    case WireDtype::kUnspecified: break;
+    case WireDtype::kBFloat16:
+      return 2;
+    case WireDtype::kUnspecified:
+      break;
   }
   return 0;
 }
 
 std::optional<Form> FormFromWire(int wire_form) {
   switch (static_cast<WireForm>(wire_form)) {
-    case WireForm::kFactored: return Form::kFactored;
-    case WireForm::kSummed: return Form::kSummed;
-    case WireForm::kLowRank: return Form::kLowRank;
-    case WireForm::kUnspecified: break;
+    case WireForm::kFactored:
+      return Form::kFactored;
+    case WireForm::kSummed:
+      return Form::kSummed;
+    case WireForm::kLowRank:
+      return Form::kLowRank;
+    case WireForm::kUnspecified:
+      break;
   }
   return std::nullopt;
 }
 
 WireForm FormToWire(Form form) {
   switch (form) {
-    case Form::kFactored: return WireForm::kFactored;
-    case Form::kSummed: return WireForm::kSummed;
-    case Form::kLowRank: return WireForm::kLowRank;
+    case Form::kFactored:
+      return WireForm::kFactored;
+    case Form::kSummed:
+      return WireForm::kSummed;
+    case Form::kLowRank:
+      return WireForm::kLowRank;
   }
   return WireForm::kUnspecified;
 }
@@ -93,8 +106,8 @@ StatusOr<DecodedTensor> DecodeTensor(std::string_view field, const WireTensor& w
     return InvalidArgumentError(f + ".dtype: expected FLOAT32, FLOAT16 or BFLOAT16, got " + WireDtypeName(wire.dtype));
   }
   if (wire.shape.size() != 3) {
-    return InvalidArgumentError(f + ".shape: expected rank 3 [batch, " + (f == "context" ? "m" : "n") + ", d_model=" +
-                                std::to_string(d_model) + "], got " + ShapeOf(wire.shape) + " (rank " +
+    return InvalidArgumentError(f + ".shape: expected rank 3 [batch, " + (f == "context" ? "m" : "n") +
+                                ", d_model=" + std::to_string(d_model) + "], got " + ShapeOf(wire.shape) + " (rank " +
                                 std::to_string(wire.shape.size()) + ")");
   }
   const char* const dim_names[] = {"batch", f == "context" ? "m" : "n", "d_model"};
@@ -105,8 +118,8 @@ StatusOr<DecodedTensor> DecodeTensor(std::string_view field, const WireTensor& w
     }
   }
   if (wire.shape[2] != d_model) {
-    return InvalidArgumentError(f + ".shape[2] (d_model): expected " + std::to_string(d_model) + " (the layer's), got " +
-                                std::to_string(wire.shape[2]));
+    return InvalidArgumentError(f + ".shape[2] (d_model): expected " + std::to_string(d_model) +
+                                " (the layer's), got " + std::to_string(wire.shape[2]));
   }
   if (batch && wire.shape[0] != *batch) {
     return InvalidArgumentError(f + ".shape[0] (batch): expected " + std::to_string(*batch) + " (input's batch), got " +
@@ -187,12 +200,11 @@ StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForw
     if (overflow || score_bytes > limits.max_score_bytes) {
       const double mib = static_cast<double>(n) * static_cast<double>(m) * static_cast<double>(config.heads) * 4.0 /
                          static_cast<double>(1 << 20);
-      return ResourceExhaustedError("input: a sequence of n=" + std::to_string(n) + " queries over m=" +
-                                    std::to_string(m) + " keys with " + std::to_string(config.heads) +
-                                    " heads needs " + std::to_string(static_cast<int64_t>(std::ceil(mib))) +
-                                    " MiB of attention scores; this server allows " +
-                                    std::to_string(limits.max_score_bytes >> 20) +
-                                    " MiB per sequence (--max-scores-mb): send shorter sequences");
+      return ResourceExhaustedError(
+          "input: a sequence of n=" + std::to_string(n) + " queries over m=" + std::to_string(m) + " keys with " +
+          std::to_string(config.heads) + " heads needs " + std::to_string(static_cast<int64_t>(std::ceil(mib))) +
+          " MiB of attention scores; this server allows " + std::to_string(limits.max_score_bytes >> 20) +
+          " MiB per sequence (--max-scores-mb): send shorter sequences");
     }
   }
   out.causal = request.causal;

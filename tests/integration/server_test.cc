@@ -13,6 +13,7 @@
 #include <cstring>
 #include <fstream>
 #include <future>
+#include <mutex>
 #include <limits>
 #include <map>
 #include <memory>
@@ -32,10 +33,10 @@
 namespace attnserve {
 namespace {
 
-using testing::ServerProcess;
-using testing::TempDir;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using testing::ServerProcess;
+using testing::TempDir;
 
 // fp32 against float64 at these shapes (d <= 64, m <= 40): rounding is ~1e-6.
 constexpr double kTolerance = 1e-5;
@@ -187,9 +188,9 @@ TEST_F(ServerTest, EveryFormMatchesTheFloat64Reference) {
       bool cross, causal;
       std::vector<int32_t> key_lengths;
     };
-    const std::vector<Case> cases = {{1, 7, 7, false, false, {}},       {3, 5, 5, false, true, {}},
-                                     {2, 4, 9, true, false, {}},        {3, 6, 6, false, false, {6, 2, 1}},
-                                     {2, 8, 8, false, true, {5, 8}},    {2, 3, 11, true, false, {11, 4}},
+    const std::vector<Case> cases = {{1, 7, 7, false, false, {}},    {3, 5, 5, false, true, {}},
+                                     {2, 4, 9, true, false, {}},     {3, 6, 6, false, false, {6, 2, 1}},
+                                     {2, 8, 8, false, true, {5, 8}}, {2, 3, 11, true, false, {11, 4}},
                                      {1, 1, 1, false, false, {}}};
     for (const Case& c : cases) {
       const std::vector<float> input = RandomFloats(rng, c.batch * c.n * d);
@@ -204,8 +205,9 @@ TEST_F(ServerTest, EveryFormMatchesTheFloat64Reference) {
         v1::ForwardResponse resp;
         const grpc::Status st = client().Forward(req, &resp);
         ASSERT_TRUE(st.ok()) << Describe(st);
-        const std::string what = std::string(layer->name) + " " + v1::Form_Name(form) + " batch=" +
-                                 std::to_string(c.batch) + " n=" + std::to_string(c.n) + " m=" + std::to_string(c.m);
+        const std::string what = std::string(layer->name) + " " + v1::Form_Name(form) +
+                                 " batch=" + std::to_string(c.batch) + " n=" + std::to_string(c.n) +
+                                 " m=" + std::to_string(c.m);
         EXPECT_EQ(resp.form(), form == v1::FORM_UNSPECIFIED ? v1::FORM_FACTORED : form) << what;
         EXPECT_EQ(resp.output().dtype(), v1::DATA_TYPE_FLOAT32);
         EXPECT_THAT(resp.output().shape(), ::testing::ElementsAre(c.batch, c.n, d)) << what;
@@ -375,7 +377,8 @@ TEST_F(ServerTest, BadInputsYieldTheirCodeAndNameTheField) {
   {
     auto r = base();
     r.mutable_input()->set_dtype(v1::DATA_TYPE_UNSPECIFIED);
-    bad.push_back({"dtype unspecified", r, grpc::INVALID_ARGUMENT, {"input.dtype", "FLOAT32", "DATA_TYPE_UNSPECIFIED"}});
+    bad.push_back(
+        {"dtype unspecified", r, grpc::INVALID_ARGUMENT, {"input.dtype", "FLOAT32", "DATA_TYPE_UNSPECIFIED"}});
   }
   {
     auto r = base();
@@ -499,8 +502,8 @@ TEST_F(ServerTest, LoadAndUnloadWhileForwardCallsRun) {
   }
   stop = true;
   for (auto& t : callers) t.join();
-  EXPECT_TRUE(unexpected.empty()) << unexpected.size() << " unexpected results, first: "
-                                  << (unexpected.empty() ? "" : unexpected[0]);
+  EXPECT_TRUE(unexpected.empty()) << unexpected.size()
+                                  << " unexpected results, first: " << (unexpected.empty() ? "" : unexpected[0]);
   EXPECT_GT(ok.load(), 0);
   // Once unloaded for good, the layer is NOT_FOUND.
   ASSERT_TRUE(client().UnloadLayer("hot").ok());
@@ -767,9 +770,9 @@ TEST(ServerFlagsTest, AdminTokenGuardsLoadAndUnload) {
 }
 
 TEST(ServerFlagsTest, FullQueueAnswersResourceExhausted) {
-  // One compute thread, one waiting slot, calls of tens of ms: of 8 sent at once, some are refused.
-  auto server = StartOrFail({"--threads", "1", "--workers", "1", "--queue-capacity", "1", "--layer",
-                             "slow=random:d_model=256,heads=8,seed=4"});
+  // No batching, one waiting slot, calls of tens of ms: of 8 sent at once, some are refused.
+  auto server = StartOrFail({"--threads", "1", "--workers", "1", "--max-batch-requests", "1", "--max-queue-requests",
+                             "1", "--layer", "slow=random:d_model=256,heads=8,seed=4"});
   ASSERT_NE(server, nullptr);
   std::mt19937_64 rng(3);
   const std::vector<float> input = RandomFloats(rng, 1 * 1024 * 256);
@@ -784,7 +787,7 @@ TEST(ServerFlagsTest, FullQueueAnswersResourceExhausted) {
       ++ok;
     } else {
       EXPECT_EQ(st.error_code(), grpc::RESOURCE_EXHAUSTED) << Describe(st);
-      EXPECT_EQ(st.error_message(), "queue full (1 requests)");
+      EXPECT_THAT(st.error_message(), HasSubstr("is full (1 requests waiting, limit --max-queue-requests=1)"));
       ++refused;
     }
   }
@@ -794,8 +797,9 @@ TEST(ServerFlagsTest, FullQueueAnswersResourceExhausted) {
 
 TEST(ServerFlagsTest, YamlConfigWithFlagOverride) {
   TempDir tmp;
-  std::ofstream(tmp.File("attnserve.yaml")) << "layers:\n  a: random:d_model=8,heads=2\n  b: random:d_model=16,heads=2\n"
-                                               "max_message_mb: 4\nlog_level: debug\nlog_json: true\n";
+  std::ofstream(tmp.File("attnserve.yaml"))
+      << "layers:\n  a: random:d_model=8,heads=2\n  b: random:d_model=16,heads=2\n"
+         "max_message_mb: 4\nlog_level: debug\nlog_json: true\n";
   auto server = StartOrFail({"--config", tmp.File("attnserve.yaml"), "--layer", "b=random:d_model=24,heads=3"});
   ASSERT_NE(server, nullptr);
   std::vector<v1::LayerInfo> layers;
@@ -820,9 +824,9 @@ TEST(ServerFlagsTest, BadStartupRefusesWithAClearError) {
                                &output),
             1);
   EXPECT_THAT(output, AllOf(HasSubstr("'x'"), HasSubstr("d_model")));
-  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY,
-                               {"--listen", "127.0.0.1:0", "--layer", "y=safetensors:/nonexistent/w.safetensors,heads=2"},
-                               &output),
+  EXPECT_EQ(testing::RunToExit(
+                ATTNSERVE_BINARY,
+                {"--listen", "127.0.0.1:0", "--layer", "y=safetensors:/nonexistent/w.safetensors,heads=2"}, &output),
             1);
   EXPECT_THAT(output, HasSubstr("/nonexistent/w.safetensors"));
   EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--layer", "nosource"}, &output), 2);
@@ -832,9 +836,8 @@ TEST(ServerFlagsTest, BadStartupRefusesWithAClearError) {
   // Address already in use.
   auto first = StartOrFail({"--layer", "t=random:d_model=8,heads=2"});
   ASSERT_NE(first, nullptr);
-  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY,
-                               {"--listen", first->target(), "--layer", "t=random:d_model=8,heads=2"}, &output,
-                               std::chrono::seconds(20)),
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--listen", first->target(), "--layer", "t=random:d_model=8,heads=2"},
+                               &output, std::chrono::seconds(20)),
             1);
   EXPECT_THAT(output, HasSubstr("cannot listen"));
 }
@@ -842,9 +845,10 @@ TEST(ServerFlagsTest, BadStartupRefusesWithAClearError) {
 TEST(ServerFlagsTest, HelpAndVersion) {
   std::string output;
   EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--help"}, &output), 0);
-  for (const char* flag : {"--listen", "--port-file", "--layer", "--threads", "--workers", "--queue-capacity",
-                           "--max-message-mb", "--max-scores-mb", "--log-level", "--log-json", "--admin-token",
-                           "--config", "--help", "--version"}) {
+  for (const char* flag :
+       {"--listen", "--port-file", "--layer", "--threads", "--workers", "--max-batch-requests", "--max-batch-tokens",
+        "--max-queue-delay-us", "--max-queue-requests", "--drain-timeout-s", "--max-message-mb",
+        "--max-scores-mb", "--log-level", "--log-json", "--admin-token", "--config", "--help", "--version"}) {
     EXPECT_THAT(output, HasSubstr(flag));
   }
   EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--version"}, &output), 0);
@@ -859,6 +863,91 @@ TEST(ServerFlagsTest, SigtermAndSigintShutDownCleanly) {
     EXPECT_EQ(status, 0) << "signal " << signal << "\n" << server->Log();
     EXPECT_THAT(server->Log(), HasSubstr("stopped"));
   }
+}
+
+// Concurrent requests share batches, and each gets exactly what it would alone (the float64
+// reference of its own input), whatever its shape, mask or form.
+TEST(BatchingTest, ConcurrentRequestsShareBatchesAndEachGetsItsOwnResult) {
+  auto server = StartOrFail({"--max-queue-delay-us", "20000", "--layer", kSmall.name + std::string("=") + kSmall.Source()});
+  ASSERT_NE(server, nullptr);
+  const LayerWeights w = kSmall.Weights();
+  std::mt19937_64 rng(41);
+  struct Sent {
+    std::vector<float> input;
+    int64_t batch, n;
+    bool causal;
+    std::future<std::pair<grpc::Status, v1::ForwardResponse>> reply;
+  };
+  std::vector<Sent> sent;
+  for (int i = 0; i < 24; ++i) {
+    Sent s;
+    s.batch = 1 + i % 3;
+    s.n = 1 + (i * 7) % 19;
+    s.causal = i % 2 == 0;
+    s.input = RandomFloats(rng, s.batch * s.n * 64);
+    v1::ForwardRequest req = Request(kSmall.name, s.input, {s.batch, s.n, 64}, i % 4 == 3 ? v1::FORM_SUMMED : v1::FORM_FACTORED);
+    req.set_causal(s.causal);
+    s.reply = server->client().ForwardFuture(req);
+    sent.push_back(std::move(s));
+  }
+  int shared = 0;
+  for (Sent& s : sent) {
+    auto [st, resp] = s.reply.get();
+    ASSERT_TRUE(st.ok()) << Describe(st);
+    EXPECT_LT(RelativeL2(Output(resp), Reference(w, s.input, s.batch, s.n, nullptr, 0, s.causal)), kTolerance);
+    EXPECT_GE(resp.batch_requests(), 1);
+    EXPECT_GE(resp.queue_us(), 0);
+    EXPECT_GT(resp.compute_us(), 0);
+    if (resp.batch_requests() > 1) ++shared;
+  }
+  EXPECT_GT(shared, 0) << "24 requests sent at once with a 20 ms queue delay must share batches";
+}
+
+// SIGTERM under load: every request the clients sent ends as OK or as an explicit error, the
+// server stops answering SERVING, and it exits 0 within the drain timeout.
+TEST(DrainTest, SigtermUnderLoadLosesNothing) {
+  auto server = StartOrFail({"--drain-timeout-s", "10", "--layer", "mid=random:d_model=256,heads=8,seed=4"});
+  ASSERT_NE(server, nullptr);
+  std::mt19937_64 rng(43);
+  const std::vector<float> input = RandomFloats(rng, 2 * 64 * 256);
+  std::atomic<bool> stop{false};
+  std::atomic<int> sent{0}, ok{0}, explicit_errors{0};
+  std::map<std::string, int> codes;
+  std::mutex codes_mu;
+  std::vector<std::thread> senders;
+  for (int t = 0; t < 4; ++t) {
+    senders.emplace_back([&] {
+      // Its own client: calls after the server is gone fail fast instead of sharing a channel.
+      Client client(ClientOptions{.target = server->target(), .timeout = std::chrono::milliseconds(20000)});
+      while (!stop) {
+        ++sent;
+        v1::ForwardResponse resp;
+        const grpc::Status st = client.Forward(Request("mid", input, {2, 64, 256}), &resp);
+        if (st.ok()) {
+          ++ok;
+        } else {
+          ++explicit_errors;
+          std::lock_guard<std::mutex> lock(codes_mu);
+          ++codes[std::string(GrpcCodeName(st.error_code()))];
+        }
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const auto signalled = std::chrono::steady_clock::now();
+  const int status = server->Stop(SIGTERM, std::chrono::seconds(30));
+  const auto exited = std::chrono::steady_clock::now();
+  stop = true;
+  for (auto& t : senders) t.join();
+  EXPECT_EQ(status, 0) << server->Log();
+  EXPECT_LT(exited - signalled, std::chrono::seconds(11)) << "drain timeout is 10 s";
+  EXPECT_EQ(sent.load(), ok.load() + explicit_errors.load());
+  EXPECT_GT(ok.load(), 0);
+  for (const auto& [code, count] : codes) {
+    EXPECT_THAT(code, ::testing::AnyOf("UNAVAILABLE", "CANCELLED")) << count << " calls ended " << code;
+  }
+  EXPECT_THAT(server->Log(), HasSubstr("draining"));
+  EXPECT_THAT(server->Log(), HasSubstr("stopped (0 queued requests abandoned"));
 }
 
 }  // namespace

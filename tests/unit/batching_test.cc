@@ -1,5 +1,5 @@
-// The executor (server/batching/executor.h) against the float64 reference, its bounded queue,
-// its timings and its shutdown; the divergence measure against hand-computed values.
+// The batching executor (server/batching/batching_executor.h) with the real CPU backend against
+// the float64 reference, its bounded queue, its timings and its drain; the divergence measure against hand-computed values.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -13,7 +13,7 @@
 
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/batching/divergence.h"
-#include "server/batching/executor.h"
+#include "server/batching/batching_executor.h"
 #include "server/core/reference.h"
 #include "tests/unit/test_support.h"
 
@@ -36,8 +36,7 @@ struct Fixture {
     l->name = "t";
     l->config = weights.config;
     l->device = "cpu";
-    l->forms[Form::kFactored] =
-        *backend.Upload(std::make_shared<const FormWeights>(MaterializeFactored(weights)));
+    l->forms[Form::kFactored] = *backend.Upload(std::make_shared<const FormWeights>(MaterializeFactored(weights)));
     if (summed) {
       l->forms[Form::kSummed] = *backend.Upload(std::make_shared<const FormWeights>(MaterializeSummed(weights)));
     }
@@ -60,7 +59,7 @@ std::pair<Status, JobTimings> RunOne(Executor& executor, std::shared_ptr<const L
 
 TEST(ExecutorTest, RunsEachFormAgainstTheReference) {
   Fixture f;
-  ThreadPoolExecutor executor(&f.backend, {.threads = 2, .queue_capacity = 8});
+  BatchingExecutor executor(&f.backend, {.max_batch_requests = 8, .max_queue_requests = 8});
   std::mt19937_64 rng(testing::TestSeed());
   for (Form form : {Form::kFactored, Form::kSummed}) {
     testing::OwnedSequence seq = testing::RandomSequence(rng, 16, 5, 7, /*cross=*/true, /*causal=*/false, 6);
@@ -75,7 +74,7 @@ TEST(ExecutorTest, RunsEachFormAgainstTheReference) {
 
 TEST(ExecutorTest, FormNotHeldIsAFailedPrecondition) {
   Fixture f(/*summed=*/false);
-  ThreadPoolExecutor executor(&f.backend, {});
+  BatchingExecutor executor(&f.backend, {});
   std::mt19937_64 rng(1);
   testing::OwnedSequence seq = testing::RandomSequence(rng, 16, 3, 3, false, false, -1);
   auto [status, timings] = RunOne(executor, f.layer, Form::kSummed, seq);
@@ -85,7 +84,7 @@ TEST(ExecutorTest, FormNotHeldIsAFailedPrecondition) {
 
 TEST(ExecutorTest, BadSequenceIsTheBackendsError) {
   Fixture f;
-  ThreadPoolExecutor executor(&f.backend, {});
+  BatchingExecutor executor(&f.backend, {});
   std::mt19937_64 rng(1);
   testing::OwnedSequence seq = testing::RandomSequence(rng, 16, 3, 3, false, false, -1);
   seq.key_length = 9;
@@ -95,7 +94,7 @@ TEST(ExecutorTest, BadSequenceIsTheBackendsError) {
 
 TEST(ExecutorTest, FullQueueAnswersResourceExhaustedAtOnce) {
   Fixture f;
-  ThreadPoolExecutor executor(&f.backend, {.threads = 1, .queue_capacity = 2});
+  BatchingExecutor executor(&f.backend, {.max_batch_requests = 1, .max_queue_requests = 2});
   std::mt19937_64 rng(1);
   std::vector<testing::OwnedSequence> seqs;
   for (int i = 0; i < 4; ++i) seqs.push_back(testing::RandomSequence(rng, 16, 3, 3, false, false, -1));
@@ -133,19 +132,19 @@ TEST(ExecutorTest, FullQueueAnswersResourceExhaustedAtOnce) {
   submit(3, false);  // refused synchronously: done ran on this thread
   ASSERT_EQ(refused.size(), 1u);
   EXPECT_EQ(refused[0].code(), StatusCode::kResourceExhausted);
-  EXPECT_EQ(refused[0].message(), "queue full (2 requests)");
+  EXPECT_THAT(refused[0].message(), HasSubstr("is full (2 requests waiting, limit --max-queue-requests=2)"));
   {
     std::lock_guard<std::mutex> lock(mu);
     release = true;
   }
   cv.notify_all();
-  executor.Shutdown();  // runs what is queued, then joins
+  executor.Drain(std::chrono::seconds(10));  // runs what is queued, then joins
   EXPECT_EQ(ok_count.load(), 3);
 }
 
 TEST(ExecutorTest, QueueTimeIsMeasuredFromEnqueued) {
   Fixture f;
-  ThreadPoolExecutor executor(&f.backend, {});
+  BatchingExecutor executor(&f.backend, {});
   std::mt19937_64 rng(1);
   testing::OwnedSequence seq = testing::RandomSequence(rng, 16, 3, 3, false, false, -1);
   std::promise<JobTimings> done;
@@ -160,9 +159,9 @@ TEST(ExecutorTest, QueueTimeIsMeasuredFromEnqueued) {
 
 TEST(ExecutorTest, AfterShutdownJobsAreRefusedAsUnavailable) {
   Fixture f;
-  ThreadPoolExecutor executor(&f.backend, {});
-  executor.Shutdown();
-  executor.Shutdown();  // a second call does nothing
+  BatchingExecutor executor(&f.backend, {});
+  executor.Drain(std::chrono::seconds(1));
+  executor.Drain(std::chrono::seconds(1));  // a second call does nothing
   std::mt19937_64 rng(1);
   testing::OwnedSequence seq = testing::RandomSequence(rng, 16, 3, 3, false, false, -1);
   auto [status, timings] = RunOne(executor, f.layer, Form::kFactored, seq);
@@ -172,7 +171,7 @@ TEST(ExecutorTest, AfterShutdownJobsAreRefusedAsUnavailable) {
 TEST(ExecutorTest, LayerOutlivesItsStoreEntry) {
   // A job holds the layer: dropping every other reference while it waits frees nothing.
   Fixture f;
-  ThreadPoolExecutor executor(&f.backend, {});
+  BatchingExecutor executor(&f.backend, {});
   std::weak_ptr<const Layer> weak = f.layer;
   std::mt19937_64 rng(1);
   testing::OwnedSequence seq = testing::RandomSequence(rng, 16, 4, 4, false, true, -1);
@@ -183,7 +182,7 @@ TEST(ExecutorTest, LayerOutlivesItsStoreEntry) {
   job.done = [&done](Status s, JobTimings) { done.set_value(std::move(s)); };
   executor.Submit(std::move(job));
   EXPECT_TRUE(done.get_future().get().ok());
-  executor.Shutdown();
+  executor.Drain(std::chrono::seconds(1));
   EXPECT_TRUE(weak.expired()) << "the job must release the layer once done";
   EXPECT_LT(testing::RelativeL2(seq.output.data(), ReferenceForward(f.weights, seq.View())), 1e-5);
 }

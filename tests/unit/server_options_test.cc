@@ -1,7 +1,8 @@
 // The attnserve binary's flags and YAML config (server/server_options.h).
+#include "server/server_options.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <cstdio>
@@ -9,8 +10,6 @@
 #include <fstream>
 #include <string>
 #include <vector>
-
-#include "server/server_options.h"
 
 namespace attnserve {
 namespace {
@@ -48,7 +47,7 @@ TEST(ServerOptionsTest, FlagsInBothSpellings) {
   StatusOr<ServerOptions> o =
       Parse({"--listen", "127.0.0.1:0", "--layer=a=random:d_model=8,heads=2", "--layer", "b=safetensors:/x.st",
              "--threads=3", "--workers", "2", "--max-message-mb", "1", "--log-level=debug", "--log-json",
-             "--admin-token", "s3cret", "--port-file", "/tmp/p", "--queue-capacity=5", "--max-scores-mb", "16"});
+             "--admin-token", "s3cret", "--port-file", "/tmp/p", "--max-queue-requests=5", "--max-scores-mb", "16"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
   EXPECT_EQ(o->listen, "127.0.0.1:0");
   ASSERT_EQ(o->layers.size(), 2u);
@@ -61,7 +60,7 @@ TEST(ServerOptionsTest, FlagsInBothSpellings) {
   EXPECT_TRUE(o->log_json);
   EXPECT_EQ(o->admin_token, "s3cret");
   EXPECT_EQ(o->port_file, "/tmp/p");
-  EXPECT_EQ(o->queue_capacity, 5);
+  EXPECT_EQ(o->max_queue_requests, 5);
   EXPECT_EQ(o->max_scores_mb, 16);
 }
 
@@ -130,13 +129,37 @@ TEST(ServerOptionsTest, AdminTokenFromEnvironmentHasLowestPrecedence) {
 
 TEST(ServerOptionsTest, HelpNamesEveryFlag) {
   const std::string usage = UsageText();
-  for (const char* flag : {"--listen", "--port-file", "--layer", "--threads", "--workers", "--queue-capacity",
-                           "--max-message-mb", "--max-scores-mb", "--log-level", "--log-json", "--admin-token",
-                           "--config", "--help", "--version"}) {
+  for (const char* flag :
+       {"--listen", "--port-file", "--layer", "--threads", "--workers", "--max-batch-requests", "--max-batch-tokens",
+        "--max-queue-delay-us", "--max-queue-requests", "--drain-timeout-s", "--max-message-mb", "--max-scores-mb",
+        "--log-level", "--log-json", "--admin-token", "--config", "--help", "--version"}) {
     EXPECT_THAT(usage, HasSubstr(flag));
   }
   EXPECT_TRUE(Parse({"--help"})->help);
   EXPECT_TRUE(Parse({"--version"})->version);
+}
+
+TEST(ServerOptionsTest, BatchingSettingsFromFlagsAndYaml) {
+  auto o = Parse({"--max-batch-requests", "1", "--max-batch-tokens=4096", "--max-queue-delay-us", "0",
+                  "--drain-timeout-s", "5"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->max_batch_requests, 1);
+  EXPECT_EQ(o->max_batch_tokens, 4096);
+  EXPECT_EQ(o->max_queue_delay_us, 0);
+  EXPECT_EQ(o->max_queue_requests, 256);  // default
+  EXPECT_EQ(o->drain_timeout_s, 5);
+  ServerOptions from_yaml;
+  ASSERT_TRUE(ApplyYamlConfig("max_batch_requests: 7\nmax_queue_delay_us: 250\ndrain_timeout_s: 12\n", "test.yaml",
+                              &from_yaml)
+                  .ok());
+  EXPECT_EQ(from_yaml.max_batch_requests, 7);
+  EXPECT_EQ(from_yaml.max_queue_delay_us, 250);
+  EXPECT_EQ(from_yaml.drain_timeout_s, 12);
+  EXPECT_THAT(Parse({"--max-batch-requests", "0"}).status().message(),
+              HasSubstr("--max-batch-requests: expected an integer in [1, 4096], got '0'"));
+  EXPECT_THAT(Parse({"--drain-timeout-s", "-1"}).status().message(), HasSubstr("--drain-timeout-s"));
+  EXPECT_THAT(ApplyYamlConfig("max_queue_requests: 0\n", "c.yaml", &from_yaml).message(),
+              HasSubstr("max_queue_requests"));
 }
 
 }  // namespace

@@ -141,7 +141,8 @@ TEST(ValidationTest, OverflowingDimsAreRefusedBeforeAnyAllocation) {
   // A large product that does not overflow: caught by the byte length, nothing allocated.
   w.shape = {int64_t{1} << 20, int64_t{1} << 20, 8};
   s = DecodeError(Config(), w);
-  EXPECT_THAT(s.message(), AllOf(HasSubstr("input.data"), HasSubstr("expected 35184372088832 bytes"), HasSubstr("got 32")));
+  EXPECT_THAT(s.message(),
+              AllOf(HasSubstr("input.data"), HasSubstr("expected 35184372088832 bytes"), HasSubstr("got 32")));
 }
 
 TEST(ValidationTest, ByteLengthMismatch) {
@@ -231,11 +232,11 @@ TEST(ValidationTest, AttentionScoresAreBoundedPerSequence) {
 // Half-precision bit patterns of exact values.
 TEST(ValidationTest, Float16AndBFloat16AreConvertedOnArrival) {
   const std::vector<uint16_t> f16 = {0x3c00, 0xc100, 0x3800, 0x7bff, 0x0001, 0x8000, 0x0000, 0x3555};
-  const std::vector<float> f16_want = {1.0f, -2.5f, 0.5f, 65504.0f, std::ldexp(1.0f, -24), -0.0f, 0.0f,
-                                       0.333251953125f};
+  const std::vector<float> f16_want = {1.0f,  -2.5f, 0.5f,           65504.0f, std::ldexp(1.0f, -24),
+                                       -0.0f, 0.0f,  0.333251953125f};
   const std::vector<uint16_t> bf16 = {0x3f80, 0xc020, 0x3f00, 0x7f7f, 0x0001, 0x8000, 0x4049, 0xbe80};
-  const std::vector<float> bf16_want = {1.0f, -2.5f, 0.5f, 3.3895313892515355e38f, std::ldexp(1.0f, -133), -0.0f,
-                                        3.140625f, -0.25f};
+  const std::vector<float> bf16_want = {1.0f,  -2.5f,     0.5f,  3.3895313892515355e38f, std::ldexp(1.0f, -133),
+                                        -0.0f, 3.140625f, -0.25f};
   for (int dtype : {kF16, kBF16}) {
     const auto& bits = dtype == kF16 ? f16 : bf16;
     const auto& want = dtype == kF16 ? f16_want : bf16_want;
@@ -292,7 +293,6 @@ TEST(ValidationTest, FormChoice) {
   EXPECT_EQ(summed.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_THAT(summed.status().message(), AllOf(HasSubstr("summed"), HasSubstr("holds: factored")));
   EXPECT_EQ(ChooseForm(9, layer).status().code(), StatusCode::kInvalidArgument);
-
 }
 
 }  // namespace
