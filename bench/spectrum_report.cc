@@ -2,14 +2,15 @@
 // the low-rank form buys on them, as the markdown tables of docs/spectra.md.
 //
 //   spectrum_report [--source TEMPLATE] [--layers 0,1,2] [--energies 0.99,0.9] [--batch 4]
-//                   [--n 128] [--repeats 7] [--seed 1] [--plot-dir DIR]
+//                   [--n 128] [--repeats 15] [--threads 1] [--seed 1] [--plot-dir DIR]
 //
 // TEMPLATE is a layer SOURCE (docs/sources.md) with {I} standing for the layer index; the
 // default is all-MiniLM-L6-v2 as scripts/fetch-model caches it. Each layer is loaded through
 // the LayerStore on the CPU backend, once as it is (factored and summed forms, spectrum) and
 // once per energy with lowrank=energy:E. The error of the low-rank form is measured against
-// the factored form on N(0, 1) inputs (self-attention and causal, batch × n tokens); times are
-// medians of --repeats forwards on this machine's CPU. --plot-dir also writes each layer's
+// the factored form on N(0, 1) inputs (self-attention and causal, batch × n tokens). Times are
+// the fastest of --repeats forwards per form on --threads CPU threads, the forms taking turns
+// round by round so that a busy machine slows them alike. --plot-dir also writes each layer's
 // spectra as DIR/layer-I.svg (the CLI's `layer NAME --plot` view).
 #include <algorithm>
 #include <chrono>
@@ -41,7 +42,8 @@ struct Args {
   std::vector<int> layers = {0, 1, 2, 3, 4, 5};
   std::vector<std::string> energies = {"0.99", "0.9"};
   int64_t batch = 4, n = 128;
-  int repeats = 7;
+  int repeats = 15;
+  int threads = 1;
   uint64_t seed = 1;
   std::string plot_dir;
 };
@@ -67,7 +69,7 @@ std::vector<std::string> SplitComma(const std::string& s) {
 [[noreturn]] void Usage(const std::string& error) {
   std::cerr << "spectrum_report: " << error << "\n"
             << "usage: spectrum_report [--source TEMPLATE] [--layers 0,1,2] [--energies 0.99,0.9] [--batch B]\n"
-            << "                       [--n N] [--repeats R] [--seed S] [--plot-dir DIR]\n";
+            << "                       [--n N] [--repeats R] [--threads T] [--seed S] [--plot-dir DIR]\n";
   std::exit(2);
 }
 
@@ -93,6 +95,8 @@ Args ParseArgs(int argc, char** argv) {
         a.n = std::stoll(v);
       } else if (flag == "--repeats") {
         a.repeats = std::stoi(v);
+      } else if (flag == "--threads") {
+        a.threads = std::stoi(v);
       } else if (flag == "--seed") {
         a.seed = std::stoull(v);
       } else if (flag == "--plot-dir") {
@@ -104,7 +108,9 @@ Args ParseArgs(int argc, char** argv) {
       Usage(flag + ": cannot parse '" + v + "'");
     }
   }
-  if (a.layers.empty() || a.energies.empty() || a.batch < 1 || a.n < 1 || a.repeats < 1) Usage("empty or non-positive value");
+  if (a.layers.empty() || a.energies.empty() || a.batch < 1 || a.n < 1 || a.repeats < 1 || a.threads < 1) {
+    Usage("empty or non-positive value");
+  }
   return a;
 }
 
@@ -182,16 +188,19 @@ double RelL2(const std::vector<std::vector<float>>& got, const std::vector<std::
   return std::sqrt(diff / norm);
 }
 
-double MedianMs(Backend& backend, const ResidentForm& form, const Workload& w, int repeats) {
-  Run(backend, form, w, false);  // warm-up
-  std::vector<double> ms;
+// The fastest of `repeats` forwards of each form, in ms; the forms take turns every round.
+std::vector<double> FastestMs(Backend& backend, const std::vector<const ResidentForm*>& forms, const Workload& w,
+                              int repeats) {
+  std::vector<double> best(forms.size(), INFINITY);
+  for (const ResidentForm* f : forms) Run(backend, *f, w, false);  // warm-up
   for (int r = 0; r < repeats; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    Run(backend, form, w, false);
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    for (size_t i = 0; i < forms.size(); ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      Run(backend, *forms[i], w, false);
+      best[i] = std::min(best[i], std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
   }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return best;
 }
 
 double FlopsPerToken(const FormWeights& f, int64_t n) {
@@ -207,7 +216,7 @@ double Mean(const std::vector<double>& v) { return std::accumulate(v.begin(), v.
 
 int Main(int argc, char** argv) {
   const Args args = ParseArgs(argc, argv);
-  CpuBackend backend;
+  CpuBackend backend({.threads = args.threads});
   LayerStore store(&backend);
   std::vector<std::shared_ptr<const Layer>> exact;
   for (int l : args.layers) exact.push_back(MustLoad(store, "layer-" + std::to_string(l), SourceFor(args.source, l)));
@@ -267,8 +276,9 @@ int Main(int argc, char** argv) {
   std::cout << "\n### The low-rank form\n\n"
             << "Against the factored form of the same layer: parameters, FLOPs per token (self-attention, n = "
             << args.n << "), the relative L2 error of the output on N(0, 1) inputs (" << args.batch << " × " << args.n
-            << " tokens, without and with the causal mask: the worse), and the median CPU time of one forward of that "
-               "batch.\n\n"
+            << " tokens, without and with the causal mask: the worse), and the CPU time of one forward of that batch "
+               "(the fastest of "
+            << args.repeats << ", " << args.threads << " thread" << (args.threads > 1 ? "s" : "") << ").\n\n"
             << "| energy | layer | R = Σ r_i (of " << c0.heads * k << ") | energy kept | params vs factored | "
                "FLOPs/token vs factored | rel L2 vs factored | ms factored | ms summed | ms lowrank |\n"
             << "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
@@ -276,23 +286,31 @@ int Main(int argc, char** argv) {
     const int l = args.layers[li];
     const Workload w = MakeWorkload(args, exact[li]->config.d_model);
     const ResidentForm& factored = *exact[li]->Find(Form::kFactored);
-    const double ms_factored = MedianMs(backend, factored, w, args.repeats);
     const ResidentForm* summed = exact[li]->Find(Form::kSummed);
-    const double ms_summed = summed ? MedianMs(backend, *summed, w, args.repeats) : NAN;
     const auto want_plain = Run(backend, factored, w, false), want_causal = Run(backend, factored, w, true);
+    std::vector<std::shared_ptr<const Layer>> lowrank;
+    std::vector<const ResidentForm*> timed = {&factored};
+    if (summed != nullptr) timed.push_back(summed);
     for (const std::string& e : args.energies) {
-      const auto lr = MustLoad(store, "layer-" + std::to_string(l) + "-e" + e,
-                               SourceFor(args.source, l) + ",summed=false,lowrank=energy:" + e);
-      const ResidentForm& form = *lr->Find(Form::kLowRank);
-      const double err = std::max(RelL2(Run(backend, form, w, false), want_plain), RelL2(Run(backend, form, w, true), want_causal));
-      const int64_t total = std::accumulate(lr->lowrank_ranks.begin(), lr->lowrank_ranks.end(), int64_t{0});
-      std::cout << "| " << e << " | " << l << " | " << total << " | " << F("%.4f", lr->lowrank_kept_energy) << " | "
-                << F("%.3f", static_cast<double>(form.weights().Parameters()) / factored.weights().Parameters()) << " | "
-                << F("%.3f", FlopsPerToken(form.weights(), args.n) / FlopsPerToken(factored.weights(), args.n)) << " | "
-                << F("%.3g", err) << " | " << F("%.2f", ms_factored) << " | " << F("%.2f", ms_summed) << " | "
-                << F("%.2f", MedianMs(backend, form, w, args.repeats)) << " |\n";
-      (void)store.Unload(lr->name);  // frees its forms before the next energy loads
+      lowrank.push_back(MustLoad(store, "layer-" + std::to_string(l) + "-e" + e,
+                                 SourceFor(args.source, l) + ",summed=false,lowrank=energy:" + e));
+      timed.push_back(lowrank.back()->Find(Form::kLowRank));
     }
+    const std::vector<double> ms = FastestMs(backend, timed, w, args.repeats);
+    const size_t first_lowrank = summed != nullptr ? 2 : 1;
+    for (size_t ei = 0; ei < args.energies.size(); ++ei) {
+      const Layer& lr = *lowrank[ei];
+      const ResidentForm& form = *lr.Find(Form::kLowRank);
+      const double err = std::max(RelL2(Run(backend, form, w, false), want_plain), RelL2(Run(backend, form, w, true), want_causal));
+      const int64_t total = std::accumulate(lr.lowrank_ranks.begin(), lr.lowrank_ranks.end(), int64_t{0});
+      std::cout << "| " << args.energies[ei] << " | " << l << " | " << total << " | " << F("%.4f", lr.lowrank_kept_energy)
+                << " | " << F("%.3f", static_cast<double>(form.weights().Parameters()) / factored.weights().Parameters())
+                << " | " << F("%.3f", FlopsPerToken(form.weights(), args.n) / FlopsPerToken(factored.weights(), args.n))
+                << " | " << F("%.3g", err) << " | " << F("%.2f", ms[0]) << " | "
+                << (summed != nullptr ? F("%.2f", ms[1]) : std::string("-")) << " | " << F("%.2f", ms[first_lowrank + ei])
+                << " |\n";
+    }
+    for (const auto& lr : lowrank) (void)store.Unload(lr->name);  // frees their forms before the next layer
   }
 
   if (!args.plot_dir.empty()) {
