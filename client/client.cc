@@ -275,6 +275,20 @@ grpc::Status Client::UnloadLayer(const std::string& name) {
   });
 }
 
+grpc::Status Client::SetRouting(const v1::SetRoutingRequest& request, v1::RoutingInfo* info) {
+  return Guard([&] {
+    auto ctx = NewContext(/*admin=*/true);
+    return stub_->SetRouting(ctx.get(), request, info);
+  });
+}
+
+grpc::Status Client::GetRouting(v1::RoutingInfo* info) {
+  return Guard([&] {
+    auto ctx = NewContext();
+    return stub_->GetRouting(ctx.get(), v1::GetRoutingRequest(), info);
+  });
+}
+
 grpc::Status Client::HealthStatus(const std::string& service, ServingStatus* status) {
   return Guard([&] {
     *status = ServingStatus::kUnknown;

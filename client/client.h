@@ -40,8 +40,8 @@ struct ClientOptions {
   // gRPC load-balancing policy ("round_robin", "pick_first"); empty = gRPC's default
   // (pick_first). With round_robin, multi-address targets balance over all backends.
   std::string load_balancing;
-  // When set, LoadLayer and UnloadLayer send "authorization: Bearer <admin_token>" (servers
-  // started with --admin-token require it). Other calls never carry it.
+  // When set, LoadLayer, UnloadLayer and SetRouting send "authorization: Bearer <admin_token>"
+  // (servers started with --admin-token require it). Other calls never carry it.
   std::string admin_token;
 };
 
@@ -68,6 +68,10 @@ class Client {
   // `info` may be null when the caller does not need the loaded layer's description.
   grpc::Status LoadLayer(const std::string& name, const std::string& source, v1::LayerInfo* info);
   grpc::Status UnloadLayer(const std::string& name);
+  // The A/B split and the shadow rate (docs/metrics.md). SetRouting is an admin call (it sends
+  // the admin token); both return the routing in force afterwards.
+  grpc::Status SetRouting(const v1::SetRoutingRequest& request, v1::RoutingInfo* info);
+  grpc::Status GetRouting(v1::RoutingInfo* info);
 
   // grpc.health.v1.Health/Check; service "" = the whole server. Sets *serving to whether the
   // reported status is SERVING. A service the server does not know returns NOT_FOUND.

@@ -18,6 +18,10 @@
 
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/batching/batching_executor.h"
+#include "server/metrics/metrics.h"
+#include "server/metrics/metrics_endpoint.h"
+#include "server/routing/router.h"
+#include "server/routing/shadow.h"
 #include "server/server_options.h"
 #include "server/service/service.h"
 #include "server/store/layer_store.h"
@@ -122,6 +126,8 @@ int Run(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   CpuBackend backend(CpuBackendOptions{.threads = options.threads});
+  Metrics metrics;
+  metrics.SetBuildInfo(ATTNSERVE_VERSION, backend.DeviceName(), "eigen");
   LayerStore store(&backend);
   for (const auto& [name, source] : options.layers) {
     StatusOr<std::shared_ptr<const Layer>> layer = store.Load(name, source);
@@ -132,16 +138,33 @@ int Run(int argc, char** argv) {
     std::string forms;
     for (const auto& [form, _] : (*layer)->forms) forms += (forms.empty() ? "" : ", ") + std::string(FormName(form));
     spdlog::info("layer '{}' from '{}': {} (forms: {})", name, source, (*layer)->config.ToString(), forms);
+    ReportLayerMetrics(**layer, metrics);
   }
 
+  // After the layers: a bad layer is reported as such whatever the state of the metrics port.
+  StatusOr<std::unique_ptr<MetricsEndpoint>> metrics_endpoint = MetricsEndpoint::Start(options.metrics_listen, metrics);
+  if (!metrics_endpoint.ok()) {
+    spdlog::critical("{}", metrics_endpoint.status().message());
+    return 1;
+  }
   BatchingExecutor executor(&backend, BatchPolicy{.max_batch_requests = options.max_batch_requests,
                                                   .max_batch_tokens = options.max_batch_tokens,
                                                   .max_queue_delay = std::chrono::microseconds(options.max_queue_delay_us),
                                                   .max_queue_requests = options.max_queue_requests,
-                                                  .workers = options.workers});
-  AttentionServiceImpl service(
-      &store, &executor,
-      ServiceOptions{.admin_token = options.admin_token, .max_score_bytes = int64_t{options.max_scores_mb} << 20});
+                                                  .workers = options.workers},
+                            &metrics);
+  Router router(&metrics);
+  for (const auto& [layer, spec] : options.routes) {
+    (void)router.SetRoute(layer, ParseRouteSpec(spec).value());  // checked by ParseServerOptions
+  }
+  (void)router.SetShadowRate(options.shadow_rate);  // checked by ParseServerOptions
+  ShadowRunner shadow(&executor, ShadowOptions{.queue_capacity = options.shadow_queue}, &metrics);
+  AttentionServiceImpl service(&store, &executor,
+                               ServiceOptions{.admin_token = options.admin_token,
+                                              .max_score_bytes = int64_t{options.max_scores_mb} << 20,
+                                              .metrics = &metrics,
+                                              .router = &router,
+                                              .shadow = &shadow});
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -168,6 +191,17 @@ int Run(int argc, char** argv) {
       ATTNSERVE_VERSION, bound, backend.DeviceName(), backend.threads(), options.workers, options.max_batch_requests,
       options.max_batch_tokens, options.max_queue_delay_us, options.max_queue_requests, options.max_message_mb,
       options.admin_token.empty() ? "" : ", admin token required");
+  std::string routes;
+  for (const auto& [layer, split] : router.Routes()) {
+    routes += (routes.empty() ? "" : "; ") + layer + "=" + FormatRouteSpec(split);
+  }
+  spdlog::info("metrics on {}:{}/metrics; routes {}; shadow rate {}", HostOf(options.metrics_listen),
+               (*metrics_endpoint)->port(), routes, router.shadow_rate());
+  if (!options.metrics_port_file.empty() && !WritePortFile(options.metrics_port_file, (*metrics_endpoint)->port())) {
+    spdlog::critical("cannot write the metrics port file '{}'", options.metrics_port_file);
+    server->Shutdown();
+    return 1;
+  }
   if (!options.port_file.empty() && !WritePortFile(options.port_file, port)) {
     spdlog::critical("cannot write the port file '{}'", options.port_file);
     server->Shutdown();
@@ -188,6 +222,7 @@ int Run(int argc, char** argv) {
   });
   server->Wait();
   signal_waiter.join();
+  shadow.Shutdown();  // drops waiting mirrors; the running one needs the executor still
   const int abandoned = executor.Drain(std::chrono::milliseconds(0));
   spdlog::info("stopped ({} queued requests abandoned at the drain deadline)", abandoned);
   return 0;

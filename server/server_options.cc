@@ -8,6 +8,7 @@
 #include <sstream>
 #include <string_view>
 
+#include "server/routing/router.h"     // ParseRouteSpec, kDefaultRoute
 #include "server/store/layer_store.h"  // ValidateLayerName
 
 namespace attnserve {
@@ -44,6 +45,36 @@ Status CheckLogLevel(const std::string& what, const std::string& level) {
   }
   return InvalidArgumentError(what + ": expected one of trace, debug, info, warn, error, critical, off, got '" + level +
                               "'");
+}
+
+Status CheckFraction(const std::string& what, const std::string& text, double* out) {
+  double v = 0;
+  const char* end = text.data() + text.size();
+  auto [p, ec] = std::from_chars(text.data(), end, v);
+  if (text.empty() || ec != std::errc() || p != end || !(v >= 0 && v <= 1)) {
+    return InvalidArgumentError(what + ": expected a fraction in [0, 1], got '" + text + "'");
+  }
+  *out = v;
+  return OkStatus();
+}
+
+// A route LAYER → SPEC, checked where it is given so the error names the flag or key.
+Status AddRoute(const std::string& what, std::vector<std::pair<std::string, std::string>>& routes,
+                const std::string& layer, const std::string& spec) {
+  if (layer != kDefaultRoute) {
+    Status name = ValidateLayerName(layer);
+    if (!name.ok()) return InvalidArgumentError(what + ": " + name.message());
+  }
+  StatusOr<RouteSplit> split = ParseRouteSpec(spec, what + " " + layer);
+  if (!split.ok()) return split.status();
+  for (auto& r : routes) {
+    if (r.first == layer) {
+      r.second = spec;
+      return OkStatus();
+    }
+  }
+  routes.emplace_back(layer, spec);
+  return OkStatus();
 }
 
 void AddLayer(std::vector<std::pair<std::string, std::string>>& layers, std::pair<std::string, std::string> layer) {
@@ -97,6 +128,9 @@ Status CheckRanges(const ServerOptions& o) {
   if (o.max_message_mb < 1 || o.max_message_mb > 2047) {
     return InvalidArgumentError("max_message_mb: expected [1, 2047], got " + std::to_string(o.max_message_mb));
   }
+  if (o.metrics_listen.empty()) {
+    return InvalidArgumentError("metrics_listen: expected HOST:PORT (e.g. 0.0.0.0:9464), got an empty string");
+  }
   if (o.max_scores_mb < 1 || o.max_scores_mb > 1048576) {
     return InvalidArgumentError("max_scores_mb: expected [1, 1048576], got " + std::to_string(o.max_scores_mb));
   }
@@ -134,6 +168,14 @@ Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, 
         }
         continue;
       }
+      if (key == "routes") {
+        if (!v.IsMap()) return InvalidArgumentError(what + ": expected a mapping LAYER: FORM:WEIGHT,... (LAYER may be '*')");
+        for (const auto& route : v) {
+          ATTNSERVE_RETURN_IF_ERROR(
+              AddRoute(what, o->routes, route.first.as<std::string>(), route.second.as<std::string>()));
+        }
+        continue;
+      }
       if (!v.IsScalar()) return InvalidArgumentError(what + ": expected a single value");
       const std::string s = v.as<std::string>();
       if (key == "listen") {
@@ -157,13 +199,22 @@ Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, 
         ATTNSERVE_RETURN_IF_ERROR(CheckBool(what, s, &o->log_json));
       } else if (key == "admin_token") {
         o->admin_token = s;
+      } else if (key == "metrics_listen") {
+        o->metrics_listen = s;
+      } else if (key == "metrics_port_file") {
+        o->metrics_port_file = s;
+      } else if (key == "shadow_rate") {
+        ATTNSERVE_RETURN_IF_ERROR(CheckFraction(what, s, &o->shadow_rate));
+      } else if (key == "shadow_queue") {
+        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 1, 100000, &o->shadow_queue));
       } else {
         // A misspelt key silently ignored would leave a setting at its default.
         return InvalidArgumentError(what +
                                     ": unknown key (expected listen, port_file, layers, threads, workers, "
                                     "max_batch_requests, max_batch_tokens, max_queue_delay_us, max_queue_requests, "
                                     "drain_timeout_s, max_message_mb, max_scores_mb, log_level, log_json, "
-                                    "admin_token)");
+                                    "admin_token, metrics_listen, metrics_port_file, routes, shadow_rate, "
+                                    "shadow_queue)");
       }
     }
   } catch (const YAML::Exception& e) {
@@ -181,7 +232,8 @@ StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv) {
   static const std::string_view kBoolFlags[] = {"--help", "-h", "--version", "--log-json"};
   static const std::string_view kValueFlags[] = {
       "--listen",         "--port-file",     "--layer",     "--threads",     "--workers",
-      "--max-message-mb", "--max-scores-mb", "--log-level", "--admin-token", "--config"};
+      "--max-message-mb", "--max-scores-mb", "--log-level", "--admin-token", "--config",
+      "--metrics-listen", "--metrics-port-file", "--route", "--shadow-rate", "--shadow-queue"};
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     Flag f;
@@ -248,6 +300,21 @@ StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv) {
       o.log_level = v;
     } else if (f.name == "--admin-token") {
       o.admin_token = v;
+    } else if (f.name == "--metrics-listen") {
+      o.metrics_listen = v;
+    } else if (f.name == "--metrics-port-file") {
+      o.metrics_port_file = v;
+    } else if (f.name == "--route") {
+      const size_t eq = v.find('=');
+      if (eq == std::string::npos || eq == 0) {
+        return InvalidArgumentError("--route: expected LAYER=FORM:WEIGHT,... (LAYER may be '*'), e.g. "
+                                    "'*=factored:90,summed:10', got '" + v + "'");
+      }
+      ATTNSERVE_RETURN_IF_ERROR(AddRoute("--route", o.routes, v.substr(0, eq), v.substr(eq + 1)));
+    } else if (f.name == "--shadow-rate") {
+      ATTNSERVE_RETURN_IF_ERROR(CheckFraction("--shadow-rate", v, &o.shadow_rate));
+    } else if (f.name == "--shadow-queue") {
+      ATTNSERVE_RETURN_IF_ERROR(CheckInt("--shadow-queue", v, 1, 100000, &o.shadow_queue));
     }
   }
   if (o.help || o.version) return o;
@@ -284,13 +351,23 @@ std::string UsageText() {
          "                         in MiB (default 2048); beyond: RESOURCE_EXHAUSTED\n"
          "  --log-level LEVEL      trace, debug, info, warn, error, critical or off (default info)\n"
          "  --log-json             log one JSON object per line\n"
-         "  --admin-token TOKEN    require 'authorization: Bearer TOKEN' on LoadLayer and UnloadLayer\n"
-         "                         (or set ATTNSERVE_ADMIN_TOKEN, which keeps it out of ps)\n"
+         "  --admin-token TOKEN    require 'authorization: Bearer TOKEN' on LoadLayer, UnloadLayer and\n"
+         "                         SetRouting (or set ATTNSERVE_ADMIN_TOKEN, which keeps it out of ps)\n"
+         "  --metrics-listen ADDR  serve Prometheus metrics at http://ADDR/metrics (default 0.0.0.0:9464);\n"
+         "                         port 0 picks a free port (docs/metrics.md)\n"
+         "  --metrics-port-file FILE  also write the metrics port to FILE once listening\n"
+         "  --route LAYER=SPEC     split requests to LAYER that leave the form unspecified, SPEC =\n"
+         "                         FORM:WEIGHT,... e.g. factored:90,summed:10; LAYER '*' = every layer\n"
+         "                         without its own route (repeatable; default *=factored:100)\n"
+         "  --shadow-rate R        also run this fraction of requests by another held form, off the\n"
+         "                         request path, and record the divergence (default 0)\n"
+         "  --shadow-queue N       shadow runs waiting at most; beyond: dropped and counted (default 16)\n"
          "  --config FILE          YAML file with the same settings: listen, port_file, layers\n"
          "                         {NAME: SOURCE}, threads, workers, max_batch_requests,\n"
          "                         max_batch_tokens, max_queue_delay_us, max_queue_requests,\n"
          "                         drain_timeout_s, max_message_mb, max_scores_mb, log_level, log_json,\n"
-         "                         admin_token\n"
+         "                         admin_token, metrics_listen, metrics_port_file, routes {LAYER: SPEC},\n"
+         "                         shadow_rate, shadow_queue\n"
          "  --help, -h             print this help and exit\n"
          "  --version              print the version and exit\n"
          "\n"

@@ -28,7 +28,15 @@ struct ServerOptions {
   int max_scores_mb = 2048;  // attention scores of one sequence (n · m · heads · 4 bytes)
   std::string log_level = "info";
   bool log_json = false;
-  std::string admin_token;  // empty: LoadLayer / UnloadLayer are unguarded
+  std::string admin_token;  // empty: LoadLayer / UnloadLayer / SetRouting are unguarded
+  // Prometheus endpoint (docs/metrics.md): HOST:PORT serving /metrics; port 0 picks a free one.
+  std::string metrics_listen = "0.0.0.0:9464";
+  std::string metrics_port_file;  // when set, the metrics port is written there once listening
+  // A/B routing: LAYER (or "*") → FORM:WEIGHT,... for requests that leave the form unspecified,
+  // in the order given (a later route of the same layer replaces an earlier one).
+  std::vector<std::pair<std::string, std::string>> routes;
+  double shadow_rate = 0;  // fraction of served requests mirrored to another held form
+  int shadow_queue = 16;   // mirrors waiting at most; beyond: dropped and counted
   std::string config_file;
   bool help = false;
   bool version = false;

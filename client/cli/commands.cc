@@ -6,6 +6,7 @@
 #include <string>
 
 #include "client/cli/args.h"
+#include "client/cli/cmd_route.h"
 
 namespace attnserve::cli {
 namespace {
@@ -20,8 +21,8 @@ std::string ForwardDetails() {
 }
 
 // The table; --help lists the commands in this order.
-const std::array<Subcommand, 6>& Table() {
-  static const std::array<Subcommand, 6> table = {{
+const std::array<Subcommand, 7>& Table() {
+  static const std::array<Subcommand, 7> table = {{
       {"health", "check the server's health (grpc.health.v1)", "[SERVICE]",
        [] {
          return std::string(
@@ -58,6 +59,8 @@ const std::array<Subcommand, 6>& Table() {
        "--layer L [--form F] (--input X.npy | --random B,N[,M]) [--context C.npy] [--causal]\n"
        "       [--key-lengths L1,L2,..] [--output Y.npy] [--compare] [--seed S] [--request-key K]",
        &ForwardDetails, &RunForward},
+      {"route", "show or change the A/B split and the shadow rate",
+       "[LAYER (SPEC | --clear)] [--shadow-rate R]", &RouteDetails, &RunRoute},
   }};
   return table;
 }

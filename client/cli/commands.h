@@ -67,5 +67,6 @@ int RunLayer(CommandContext& ctx, const std::vector<std::string>& args);
 int RunLoad(CommandContext& ctx, const std::vector<std::string>& args);
 int RunUnload(CommandContext& ctx, const std::vector<std::string>& args);
 int RunForward(CommandContext& ctx, const std::vector<std::string>& args);
+int RunRoute(CommandContext& ctx, const std::vector<std::string>& args);  // cmd_route.cc
 
 }  // namespace attnserve::cli

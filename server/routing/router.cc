@@ -39,14 +39,42 @@ const RouteSplit& DefaultSplit() {
 
 }  // namespace
 
+StatusOr<RouteSplit> MakeRouteSplit(const std::vector<std::pair<Form, double>>& weights, std::string_view what) {
+  const std::string w(what);
+  double by_form[std::size(kAllForms)] = {};
+  bool seen[std::size(kAllForms)] = {};
+  double total = 0;
+  for (const auto& [form, weight] : weights) {
+    const size_t index = static_cast<size_t>(form);
+    if (seen[index]) {
+      return InvalidArgumentError(w + ": expected each form at most once, got " + Str(FormName(form)) + " twice");
+    }
+    seen[index] = true;
+    if (!std::isfinite(weight) || weight < 0) {
+      return InvalidArgumentError(w + ": expected a finite weight >= 0 for " + Str(FormName(form)) + ", got " +
+                                  std::to_string(weight));
+    }
+    by_form[index] = weight;
+    total += weight;
+  }
+  if (!(total > 0) || !std::isfinite(total)) {
+    return InvalidArgumentError(w + ": expected at least one positive weight, got " + std::to_string(weights.size()) +
+                                " summing to " + std::to_string(total));
+  }
+  RouteSplit split;
+  for (Form f : kAllForms) {
+    const double weight = by_form[static_cast<size_t>(f)];
+    if (weight > 0) split.emplace_back(f, weight / total);
+  }
+  return split;
+}
+
 StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what) {
   const std::string w(what);
   const std::string expected = "expected FORM:WEIGHT[,FORM:WEIGHT...] with FORM one of " + HeldNames() +
                                " and WEIGHT >= 0 (e.g. factored:90,summed:10)";
   if (Trim(spec).empty()) return InvalidArgumentError(w + ": " + expected + ", got an empty string");
-  double weights[std::size(kAllForms)] = {};
-  bool seen[std::size(kAllForms)] = {};
-  double total = 0;
+  std::vector<std::pair<Form, double>> weights;
   size_t start = 0;
   while (start <= spec.size()) {
     const size_t comma = spec.find(',', start);
@@ -63,12 +91,6 @@ StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what
       return InvalidArgumentError(w + ": expected a form among " + HeldNames() + ", got '" + Str(name) + "' in '" +
                                   Str(spec) + "'");
     }
-    const size_t index = static_cast<size_t>(*form);
-    if (seen[index]) {
-      return InvalidArgumentError(w + ": expected each form at most once, got " + Str(name) + " twice in '" +
-                                  Str(spec) + "'");
-    }
-    seen[index] = true;
     double weight = 0;
     const char* end = number.data() + number.size();
     auto [p, ec] = std::from_chars(number.data(), end, weight);
@@ -76,17 +98,10 @@ StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what
       return InvalidArgumentError(w + ": expected a finite weight >= 0 for " + Str(name) + ", got '" + Str(number) +
                                   "' in '" + Str(spec) + "'");
     }
-    weights[index] = weight;
-    total += weight;
+    weights.emplace_back(*form, weight);
   }
-  if (!(total > 0) || !std::isfinite(total)) {
-    return InvalidArgumentError(w + ": expected at least one positive weight, got '" + Str(spec) + "'");
-  }
-  RouteSplit split;
-  for (Form f : kAllForms) {
-    const double weight = weights[static_cast<size_t>(f)];
-    if (weight > 0) split.emplace_back(f, weight / total);
-  }
+  StatusOr<RouteSplit> split = MakeRouteSplit(weights, what);
+  if (!split.ok()) return InvalidArgumentError(split.status().message() + " in '" + Str(spec) + "'");
   return split;
 }
 

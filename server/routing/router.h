@@ -31,6 +31,9 @@ using RouteSplit = std::vector<std::pair<Form, double>>;
 
 inline constexpr char kDefaultRoute[] = "*";
 
+// Checks (each form at most once, weights finite and >= 0, at least one positive) and
+// normalises raw weights into a split. INVALID_ARGUMENT naming `what`, expected and got.
+StatusOr<RouteSplit> MakeRouteSplit(const std::vector<std::pair<Form, double>>& weights, std::string_view what);
 // Parses "factored:90,summed:10" (weights are non-negative numbers, normalised to shares; a
 // form may be left out or given 0). INVALID_ARGUMENT naming `what`, expected and got: unknown
 // form, bad or negative weight, a form twice, every weight 0, an empty spec.

@@ -15,6 +15,9 @@
 
 #include "server/batching/divergence.h"
 #include "server/core/forms.h"
+#include "server/metrics/metrics.h"
+#include "server/routing/router.h"
+#include "server/routing/shadow.h"
 #include "server/service/validation.h"
 
 namespace attnserve {
@@ -107,13 +110,30 @@ std::chrono::steady_clock::time_point SteadyDeadline(const grpc::CallbackServerC
   return std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(left);
 }
 
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// What one Forward call reports when it is answered: its outcome to the metrics, and, when it
+// was served well and sampled for a shadow, a mirror run of `mirror` to the shadow runner.
+struct CallReporting {
+  Metrics* metrics = nullptr;
+  ShadowRunner* shadow = nullptr;
+  std::optional<Form> mirror;
+  std::chrono::steady_clock::time_point arrived;
+};
+
 // The state of one Forward call: its decoded input, where each job writes, and the outcome of
 // every job. Shared by the jobs' completions; the last one to finish answers the call.
 class ForwardCall {
  public:
   ForwardCall(grpc::ServerUnaryReactor* reactor, v1::ForwardResponse* response, std::shared_ptr<const Layer> layer,
-              DecodedForward decoded)
-      : reactor_(reactor), response_(response), layer_(std::move(layer)), decoded_(std::move(decoded)) {}
+              DecodedForward decoded, CallReporting reporting)
+      : reactor_(reactor),
+        response_(response),
+        layer_(std::move(layer)),
+        decoded_(std::move(decoded)),
+        reporting_(std::move(reporting)) {}
 
   // Prepares the output buffers and submits the served form's job and, for `compare`, one per
   // other held form. The call is answered from the last job's completion.
@@ -178,13 +198,13 @@ class ForwardCall {
   // Runs once, on the thread of the last job's completion.
   void Finish() {
     if (!statuses_[0].ok()) {
-      reactor_->Finish(ToGrpc(statuses_[0]));
+      Answer(ToGrpc(statuses_[0]));
       return;
     }
     for (size_t i = 1; i < statuses_.size(); ++i) {
       if (!statuses_[i].ok()) {
         // The client asked for the comparison; an answer without it would look like agreement.
-        reactor_->Finish(
+        Answer(
             grpc::Status(static_cast<grpc::StatusCode>(statuses_[i].code()),
                          "compare (" + std::string(FormName(forms_[i])) + " form): " + statuses_[i].message()));
         return;
@@ -207,13 +227,48 @@ class ForwardCall {
     response_->set_queue_us(served_timings_.queue_us);
     response_->set_compute_us(served_timings_.compute_us);
     response_->set_batch_requests(served_timings_.batch_requests);
-    reactor_->Finish(grpc::Status::OK);
+    OfferShadow(served);
+    Answer(grpc::Status::OK);
+  }
+
+  // Every answer goes through here, so that each call is counted exactly once.
+  void Answer(const grpc::Status& status) {
+    if (reporting_.metrics != nullptr) {
+      reporting_.metrics->RequestFinished(layer_->name, forms_[0], static_cast<StatusCode>(status.error_code()),
+                                          SecondsSince(reporting_.arrived));
+    }
+    reactor_->Finish(status);
+  }
+
+  // Queues the mirror run, copying the request and the served output now: both belong to the
+  // call, which ends with the answer. A full shadow queue drops the mirror, never the answer.
+  void OfferShadow(std::span<const float> served) {
+    if (reporting_.shadow == nullptr || !reporting_.mirror) return;
+    const DecodedTensor& in = decoded_.input;
+    const int64_t m = decoded_.context ? decoded_.context->rows : 0;
+    reporting_.shadow->Offer(layer_->name, ShadowRequest::BytesFor(in.batch, in.rows, m, in.cols), [&] {
+      ShadowRequest r;
+      r.layer = layer_;
+      r.served = forms_[0];
+      r.mirror = *reporting_.mirror;
+      r.batch = in.batch;
+      r.n = in.rows;
+      r.d_model = in.cols;
+      r.m = m;
+      r.input.assign(in.data(), in.data() + in.batch * in.rows * in.cols);
+      if (decoded_.context) r.context.assign(decoded_.context->data(), decoded_.context->data() + in.batch * m * in.cols);
+      r.causal = decoded_.causal;
+      r.key_lengths = decoded_.key_lengths;
+      r.served_output.assign(served.begin(), served.end());
+      return r;
+    });
   }
 
   grpc::ServerUnaryReactor* const reactor_;
   v1::ForwardResponse* const response_;
   const std::shared_ptr<const Layer> layer_;  // keeps the weights alive for every job
   const DecodedForward decoded_;
+  const CallReporting reporting_;
   std::vector<Form> forms_;  // [0]: the served form; the rest: compared against it
   float* served_output_ = nullptr;
   std::vector<float> fallback_output_;
@@ -278,6 +333,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
                                                         v1::ForwardResponse* response) {
   const auto arrived = std::chrono::steady_clock::now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (options_.metrics != nullptr) options_.metrics->RequestStarted();
+  // What a refusal is counted under: a loaded layer's name only (a client-chosen name would
+  // make a new series per typo), the form once known.
+  std::shared_ptr<const Layer> counted_layer;
+  std::optional<Form> counted_form = FormFromWire(request->form());
   Status status = Guarded("Forward", [&]() -> Status {
     ATTNSERVE_RETURN_IF_ERROR(CheckWireForm(request->form()));
     if (request->layer().empty()) {
@@ -289,8 +349,17 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
       return NotFoundError("layer: no layer named '" + request->layer() +
                            "' is loaded (loaded: " + LoadedNames(*store_) + ")");
     }
-    StatusOr<Form> form = ChooseForm(request->form(), *layer);
+    counted_layer = layer;
+    // FORM_UNSPECIFIED: the router's split for this layer (sticky on the request key).
+    Form held[std::size(kAllForms)];
+    size_t held_count = 0;
+    for (const auto& [f, _] : layer->forms) held[held_count++] = f;
+    const std::span<const Form> held_forms(held, held_count);
+    StatusOr<Form> form = request->form() == v1::FORM_UNSPECIFIED && options_.router != nullptr
+                              ? StatusOr<Form>(options_.router->Choose(layer->name, held_forms, request->request_key()))
+                              : ChooseForm(request->form(), *layer);
     if (!form.ok()) return form.status();
+    counted_form = *form;
 
     WireForwardRequest wire;
     wire.form = request->form();
@@ -302,13 +371,24 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
         DecodeForward(layer->config, wire, ForwardLimits{.max_score_bytes = options_.max_score_bytes});
     if (!decoded.ok()) return decoded.status();
 
-    auto call = std::make_shared<ForwardCall>(reactor, response, layer, std::move(decoded).value());
+    CallReporting reporting{
+        .metrics = options_.metrics, .shadow = options_.shadow, .mirror = std::nullopt, .arrived = arrived};
+    // `compare` already runs every other form; a shadow of it would measure nothing new.
+    if (options_.shadow != nullptr && options_.router != nullptr && !request->compare()) {
+      reporting.mirror = options_.router->ShadowMirror(held_forms, *form);
+    }
+    auto call =
+        std::make_shared<ForwardCall>(reactor, response, layer, std::move(decoded).value(), std::move(reporting));
     ForwardCall::Start(std::move(call), *form, request->compare(), executor_, arrived, context);
     return OkStatus();
   });
   // Once Start has run, the jobs' completions answer the call; only earlier errors end here.
   if (!status.ok()) {
     spdlog::debug("Forward layer='{}': {}", request->layer(), status.ToString());
+    if (options_.metrics != nullptr) {
+      options_.metrics->RequestFinished(counted_layer ? std::string_view(counted_layer->name) : std::string_view(),
+                                        counted_form, status.code(), SecondsSince(arrived));
+    }
     reactor->Finish(ToGrpc(status));
   }
   return reactor;
@@ -359,6 +439,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
       Status st = Guarded("LoadLayer", [&]() -> Status {
         StatusOr<std::shared_ptr<const Layer>> layer = store_->Load(request->name(), request->source());
         if (!layer.ok()) return layer.status();
+        if (options_.metrics != nullptr) ReportLayerMetrics(**layer, *options_.metrics);
         FillLayerInfo(**layer, response);
         return OkStatus();
       });
@@ -383,6 +464,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::UnloadLayer(grpc::CallbackServer
     ATTNSERVE_RETURN_IF_ERROR(CheckAdmin(*context));
     // Requests already holding the layer finish on it; the weights go with the last of them.
     Status st = store_->Unload(request->name());
+    if (st.ok() && options_.metrics != nullptr) options_.metrics->RemoveLayer(request->name());
     if (st.ok()) spdlog::info("unloaded layer '{}'", request->name());
     return st;
   });
@@ -397,7 +479,7 @@ Status AttentionServiceImpl::CheckAdmin(const grpc::CallbackServerContext& conte
   if (it == metadata.end()) {
     return Status(StatusCode::kUnauthenticated,
                   "authorization: expected metadata 'authorization: Bearer <admin token>' (this server guards "
-                  "LoadLayer and UnloadLayer), got none");
+                  "LoadLayer, UnloadLayer and SetRouting), got none");
   }
   const std::string_view got(it->second.data(), it->second.size());
   const std::string want = "Bearer " + options_.admin_token;

@@ -17,11 +17,21 @@ namespace attnserve {
 // FLOPs per token in LayerInfo are those of self-attention at this sequence length.
 inline constexpr int64_t kFlopsReferenceLength = 128;
 
+class Metrics;       // server/metrics/metrics.h
+class Router;        // server/routing/router.h
+class ShadowRunner;  // server/routing/shadow.h
+
 struct ServiceOptions {
-  // When non-empty, LoadLayer and UnloadLayer need the metadata "authorization: Bearer TOKEN".
+  // When non-empty, LoadLayer, UnloadLayer and SetRouting need the metadata
+  // "authorization: Bearer TOKEN".
   std::string admin_token;
   // Attention scores one sequence may need (n · m · heads · 4 bytes); beyond: RESOURCE_EXHAUSTED.
   int64_t max_score_bytes = int64_t{2048} << 20;
+  // Not owned; they outlive the service. Null: nothing is recorded; FORM_UNSPECIFIED is the
+  // factored form and SetRouting answers FAILED_PRECONDITION; nothing is mirrored.
+  Metrics* metrics = nullptr;
+  Router* router = nullptr;
+  ShadowRunner* shadow = nullptr;
 };
 
 class AdminWorker;  // runs slow admin calls (layer loads) off gRPC's threads; service.cc
@@ -43,6 +53,11 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                       v1::LayerInfo* response) override;
   grpc::ServerUnaryReactor* UnloadLayer(grpc::CallbackServerContext* context, const v1::UnloadLayerRequest* request,
                                         v1::UnloadLayerResponse* response) override;
+  // The A/B split and the shadow rate (routing_service.cc).
+  grpc::ServerUnaryReactor* SetRouting(grpc::CallbackServerContext* context, const v1::SetRoutingRequest* request,
+                                       v1::RoutingInfo* response) override;
+  grpc::ServerUnaryReactor* GetRouting(grpc::CallbackServerContext* context, const v1::GetRoutingRequest* request,
+                                       v1::RoutingInfo* response) override;
 
  private:
   Status CheckAdmin(const grpc::CallbackServerContext& context) const;
@@ -55,5 +70,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 
 // What LayerInfo says of a layer (also used by the server's start-up log).
 void FillLayerInfo(const Layer& layer, v1::LayerInfo* info);
+
+// Sets the layer_parameters and layer_bytes series of every form `layer` holds, replacing
+// those of an earlier layer of that name (routing_service.cc).
+void ReportLayerMetrics(const Layer& layer, Metrics& metrics);
 
 }  // namespace attnserve

@@ -92,7 +92,9 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::string& binary, c
   }
   server->dir_ = tmpl;
   const std::string port_file = server->dir_ + "/port";
-  std::vector<std::string> all = {"--listen", "127.0.0.1:0", "--port-file", port_file};
+  // Metrics on an ephemeral port too, so that servers side by side never collide on 9464.
+  std::vector<std::string> all = {"--listen", "127.0.0.1:0", "--port-file", port_file, "--metrics-listen",
+                                  "127.0.0.1:0"};
   all.insert(all.end(), args.begin(), args.end());
   server->pid_ = Spawn(binary, all, server->dir_ + "/log");
   if (server->pid_ < 0) {
