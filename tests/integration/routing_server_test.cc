@@ -1,0 +1,257 @@
+// The A/B inside the real attnserve binary on loopback: SetRouting's admin guard and field
+// errors, routed and sticky forms as Forward reports them, forms a layer lacks, shadows and
+// the metrics they leave in a scrape of /metrics, and the layer gauges across load and unload.
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <random>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/integration/server_process.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::ServerProcess;
+using testing::TempDir;
+
+std::string Describe(const grpc::Status& s) { return std::string(GrpcCodeName(s.error_code())) + ": " + s.error_message(); }
+
+// A server with its metrics port known.
+struct Server {
+  TempDir dir;
+  std::unique_ptr<ServerProcess> process;
+  int metrics_port = 0;
+
+  explicit Server(std::vector<std::string> args) {
+    const std::string port_file = dir.File("metrics_port");
+    args.insert(args.end(), {"--metrics-port-file", port_file});
+    std::string error;
+    process = ServerProcess::Start(ATTNSERVE_BINARY, args, &error);
+    EXPECT_NE(process, nullptr) << error;
+    std::ifstream in(port_file);
+    in >> metrics_port;  // written before the gRPC port file that Start waited for
+  }
+  Client& client() { return process->client(); }
+
+  // GET /metrics: the body.
+  std::string Scrape() const {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(metrics_port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    std::string response;
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+      const std::string request = "GET /metrics HTTP/1.0\r\n\r\n";
+      (void)!write(fd, request.data(), request.size());
+      char buf[8192];
+      ssize_t n;
+      while ((n = read(fd, buf, sizeof buf)) > 0) response.append(buf, static_cast<size_t>(n));
+    }
+    close(fd);
+    const size_t body = response.find("\r\n\r\n");
+    return body == std::string::npos ? "" : response.substr(body + 4);
+  }
+
+  // The value of one sample line `series` (name and labels exactly as exposed); -1 if absent.
+  double Sample(const std::string& series) const {
+    const std::string text = Scrape();
+    std::istringstream in(text);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind(series + " ", 0) == 0) return std::strtod(line.c_str() + series.size() + 1, nullptr);
+    }
+    return -1;
+  }
+};
+
+v1::ForwardRequest Request(const std::string& layer, v1::Form form, const std::string& key, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(2 * 5 * 32);
+  for (float& v : x) v = normal(rng);
+  v1::ForwardRequest req;
+  req.set_layer(layer);
+  req.set_form(form);
+  req.set_request_key(key);
+  *req.mutable_input() = MakeTensor(x, {2, 5, 32});
+  return req;
+}
+
+v1::Form Served(Client& client, const v1::ForwardRequest& req) {
+  v1::ForwardResponse resp;
+  grpc::Status s = client.Forward(req, &resp);
+  EXPECT_TRUE(s.ok()) << Describe(s);
+  return resp.form();
+}
+
+v1::SetRoutingRequest Route(const std::string& layer, std::vector<std::pair<v1::Form, double>> weights) {
+  v1::SetRoutingRequest r;
+  r.set_layer(layer);
+  for (const auto& [form, weight] : weights) {
+    v1::RouteWeight* w = r.add_weights();
+    w->set_form(form);
+    w->set_weight(weight);
+  }
+  return r;
+}
+
+constexpr char kLayer[] = "ab=random:d_model=32,heads=4,seed=5";
+
+TEST(RoutingServerTest, SetRoutingIsAdminGuardedAndChecksEveryField) {
+  Server server({"--layer", kLayer, "--admin-token", "s3cret"});
+  ASSERT_NE(server.process, nullptr);
+  v1::RoutingInfo info;
+  grpc::Status s = server.client().SetRouting(Route("ab", {{v1::FORM_SUMMED, 1}}), &info);
+  EXPECT_EQ(s.error_code(), grpc::UNAUTHENTICATED) << Describe(s);
+  EXPECT_THAT(s.error_message(), HasSubstr("SetRouting"));
+
+  ClientOptions wrong;
+  wrong.target = server.process->target();
+  wrong.admin_token = "guess";
+  Client wrong_client(wrong);
+  s = wrong_client.SetRouting(Route("ab", {{v1::FORM_SUMMED, 1}}), &info);
+  EXPECT_EQ(s.error_code(), grpc::PERMISSION_DENIED) << Describe(s);
+
+  ClientOptions admin = wrong;
+  admin.admin_token = "s3cret";
+  Client admin_client(admin);
+  struct Case {
+    v1::SetRoutingRequest request;
+    const char* message;
+  };
+  v1::SetRoutingRequest shadow_only;
+  shadow_only.set_shadow_rate(1.5);
+  v1::SetRoutingRequest weights_without_layer = Route("", {{v1::FORM_SUMMED, 1}});
+  weights_without_layer.set_shadow_rate(0.1);
+  for (const Case& c : {
+           Case{Route("ab", {{v1::FORM_FACTORED, 1}, {v1::FORM_UNSPECIFIED, 1}}),
+                "weights[1].form: expected FORM_FACTORED, FORM_SUMMED or FORM_LOWRANK, got FORM_UNSPECIFIED"},
+           Case{Route("ab", {{v1::FORM_FACTORED, -1}}), "weights: expected a finite weight >= 0 for factored"},
+           Case{Route("ab", {{v1::FORM_FACTORED, 0}}), "weights: expected at least one positive weight"},
+           Case{Route("ab", {{v1::FORM_SUMMED, 1}, {v1::FORM_SUMMED, 2}}), "expected each form at most once"},
+           Case{Route("bad name", {{v1::FORM_SUMMED, 1}}), "name"},
+           Case{Route("", {}), "layer: expected a layer name or '*'"},
+           Case{shadow_only, "shadow_rate: expected a fraction in [0, 1]"},
+           Case{weights_without_layer, "layer: expected the layer these 1 weights are for"},
+       }) {
+    s = admin_client.SetRouting(c.request, &info);
+    EXPECT_EQ(s.error_code(), grpc::INVALID_ARGUMENT) << Describe(s);
+    EXPECT_THAT(s.error_message(), HasSubstr(c.message));
+  }
+  // Refused calls changed nothing.
+  ASSERT_TRUE(server.client().GetRouting(&info).ok());  // no token needed to read
+  ASSERT_EQ(info.routes_size(), 1);
+  EXPECT_EQ(info.routes(0).layer(), "*");
+  EXPECT_EQ(info.shadow_rate(), 0);
+
+  v1::SetRoutingRequest both = Route("ab", {{v1::FORM_FACTORED, 3}, {v1::FORM_SUMMED, 1}});
+  both.set_shadow_rate(0.5);
+  s = admin_client.SetRouting(both, &info);
+  ASSERT_TRUE(s.ok()) << Describe(s);
+  ASSERT_EQ(info.routes_size(), 2);
+  EXPECT_EQ(info.routes(1).layer(), "ab");
+  ASSERT_EQ(info.routes(1).weights_size(), 2);
+  EXPECT_DOUBLE_EQ(info.routes(1).weights(0).weight(), 0.75);
+  EXPECT_DOUBLE_EQ(info.routes(1).weights(1).weight(), 0.25);
+  EXPECT_EQ(info.shadow_rate(), 0.5);
+  EXPECT_EQ(server.Sample("attnserve_routing_weight{form=\"summed\",layer=\"ab\"}"), 0.25);
+}
+
+TEST(RoutingServerTest, RoutedFormsAreStickyAndSkipFormsNotHeld) {
+  Server server({"--layer", kLayer, "--layer", "only=random:d_model=32,heads=4,seed=6,summed=false", "--route",
+                 "*=factored:1,summed:1"});
+  ASSERT_NE(server.process, nullptr);
+  Client& client = server.client();
+  // Sticky: one key, one form; many keys, both forms.
+  std::map<v1::Form, int> seen;
+  for (int k = 0; k < 40; ++k) {
+    const std::string key = "user-" + std::to_string(k);
+    const v1::Form first = Served(client, Request("ab", v1::FORM_UNSPECIFIED, key, k));
+    for (int again = 0; again < 3; ++again) {
+      EXPECT_EQ(Served(client, Request("ab", v1::FORM_UNSPECIFIED, key, 100 + again)), first) << key;
+    }
+    ++seen[first];
+  }
+  EXPECT_GT(seen[v1::FORM_FACTORED], 5);
+  EXPECT_GT(seen[v1::FORM_SUMMED], 5);
+  // An explicit form is never rerouted; a layer without the summed form gets the factored one.
+  EXPECT_EQ(Served(client, Request("ab", v1::FORM_SUMMED, "user-0", 1)), v1::FORM_SUMMED);
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(Served(client, Request("only", v1::FORM_UNSPECIFIED, "", i)), v1::FORM_FACTORED);
+
+  // Run-time change: all of ab to summed.
+  v1::RoutingInfo info;
+  ASSERT_TRUE(client.SetRouting(Route("ab", {{v1::FORM_SUMMED, 1}}), &info).ok());
+  for (int k = 0; k < 10; ++k) {
+    EXPECT_EQ(Served(client, Request("ab", v1::FORM_UNSPECIFIED, "user-" + std::to_string(k), k)), v1::FORM_SUMMED);
+  }
+}
+
+TEST(RoutingServerTest, ShadowsRecordDivergenceAndNeverChangeTheAnswer) {
+  Server server({"--layer", kLayer, "--shadow-rate", "1"});
+  ASSERT_NE(server.process, nullptr);
+  Client& client = server.client();
+  constexpr int kRequests = 6;
+  for (int i = 0; i < kRequests; ++i) {
+    v1::ForwardResponse resp;
+    ASSERT_TRUE(client.Forward(Request("ab", v1::FORM_FACTORED, "", i), &resp).ok());
+    EXPECT_EQ(resp.form(), v1::FORM_FACTORED);
+    EXPECT_EQ(resp.divergence_size(), 0);  // shadows are not reported to the client
+  }
+  // The mirrors run after the answers: wait until all are compared.
+  const std::string count = "attnserve_shadow_divergence_count{form=\"summed\",layer=\"ab\"}";
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (server.Sample(count) < kRequests && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(server.Sample(count), kRequests);
+  // float32 agreement of two exact forms: every rel_l2 below 1e-5.
+  EXPECT_EQ(server.Sample("attnserve_shadow_divergence_bucket{form=\"summed\",layer=\"ab\",le=\"1e-05\"}"),
+            kRequests);
+  // The clients' requests are counted once, under the served form only.
+  EXPECT_EQ(server.Sample("attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"ab\"}"), kRequests);
+  EXPECT_EQ(server.Sample("attnserve_requests_total{code=\"OK\",form=\"summed\",layer=\"ab\"}"), -1);
+  // The mirrors' compute is the summed form's.
+  EXPECT_EQ(server.Sample("attnserve_batch_tokens_sum{form=\"summed\",layer=\"ab\"}"), kRequests * 2 * 5);
+}
+
+TEST(RoutingServerTest, RefusalsAndLayerGaugesInTheScrape) {
+  Server server({"--layer", kLayer});
+  ASSERT_NE(server.process, nullptr);
+  Client& client = server.client();
+  v1::ForwardResponse resp;
+  EXPECT_EQ(client.Forward(Request("nope", v1::FORM_FACTORED, "", 1), &resp).error_code(), grpc::NOT_FOUND);
+  EXPECT_EQ(client.Forward(Request("typo", v1::FORM_UNSPECIFIED, "", 1), &resp).error_code(), grpc::NOT_FOUND);
+  // Unknown layer names are not labels: both land under layer="".
+  EXPECT_EQ(server.Sample("attnserve_requests_total{code=\"NOT_FOUND\",form=\"factored\",layer=\"\"}"), 1);
+  EXPECT_EQ(server.Sample("attnserve_requests_total{code=\"NOT_FOUND\",form=\"none\",layer=\"\"}"), 1);
+  EXPECT_EQ(server.Sample("attnserve_inflight_requests"), 0);
+
+  // d_model 32, 4 heads of 8, bias: W_Q, W_K, W_V, W_O and their biases.
+  EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"factored\",layer=\"ab\"}"), 4 * 32 * 32 + 4 * 32);
+  EXPECT_EQ(server.Sample("attnserve_layer_bytes{device=\"cpu\",form=\"factored\",layer=\"ab\"}"),
+            4 * (4 * 32 * 32 + 4 * 32));
+  ASSERT_TRUE(client.UnloadLayer("ab").ok());
+  EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"factored\",layer=\"ab\"}"), -1);
+  ASSERT_TRUE(client.LoadLayer("ab", "random:d_model=32,heads=4,seed=5,summed=false", nullptr).ok());
+  EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"factored\",layer=\"ab\"}"), 4 * 32 * 32 + 4 * 32);
+  EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"summed\",layer=\"ab\"}"), -1);
+}
+
+}  // namespace
+}  // namespace attnserve
