@@ -170,8 +170,10 @@ struct Metrics::Impl {
   // Serialises the cold paths that add and remove gauge children (layers, routes), so that a
   // remove never races an add of the same series.
   std::mutex gauge_mu;
-  // The gauges set per layer, to remove them with the layer (guarded by gauge_mu).
-  std::map<std::string, std::vector<prometheus::Gauge*>, std::less<>> layer_gauges;
+  // The gauges set per layer, with their family, to remove them with the layer (guarded by
+  // gauge_mu).
+  using FamilyGauge = std::pair<prometheus::Family<prometheus::Gauge>*, prometheus::Gauge*>;
+  std::map<std::string, std::vector<FamilyGauge>, std::less<>> layer_gauges;
   std::map<std::string, std::vector<prometheus::Gauge*>, std::less<>> route_gauges;
 
   LayerSeries& Layer(std::string_view layer) {
@@ -254,7 +256,7 @@ void Metrics::SetLayerForm(std::string_view layer, Form form, std::string_view d
   p.Set(static_cast<double>(parameters));
   b.Set(static_cast<double>(bytes));
   auto& gauges = impl_->layer_gauges[std::string(layer)];
-  for (prometheus::Gauge* g : {&p, &b}) {
+  for (Impl::FamilyGauge g : {Impl::FamilyGauge{&impl_->layer_parameters, &p}, {&impl_->layer_bytes, &b}}) {
     if (std::find(gauges.begin(), gauges.end(), g) == gauges.end()) gauges.push_back(g);
   }
 }
@@ -263,11 +265,7 @@ void Metrics::RemoveLayer(std::string_view layer) {
   std::lock_guard<std::mutex> lock(impl_->gauge_mu);
   auto it = impl_->layer_gauges.find(layer);
   if (it == impl_->layer_gauges.end()) return;
-  // Each gauge belongs to one of the two families; Remove ignores a child it does not hold.
-  for (prometheus::Gauge* g : it->second) {
-    impl_->layer_parameters.Remove(g);
-    impl_->layer_bytes.Remove(g);
-  }
+  for (const auto& [family, gauge] : it->second) family->Remove(gauge);
   impl_->layer_gauges.erase(it);
 }
 
