@@ -255,8 +255,8 @@ std::string GlobalFlagsHelp() {
          "  --timeout-ms MS           deadline of each call (default 30000)\n"
          "  --max-message-mb MB       largest message sent or received (default 64)\n"
          "  --load-balancing POLICY   gRPC policy, e.g. round_robin (default pick_first)\n"
-         "  --admin-token TOKEN       sent on load and unload (default $ATTNSERVE_ADMIN_TOKEN,\n"
-         "                            which keeps it out of ps)\n"
+         "  --admin-token TOKEN       sent on load, unload and route changes (default\n"
+         "                            $ATTNSERVE_ADMIN_TOKEN, which keeps it out of ps)\n"
          "  -h, --help                this help\n";
 }
 
