@@ -21,8 +21,8 @@ std::string ForwardDetails() {
 }
 
 // The table; --help lists the commands in this order.
-const std::array<Subcommand, 7>& Table() {
-  static const std::array<Subcommand, 7> table = {{
+const std::array<Subcommand, 8>& Table() {
+  static const std::array<Subcommand, 8> table = {{
       {"health", "check the server's health (grpc.health.v1)", "[SERVICE]",
        [] {
          return std::string(
@@ -59,6 +59,11 @@ const std::array<Subcommand, 7>& Table() {
        "--layer L [--form F] (--input X.npy | --random B,N[,M]) [--context C.npy] [--causal]\n"
        "       [--key-lengths L1,L2,..] [--output Y.npy] [--compare] [--seed S] [--request-key K]",
        &ForwardDetails, &RunForward},
+      {"bench", "load-test a layer's forms against each other",
+       "--layer L --shape B,N[,M] [--forms F1,F2] [--concurrency C1,C2,..]\n"
+       "       [--duration T | --requests K] [--warmup T] [--causal] [--target ADDR]\n"
+       "       [--json FILE] [--csv FILE] [--plot FILE.svg] [--interleave slice|request] [--noop-server]",
+       &BenchDetails, &RunBench},
       {"route", "show or change the A/B split and the shadow rate",
        "[LAYER (SPEC | --clear)] [--shadow-rate R]", &RouteDetails, &RunRoute},
   }};

@@ -67,6 +67,9 @@ int RunLayer(CommandContext& ctx, const std::vector<std::string>& args);
 int RunLoad(CommandContext& ctx, const std::vector<std::string>& args);
 int RunUnload(CommandContext& ctx, const std::vector<std::string>& args);
 int RunForward(CommandContext& ctx, const std::vector<std::string>& args);
+// cmd_bench.cc: the load generator, and its `bench --help` text.
+int RunBench(CommandContext& ctx, const std::vector<std::string>& args);
+std::string BenchDetails();
 int RunRoute(CommandContext& ctx, const std::vector<std::string>& args);  // cmd_route.cc
 
 }  // namespace attnserve::cli
