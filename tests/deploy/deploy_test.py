@@ -1,0 +1,984 @@
+#!/usr/bin/python3
+"""Checks of the deployment files against the real binaries (label "deploy" in CTest).
+
+No Docker engine or Kubernetes cluster runs here, so what can be checked without one is:
+  Dockerfile   every RUN step calls a repository script, and this test runs each of those calls
+               in a dry form (scripts/setup --dry-run, scripts/build --configure-only in a copy
+               of the build context that .dockerignore leaves, scripts/runtime-packages on the
+               built binaries); the runtime stages' user, ports, health check, stop signal and
+               entrypoint flags against `attnserve --help` and `attnserve-cli --help`.
+  compose      flags, ports, grace period, mounted files, Prometheus's scrape target and
+               Grafana's data source, and the real server started with the compose command.
+  Kubernetes   the kustomizations rendered (by a small renderer here; compared with `kubectl
+               kustomize` where kubectl exists), flags, ports, gRPC probes, grace period vs the
+               drain, resources, selectors, and the real server started with the ConfigMap.
+
+Run by CTest with ATTNSERVE_SOURCE_DIR, ATTNSERVE_BUILD_DIR, ATTNSERVE_BINARY and
+ATTNSERVE_CLI_BINARY set; `deploy_test.py ClassName` runs one group. Debian's /usr/bin/python3
+with python3-yaml (scripts/setup installs it).
+"""
+
+import copy
+import json
+import os
+import re
+import select
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import yaml
+
+SRC = os.path.abspath(os.environ.get("ATTNSERVE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", "..")))
+BUILD_DIR = os.environ.get("ATTNSERVE_BUILD_DIR", os.path.join(SRC, "build"))
+BINARY = os.environ.get("ATTNSERVE_BINARY", os.path.join(BUILD_DIR, "server", "attnserve"))
+CLI = os.environ.get("ATTNSERVE_CLI_BINARY", os.path.join(BUILD_DIR, "client", "attnserve-cli"))
+DEPLOY = os.path.join(SRC, "deploy")
+GRPC_HEALTH_SERVICES = ("", "attnserve.v1.AttentionService")
+
+
+# ---------------------------------------------------------------------------------------------
+# The binaries' flags
+
+
+def parse_help(text):
+    """{'--flag': default or None} from a --help text: entries start with two spaces and '-'."""
+    flags, current = {}, None
+    entries = []
+    for line in text.splitlines():
+        m = re.match(r"^ {2,4}(-{1,2}[A-Za-z0-9][A-Za-z0-9-]*)((?:, -{1,2}[A-Za-z0-9-]+)*)(.*)$", line)
+        if m:
+            names = [m.group(1)] + re.findall(r"-{1,2}[A-Za-z0-9-]+", m.group(2))
+            current = [names, m.group(3)]
+            entries.append(current)
+        elif current is not None and line.startswith("      ") and line.strip():
+            current[1] += " " + line.strip()
+        else:
+            current = None
+    for names, text in entries:
+        d = re.search(r"\(default ([^)\s;,]+)", text)
+        for n in names:
+            flags[n] = d.group(1) if d else None
+    return flags
+
+
+_help_cache = {}
+
+
+def help_flags(binary):
+    if binary not in _help_cache:
+        out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise AssertionError(f"{binary} --help exited {out.returncode}: {out.stderr}")
+        _help_cache[binary] = parse_help(out.stdout)
+    return _help_cache[binary]
+
+
+def server_flags():
+    return help_flags(BINARY)
+
+
+def flag_names(args):
+    """The --names in an argument list (values may follow as '--x=v' or '--x v')."""
+    return [a.split("=", 1)[0] for a in args if a.startswith("-") and not re.match(r"^-\d", a)]
+
+
+def flag_value(args, name, default=None):
+    """The last value of flag `name` in args ('--x=v' or '--x v')."""
+    value = default
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a[len(name) + 1 :]
+    return value
+
+
+def port_of(addr):
+    return int(str(addr).rsplit(":", 1)[1])
+
+
+def default_of(flag):
+    flags = server_flags()
+    if flag not in flags:
+        raise AssertionError(f"attnserve --help has no {flag} (flags: {sorted(flags)})")
+    if flags[flag] is None:
+        raise AssertionError(f"attnserve --help gives no '(default ...)' for {flag}")
+    return flags[flag]
+
+
+def assert_flags_exist(test, args, binary, where):
+    known = help_flags(binary)
+    missing = [f for f in flag_names(args) if f not in known]
+    test.assertEqual(
+        missing, [], f"{where} passes flags that `{os.path.basename(binary)} --help` does not list: {missing}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the real server briefly
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_and_stop_server(test, args, what):
+    """Starts attnserve with `args` on loopback (listen addresses overridden), checks that it
+    comes up and answers SERVING, sends SIGTERM and expects exit 0."""
+    full = [BINARY] + list(args) + ["--listen=127.0.0.1:0"]
+    if "--metrics-listen" in server_flags():
+        full.append(f"--metrics-listen=127.0.0.1:{free_port()}")
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            line, deadline = "", time.time() + 60
+            while time.time() < deadline and proc.poll() is None:
+                ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+                if ready:
+                    line = proc.stdout.readline()
+                    break
+            if not line.startswith("listening on "):
+                proc.kill()
+                proc.wait()
+                err.seek(0)
+                test.fail(f"{what}: the server did not start ({shlex.join(full)}); exit {proc.returncode}:\n{err.read()}")
+            target = line.split()[-1]
+            health = subprocess.run([CLI, "--target", target, "--timeout-ms", "10000", "health"],
+                                    capture_output=True, text=True, timeout=30)
+            test.assertEqual(health.stdout.strip(), "SERVING", f"{what}: health: {health.stdout} {health.stderr}")
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(timeout=60)
+            err.seek(0)
+            test.assertEqual(rc, 0, f"{what}: exit status after SIGTERM; log:\n{err.read()}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfile and .dockerignore
+
+
+class Stage:
+    def __init__(self, base, name):
+        self.base, self.name = base, name
+        self.instructions = []  # (KEYWORD, rest)
+
+    def all(self, keyword):
+        return [rest for k, rest in self.instructions if k == keyword]
+
+    def last(self, keyword):
+        found = self.all(keyword)
+        return found[-1] if found else None
+
+
+def substitute(text, variables):
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables.get(m.group(1) or m.group(2), ""), text)
+
+
+def parse_dockerfile(path):
+    """[Stage] in order; global ARG defaults substituted into FROM lines."""
+    logical, buf = [], ""
+    with open(path) as f:
+        for raw in f:
+            line = raw.rstrip("\n")
+            if re.match(r"^\s*#", line):
+                continue  # comments, also inside continuations
+            if line.endswith("\\"):
+                buf += line[:-1] + " "
+                continue
+            buf += line
+            if buf.strip():
+                logical.append(buf.strip())
+            buf = ""
+    global_args, stages = {}, []
+    for line in logical:
+        keyword, _, rest = line.partition(" ")
+        keyword, rest = keyword.upper(), rest.strip()
+        if keyword == "ARG" and not stages:
+            name, _, value = rest.partition("=")
+            global_args[name] = substitute(value, global_args)
+        elif keyword == "FROM":
+            words = substitute(rest, global_args).split()
+            words = [w for w in words if not w.startswith("--platform")]
+            stages.append(Stage(words[0], words[2] if len(words) >= 3 and words[1].upper() == "AS" else None))
+        else:
+            stages[-1].instructions.append((keyword, rest))
+    return stages
+
+
+def exec_form(text):
+    text = text.strip()
+    return json.loads(text) if text.startswith("[") else ["/bin/sh", "-c", text]
+
+
+def split_options(text):
+    """('--opt=value' options, remainder) of a RUN/COPY/HEALTHCHECK argument string."""
+    options = []
+    rest = text.strip()
+    while rest.startswith("--"):
+        opt, _, rest = rest.partition(" ")
+        options.append(opt)
+        rest = rest.strip()
+    return options, rest
+
+
+def mount_options(options):
+    mounts = []
+    for opt in options:
+        if opt.startswith("--mount="):
+            mounts.append(dict(kv.split("=", 1) for kv in opt[len("--mount=") :].split(",")))
+    return mounts
+
+
+def shell_commands(script):
+    """A RUN's shell form split into simple commands: [(argv, stdout_redirect or None)]."""
+    lexer = shlex.shlex(script, posix=True, punctuation_chars=";&|<>")
+    lexer.whitespace_split = True
+    commands, argv, redirect, expect_target = [], [], None, False
+    for token in lexer:
+        if token in ("&&", "||", ";", "|", "&"):
+            commands.append((argv, redirect))
+            argv, redirect = [], None
+        elif token in (">", ">>"):
+            expect_target = True
+        elif expect_target:
+            redirect, expect_target = token, False
+        else:
+            argv.append(token)
+    if argv:
+        commands.append((argv, redirect))
+    return commands
+
+
+def dockerignore_patterns():
+    patterns = []
+    with open(os.path.join(SRC, ".dockerignore")) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            negate = line.startswith("!")
+            p = os.path.normpath(line.lstrip("!").lstrip("/"))
+            patterns.append((negate, glob_regex(p)))
+    return patterns
+
+
+def glob_regex(pattern):
+    """Docker's .dockerignore syntax: '*' and '?' stay within a path element, '**' crosses them."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile("^" + out + "$")
+
+
+def docker_excludes(path, patterns):
+    """Whether the build context leaves `path` (relative) out: a pattern that matches the path or
+    one of its parent folders excludes it; the last matching pattern decides."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for negate, rx in patterns:
+        if any(rx.match(p) for p in prefixes):
+            excluded = not negate
+    return excluded
+
+
+def context_files():
+    """The files of a clean checkout that the Docker build context keeps."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+                         cwd=SRC, capture_output=True, text=True, check=True).stdout
+    patterns = dockerignore_patterns()
+    return [p for p in out.split("\0") if p and os.path.exists(os.path.join(SRC, p)) and not docker_excludes(p, patterns)]
+
+
+def apt_closure(packages):
+    """Every package `packages` depend on, recursively (Depends and Pre-Depends)."""
+    out = subprocess.run(
+        ["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts", "--no-breaks",
+         "--no-replaces", "--no-enhances"] + list(packages),
+        capture_output=True, text=True, check=True).stdout
+    names = set()
+    for line in out.splitlines():
+        m = re.match(r"^\s*(?:\|?(?:Pre)?Depends:\s*)?<?([a-z0-9][a-z0-9.+-]*)(?::\w+)?>?\s*$", line)
+        if m:
+            names.add(m.group(1))
+    return names
+
+
+class DockerfileTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.stages = parse_dockerfile(os.path.join(SRC, "Dockerfile"))
+        cls.by_name = {s.name: s for s in cls.stages}
+        cls.grpc_port = port_of(default_of("--listen"))
+        cls.metrics_port = port_of(default_of("--metrics-listen")) if "--metrics-listen" in server_flags() else None
+
+    def runtime_stages(self):
+        return [s for s in self.stages if s.last("ENTRYPOINT")]
+
+    def build_stage_of(self, stage):
+        sources = {dict(o.split("=", 1) for o in split_options(c)[0] if "=" in o).get("--from") for c in stage.all("COPY")}
+        sources.discard(None)
+        self.assertEqual(len(sources), 1, f"stage {stage.name} copies from {sources}")
+        return self.by_name[sources.pop()]
+
+    def test_stages_and_bases(self):
+        self.assertEqual(self.stages[-1].name, "runtime", "the default target (the last stage) is the CPU runtime")
+        bases = {s.name: s.base for s in self.stages}
+        self.assertEqual(bases.get("build"), "debian:bookworm")
+        self.assertEqual(bases.get("runtime"), "debian:bookworm-slim")
+        self.assertRegex(bases.get("cuda-build", ""), r"^nvidia/cuda:[\d.]+-devel-")
+        self.assertRegex(bases.get("cuda", ""), r"^nvidia/cuda:[\d.]+-runtime-")
+        # Runtime and devel of the same CUDA release and distribution.
+        self.assertEqual(bases["cuda-build"].replace("-devel-", "-"), bases["cuda"].replace("-runtime-", "-"))
+
+    def test_scripts_test_runs_the_same_scripts(self):
+        """CI (scripts/test) runs scripts/setup and scripts/build: the build stages' steps."""
+        with open(os.path.join(SRC, "scripts", "test")) as f:
+            text = f.read()
+        self.assertRegex(text, r"(?m)^\s*scripts/setup\s*$")
+        self.assertRegex(text, r"(?m)^\s*scripts/build\s+build\b")
+
+    def resolve_script(self, stage, argv0, mounts, copied):
+        """The repository script a RUN command calls, or None."""
+        for m in mounts:
+            if m.get("type") == "bind" and "from" not in m and argv0.startswith(m["target"].rstrip("/") + "/"):
+                return os.path.normpath(os.path.join(m.get("source", "."), argv0[len(m["target"].rstrip("/")) + 1 :]))
+        if argv0.startswith("scripts/") and copied:
+            return os.path.normpath(argv0)
+        return None
+
+    def run_steps(self):
+        """[(stage, script, args, redirect, mounts)] for every command of every RUN step."""
+        steps = []
+        for stage in self.stages:
+            copied = False
+            for keyword, rest in stage.instructions:
+                if keyword == "COPY":
+                    opts, paths = split_options(rest)
+                    srcs = paths.split()[:-1]
+                    if not any(o.startswith("--from") for o in opts) and any(s.rstrip("/") in ("scripts", ".") for s in srcs):
+                        copied = True
+                if keyword != "RUN":
+                    continue
+                opts, script = split_options(rest)
+                mounts = mount_options(opts)
+                for argv, redirect in shell_commands(script):
+                    path = self.resolve_script(stage, argv[0], mounts, copied)
+                    self.assertIsNotNone(path, f"stage {stage.name}: RUN calls '{argv[0]}', not a script of scripts/ "
+                                               f"that is in the image at that point (keep RUN steps to tested scripts)")
+                    steps.append((stage, path, argv[1:], redirect, mounts))
+        return steps
+
+    def test_run_steps_call_existing_executable_scripts(self):
+        steps = self.run_steps()
+        self.assertTrue(steps)
+        tracked = set(subprocess.run(["git", "ls-files", "scripts"], cwd=SRC, capture_output=True, text=True).stdout.split())
+        untracked = set(subprocess.run(["git", "ls-files", "--others", "--exclude-standard", "scripts"], cwd=SRC,
+                                       capture_output=True, text=True).stdout.split())
+        for stage, path, _, _, _ in steps:
+            full = os.path.join(SRC, path)
+            self.assertTrue(os.path.isfile(full), f"stage {stage.name}: {path} does not exist")
+            self.assertTrue(os.access(full, os.X_OK), f"stage {stage.name}: {path} is not executable")
+            self.assertIn(path, tracked | untracked, f"{path} is ignored by git, so a clean checkout lacks it")
+            self.assertIn(os.path.basename(path), ("setup", "build", "runtime-packages"),
+                          f"{path}: this test has no dry run for it; add one before the Dockerfile calls it")
+
+    def local_binary(self, image_path, build_dirs):
+        """The file of the local build tree that corresponds to a path in a build stage."""
+        for d in build_dirs:
+            if image_path.startswith(d.rstrip("/") + "/"):
+                return os.path.join(BUILD_DIR, image_path[len(d.rstrip("/")) + 1 :])
+        self.fail(f"{image_path} is not under a scripts/build folder of its stage ({build_dirs})")
+
+    def test_run_steps_dry_run(self):
+        """Each scripts/setup call with --dry-run, each scripts/runtime-packages call on the
+        local binaries. (scripts/build: test_build_configures_in_the_image_context.)"""
+        produced = {}  # (stage, path) -> local file with what the step would write
+        with tempfile.TemporaryDirectory() as tmp:
+            for stage, path, args, redirect, mounts in self.run_steps():
+                name = os.path.basename(path)
+                if name == "build":
+                    continue
+                if name == "runtime-packages":
+                    build_dirs = [a[0] for s, p, a, _, _ in self.run_steps() if s is stage and p.endswith("build")]
+                    binaries = [self.local_binary(a, build_dirs) for a in args if not a.startswith("--")]
+                    # --skip-unowned: a local tree may link a CUDA toolkit installed without dpkg.
+                    out = subprocess.run([os.path.join(SRC, path), "--skip-unowned"] + binaries,
+                                         capture_output=True, text=True, timeout=120)
+                    self.assertEqual(out.returncode, 0, f"{path} {binaries}: {out.stderr}")
+                    self.assertIn("libgrpc++1.51", out.stdout.split(), out.stdout)
+                    self.assertIsNotNone(redirect, f"stage {stage.name}: {path} must write its list to a file")
+                    local = os.path.join(tmp, f"{stage.name}-{os.path.basename(redirect)}")
+                    with open(local, "w") as f:
+                        f.write(out.stdout)
+                    produced[(stage.name, redirect)] = local
+                    continue
+                # scripts/setup: files from other stages' mounts are replaced by their local equivalent.
+                local_args = []
+                for a in args:
+                    for m in mounts:
+                        if m.get("type") == "bind" and "from" in m and a == m["target"]:
+                            key = (m["from"], m["source"])
+                            self.assertIn(key, produced, f"{a} comes from stage {m['from']}, which writes no {m['source']}")
+                            a = produced[key]
+                    local_args.append(a)
+                out = subprocess.run([os.path.join(SRC, path)] + local_args + ["--dry-run"],
+                                     capture_output=True, text=True, timeout=300)
+                self.assertEqual(out.returncode, 0, f"{path} {' '.join(args)} --dry-run: {out.stdout}{out.stderr}")
+
+    def test_runtime_packages_cover_the_binaries(self):
+        """Every library the built binaries load comes with `scripts/setup --runtime`."""
+        listed = subprocess.run([os.path.join(SRC, "scripts", "setup"), "--runtime", "--dry-run"],
+                                capture_output=True, text=True, check=True).stdout.split()
+        needed = subprocess.run([os.path.join(SRC, "scripts", "runtime-packages"), "--skip-unowned", BINARY, CLI],
+                                capture_output=True, text=True, check=True).stdout.split()
+        closure = apt_closure(listed)
+        self.assertEqual(sorted(set(needed) - closure), [],
+                         f"packages the binaries need that scripts/setup --runtime ({listed}) does not bring")
+
+    def test_build_configures_in_the_image_context(self):
+        """Each scripts/build call of the Dockerfile, configured (not compiled) in a copy of what
+        .dockerignore leaves of the tree: catches a misspelt -D option, a target that does not
+        exist and a source file the context leaves out."""
+        calls = [(s, a) for s, p, a, _, _ in self.run_steps() if os.path.basename(p) == "build"]
+        self.assertEqual(sorted(s.name for s, _ in calls), ["build", "cuda-build"])
+        files = context_files()
+        for required in ("CMakeLists.txt", "scripts/setup", "scripts/build", "server/main.cc", "proto/CMakeLists.txt"):
+            self.assertIn(required, files, f".dockerignore leaves {required} out of the build context")
+        with tempfile.TemporaryDirectory() as ctx:
+            for f in files:
+                os.makedirs(os.path.join(ctx, os.path.dirname(f)), exist_ok=True)
+                shutil.copy2(os.path.join(SRC, f), os.path.join(ctx, f))
+            for stage, args in calls:
+                options = [a for a in args[1:] if a.startswith("-D")]
+                targets = [args[i + 1] for i, a in enumerate(args) if a == "--target"]
+                self.assertIn("-DATTNSERVE_NATIVE=OFF", options, f"stage {stage.name}: an image must not use -march=native")
+                self.assertEqual(sorted(targets), ["attnserve", "attnserve-cli"])
+                if stage.name == "cuda-build":
+                    self.assertIn("-DATTNSERVE_CUDA=ON", options)
+                    self.assertIn("-DCMAKE_CUDA_ARCHITECTURES=80;90", options, "Ampere (sm_80) and Hopper (sm_90)")
+                    if not (shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")):
+                        print(f"note: no nvcc here: stage {stage.name}'s configure is not checked", file=sys.stderr)
+                        continue
+                else:
+                    self.assertIn("-DATTNSERVE_CUDA=OFF", options)
+                build = os.path.join(ctx, "build-" + stage.name)
+                env = dict(os.environ, PATH="/usr/local/cuda/bin:" + os.environ.get("PATH", ""))
+                out = subprocess.run([os.path.join(ctx, "scripts", "build"), build] + options + ["--configure-only"],
+                                     capture_output=True, text=True, timeout=600, env=env)
+                self.assertEqual(out.returncode, 0, f"stage {stage.name}: scripts/build {build} {options}:\n"
+                                                    f"{out.stdout[-4000:]}{out.stderr[-4000:]}")
+                listing = subprocess.run(["ninja", "-C", build, "-t", "targets", "all"], capture_output=True,
+                                         text=True, check=True).stdout
+                for t in targets:
+                    self.assertRegex(listing, rf"(?m)^{re.escape(t)}: ", f"stage {stage.name}: no target {t}")
+                shutil.rmtree(build)
+
+    def test_dockerignore(self):
+        patterns = dockerignore_patterns()
+        for path in ("build/server/attnserve", "build-asan/CMakeCache.txt", ".git/HEAD", ".cache/x", ".gpu-carry/x",
+                     "server/__pycache__/x.pyc", ".env", "deploy/.env", "certs/server.pem", "tls/server.key",
+                     "home/.netrc", "keys/id_rsa", "a/secrets/token"):
+            self.assertTrue(docker_excludes(path, patterns), f".dockerignore keeps {path} in the build context")
+        # Whatever git ignores at the top level (build trees, caches) stays out of the context too.
+        top = subprocess.run(["git", "status", "--ignored", "--porcelain"], cwd=SRC, capture_output=True, text=True,
+                             check=True).stdout
+        for line in top.splitlines():
+            if line.startswith("!! "):
+                path = line[3:].rstrip("/")
+                self.assertTrue(docker_excludes(path, patterns) or docker_excludes(path + "/x", patterns),
+                                f"git ignores {path} but .dockerignore keeps it in the build context")
+
+    def test_runtime_stages(self):
+        stages = self.runtime_stages()
+        self.assertEqual(sorted(s.name for s in stages), ["cuda", "runtime"])
+        for stage in stages:
+            with self.subTest(stage=stage.name):
+                # Non-root.
+                user = stage.last("USER")
+                self.assertIsNotNone(user, "no USER: the server would run as root")
+                uid = user.split(":")[0]
+                self.assertNotIn(uid, ("0", "root"), "USER is root")
+                self.assertRegex(uid, r"^\d+$", "a numeric UID, so that Kubernetes' runAsNonRoot can verify it")
+                # Ports = the server's defaults.
+                exposed = {int(p.split("/")[0]) for rest in stage.all("EXPOSE") for p in rest.split()}
+                self.assertIsNotNone(self.metrics_port, "attnserve --help has no --metrics-listen yet")
+                self.assertEqual(exposed, {self.grpc_port, self.metrics_port})
+                # The entrypoint: the server, flags it knows.
+                entry = exec_form(stage.last("ENTRYPOINT")) + (exec_form(stage.last("CMD")) if stage.last("CMD") else [])
+                self.assertEqual(entry[0], "attnserve", "exec form, the server binary")
+                assert_flags_exist(self, entry[1:], BINARY, f"stage {stage.name} ENTRYPOINT/CMD")
+                self.assertIsNone(flag_value(entry, "--listen"), "the server's default --listen, as EXPOSE says")
+                # Health check through the CLI's grpc.health.v1 command, on the served port.
+                options, hc = split_options(stage.last("HEALTHCHECK"))
+                self.assertTrue(hc.startswith("CMD "), hc)
+                argv = exec_form(hc[4:])
+                self.assertEqual(argv[0], "attnserve-cli")
+                self.assertIn("health", argv)
+                assert_flags_exist(self, argv[1 : argv.index("health")], CLI, f"stage {stage.name} HEALTHCHECK")
+                timeout = dict(o.split("=", 1) for o in options).get("--timeout", "30s")
+                cli_timeout_ms = int(flag_value(argv, "--timeout-ms", "30000"))
+                self.assertLess(cli_timeout_ms, int(timeout.rstrip("s")) * 1000, "the CLI's deadline within --timeout")
+                env = {}
+                for rest in stage.all("ENV"):
+                    for kv in shlex.split(rest):
+                        k, _, v = kv.partition("=")
+                        env[k] = v
+                target = flag_value(argv, "--target", env.get("ATTNSERVE_TARGET", "localhost:50051"))
+                self.assertEqual(port_of(target), self.grpc_port, "the health check asks the served port")
+                self.assertEqual(stage.last("STOPSIGNAL"), "SIGTERM")
+                # The binaries come from the build stage's scripts/build folder.
+                build = self.build_stage_of(stage)
+                build_dirs = [a[0] for s, p, a, _, _ in self.run_steps() if s is build and p.endswith("build")]
+                copied = set()
+                for rest in stage.all("COPY"):
+                    opts, paths = split_options(rest)
+                    words = paths.split()
+                    for src in words[:-1]:
+                        self.assertTrue(os.path.exists(self.local_binary(src, build_dirs)), f"{src}: nothing there")
+                        copied.add(os.path.basename(src))
+                    self.assertEqual(words[-1].rstrip("/"), "/usr/local/bin")
+                self.assertEqual(copied, {"attnserve", "attnserve-cli"})
+        self.assertIn("--device", flag_names(exec_form(self.by_name["cuda"].last("ENTRYPOINT"))))
+
+    def test_server_as_pid1_stops_on_sigterm(self):
+        """The image has no init: the server is PID 1 of its PID namespace, where the kernel
+        drops signals a process does not handle. It must still drain and exit 0 on SIGTERM."""
+        probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            self.skipTest(f"no PID namespace here (unshare: {probe.stderr.strip()})")
+        stage = self.by_name["runtime"]
+        entry = exec_form(stage.last("ENTRYPOINT"))
+        port = free_port()
+        args = [BINARY] + entry[1:] + [f"--listen=127.0.0.1:{port}"]
+        if "--metrics-listen" in server_flags():
+            args.append(f"--metrics-listen=127.0.0.1:{free_port()}")
+        with tempfile.TemporaryFile(mode="w+") as log:
+            proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child"] + args, stdout=log, stderr=log)
+            try:
+                deadline, serving = time.time() + 60, False
+                while time.time() < deadline and proc.poll() is None and not serving:
+                    health = subprocess.run([CLI, "--target", f"127.0.0.1:{port}", "--timeout-ms", "2000", "health"],
+                                            capture_output=True, text=True)
+                    serving = health.stdout.strip() == "SERVING"
+                    time.sleep(0.2)
+                log.seek(0)
+                self.assertTrue(serving, f"the server did not come up:\n{log.read()}")
+                with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                    children = f.read().split()
+                self.assertEqual(len(children), 1)
+                with open(f"/proc/{children[0]}/status") as f:
+                    nspid = re.search(r"(?m)^NSpid:\s+(.*)$", f.read()).group(1).split()
+                self.assertEqual(nspid[-1], "1", "the server is PID 1 in its namespace")
+                os.kill(int(children[0]), signal.SIGTERM)
+                rc = proc.wait(timeout=60)
+                log.seek(0)
+                self.assertEqual(rc, 0, f"exit status after SIGTERM as PID 1; log:\n{log.read()}")
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kustomize (the subset deploy/k8s uses)
+
+
+def load_all(path):
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d is not None]
+
+
+def json_pointer(path):
+    return [p.replace("~1", "/").replace("~0", "~") for p in path.lstrip("/").split("/")]
+
+
+def apply_json6902(doc, ops):
+    for op in ops:
+        *parents, last = json_pointer(op["path"])
+        node = doc
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        if op["op"] == "add":
+            if isinstance(node, list):
+                node.insert(len(node) if last == "-" else int(last), copy.deepcopy(op["value"]))
+            else:
+                node[last] = copy.deepcopy(op["value"])
+        elif op["op"] == "replace":
+            node[int(last) if isinstance(node, list) else last] = copy.deepcopy(op["value"])
+        elif op["op"] == "remove":
+            del node[int(last) if isinstance(node, list) else last]
+        else:
+            raise AssertionError(f"JSON 6902 op {op['op']} not supported here")
+
+
+def kustomize(directory):
+    with open(os.path.join(directory, "kustomization.yaml")) as f:
+        k = yaml.safe_load(f)
+    unknown = set(k) - {"apiVersion", "kind", "resources", "images", "patches", "labels", "namespace"}
+    if unknown:
+        raise AssertionError(f"{directory}: kustomization fields this renderer does not know: {unknown}")
+    objs = []
+    for r in k.get("resources", []):
+        path = os.path.join(directory, r)
+        objs += kustomize(path) if os.path.isdir(path) else load_all(path)
+    for patch in k.get("patches", []):
+        ops = load_all(os.path.join(directory, patch["path"]))[0]
+        if not isinstance(ops, list):
+            raise AssertionError("only JSON 6902 patches are supported here")
+        t = patch["target"]
+        hits = [o for o in objs if o["kind"] == t["kind"] and o["metadata"]["name"] == t["name"]]
+        if len(hits) != 1:
+            raise AssertionError(f"patch target {t} matches {len(hits)} objects")
+        apply_json6902(hits[0], ops)
+    for image in k.get("images", []):
+        for o in objs:
+            for c in o.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+                name = re.sub(r"[:@].*$", "", c["image"])
+                if name == image["name"]:
+                    c["image"] = image.get("newName", name) + (":" + image["newTag"] if "newTag" in image else "")
+    for label in k.get("labels", []):
+        if set(label) - {"pairs"}:
+            raise AssertionError(f"labels options not supported here: {label}")
+        for o in objs:
+            o["metadata"].setdefault("labels", {}).update(label["pairs"])
+    if "namespace" in k:
+        for o in objs:
+            o["metadata"]["namespace"] = k["namespace"]
+    return objs
+
+
+def one(objs, kind, predicate=lambda o: True):
+    hits = [o for o in objs if o["kind"] == kind and predicate(o)]
+    if len(hits) != 1:
+        raise AssertionError(f"expected one {kind}, found {len(hits)}")
+    return hits[0]
+
+
+def selects(selector, labels):
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def cpu_cores(quantity):
+    q = str(quantity)
+    return int(q[:-1]) / 1000 if q.endswith("m") else float(q)
+
+
+def prestop_seconds(container):
+    handler = container.get("lifecycle", {}).get("preStop")
+    if handler is None:
+        return None
+    if "sleep" in handler:
+        return int(handler["sleep"]["seconds"])
+    argv = handler.get("exec", {}).get("command", [])
+    if argv and os.path.basename(argv[0]) == "sleep":
+        return int(argv[1])
+    return 0
+
+
+class KubernetesTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.base = kustomize(os.path.join(DEPLOY, "k8s"))
+        cls.gpu = kustomize(os.path.join(DEPLOY, "k8s", "overlays", "gpu"))
+
+    def deployment(self, objs):
+        return one(objs, "Deployment")
+
+    def container(self, objs):
+        containers = self.deployment(objs)["spec"]["template"]["spec"]["containers"]
+        return one([dict(c, kind="c") for c in containers], "c", lambda c: c["name"] == "attnserve")
+
+    def config(self, objs):
+        """(args, the YAML config as text and parsed) of the server container."""
+        c = self.container(objs)
+        args = c.get("command", [])[1:] + c.get("args", [])
+        path = flag_value(args, "--config")
+        if path is None:
+            return args, None, {}
+        mount = [m for m in c.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        self.assertEqual(len(mount), 1, f"--config {path} is not under one volume mount")
+        volume = one([dict(v, kind="v") for v in self.deployment(objs)["spec"]["template"]["spec"]["volumes"]], "v",
+                     lambda v: v["name"] == mount[0]["name"])
+        cm = one(objs, "ConfigMap", lambda o: o["metadata"]["name"] == volume["configMap"]["name"])
+        key = path[len(mount[0]["mountPath"].rstrip("/")) + 1 :]
+        self.assertIn(key, cm["data"], f"ConfigMap {cm['metadata']['name']} has no key {key}")
+        return args, cm["data"][key], yaml.safe_load(cm["data"][key]) or {}
+
+    def settings(self, objs):
+        """The server's effective listen, metrics and drain settings: flags over config over defaults."""
+        args, _, conf = self.config(objs)
+        listen = flag_value(args, "--listen", conf.get("listen", default_of("--listen")))
+        metrics = flag_value(args, "--metrics-listen", conf.get("metrics_listen") or default_of("--metrics-listen"))
+        drain = flag_value(args, "--drain-timeout-s", conf.get("drain_timeout_s") or default_of("--drain-timeout-s"))
+        return port_of(listen), port_of(metrics), float(drain)
+
+    def test_kinds(self):
+        kinds = sorted(o["kind"] for o in self.base)
+        self.assertEqual(kinds, sorted(["ConfigMap", "Deployment", "Service", "Service", "HorizontalPodAutoscaler",
+                                        "PodDisruptionBudget", "ServiceMonitor"]))
+        for o in self.base + self.gpu:
+            self.assertIn("app.kubernetes.io/name", o["metadata"].get("labels", {}), f"{o['kind']} {o['metadata']['name']}")
+
+    def test_flags_exist(self):
+        for name, objs in (("base", self.base), ("gpu overlay", self.gpu)):
+            c = self.container(objs)
+            assert_flags_exist(self, c.get("args", []), BINARY, f"deploy/k8s ({name}) container args")
+            self.assertEqual(c.get("command"), None, "the image's ENTRYPOINT runs the server; args only")
+
+    def test_ports_and_grpc_probes(self):
+        for name, objs in (("base", self.base), ("gpu overlay", self.gpu)):
+            with self.subTest(objs=name):
+                grpc_port, metrics_port, _ = self.settings(objs)
+                c = self.container(objs)
+                ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+                self.assertEqual(ports, {"grpc": grpc_port, "metrics": metrics_port})
+                self.assertIn("livenessProbe", c)
+                self.assertIn("readinessProbe", c)
+                for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+                    if kind not in c:
+                        continue
+                    probe = c[kind]
+                    self.assertEqual(set(probe) & {"httpGet", "tcpSocket", "exec"}, set(), f"{kind}: native gRPC only")
+                    self.assertEqual(probe["grpc"]["port"], grpc_port, f"{kind} probes the served port")
+                    self.assertIn(probe["grpc"].get("service", ""), GRPC_HEALTH_SERVICES)
+                self.assertEqual(c["readinessProbe"]["grpc"].get("service"), "attnserve.v1.AttentionService")
+
+    def test_grace_period_exceeds_drain(self):
+        for name, objs in (("base", self.base), ("gpu overlay", self.gpu)):
+            _, _, drain = self.settings(objs)
+            pod = self.deployment(objs)["spec"]["template"]["spec"]
+            sleep = prestop_seconds(self.container(objs))
+            self.assertIsNotNone(sleep, "a preStop hook lets the endpoint removal spread before SIGTERM")
+            self.assertGreater(sleep, 0)
+            self.assertGreater(pod["terminationGracePeriodSeconds"], sleep + drain,
+                               f"{name}: grace period must cover the preStop sleep ({sleep}s) and the drain ({drain}s)")
+
+    def test_resources_and_threads(self):
+        for name, objs in (("base", self.base), ("gpu overlay", self.gpu)):
+            with self.subTest(objs=name):
+                c = self.container(objs)
+                res = c["resources"]
+                for k in ("cpu", "memory"):
+                    self.assertIn(k, res["requests"])
+                    self.assertIn(k, res["limits"])
+                self.assertLessEqual(cpu_cores(res["requests"]["cpu"]), cpu_cores(res["limits"]["cpu"]))
+                args, _, conf = self.config(objs)
+                threads = int(flag_value(args, "--threads", conf.get("threads", 0)))
+                workers = int(flag_value(args, "--workers", conf.get("workers", 1)))
+                self.assertGreaterEqual(threads, 1, "threads 0 sizes OpenMP to the node's cores, not the CPU limit")
+                self.assertLessEqual(threads * workers, cpu_cores(res["limits"]["cpu"]), "threads x workers <= CPU limit")
+                self.assertGreaterEqual(self.deployment(objs)["spec"]["replicas"], 2)
+
+    def test_security(self):
+        pod = self.deployment(self.base)["spec"]["template"]["spec"]
+        self.assertTrue(pod["securityContext"]["runAsNonRoot"])
+        self.assertNotEqual(pod["securityContext"].get("runAsUser", 0), 0)
+        user = parse_dockerfile(os.path.join(SRC, "Dockerfile"))[-1].last("USER").split(":")[0]
+        self.assertEqual(str(pod["securityContext"]["runAsUser"]), user, "the image's USER")
+        c = self.container(self.base)
+        self.assertFalse(c["securityContext"]["allowPrivilegeEscalation"])
+
+    def test_services(self):
+        objs = self.base
+        pod_labels = self.deployment(objs)["spec"]["template"]["metadata"]["labels"]
+        self.assertTrue(selects(self.deployment(objs)["spec"]["selector"]["matchLabels"], pod_labels))
+        ports = {p["name"]: p["containerPort"] for p in self.container(objs)["ports"]}
+        services = [o for o in objs if o["kind"] == "Service"]
+        headless = one(services, "Service", lambda s: s["spec"].get("clusterIP") == "None")
+        cluster = one(services, "Service", lambda s: s["spec"].get("clusterIP") != "None")
+        self.assertEqual(headless["metadata"]["name"], "attnserve-headless", "the name the README's dns:/// target uses")
+        self.assertEqual(cluster["spec"].get("type", "ClusterIP"), "ClusterIP")
+        for s in services:
+            self.assertTrue(selects(s["spec"]["selector"], pod_labels), f"Service {s['metadata']['name']} selects no pod")
+            for p in s["spec"]["ports"]:
+                target = p.get("targetPort", p["port"])
+                target_port = ports.get(target) if isinstance(target, str) else target
+                self.assertIn(target_port, ports.values(), f"Service {s['metadata']['name']} port {p['name']}")
+                self.assertEqual(p["port"], target_port, "service ports equal the container ports (one port map)")
+        self.assertEqual([p["name"] for p in headless["spec"]["ports"]], ["grpc"])
+        self.assertEqual(sorted(p["name"] for p in cluster["spec"]["ports"]), ["grpc", "metrics"])
+
+    def test_service_monitor_hpa_pdb(self):
+        objs = self.base
+        _, metrics_port, _ = self.settings(objs)
+        sm = one(objs, "ServiceMonitor")
+        endpoint = one([dict(e, kind="e") for e in sm["spec"]["endpoints"]], "e")
+        scraped = [s for s in objs if s["kind"] == "Service" and selects(sm["spec"]["selector"]["matchLabels"],
+                                                                         s["metadata"].get("labels", {}))
+                   and any(p["name"] == endpoint["port"] for p in s["spec"]["ports"])]
+        self.assertEqual(len(scraped), 1, "exactly one Service is scraped, so no pod is scraped twice")
+        port = one([dict(p, kind="p") for p in scraped[0]["spec"]["ports"]], "p", lambda p: p["name"] == endpoint["port"])
+        self.assertEqual(port["port"], metrics_port)
+        self.assertEqual(endpoint.get("path", "/metrics"), "/metrics")
+        hpa = one(objs, "HorizontalPodAutoscaler")
+        self.assertEqual(hpa["spec"]["scaleTargetRef"]["kind"], "Deployment")
+        self.assertEqual(hpa["spec"]["scaleTargetRef"]["name"], self.deployment(objs)["metadata"]["name"])
+        self.assertLessEqual(hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"])
+        self.assertGreaterEqual(hpa["spec"]["minReplicas"], 2, "one pod draining must not take the service down")
+        pod_labels = self.deployment(objs)["spec"]["template"]["metadata"]["labels"]
+        self.assertTrue(selects(one(objs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], pod_labels))
+
+    def test_gpu_overlay(self):
+        c = self.container(self.gpu)
+        self.assertGreaterEqual(int(c["resources"]["limits"]["nvidia.com/gpu"]), 1)
+        self.assertEqual(flag_value(c["args"], "--device"), "cuda")
+        self.assertRegex(c["image"], r":cuda$", "the CUDA image (docker build --target cuda)")
+        self.assertNotIn("nvidia.com/gpu", self.container(self.base)["resources"]["limits"])
+
+    def test_configmap_config_starts_the_server(self):
+        """The ConfigMap's YAML and the Deployment's args, accepted by the real server."""
+        args, text, _ = self.config(self.base)
+        self.assertIsNotNone(text, "the Deployment passes no --config")
+        self.assertIn("layers", yaml.safe_load(text))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "attnserve.yaml")
+            with open(path, "w") as f:
+                f.write(text)
+            local = [f"--config={path}" if a.startswith("--config") else a for a in args]
+            self.assertNotIn("/etc/attnserve", " ".join(local))
+            start_and_stop_server(self, local, "deploy/k8s Deployment + ConfigMap")
+
+    def test_matches_kubectl_kustomize(self):
+        """This file's renderer against the real one, where kubectl is installed."""
+        kubectl = shutil.which("kubectl")
+        if kubectl is None:
+            self.skipTest("kubectl is not installed; the manifests are checked through this file's renderer")
+        for path, mine in ((os.path.join(DEPLOY, "k8s"), self.base), (os.path.join(DEPLOY, "k8s", "overlays", "gpu"), self.gpu)):
+            out = subprocess.run([kubectl, "kustomize", path], capture_output=True, text=True, timeout=60)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            theirs = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(out.stdout)}
+            ours = {(o["kind"], o["metadata"]["name"]): o for o in mine}
+            self.assertEqual(sorted(theirs), sorted(ours))
+            for key in ours:
+                self.assertEqual(json.dumps(theirs[key], sort_keys=True), json.dumps(ours[key], sort_keys=True), key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compose
+
+
+class ComposeTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        with open(os.path.join(DEPLOY, "compose.yaml")) as f:
+            cls.compose = yaml.safe_load(f)
+        cls.services = cls.compose["services"]
+        cls.server = cls.services["attnserve"]
+
+    def command(self):
+        return list(self.server.get("command", []))
+
+    def bind_mounts(self, service):
+        """[(host path, container path)] of a service's bind mounts."""
+        mounts = []
+        for v in self.services[service].get("volumes", []):
+            parts = v.split(":")
+            if parts[0].startswith((".", "/")):
+                mounts.append((os.path.normpath(os.path.join(DEPLOY, parts[0])), parts[1]))
+        return mounts
+
+    def test_services(self):
+        self.assertEqual(sorted(self.services), ["attnserve", "grafana", "prometheus"])
+        build = self.server["build"]
+        self.assertEqual(os.path.normpath(os.path.join(DEPLOY, build["context"])), SRC)
+        self.assertTrue(os.path.isfile(os.path.join(SRC, build.get("dockerfile", "Dockerfile"))))
+        stages = parse_dockerfile(os.path.join(SRC, build.get("dockerfile", "Dockerfile")))
+        self.assertEqual(build.get("target"), stages[-1].name, "the CPU runtime stage")
+
+    def test_flags_exist(self):
+        assert_flags_exist(self, self.command(), BINARY, "deploy/compose.yaml attnserve command")
+
+    def test_ports(self):
+        cmd = self.command()
+        grpc_port = port_of(flag_value(cmd, "--listen", default_of("--listen")))
+        metrics_port = port_of(flag_value(cmd, "--metrics-listen", default_of("--metrics-listen")))
+        published = {int(p.split(":")[-1]): int(p.split(":")[-2]) for p in self.server["ports"]}
+        self.assertEqual(set(published), {grpc_port, metrics_port}, "container ports: the server's gRPC and metrics")
+        exposed = {int(p) for rest in parse_dockerfile(os.path.join(SRC, "Dockerfile"))[-1].all("EXPOSE")
+                   for p in rest.split()}
+        self.assertEqual(set(published), exposed, "the image's EXPOSE")
+
+    def test_grace_period_exceeds_drain(self):
+        drain = float(flag_value(self.command(), "--drain-timeout-s", default_of("--drain-timeout-s")))
+        grace = self.server.get("stop_grace_period", "10s")
+        m = re.fullmatch(r"(\d+)s", grace)
+        self.assertIsNotNone(m, f"stop_grace_period {grace}: write it in seconds")
+        self.assertGreater(int(m.group(1)), drain)
+
+    def test_mounted_files_exist(self):
+        for service in self.services:
+            for host, _ in self.bind_mounts(service):
+                self.assertTrue(os.path.exists(host), f"{service} mounts {os.path.relpath(host, SRC)}, which does not exist")
+
+    def test_prometheus_scrapes_attnserve(self):
+        metrics_port = port_of(flag_value(self.command(), "--metrics-listen", default_of("--metrics-listen")))
+        prom = self.services["prometheus"]
+        config_in_container = flag_value(prom.get("command", []), "--config.file", "/etc/prometheus/prometheus.yml")
+        host = [h for h, c in self.bind_mounts("prometheus") if c == config_in_container]
+        self.assertEqual(len(host), 1, f"Prometheus's --config.file {config_in_container} is not mounted")
+        with open(host[0]) as f:
+            config = yaml.safe_load(f)
+        targets = [t for job in config.get("scrape_configs", []) for sc in job.get("static_configs", [])
+                   for t in sc.get("targets", []) if job.get("metrics_path", "/metrics") == "/metrics"]
+        self.assertIn(f"attnserve:{metrics_port}", targets, "a scrape target of the compose service's metrics port")
+
+    def test_grafana_provisioning(self):
+        mounts = dict((c, h) for h, c in self.bind_mounts("grafana"))
+        self.assertIn("/etc/grafana/provisioning", mounts)
+        provisioning = mounts["/etc/grafana/provisioning"]
+        prom_port = int(self.services["prometheus"]["ports"][0].split(":")[-1])
+        datasources = []
+        for root, _, files in os.walk(os.path.join(provisioning, "datasources")):
+            for f in files:
+                if f.endswith((".yaml", ".yml")):
+                    datasources += load_all(os.path.join(root, f))[0].get("datasources", [])
+        prom = [d for d in datasources if d.get("type") == "prometheus"]
+        self.assertEqual(len(prom), 1, "one Prometheus data source")
+        self.assertEqual(prom[0]["url"].rstrip("/"), f"http://prometheus:{prom_port}")
+        providers = []
+        for root, _, files in os.walk(os.path.join(provisioning, "dashboards")):
+            for f in files:
+                if f.endswith((".yaml", ".yml")):
+                    providers += load_all(os.path.join(root, f))[0].get("providers", [])
+        paths = {p["options"]["path"].rstrip("/") for p in providers}
+        dashboards = [c for c in mounts if c.endswith(".json")]
+        self.assertTrue(dashboards, "no dashboard is mounted")
+        for d in dashboards:
+            self.assertIn(os.path.dirname(d), paths, f"{d} is not under a dashboard provider's path")
+            with open(mounts[d]) as f:
+                dashboard = json.load(f)
+            uids = {json.dumps(x.get("uid")) for x in re.findall(r'"datasource":\s*(\{[^{}]*\})', json.dumps(dashboard))
+                    for x in [json.loads(x)]}
+            known = {json.dumps(d.get("uid")) for d in datasources} | {json.dumps(None)}
+            unknown = [u for u in uids if u not in known and "$" not in u]
+            self.assertEqual(unknown, [], "the dashboard names data source uids that are not provisioned")
+
+    def test_command_starts_the_server(self):
+        start_and_stop_server(self, self.command(), "deploy/compose.yaml attnserve command")
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
