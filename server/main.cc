@@ -8,15 +8,17 @@
 #include <spdlog/spdlog.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
-#include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/select.h"
 #include "server/batching/batching_executor.h"
 #include "server/metrics/metrics.h"
 #include "server/metrics/metrics_endpoint.h"
@@ -125,9 +127,17 @@ int Run(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  CpuBackend backend(CpuBackendOptions{.threads = options.threads});
+  StatusOr<ChosenBackend> chosen = ChooseBackend(
+      DeviceChoice{.device = options.device, .cpu_threads = options.threads, .tf32 = options.gpu_math == "tf32"});
+  if (!chosen.ok()) {
+    spdlog::critical("cannot use the device: {}", chosen.status().message());
+    return 1;
+  }
+  spdlog::info("backend {}", chosen->why);
+  Backend& backend = *chosen->backend;
   Metrics metrics;
-  metrics.SetBuildInfo(ATTNSERVE_VERSION, backend.DeviceName(), "eigen");
+  metrics.SetBuildInfo(ATTNSERVE_VERSION, backend.DeviceName(),
+                       backend.DeviceName() == "cpu" ? "eigen" : (options.gpu_math == "tf32" ? "cublas-tf32" : "cublas"));
   LayerStore store(&backend);
   for (const auto& [name, source] : options.layers) {
     StatusOr<std::shared_ptr<const Layer>> layer = store.Load(name, source);
@@ -186,9 +196,9 @@ int Run(int argc, char** argv) {
   const std::string bound = HostOf(options.listen) + ":" + std::to_string(port);
   std::cout << "listening on " << bound << std::endl;
   spdlog::info(
-      "attnserve {} listening on {} (backend {}, {} threads, {} workers, batches of <= {} requests / {} tokens "
+      "attnserve {} listening on {} (backend {}, {} workers, batches of <= {} requests / {} tokens "
       "after <= {} us, queues of {}, max message {} MiB{})",
-      ATTNSERVE_VERSION, bound, backend.DeviceName(), backend.threads(), options.workers, options.max_batch_requests,
+      ATTNSERVE_VERSION, bound, backend.DeviceName(), options.workers, options.max_batch_requests,
       options.max_batch_tokens, options.max_queue_delay_us, options.max_queue_requests, options.max_message_mb,
       options.admin_token.empty() ? "" : ", admin token required");
   std::string routes;
@@ -220,8 +230,28 @@ int Run(int argc, char** argv) {
     server->GetHealthCheckService()->Shutdown();  // health checks answer NOT_SERVING from now on
     server->Shutdown(std::chrono::system_clock::now() + drain_timeout);
   });
+  // A device fault (Backend::Healthy() turning false) takes the server out of rotation: health
+  // answers NOT_SERVING for the whole server and the service, so probes and balancers move on.
+  std::mutex health_mu;
+  std::condition_variable health_cv;
+  bool stopping = false;
+  std::thread device_watch([&] {
+    std::unique_lock<std::mutex> lock(health_mu);
+    while (!health_cv.wait_for(lock, std::chrono::milliseconds(250), [&] { return stopping; })) {
+      if (backend.Healthy()) continue;
+      spdlog::error("device {} is unhealthy after a device error: health is NOT_SERVING", backend.DeviceName());
+      server->GetHealthCheckService()->SetServingStatus(false);
+      return;
+    }
+  });
   server->Wait();
   signal_waiter.join();
+  {
+    std::lock_guard<std::mutex> lock(health_mu);
+    stopping = true;
+  }
+  health_cv.notify_all();
+  device_watch.join();
   shadow.Shutdown();  // drops waiting mirrors; the running one needs the executor still
   const int abandoned = executor.Drain(std::chrono::milliseconds(0));
   spdlog::info("stopped ({} queued requests abandoned at the drain deadline)", abandoned);

@@ -1,5 +1,7 @@
 #include "server/server_options.h"
 
+#include "server/backend/select.h"
+
 #include <yaml-cpp/yaml.h>
 
 #include <charconv>
@@ -135,6 +137,10 @@ Status CheckRanges(const ServerOptions& o) {
     return InvalidArgumentError("max_scores_mb: expected [1, 1048576], got " + std::to_string(o.max_scores_mb));
   }
   ATTNSERVE_RETURN_IF_ERROR(CheckLogLevel("log_level", o.log_level));
+  ATTNSERVE_RETURN_IF_ERROR(ValidateDevice(o.device));
+  if (o.gpu_math != "fp32" && o.gpu_math != "tf32") {
+    return InvalidArgumentError("gpu_math: expected fp32 or tf32, got '" + o.gpu_math + "'");
+  }
   for (const auto& [name, source] : o.layers) {
     ATTNSERVE_RETURN_IF_ERROR(ValidateLayerName(name));
   }
@@ -199,6 +205,10 @@ Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, 
         ATTNSERVE_RETURN_IF_ERROR(CheckBool(what, s, &o->log_json));
       } else if (key == "admin_token") {
         o->admin_token = s;
+      } else if (key == "device") {
+        o->device = s;
+      } else if (key == "gpu_math") {
+        o->gpu_math = s;
       } else if (key == "metrics_listen") {
         o->metrics_listen = s;
       } else if (key == "metrics_port_file") {
@@ -214,7 +224,7 @@ Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, 
                                     "max_batch_requests, max_batch_tokens, max_queue_delay_us, max_queue_requests, "
                                     "drain_timeout_s, max_message_mb, max_scores_mb, log_level, log_json, "
                                     "admin_token, metrics_listen, metrics_port_file, routes, shadow_rate, "
-                                    "shadow_queue)");
+                                    "shadow_queue, device, gpu_math)");
       }
     }
   } catch (const YAML::Exception& e) {
@@ -233,7 +243,8 @@ StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv) {
   static const std::string_view kValueFlags[] = {
       "--listen",         "--port-file",     "--layer",     "--threads",     "--workers",
       "--max-message-mb", "--max-scores-mb", "--log-level", "--admin-token", "--config",
-      "--metrics-listen", "--metrics-port-file", "--route", "--shadow-rate", "--shadow-queue"};
+      "--metrics-listen", "--metrics-port-file", "--route", "--shadow-rate", "--shadow-queue",
+      "--device", "--gpu-math"};
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     Flag f;
@@ -300,6 +311,10 @@ StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv) {
       o.log_level = v;
     } else if (f.name == "--admin-token") {
       o.admin_token = v;
+    } else if (f.name == "--device") {
+      o.device = v;
+    } else if (f.name == "--gpu-math") {
+      o.gpu_math = v;
     } else if (f.name == "--metrics-listen") {
       o.metrics_listen = v;
     } else if (f.name == "--metrics-port-file") {
@@ -337,6 +352,9 @@ std::string UsageText() {
              "                         serves '") +
          kDemoLayerName + "' = " + kDemoLayerSource +
          "\n"
+         "  --device DEV           auto, cpu, cuda or cuda:N (default auto: a usable GPU when there is\n"
+         "                         one, else the CPU); an explicit cuda without a usable GPU refuses to start\n"
+         "  --gpu-math MODE        fp32 (default) or tf32 (TF32 tensor-core GEMMs on the GPU)\n"
          "  --threads N            CPU backend threads per Forward (default 0 = every core)\n"
          "  --workers N            batches computed side by side (default 1)\n"
          "  --max-batch-requests N requests in one batch at most (default 32; 1 = no batching)\n"
@@ -367,7 +385,7 @@ std::string UsageText() {
          "                         max_batch_tokens, max_queue_delay_us, max_queue_requests,\n"
          "                         drain_timeout_s, max_message_mb, max_scores_mb, log_level, log_json,\n"
          "                         admin_token, metrics_listen, metrics_port_file, routes {LAYER: SPEC},\n"
-         "                         shadow_rate, shadow_queue\n"
+         "                         shadow_rate, shadow_queue, device, gpu_math\n"
          "  --help, -h             print this help and exit\n"
          "  --version              print the version and exit\n"
          "\n"

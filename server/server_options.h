@@ -24,6 +24,9 @@ struct ServerOptions {
   int max_queue_delay_us = 500;   // how long the oldest request waits for others
   int max_queue_requests = 256;   // per (layer, form) queue; beyond: RESOURCE_EXHAUSTED
   int drain_timeout_s = 30;       // on SIGTERM: how long accepted requests get to finish
+  // The backend (docs/architecture.md): auto takes a usable GPU when there is one, else the CPU.
+  std::string device = "auto";
+  std::string gpu_math = "fp32";  // fp32, or tf32 for TF32 tensor-core GEMMs on the GPU
   int max_message_mb = 64;   // receive and send limit
   int max_scores_mb = 2048;  // attention scores of one sequence (n · m · heads · 4 bytes)
   std::string log_level = "info";

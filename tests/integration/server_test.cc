@@ -865,6 +865,27 @@ TEST(ServerFlagsTest, SigtermAndSigintShutDownCleanly) {
   }
 }
 
+// --device: a device that cannot be used refuses to start with the reason; auto always starts
+// and says what it chose.
+TEST(ServerFlagsTest, DeviceSelection) {
+  std::string output;
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--device", "cuda:99", "--listen", "127.0.0.1:0",
+                                                  "--metrics-listen", "127.0.0.1:0"},
+                               &output),
+            1);
+  EXPECT_THAT(output, HasSubstr("--device cuda:99"));
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--device", "tpu"}, &output), 2);
+  EXPECT_THAT(output, HasSubstr("device: expected auto, cpu, cuda or cuda:N, got 'tpu'"));
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--gpu-math", "fp16"}, &output), 2);
+  EXPECT_THAT(output, HasSubstr("gpu_math: expected fp32 or tf32"));
+  auto server = StartOrFail({"--device", "auto", "--layer", "t=random:d_model=8,heads=2"});
+  ASSERT_NE(server, nullptr);
+  EXPECT_THAT(server->Log(), ::testing::AnyOf(HasSubstr("backend cpu: "), HasSubstr("backend cuda:0: ")));
+  v1::LayerInfo info;
+  ASSERT_TRUE(server->client().GetLayer("t", &info).ok());
+  for (const auto& form : info.forms()) EXPECT_THAT(form.device(), ::testing::AnyOf("cpu", "cuda:0"));
+}
+
 // Concurrent requests share batches, and each gets exactly what it would alone (the float64
 // reference of its own input), whatever its shape, mask or form.
 TEST(BatchingTest, ConcurrentRequestsShareBatchesAndEachGetsItsOwnResult) {

@@ -1,0 +1,38 @@
+// The CUDA backend as a plugin the server loads with dlopen only when it wants a GPU.
+// cuBLAS carries a large static TLS block; linked into the server it would be in every thread,
+// and thread pools that set small stacks (civetweb's, behind /metrics) then fail to start
+// threads at all. Loaded with dlopen, its TLS is allocated per thread on demand instead.
+#include <cstring>
+#include <string>
+
+#include "server/backend/cuda/cuda_backend.h"
+
+namespace {
+void CopyMessage(const std::string& message, char* out, size_t size) {
+  if (out == nullptr || size == 0) return;
+  std::strncpy(out, message.c_str(), size - 1);
+  out[size - 1] = '\0';
+}
+}  // namespace
+
+extern "C" {
+
+// Usable devices; 0 with the reason in `why`.
+int AttnserveCudaDeviceCount(char* why, size_t why_size) {
+  std::string reason;
+  const int count = attnserve::CudaDeviceCount(&reason);
+  CopyMessage(reason, why, why_size);
+  return count;
+}
+
+// A new CUDA backend the caller owns, or nullptr with the reason in `error`.
+attnserve::Backend* AttnserveMakeCudaBackend(int device, bool tf32, char* error, size_t error_size) {
+  auto backend = attnserve::MakeCudaBackend({.device = device, .tf32 = tf32});
+  if (!backend.ok()) {
+    CopyMessage(backend.status().message(), error, error_size);
+    return nullptr;
+  }
+  return std::move(backend).value().release();
+}
+
+}  // extern "C"

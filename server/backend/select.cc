@@ -1,0 +1,100 @@
+#include "server/backend/select.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <charconv>
+#include <climits>
+#include <cstdlib>
+
+#include "server/backend/cpu/cpu_backend.h"
+
+namespace attnserve {
+namespace {
+
+// The N of "cuda:N" (0 for "cuda"); -1 when the string is not a cuda device.
+int CudaIndex(const std::string& device) {
+  if (device == "cuda") return 0;
+  if (device.rfind("cuda:", 0) != 0 || device.size() == 5) return -1;
+  int index = -1;
+  const char* end = device.data() + device.size();
+  auto [p, ec] = std::from_chars(device.data() + 5, end, index);
+  return ec == std::errc() && p == end && index >= 0 ? index : -1;
+}
+
+StatusOr<ChosenBackend> Cpu(const DeviceChoice& choice, std::string why) {
+  auto cpu = std::make_unique<CpuBackend>(CpuBackendOptions{.threads = choice.cpu_threads});
+  why += " (" + std::to_string(cpu->threads()) + " threads)";
+  return ChosenBackend{std::move(cpu), std::move(why)};
+}
+
+#ifdef ATTNSERVE_CUDA_PLUGIN
+// The CUDA plugin next to this executable, or where ATTNSERVE_CUDA_PLUGIN_PATH says.
+std::string PluginPath() {
+  if (const char* path = std::getenv("ATTNSERVE_CUDA_PLUGIN_PATH")) return path;
+  char exe[PATH_MAX];
+  const ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (len <= 0) return ATTNSERVE_CUDA_PLUGIN;
+  std::string dir(exe, len);
+  return dir.substr(0, dir.rfind('/') + 1) + ATTNSERVE_CUDA_PLUGIN;
+}
+
+// Loads the plugin and makes a backend on `index`; the error says why not.
+StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int index, bool tf32) {
+  const std::string path = PluginPath();
+  // Never unloaded: the backend's code lives there for the life of the process.
+  void* plugin = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (plugin == nullptr) return UnavailableError(std::string("cannot load the CUDA backend: ") + dlerror());
+  using CountFn = int (*)(char*, size_t);
+  using MakeFn = Backend* (*)(int, bool, char*, size_t);
+  auto count = reinterpret_cast<CountFn>(dlsym(plugin, "AttnserveCudaDeviceCount"));
+  auto make = reinterpret_cast<MakeFn>(dlsym(plugin, "AttnserveMakeCudaBackend"));
+  if (count == nullptr || make == nullptr) return UnavailableError(path + ": not an attnserve CUDA plugin");
+  char why[512] = "";
+  if (count(why, sizeof why) == 0) return UnavailableError(std::string("no usable GPU: ") + why);
+  Backend* backend = make(index, tf32, why, sizeof why);
+  if (backend == nullptr) return UnavailableError(why);
+  return std::unique_ptr<Backend>(backend);
+}
+#endif
+
+}  // namespace
+
+bool BuiltWithCuda() {
+#ifdef ATTNSERVE_CUDA_PLUGIN
+  return true;
+#else
+  return false;
+#endif
+}
+
+Status ValidateDevice(const std::string& device) {
+  if (device == "auto" || device == "cpu" || CudaIndex(device) >= 0) return OkStatus();
+  return InvalidArgumentError("device: expected auto, cpu, cuda or cuda:N, got '" + device + "'");
+}
+
+StatusOr<ChosenBackend> ChooseBackend(const DeviceChoice& choice) {
+  ATTNSERVE_RETURN_IF_ERROR(ValidateDevice(choice.device));
+  if (choice.device == "cpu") return Cpu(choice, "cpu: asked for");
+  const int index = choice.device == "auto" ? 0 : CudaIndex(choice.device);
+#ifdef ATTNSERVE_CUDA_PLUGIN
+  auto gpu = LoadCudaBackend(index, choice.tf32);
+  if (gpu.ok()) {
+    return ChosenBackend{std::move(gpu).value(),
+                         "cuda:" + std::to_string(index) + ": " +
+                             (choice.device == "auto" ? "a usable GPU is present" : "asked for") +
+                             (choice.tf32 ? ", TF32 GEMMs" : ", fp32 GEMMs")};
+  }
+  if (choice.device != "auto") return UnavailableError("--device " + choice.device + ": " + gpu.status().message());
+  return Cpu(choice, "cpu: " + gpu.status().message());
+#else
+  if (choice.device != "auto") {
+    return UnavailableError("--device " + choice.device +
+                            ": this build has no CUDA backend (built without the CUDA toolkit)");
+  }
+  (void)index;
+  return Cpu(choice, "cpu: this build has no CUDA backend");
+#endif
+}
+
+}  // namespace attnserve
