@@ -29,15 +29,18 @@ RUN --mount=type=cache,target=/root/.cache/ccache \
     scripts/build /build \
       -DATTNSERVE_NATIVE=OFF -DATTNSERVE_TESTS=OFF -DATTNSERVE_BENCH=OFF \
       -DATTNSERVE_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=80;90" \
-      --target attnserve --target attnserve-cli \
- && scripts/runtime-packages /build/server/attnserve /build/client/attnserve-cli > /build/runtime-packages.txt
+      --target attnserve --target attnserve-cli --target attnserve_cuda_plugin \
+ && scripts/runtime-packages /build/server/attnserve /build/server/libattnserve_cuda.so /build/client/attnserve-cli \
+      > /build/runtime-packages.txt
 
 # ---- CUDA runtime: NVIDIA's runtime image (CUDA libraries) plus what the binaries link --------
 FROM ${CUDA_RUNTIME_IMAGE} AS cuda
 RUN --mount=type=bind,source=scripts,target=/tmp/attnserve-scripts \
     --mount=type=bind,from=cuda-build,source=/build/runtime-packages.txt,target=/tmp/runtime-packages.txt \
     /tmp/attnserve-scripts/setup --runtime-list /tmp/runtime-packages.txt --clean
-COPY --from=cuda-build /build/server/attnserve /build/client/attnserve-cli /usr/local/bin/
+# The CUDA backend is a plugin the server loads from its own folder.
+COPY --from=cuda-build /build/server/attnserve /build/server/libattnserve_cuda.so /build/client/attnserve-cli \
+     /usr/local/bin/
 ENV ATTNSERVE_TARGET=127.0.0.1:50051
 USER 65532:65532
 EXPOSE 50051 9464
