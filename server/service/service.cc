@@ -18,6 +18,7 @@
 #include "server/metrics/metrics.h"
 #include "server/routing/router.h"
 #include "server/routing/shadow.h"
+#include "server/service/spectrum_proto.h"
 #include "server/service/validation.h"
 
 namespace attnserve {
@@ -321,6 +322,7 @@ void FillLayerInfo(const Layer& layer, v1::LayerInfo* info) {
                            static_cast<double>(kFlopsReferenceLength));
     f->set_flops_reference_length(kFlopsReferenceLength);
   }
+  FillLowRankInfo(layer, info);
 }
 
 AttentionServiceImpl::AttentionServiceImpl(LayerStore* store, Executor* executor, ServiceOptions options)
@@ -367,6 +369,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
     wire.context = ViewTensor(request->has_context(), request->context());
     wire.causal = request->causal();
     wire.key_lengths = std::span<const int32_t>(request->key_lengths().data(), request->key_lengths().size());
+    wire.position_offset = request->position_offset();
     StatusOr<DecodedForward> decoded =
         DecodeForward(layer->config, wire, ForwardLimits{.max_score_bytes = options_.max_score_bytes});
     if (!decoded.ok()) return decoded.status();
@@ -414,8 +417,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetLayer(grpc::CallbackServerCon
       return NotFoundError("name: no layer named '" + request->name() + "' is loaded (loaded: " + LoadedNames(*store_) +
                            ")");
     }
-    // include_spectrum: no spectra are computed yet; the answer simply has none.
     FillLayerInfo(*layer, response);
+    if (request->include_spectrum()) FillSpectrumInfo(*layer, response);
     return OkStatus();
   })));
   return reactor;

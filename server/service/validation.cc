@@ -208,6 +208,11 @@ StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForw
     }
   }
   out.causal = request.causal;
+  if (request.position_offset < 0 || request.position_offset > kMaxPosition) {
+    return InvalidArgumentError("position_offset: expected a value in [0, " + std::to_string(kMaxPosition) +
+                                "], got " + std::to_string(request.position_offset));
+  }
+  out.position_offset = request.position_offset;
   if (!request.key_lengths.empty()) {
     const int64_t m = out.context ? out.context->rows : out.input.rows;
     if (static_cast<int64_t>(request.key_lengths.size()) != out.input.batch) {
@@ -239,6 +244,7 @@ std::vector<Sequence> DecodedForward::Sequences(float* output) const {
     if (context) s.context = ConstMatrixView(context->data() + b * context->rows * d, context->rows, d);
     s.causal = causal;
     s.key_length = key_lengths.empty() ? -1 : key_lengths[b];
+    s.position_offset = position_offset;
     s.output = MatrixView(output + b * input.rows * d, input.rows, d);
     seqs.push_back(s);
   }

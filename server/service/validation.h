@@ -45,6 +45,7 @@ struct WireForwardRequest {
   WireTensor context;
   bool causal = false;
   std::span<const int32_t> key_lengths;
+  int64_t position_offset = 0;
 };
 
 // INVALID_ARGUMENT when `wire_form` is no attnserve.v1.Form value.
@@ -81,6 +82,7 @@ struct DecodedForward {
   std::optional<DecodedTensor> context;
   bool causal = false;
   std::vector<int64_t> key_lengths;  // empty, or one per batch row
+  int64_t position_offset = 0;       // rotary position of each row's first query
 
   int64_t batch() const { return input.batch; }
   int64_t n() const { return input.rows; }

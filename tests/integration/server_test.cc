@@ -886,6 +886,45 @@ TEST(ServerFlagsTest, DeviceSelection) {
   for (const auto& form : info.forms()) EXPECT_THAT(form.device(), ::testing::AnyOf("cpu", "cuda:0"));
 }
 
+// A rotary layer over the wire: position_offset reaches the backend (checked against the float64
+// reference at that offset), and GetLayer returns per-head spectra when asked.
+TEST(ServerFlagsTest, RotaryPositionOffsetAndSpectra) {
+  auto server = StartOrFail({"--layer", "rope=random:d_model=32,heads=4,kv_heads=2,rope_theta=10000,seed=3"});
+  ASSERT_NE(server, nullptr);
+  LayerConfig c;
+  c.d_model = 32;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.rope_theta = 10000;
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig(c), 3);
+  std::mt19937_64 rng(47);
+  const std::vector<float> input = RandomFloats(rng, 7 * 32);
+  for (int64_t offset : {0, 123}) {
+    v1::ForwardRequest req = Request("rope", input, {1, 7, 32}, v1::FORM_SUMMED);
+    req.set_causal(true);
+    req.set_position_offset(offset);
+    v1::ForwardResponse resp;
+    const grpc::Status st = server->client().Forward(req, &resp);
+    ASSERT_TRUE(st.ok()) << Describe(st);
+    Sequence seq;
+    seq.input = ConstMatrixView(input.data(), 7, 32);
+    seq.causal = true;
+    seq.position_offset = offset;
+    EXPECT_LT(RelativeL2(Output(resp), ReferenceForward(w, seq)), kTolerance) << "offset " << offset;
+  }
+  v1::ForwardRequest bad = Request("rope", input, {1, 7, 32});
+  bad.set_position_offset(-1);
+  v1::ForwardResponse resp;
+  const grpc::Status st = server->client().Forward(bad, &resp);
+  EXPECT_EQ(st.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("position_offset"));
+  v1::LayerInfo info;
+  ASSERT_TRUE(server->client().GetLayer("rope", &info, /*include_spectrum=*/true).ok());
+  EXPECT_EQ(info.ov_spectrum_size(), 4);
+  EXPECT_EQ(info.qk_spectrum_size(), 4);
+  EXPECT_FLOAT_EQ(info.config().rope_theta(), 10000.0f);
+}
+
 // Concurrent requests share batches, and each gets exactly what it would alone (the float64
 // reference of its own input), whatever its shape, mask or form.
 TEST(BatchingTest, ConcurrentRequestsShareBatchesAndEachGetsItsOwnResult) {
