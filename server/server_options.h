@@ -21,7 +21,7 @@ struct ServerOptions {
   // The dynamic batcher (docs/architecture.md §3); defaults measured in docs/benchmarks.md.
   int max_batch_requests = 32;    // requests in one batch at most
   int max_batch_tokens = 8192;    // tokens (query + context rows) in one batch at most
-  int max_queue_delay_us = 500;   // how long the oldest request waits for others
+  int max_queue_delay_us = 0;     // how long the oldest request waits for others (0: greedy)
   int max_queue_requests = 256;   // per (layer, form) queue; beyond: RESOURCE_EXHAUSTED
   int drain_timeout_s = 30;       // on SIGTERM: how long accepted requests get to finish
   // The backend (docs/architecture.md): auto takes a usable GPU when there is one, else the CPU.
