@@ -203,9 +203,14 @@ void Client::ForwardAsync(v1::ForwardRequest req,
   try {
     call = new Call{NewContext(), std::move(req), {}, std::move(done)};
     stub_->async()->Forward(call->ctx.get(), &call->req, &call->resp, [call](grpc::Status s) {
-      std::unique_ptr<Call> owned(call);
+      // The call (and its context's reference to the channel) goes before the user's callback:
+      // that callback may let the Client go, and the channel must not then die on gRPC's thread
+      // while this call still holds it (gRPC 1.51 aborts on that).
+      auto done = std::move(call->done);
+      v1::ForwardResponse resp = std::move(call->resp);
+      delete call;
       try {
-        if (owned->done) owned->done(std::move(s), std::move(owned->resp));
+        if (done) done(std::move(s), std::move(resp));
       } catch (...) {
         // A throwing user callback must not unwind into gRPC's threads; it is dropped.
       }
