@@ -21,6 +21,7 @@
 #include "client/cli/spectrum_view.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/core/forms.h"
+#include "server/service/service.h"
 #include "server/service/spectrum_proto.h"
 #include "server/store/layer_store.h"
 #include "server/store/source.h"
@@ -36,39 +37,10 @@ Backend& Cpu() {
   return backend;
 }
 
-v1::Form WireForm(Form f) {
-  switch (f) {
-    case Form::kFactored: return v1::FORM_FACTORED;
-    case Form::kSummed: return v1::FORM_SUMMED;
-    case Form::kLowRank: return v1::FORM_LOWRANK;
-  }
-  return v1::FORM_UNSPECIFIED;
-}
-
-// What the service's FillLayerInfo does for the config and forms, then the two calls it makes.
+// The service's own LayerInfo, with the spectra GetLayer adds when include_spectrum is set.
 v1::LayerInfo Describe(const Layer& layer, bool include_spectrum) {
   v1::LayerInfo info;
-  info.set_name(layer.name);
-  info.set_source(layer.source);
-  v1::LayerConfig* c = info.mutable_config();
-  c->set_d_model(layer.config.d_model);
-  c->set_heads(layer.config.heads);
-  c->set_kv_heads(layer.config.kv_heads);
-  c->set_d_head(layer.config.d_head);
-  c->set_bias(layer.config.bias);
-  c->set_scale(layer.config.SoftmaxScale());
-  for (const auto& [form, resident] : layer.forms) {
-    const FormWeights& w = resident->weights();
-    v1::FormInfo* f = info.add_forms();
-    f->set_form(WireForm(form));
-    f->set_parameters(w.Parameters());
-    f->set_bytes(w.Bytes());
-    f->set_device(layer.device);
-    const SequenceShape shape{128, 128, -1};
-    f->set_flops_per_token(ForwardFlops(w, std::span<const SequenceShape>(&shape, 1)) / 128.0);
-    f->set_flops_reference_length(128);
-  }
-  FillLowRankInfo(layer, &info);
+  FillLayerInfo(layer, &info);
   if (include_spectrum) FillSpectrumInfo(layer, &info);
   return info;
 }
