@@ -72,15 +72,6 @@ int KillAndReap(pid_t pid, int signal, std::chrono::seconds timeout) {
 
 }  // namespace
 
-TempDir::TempDir() {
-  std::string tmpl = (std::filesystem::temp_directory_path() / "attnserve_it_XXXXXX").string();
-  if (mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;
-}
-
-TempDir::~TempDir() {
-  std::error_code ec;
-  if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-}
 
 std::unique_ptr<ServerProcess> ServerProcess::Start(const std::string& binary, const std::vector<std::string>& args,
                                                     std::string* error, std::chrono::seconds timeout) {

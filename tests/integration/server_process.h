@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "client/client.h"
+#include "tests/unit/temp_dir.h"
 
 namespace attnserve::testing {
 
@@ -54,16 +55,6 @@ class ServerProcess {
 int RunToExit(const std::string& binary, const std::vector<std::string>& args, std::string* output,
               std::chrono::seconds timeout = std::chrono::seconds(60));
 
-// A fresh temporary folder, removed by the destructor.
-class TempDir {
- public:
-  TempDir();
-  ~TempDir();
-  const std::string& path() const { return path_; }
-  std::string File(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
+// TempDir comes from tests/unit/temp_dir.h.
 
 }  // namespace attnserve::testing

@@ -27,6 +27,7 @@
 #include "client/cli/args.h"
 #include "client/cli/commands.h"
 #include "client/npy.h"
+#include "tests/unit/temp_dir.h"
 
 namespace attnserve {
 namespace {
@@ -667,20 +668,7 @@ TEST(ClientRpc, RoundRobinSpreadsOverBackends) {
 // ---------------------------------------------------------------------------------------------
 // The CLI against the fake server
 
-class TempDir {
- public:
-  TempDir() {
-    path_ = std::filesystem::temp_directory_path() /
-            ("client_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string File(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  static inline int counter_ = 0;
-  std::filesystem::path path_;
-};
+using testing::TempDir;
 
 struct CliRun {
   int code;

@@ -1,5 +1,6 @@
 // Tests of client/npy: round trips, numpy's exact byte layout, and corrupt files refused.
 #include "client/npy.h"
+#include "tests/unit/temp_dir.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -53,20 +54,7 @@ std::string Dict(const std::string& descr, const std::string& fortran, const std
   return "{'descr': '" + descr + "', 'fortran_order': " + fortran + ", 'shape': " + shape + ", }";
 }
 
-class TempDir {
- public:
-  TempDir() {
-    path_ = std::filesystem::temp_directory_path() /
-            ("npy_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++));
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string File(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  static inline int counter_ = 0;
-  std::filesystem::path path_;
-};
+using testing::TempDir;
 
 void WriteBytes(const std::string& path, const std::string& bytes) {
   std::ofstream f(path, std::ios::binary);

@@ -32,6 +32,7 @@
 #include "server/store/layer_store.h"
 #include "server/store/safetensors.h"
 #include "tests/unit/test_support.h"
+#include "tests/unit/temp_dir.h"
 
 namespace attnserve {
 namespace {
@@ -104,20 +105,7 @@ struct Case {
   std::vector<float> input, context;
 };
 
-class TempDir {
- public:
-  TempDir() : path_(fs::temp_directory_path() / ("attnserve_real_model_" + std::to_string(::getpid()))) {
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string File(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using testing::TempDir;
 
 double RelativeL2(const std::vector<double>& got, const std::vector<double>& want) {
   double diff = 0, norm = 0;

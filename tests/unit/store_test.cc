@@ -25,6 +25,7 @@
 #include "server/store/safetensors.h"
 #include "server/store/source.h"
 #include "tests/unit/test_support.h"
+#include "tests/unit/temp_dir.h"
 
 namespace attnserve {
 namespace {
@@ -149,22 +150,7 @@ TensorMap Renamed(const TensorMap& in, const std::string& prefix, float scale = 
   return out;
 }
 
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = fs::temp_directory_path() / ("attnserve_store_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string File(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using testing::TempDir;
 
 void WriteText(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
