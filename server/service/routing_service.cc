@@ -16,11 +16,6 @@
 namespace attnserve {
 namespace {
 
-grpc::Status ToGrpcStatus(const Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
-}
-
 void FillRoutingInfo(const Router& router, v1::RoutingInfo* info) {
   for (const auto& [layer, split] : router.Routes()) {
     v1::Route* route = info->add_routes();
@@ -105,7 +100,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::SetRouting(grpc::CallbackServerC
   } catch (const std::exception& e) {
     status = InternalError(std::string("SetRouting: ") + e.what());
   }
-  reactor->Finish(ToGrpcStatus(status));
+  reactor->Finish(ToGrpc(status));
   return reactor;
 }
 
@@ -123,7 +118,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetRouting(grpc::CallbackServerC
   } catch (const std::exception& e) {
     status = InternalError(std::string("GetRouting: ") + e.what());
   }
-  reactor->Finish(ToGrpcStatus(status));
+  reactor->Finish(ToGrpc(status));
   return reactor;
 }
 

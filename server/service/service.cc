@@ -79,12 +79,12 @@ class AdminWorker {
   std::thread thread_;
 };
 
-namespace {
-
 grpc::Status ToGrpc(const Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
 }
+
+namespace {
 
 v1::Form ToProtoForm(Form form) { return static_cast<v1::Form>(FormToWire(form)); }
 

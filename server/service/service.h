@@ -71,6 +71,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
 // What LayerInfo says of a layer (also used by the server's start-up log).
 void FillLayerInfo(const Layer& layer, v1::LayerInfo* info);
 
+// attnserve::Status as a grpc::Status: the codes share their numbers, so a cast.
+grpc::Status ToGrpc(const Status& status);
+
 // Sets the layer_parameters and layer_bytes series of every form `layer` holds, replacing
 // those of an earlier layer of that name (routing_service.cc).
 void ReportLayerMetrics(const Layer& layer, Metrics& metrics);
