@@ -61,10 +61,13 @@ class DeviceArray {
     capacity_ = count;
     return OkStatus();
   }
-  Status Upload(const std::vector<float>& host) {
+  // Queued on `stream`: a plain cudaMemcpy runs on the legacy default stream, which the
+  // backend's non-blocking stream does not wait for, and from pageable memory it may return
+  // before the data has reached the device.
+  Status Upload(const std::vector<float>& host, cudaStream_t stream) {
     if (host.empty()) return OkStatus();
     ATTNSERVE_RETURN_IF_ERROR(Reserve(host.size()));
-    CUDA_TRY(cudaMemcpy(ptr_, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_TRY(cudaMemcpyAsync(ptr_, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
     return OkStatus();
   }
   float* get() const { return ptr_; }
@@ -104,11 +107,14 @@ class CudaResidentForm final : public ResidentForm {
   explicit CudaResidentForm(std::shared_ptr<const FormWeights> w) : host_(std::move(w)) {}
   const FormWeights& weights() const override { return *host_; }
 
-  Status Upload() {
-    ATTNSERVE_RETURN_IF_ERROR(w_in.Upload(host_->w_in));
-    ATTNSERVE_RETURN_IF_ERROR(b_in.Upload(host_->b_in));
-    ATTNSERVE_RETURN_IF_ERROR(w_out.Upload(host_->w_out));
-    return b_out.Upload(host_->b_out);
+  // Returns once the weights are on the device: the host copies may go after that.
+  Status Upload(cudaStream_t stream) {
+    ATTNSERVE_RETURN_IF_ERROR(w_in.Upload(host_->w_in, stream));
+    ATTNSERVE_RETURN_IF_ERROR(b_in.Upload(host_->b_in, stream));
+    ATTNSERVE_RETURN_IF_ERROR(w_out.Upload(host_->w_out, stream));
+    ATTNSERVE_RETURN_IF_ERROR(b_out.Upload(host_->b_out, stream));
+    CUDA_TRY(cudaStreamSynchronize(stream));
+    return OkStatus();
   }
 
   DeviceArray w_in, b_in, w_out, b_out;
@@ -151,7 +157,7 @@ class CudaBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mu_);
     Status st = CudaCheck(cudaSetDevice(options_.device), "cudaSetDevice");
     auto resident = std::make_shared<CudaResidentForm>(std::move(form));
-    if (st.ok()) st = resident->Upload();
+    if (st.ok()) st = resident->Upload(stream_);
     if (!st.ok()) return MarkFailed(st);
     return std::shared_ptr<const ResidentForm>(std::move(resident));
   }

@@ -2,6 +2,14 @@
 
 #include "server/backend/cuda/kernels.h"
 
+// nvcc launches on the device. Compiled as C++, this file is the tests' host emulation of the
+// kernels (tests/cuda_emulation), which runs the same bodies on the CPU.
+#ifdef __CUDACC__
+#define ATTNSERVE_LAUNCH(kernel, grid, block, stream) kernel<<<(grid), (block), 0, (stream)>>>
+#else
+#define ATTNSERVE_LAUNCH(kernel, grid, block, stream) ::cuda_emulation::Launch(kernel, (grid), (block), (stream))
+#endif
+
 namespace attnserve::cuda {
 namespace {
 
@@ -27,7 +35,7 @@ __device__ float BlockReduce(float v, float* shared) {
   if (lane == 0) shared[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    v = lane < blockDim.x / 32 ? shared[lane] : (kMax ? -FLT_MAX : 0.0f);
+    v = lane < static_cast<int>(blockDim.x / 32) ? shared[lane] : (kMax ? -FLT_MAX : 0.0f);
     for (int offset = 16; offset > 0; offset /= 2) {
       const float other = __shfl_xor_sync(0xffffffffu, v, offset);
       v = kMax ? fmaxf(v, other) : v + other;
@@ -98,26 +106,26 @@ unsigned GridFor(int64_t total) {
 
 cudaError_t ApplyRope(float* x, int64_t rows, int64_t heads, int64_t d_head, int64_t ld, double theta,
                       int64_t first_position, cudaStream_t stream) {
-  RopeKernel<<<GridFor(rows * heads * (d_head / 2)), kThreads, 0, stream>>>(x, rows, heads, d_head, ld, theta,
-                                                                           first_position);
+  ATTNSERVE_LAUNCH(RopeKernel, GridFor(rows * heads * (d_head / 2)), kThreads, stream)
+  (x, rows, heads, d_head, ld, theta, first_position);
   return cudaGetLastError();
 }
 
 cudaError_t AddRowBias(float* y, int64_t rows, int64_t cols, int64_t ld, const float* bias, cudaStream_t stream) {
-  AddRowBiasKernel<<<GridFor(rows * cols), kThreads, 0, stream>>>(y, rows, cols, ld, bias);
+  ATTNSERVE_LAUNCH(AddRowBiasKernel, GridFor(rows * cols), kThreads, stream)(y, rows, cols, ld, bias);
   return cudaGetLastError();
 }
 
 cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t n, int64_t keys, bool causal, cudaStream_t stream) {
   // Short rows get a small block: most threads of a 256-wide block would idle on 16 keys.
   const int threads = keys <= 32 ? 32 : keys <= 128 ? 128 : kThreads;
-  MaskedSoftmaxKernel<<<static_cast<unsigned>(heads * n), threads, 0, stream>>>(scores, n, keys, causal);
+  ATTNSERVE_LAUNCH(MaskedSoftmaxKernel, static_cast<unsigned>(heads * n), threads, stream)(scores, n, keys, causal);
   return cudaGetLastError();
 }
 
 cudaError_t InterleaveHeads(const float* scores, int64_t heads, int64_t n, int64_t keys, float* a_cat,
                             cudaStream_t stream) {
-  InterleaveHeadsKernel<<<GridFor(heads * n * keys), kThreads, 0, stream>>>(scores, heads, n, keys, a_cat);
+  ATTNSERVE_LAUNCH(InterleaveHeadsKernel, GridFor(heads * n * keys), kThreads, stream)(scores, heads, n, keys, a_cat);
   return cudaGetLastError();
 }
 

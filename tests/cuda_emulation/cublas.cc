@@ -1,0 +1,272 @@
+// The emulated cuBLAS GEMMs: argument checks as cuBLAS documents them, every operand checked to
+// lie inside device memory, then a plain column-major product in float32 (TF32-rounded inputs
+// when asked for).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "cublas_v2.h"
+#include "state.h"
+
+struct cublasContext {
+  cudaStream_t stream = nullptr;
+  cublasMath_t math = CUBLAS_DEFAULT_MATH;
+};
+
+namespace cuda_emulation {
+namespace {
+
+// A float rounded to TF32 (10 explicit mantissa bits), to nearest, ties to even: what the
+// tensor cores multiply.
+float RoundToTf32(float v) {
+  if (!std::isfinite(v)) return v;
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const uint32_t dropped = 13;
+  const uint32_t half = 1u << (dropped - 1), lsb = (bits >> dropped) & 1u;
+  bits = (bits + half - 1 + lsb) & ~((1u << dropped) - 1);
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// One operand as cuBLAS sees it: `rows` × `cols` stored column-major with leading dimension ld.
+struct Operand {
+  const char* name;
+  const float* data;
+  int64_t rows, cols, ld;
+  int64_t Extent() const { return rows == 0 || cols == 0 ? 0 : (cols - 1) * ld + rows; }
+};
+
+cublasStatus_t Invalid(const std::string& call, const std::string& why) {
+  internal::Diagnose(call + ": " + why + " (CUBLAS_STATUS_INVALID_VALUE)");
+  return CUBLAS_STATUS_INVALID_VALUE;
+}
+
+struct GemmCall {
+  const char* name;
+  cublasHandle_t handle;
+  cublasOperation_t transa, transb;
+  int m, n, k;
+  const float *alpha, *beta;
+  const float* a;
+  int lda;
+  long long stride_a;
+  const float* b;
+  int ldb;
+  long long stride_b;
+  float* c;
+  int ldc;
+  long long stride_c;
+  int batch;
+  bool tf32;
+};
+
+// The documented checks of cublas<t>gemm / cublasGemmEx / cublasGemmStridedBatchedEx.
+cublasStatus_t Validate(const GemmCall& g) {
+  const std::string call = g.name;
+  if (g.handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  for (cublasOperation_t op : {g.transa, g.transb}) {
+    if (op != CUBLAS_OP_N && op != CUBLAS_OP_T && op != CUBLAS_OP_C) return Invalid(call, "bad operation");
+  }
+  if (g.m < 0 || g.n < 0 || g.k < 0 || g.batch < 0) {
+    return Invalid(call, "negative size: m=" + std::to_string(g.m) + " n=" + std::to_string(g.n) +
+                             " k=" + std::to_string(g.k) + " batchCount=" + std::to_string(g.batch));
+  }
+  const int need_lda = std::max(1, g.transa == CUBLAS_OP_N ? g.m : g.k);
+  const int need_ldb = std::max(1, g.transb == CUBLAS_OP_N ? g.k : g.n);
+  const int need_ldc = std::max(1, g.m);
+  if (g.lda < need_lda) return Invalid(call, "lda=" + std::to_string(g.lda) + " < " + std::to_string(need_lda));
+  if (g.ldb < need_ldb) return Invalid(call, "ldb=" + std::to_string(g.ldb) + " < " + std::to_string(need_ldb));
+  if (g.ldc < need_ldc) return Invalid(call, "ldc=" + std::to_string(g.ldc) + " < " + std::to_string(need_ldc));
+  if (g.alpha == nullptr || g.beta == nullptr || internal::IsDevicePointer(g.alpha) ||
+      internal::IsDevicePointer(g.beta)) {
+    return Invalid(call, "alpha and beta must be host pointers (CUBLAS_POINTER_MODE_HOST)");
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+// Every element a batch entry touches must be device memory; a device would fault otherwise.
+bool InDeviceMemory(const GemmCall& g, const Operand& op, long long stride) {
+  if (op.Extent() == 0) return true;
+  for (int i = 0; i < g.batch; ++i) {
+    const float* base = op.data + i * stride;
+    if (!internal::IsDeviceRange(base, static_cast<size_t>(op.Extent()) * sizeof(float))) {
+      internal::RaiseFault(cudaErrorIllegalAddress, std::string(g.name) + ": operand " + op.name + " of batch entry " +
+                                                        std::to_string(i) + " (" + std::to_string(op.rows) + "x" +
+                                                        std::to_string(op.cols) + ", ld=" + std::to_string(op.ld) +
+                                                        ") is not inside one device allocation");
+      return false;
+    }
+  }
+  return true;
+}
+
+cublasStatus_t Gemm(const GemmCall& g) {
+  if (internal::StickyError() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
+  if (const cublasStatus_t s = Validate(g); s != CUBLAS_STATUS_SUCCESS) return s;
+  internal::CountGemm();
+  if (internal::TakeFault(Fault::kGemm)) {
+    internal::RaiseFault(cudaErrorLaunchFailure, std::string("injected fault in ") + g.name);
+    return CUBLAS_STATUS_EXECUTION_FAILED;
+  }
+  if (g.m == 0 || g.n == 0 || g.batch == 0) return CUBLAS_STATUS_SUCCESS;
+  const bool ta = g.transa != CUBLAS_OP_N, tb = g.transb != CUBLAS_OP_N;
+  const Operand a{"A", g.a, ta ? g.k : g.m, ta ? g.m : g.k, g.lda};
+  const Operand b{"B", g.b, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb};
+  const Operand c{"C", g.c, g.m, g.n, g.ldc};
+  if ((g.k > 0 && (!InDeviceMemory(g, a, g.stride_a) || !InDeviceMemory(g, b, g.stride_b))) ||
+      !InDeviceMemory(g, c, g.stride_c)) {
+    return CUBLAS_STATUS_EXECUTION_FAILED;
+  }
+  const float alpha = *g.alpha, beta = *g.beta;
+  auto in = [&](float v) { return g.tf32 ? RoundToTf32(v) : v; };
+  for (int batch = 0; batch < g.batch; ++batch) {
+    const float* pa = g.a + batch * g.stride_a;
+    const float* pb = g.b + batch * g.stride_b;
+    float* pc = g.c + batch * g.stride_c;
+    for (int j = 0; j < g.n; ++j) {
+      for (int i = 0; i < g.m; ++i) {
+        float acc = 0.0f;
+        for (int p = 0; p < g.k; ++p) {
+          const float av = ta ? pa[p + int64_t{i} * g.lda] : pa[i + int64_t{p} * g.lda];
+          const float bv = tb ? pb[j + int64_t{p} * g.ldb] : pb[p + int64_t{j} * g.ldb];
+          acc = std::fma(in(av), in(bv), acc);
+        }
+        float& out = pc[i + int64_t{j} * g.ldc];
+        // With beta == 0, C is not read (it may hold NaN), as cuBLAS documents.
+        out = beta == 0.0f ? alpha * acc : alpha * acc + beta * out;
+      }
+    }
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+bool UsesTf32(cublasHandle_t handle, cublasComputeType_t compute) {
+  return compute == CUBLAS_COMPUTE_32F_FAST_TF32 ||
+         (compute == CUBLAS_COMPUTE_32F && handle != nullptr && handle->math == CUBLAS_TF32_TENSOR_OP_MATH);
+}
+
+cublasStatus_t CheckTypes(const char* name, cudaDataType at, cudaDataType bt, cudaDataType ct,
+                          cublasComputeType_t compute) {
+  if (at != CUDA_R_32F || bt != CUDA_R_32F || ct != CUDA_R_32F) {
+    internal::Diagnose(std::string(name) + ": only CUDA_R_32F operands are emulated");
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  if (compute != CUBLAS_COMPUTE_32F && compute != CUBLAS_COMPUTE_32F_FAST_TF32 &&
+      compute != CUBLAS_COMPUTE_32F_PEDANTIC) {
+    internal::Diagnose(std::string(name) + ": compute type not emulated");
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+}  // namespace
+}  // namespace cuda_emulation
+
+using cuda_emulation::GemmCall;
+
+cublasStatus_t cublasCreate(cublasHandle_t* handle) {
+  if (cuda_emulation::internal::StickyError() != cudaSuccess) return CUBLAS_STATUS_NOT_INITIALIZED;
+  *handle = new cublasContext;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasDestroy(cublasHandle_t handle) {
+  if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  delete handle;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSetStream(cublasHandle_t handle, cudaStream_t stream) {
+  if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  handle->stream = stream;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSetMathMode(cublasHandle_t handle, cublasMath_t mode) {
+  if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  handle->math = mode;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
+                           int k, const float* alpha, const float* A, int lda, const float* B, int ldb,
+                           const float* beta, float* C, int ldc) {
+  return cuda_emulation::Gemm(GemmCall{"cublasSgemm",
+                                       handle,
+                                       transa,
+                                       transb,
+                                       m,
+                                       n,
+                                       k,
+                                       alpha,
+                                       beta,
+                                       A,
+                                       lda,
+                                       0,
+                                       B,
+                                       ldb,
+                                       0,
+                                       C,
+                                       ldc,
+                                       0,
+                                       1,
+                                       cuda_emulation::UsesTf32(handle, CUBLAS_COMPUTE_32F)});
+}
+
+cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
+                            int k, const void* alpha, const void* A, cudaDataType Atype, int lda, const void* B,
+                            cudaDataType Btype, int ldb, const void* beta, void* C, cudaDataType Ctype, int ldc,
+                            cublasComputeType_t computeType, cublasGemmAlgo_t) {
+  if (auto s = cuda_emulation::CheckTypes("cublasGemmEx", Atype, Btype, Ctype, computeType)) return s;
+  return cuda_emulation::Gemm(GemmCall{"cublasGemmEx",
+                                       handle,
+                                       transa,
+                                       transb,
+                                       m,
+                                       n,
+                                       k,
+                                       static_cast<const float*>(alpha),
+                                       static_cast<const float*>(beta),
+                                       static_cast<const float*>(A),
+                                       lda,
+                                       0,
+                                       static_cast<const float*>(B),
+                                       ldb,
+                                       0,
+                                       static_cast<float*>(C),
+                                       ldc,
+                                       0,
+                                       1,
+                                       cuda_emulation::UsesTf32(handle, computeType)});
+}
+
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
+                                          int m, int n, int k, const void* alpha, const void* A, cudaDataType Atype,
+                                          int lda, long long int strideA, const void* B, cudaDataType Btype, int ldb,
+                                          long long int strideB, const void* beta, void* C, cudaDataType Ctype, int ldc,
+                                          long long int strideC, int batchCount, cublasComputeType_t computeType,
+                                          cublasGemmAlgo_t) {
+  if (auto s = cuda_emulation::CheckTypes("cublasGemmStridedBatchedEx", Atype, Btype, Ctype, computeType)) return s;
+  return cuda_emulation::Gemm(GemmCall{"cublasGemmStridedBatchedEx",
+                                       handle,
+                                       transa,
+                                       transb,
+                                       m,
+                                       n,
+                                       k,
+                                       static_cast<const float*>(alpha),
+                                       static_cast<const float*>(beta),
+                                       static_cast<const float*>(A),
+                                       lda,
+                                       strideA,
+                                       static_cast<const float*>(B),
+                                       ldb,
+                                       strideB,
+                                       static_cast<float*>(C),
+                                       ldc,
+                                       strideC,
+                                       batchCount,
+                                       cuda_emulation::UsesTf32(handle, computeType)});
+}

@@ -1,0 +1,41 @@
+// Controls of the host emulation of CUDA and cuBLAS (tests only): what a test can see and
+// steer that a real device would not show — bytes moved, allocations made, injected faults.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace cuda_emulation {
+
+// What the emulated device did since the last ResetCounters().
+struct Counters {
+  int64_t host_to_device_bytes = 0;
+  int64_t device_to_host_bytes = 0;
+  int64_t device_allocations = 0;     // cudaMalloc calls that allocated
+  int64_t pinned_allocations = 0;     // cudaMallocHost calls that allocated
+  int64_t pageable_async_copies = 0;  // cudaMemcpyAsync from or to memory not from cudaMallocHost
+  int64_t kernel_launches = 0;
+  int64_t gemm_calls = 0;  // cuBLAS GEMM calls (a strided batch counts once)
+};
+Counters ReadCounters();
+void ResetCounters();
+
+// Device allocations not yet freed (device memory a test expects to be returned).
+int64_t LiveDeviceAllocations();
+
+// Devices cudaGetDeviceCount reports (1 unless set; 0 makes it fail as with no GPU).
+void SetDeviceCount(int count);
+
+// The next operation of this kind fails as a device fault would: the call reports it and the
+// error stays (sticky), as after a fault on a real device, until Reset().
+enum class Fault { kKernel, kGemm, kCopy };
+void InjectFault(Fault fault);
+
+// Clears sticky errors, pending faults and the device count; keeps allocations and counters.
+void Reset();
+
+// The last problem the emulation found in a call (an argument cuBLAS would reject, an
+// address outside every allocation, a barrier not reached by all threads), or "".
+std::string LastDiagnostic();
+
+}  // namespace cuda_emulation

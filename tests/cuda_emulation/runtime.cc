@@ -1,0 +1,444 @@
+// The emulated CUDA runtime: device memory on the host heap with its extents recorded, copies
+// checked against the memory spaces they name, synchronous streams, wall-clock events.
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <iterator>
+#include <map>
+#include <mutex>
+#include <new>
+
+#include "cuda_emulation.h"
+#include "cuda_runtime_api.h"
+#include "state.h"
+
+struct CUstream_st {
+  unsigned flags = 0;
+};
+struct CUevent_st {
+  std::chrono::steady_clock::time_point when;
+  bool recorded = false;
+};
+
+namespace cuda_emulation {
+namespace {
+
+enum class Space { kDevice, kPinnedHost };
+
+struct Allocation {
+  size_t bytes;
+  Space space;
+};
+
+struct State {
+  std::mutex mu;
+  std::map<const char*, Allocation> allocations;  // by base address
+  Counters counters;
+  int device_count = 1;
+  cudaError_t sticky = cudaSuccess;
+  bool pending_fault[3] = {false, false, false};
+  std::string diagnostic;
+};
+
+State& GetState() {
+  static State* state = new State;  // never destroyed: backends may outlive static destruction
+  return *state;
+}
+
+thread_local cudaError_t last_error = cudaSuccess;
+thread_local int current_device = 0;
+
+constexpr size_t kAlignment = 256;  // cudaMalloc's alignment
+
+// The allocation containing p, or nullptr. Caller holds the lock.
+const std::pair<const char* const, Allocation>* Find(State& s, const void* p) {
+  const char* c = static_cast<const char*>(p);
+  auto it = s.allocations.upper_bound(c);
+  if (it == s.allocations.begin()) return nullptr;
+  --it;
+  return c < it->first + std::max<size_t>(it->second.bytes, 1) ? &*it : nullptr;
+}
+
+bool InSpace(const void* p, size_t bytes, Space space) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  const auto* a = Find(s, p);
+  if (a == nullptr || a->second.space != space) return false;
+  return static_cast<const char*>(p) + bytes <= a->first + a->second.bytes;
+}
+
+// Every call first answers with a sticky error, as a faulted context does.
+#define RETURN_IF_STICKY()                                    \
+  do {                                                        \
+    if (const cudaError_t sticky = internal::StickyError()) { \
+      last_error = sticky;                                    \
+      return sticky;                                          \
+    }                                                         \
+  } while (false)
+
+cudaError_t Fail(cudaError_t error, const std::string& diagnostic) {
+  internal::Diagnose(diagnostic);
+  last_error = error;
+  return error;
+}
+
+cudaError_t Allocate(void** ptr, size_t bytes, Space space) {
+  RETURN_IF_STICKY();
+  if (ptr == nullptr) return Fail(cudaErrorInvalidValue, "cudaMalloc: null result pointer");
+  *ptr = nullptr;
+  if (bytes == 0) return cudaSuccess;
+  void* p = ::operator new(bytes, std::align_val_t(kAlignment), std::nothrow);
+  if (p == nullptr) return Fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory");
+  // Fresh device memory reads as NaN, so a result that uses unwritten memory shows it.
+  std::memset(p, 0xff, bytes);
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.allocations[static_cast<const char*>(p)] = {bytes, space};
+  (space == Space::kDevice ? s.counters.device_allocations : s.counters.pinned_allocations)++;
+  *ptr = p;
+  return cudaSuccess;
+}
+
+cudaError_t Release(void* ptr, Space space, const char* what) {
+  if (ptr == nullptr) return cudaSuccess;
+  State& s = GetState();
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto it = s.allocations.find(static_cast<const char*>(ptr));
+    if (it == s.allocations.end() || it->second.space != space) {
+      s.diagnostic = std::string(what) + ": pointer was not allocated by its allocator (or was freed twice)";
+      std::fprintf(stderr, "[cuda emulation] %s\n", s.diagnostic.c_str());
+      last_error = cudaErrorInvalidValue;
+      return cudaErrorInvalidValue;
+    }
+    s.allocations.erase(it);
+  }
+  ::operator delete(ptr, std::align_val_t(kAlignment));
+  return cudaSuccess;
+}
+
+const char* KindName(cudaMemcpyKind kind) {
+  switch (kind) {
+    case cudaMemcpyHostToHost:
+      return "HostToHost";
+    case cudaMemcpyHostToDevice:
+      return "HostToDevice";
+    case cudaMemcpyDeviceToHost:
+      return "DeviceToHost";
+    case cudaMemcpyDeviceToDevice:
+      return "DeviceToDevice";
+    default:
+      return "Default";
+  }
+}
+
+cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, bool async) {
+  RETURN_IF_STICKY();
+  if (bytes == 0) return cudaSuccess;
+  if (internal::TakeFault(Fault::kCopy)) {
+    internal::RaiseFault(cudaErrorIllegalAddress, "injected fault in a copy");
+    return last_error = cudaErrorIllegalAddress;
+  }
+  const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+  const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+  if (kind != cudaMemcpyHostToDevice && kind != cudaMemcpyDeviceToHost && kind != cudaMemcpyDeviceToDevice) {
+    return Fail(cudaErrorInvalidMemcpyDirection,
+                std::string("cudaMemcpy: kind ") + KindName(kind) + " is not used by attnserve and not emulated");
+  }
+  const bool dst_ok = dst_device ? internal::IsDeviceRange(dst, bytes) : !internal::IsDevicePointer(dst);
+  const bool src_ok = src_device ? internal::IsDeviceRange(src, bytes) : !internal::IsDevicePointer(src);
+  if (!dst_ok || !src_ok) {
+    return Fail(cudaErrorInvalidValue,
+                std::string("cudaMemcpy") + (async ? "Async" : "") + " " + KindName(kind) + ": " +
+                    (dst_ok ? "source" : "destination") + " of " + std::to_string(bytes) + " bytes is not " +
+                    ((dst_ok ? src_device : dst_device) ? "inside one device allocation" : "host memory"));
+  }
+  std::memmove(dst, src, bytes);
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (kind == cudaMemcpyHostToDevice) s.counters.host_to_device_bytes += static_cast<int64_t>(bytes);
+  if (kind == cudaMemcpyDeviceToHost) s.counters.device_to_host_bytes += static_cast<int64_t>(bytes);
+  if (async && kind != cudaMemcpyDeviceToDevice) {
+    const void* host = kind == cudaMemcpyHostToDevice ? src : dst;
+    const auto* a = Find(s, host);
+    if (a == nullptr || a->second.space != Space::kPinnedHost) s.counters.pageable_async_copies++;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+namespace internal {
+
+bool IsDeviceRange(const void* p, size_t bytes) { return InSpace(p, bytes, Space::kDevice); }
+
+bool IsDevicePointer(const void* p) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  const auto* a = Find(s, p);
+  return a != nullptr && a->second.space == Space::kDevice;
+}
+
+cudaError_t StickyError() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.sticky;
+}
+
+void SetLastError(cudaError_t error) { last_error = error; }
+
+void Diagnose(const std::string& diagnostic) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.diagnostic = diagnostic;
+  std::fprintf(stderr, "[cuda emulation] %s\n", diagnostic.c_str());
+}
+
+void RaiseFault(cudaError_t error, const std::string& diagnostic) {
+  Diagnose(diagnostic);
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.sticky = error;
+  last_error = error;
+}
+
+bool TakeFault(Fault fault) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  bool& pending = s.pending_fault[static_cast<int>(fault)];
+  const bool taken = pending;
+  pending = false;
+  return taken;
+}
+
+void CountKernelLaunch() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.counters.kernel_launches++;
+}
+
+void CountGemm() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.counters.gemm_calls++;
+}
+
+}  // namespace internal
+
+Counters ReadCounters() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.counters;
+}
+
+void ResetCounters() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.counters = {};
+}
+
+int64_t LiveDeviceAllocations() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  int64_t live = 0;
+  for (const auto& [base, a] : s.allocations) live += a.space == Space::kDevice;
+  return live;
+}
+
+void SetDeviceCount(int count) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.device_count = count;
+}
+
+void InjectFault(Fault fault) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.pending_fault[static_cast<int>(fault)] = true;
+}
+
+void Reset() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.sticky = cudaSuccess;
+  s.device_count = 1;
+  for (bool& p : s.pending_fault) p = false;
+  s.diagnostic.clear();
+  last_error = cudaSuccess;
+}
+
+std::string LastDiagnostic() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.diagnostic;
+}
+
+}  // namespace cuda_emulation
+
+using cuda_emulation::last_error;
+namespace internal = cuda_emulation::internal;
+
+const char* cudaGetErrorName(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess:
+      return "cudaSuccess";
+    case cudaErrorInvalidValue:
+      return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation:
+      return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration:
+      return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevicePointer:
+      return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidMemcpyDirection:
+      return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorNoDevice:
+      return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice:
+      return "cudaErrorInvalidDevice";
+    case cudaErrorIllegalAddress:
+      return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchFailure:
+      return "cudaErrorLaunchFailure";
+  }
+  return "cudaErrorUnknown";
+}
+
+const char* cudaGetErrorString(cudaError_t error) {
+  switch (error) {
+    case cudaSuccess:
+      return "no error";
+    case cudaErrorInvalidValue:
+      return "invalid argument";
+    case cudaErrorMemoryAllocation:
+      return "out of memory";
+    case cudaErrorInvalidConfiguration:
+      return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer:
+      return "invalid device pointer";
+    case cudaErrorInvalidMemcpyDirection:
+      return "invalid copy direction for memcpy";
+    case cudaErrorNoDevice:
+      return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice:
+      return "invalid device ordinal";
+    case cudaErrorIllegalAddress:
+      return "an illegal memory access was encountered";
+    case cudaErrorLaunchFailure:
+      return "unspecified launch failure";
+  }
+  return "unknown error";
+}
+
+cudaError_t cudaGetLastError() {
+  const cudaError_t sticky = internal::StickyError();
+  const cudaError_t e = sticky != cudaSuccess ? sticky : last_error;
+  last_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t cudaPeekAtLastError() {
+  const cudaError_t sticky = internal::StickyError();
+  return sticky != cudaSuccess ? sticky : last_error;
+}
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  auto& s = cuda_emulation::GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  *count = s.device_count;
+  return s.device_count > 0 ? cudaSuccess : (last_error = cudaErrorNoDevice);
+}
+
+cudaError_t cudaSetDevice(int device) {
+  int count = 0;
+  if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) return e;
+  if (device < 0 || device >= count) return last_error = cudaErrorInvalidDevice;
+  cuda_emulation::current_device = device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = cuda_emulation::current_device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize() {
+  RETURN_IF_STICKY();
+  return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void** ptr, size_t bytes) {
+  return cuda_emulation::Allocate(ptr, bytes, cuda_emulation::Space::kDevice);
+}
+cudaError_t cudaFree(void* ptr) { return cuda_emulation::Release(ptr, cuda_emulation::Space::kDevice, "cudaFree"); }
+cudaError_t cudaMallocHost(void** ptr, size_t bytes) {
+  return cuda_emulation::Allocate(ptr, bytes, cuda_emulation::Space::kPinnedHost);
+}
+cudaError_t cudaFreeHost(void* ptr) {
+  return cuda_emulation::Release(ptr, cuda_emulation::Space::kPinnedHost, "cudaFreeHost");
+}
+
+cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
+  RETURN_IF_STICKY();
+  if (bytes == 0) return cudaSuccess;
+  if (!internal::IsDeviceRange(ptr, bytes)) {
+    return cuda_emulation::Fail(cudaErrorInvalidValue, "cudaMemset: range is not inside one device allocation");
+  }
+  std::memset(ptr, value, bytes);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  return cuda_emulation::Copy(dst, src, bytes, kind, /*async=*/false);
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
+  return cuda_emulation::Copy(dst, src, bytes, kind, /*async=*/true);
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, 0); }
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
+  RETURN_IF_STICKY();
+  *stream = new CUstream_st{flags};
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  delete stream;
+  return cudaSuccess;
+}
+
+// Work ran when it was issued; a fault it raised surfaces here, as on a device.
+cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  RETURN_IF_STICKY();
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t* event) {
+  *event = new CUevent_st;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  delete event;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t) {
+  RETURN_IF_STICKY();
+  event->when = std::chrono::steady_clock::now();
+  event->recorded = true;
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t) {
+  RETURN_IF_STICKY();
+  return cudaSuccess;
+}
+
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  if (!start->recorded || !end->recorded) return last_error = cudaErrorInvalidValue;
+  *ms = std::chrono::duration<float, std::milli>(end->when - start->when).count();
+  return cudaSuccess;
+}

@@ -1,0 +1,325 @@
+// The fibers behind the emulated kernels: every thread of a block gets a stack; a scheduler on
+// the launching thread runs each fiber until it reaches a barrier (or ends), and releases a
+// barrier once every thread it names has arrived.
+#include "simt.h"
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "state.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <pthread.h>
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define CUDA_EMULATION_ASAN 1
+#endif
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+namespace cuda_emulation {
+namespace {
+
+constexpr size_t kStackBytes = 64 * 1024;
+constexpr int kWarp = 32;
+constexpr unsigned kMaxThreads = 1024;
+
+// A saved execution context. On x86-64 a stack pointer and a 12-instruction switch (callee-
+// saved registers only, ~20 ns); elsewhere ucontext (a system call per switch).
+#if defined(__x86_64__)
+extern "C" void cuda_emulation_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .globl cuda_emulation_switch
+  .type cuda_emulation_switch, @function
+cuda_emulation_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size cuda_emulation_switch, .-cuda_emulation_switch
+  .section .note.GNU-stack,"",@progbits
+  .text
+)");
+
+struct Context {
+  void* sp = nullptr;
+};
+void SwitchContext(Context& from, Context& to) { cuda_emulation_switch(&from.sp, to.sp); }
+void MakeContext(Context& c, char* stack, size_t bytes, void (*entry)()) {
+  auto top = reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t{15};
+  // Stacks 64 KiB apart would put every fiber's live frames in the same cache sets; a
+  // different offset per stack spreads them.
+  top -= (reinterpret_cast<uintptr_t>(stack) / kStackBytes % 61) * 192;
+  auto* sp = reinterpret_cast<uint64_t*>(top);
+  *--sp = 0;                                    // entry's return address: it never returns
+  *--sp = reinterpret_cast<uint64_t>(entry);    // where the switch's `ret` goes
+  for (int reg = 0; reg < 6; ++reg) *--sp = 0;  // rbp rbx r12 r13 r14 r15
+  c.sp = sp;
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+void SwitchContext(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+void MakeContext(Context& c, char* stack, size_t bytes, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = bytes;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+#endif
+
+enum class State { kRunnable, kAtBlockBarrier, kAtWarpBarrier, kDone };
+
+struct Fiber {
+  Context context;
+  State state = State::kRunnable;
+  ThreadCoords coords;
+  uint64_t shuffles = 0;  // picks the half of the warp's exchange buffer
+};
+
+// One block being run on this thread.
+struct BlockRun {
+  const std::function<void()>* body = nullptr;
+  std::vector<Fiber> fibers;
+  int current = -1;
+  Context scheduler;
+  std::string error;
+  int at_block_barrier = 0;
+  int done = 0;
+  std::vector<int> at_warp_barrier;  // per warp
+  std::vector<float> exchange;       // [warp][2][lane]
+#if defined(CUDA_EMULATION_ASAN)
+  const void* scheduler_stack_bottom = nullptr;
+  size_t scheduler_stack_size = 0;
+#endif
+};
+
+thread_local BlockRun* run = nullptr;
+// Stacks are kept between launches of a thread: a launch of 256 threads reuses 16 MiB.
+thread_local std::vector<std::unique_ptr<char[]>> stacks;
+
+Fiber& Current() { return run->fibers[run->current]; }
+
+// The next fiber of this pass that can run, after `from`; -1 when the pass is over.
+int NextRunnable(const BlockRun& r, int from) {
+  if (!r.error.empty()) return -1;
+  for (int t = from + 1; t < static_cast<int>(r.fibers.size()); ++t) {
+    if (r.fibers[t].state == State::kRunnable) return t;
+  }
+  return -1;
+}
+
+// From the scheduler into the pass's first runnable fiber; back when the pass is over.
+void EnterFiber(int index) {
+  run->current = index;
+#if defined(CUDA_EMULATION_ASAN)
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, stacks[index].get(), kStackBytes);
+  SwitchContext(run->scheduler, run->fibers[index].context);
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+  SwitchContext(run->scheduler, run->fibers[index].context);
+#endif
+  run->current = -1;
+}
+
+// The running fiber waits (or has finished): straight on to the pass's next runnable fiber —
+// one switch, not two through the scheduler — or back to the scheduler after the last.
+void SwitchAway(bool finished) {
+  BlockRun* r = run;
+  const int self = r->current, next = NextRunnable(*r, self);
+  Context& to = next >= 0 ? r->fibers[next].context : r->scheduler;
+  r->current = next;
+#if defined(CUDA_EMULATION_ASAN)
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(finished ? nullptr : &fake, next >= 0 ? stacks[next].get() : r->scheduler_stack_bottom,
+                                 next >= 0 ? kStackBytes : r->scheduler_stack_size);
+  SwitchContext(r->fibers[self].context, to);
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+  (void)finished;
+  SwitchContext(r->fibers[self].context, to);
+#endif
+  run->current = self;
+}
+
+[[noreturn]] void FiberEntry() {
+#if defined(CUDA_EMULATION_ASAN)
+  __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
+#endif
+  (*run->body)();
+  Current().state = State::kDone;
+  run->done++;
+  SwitchAway(/*finished=*/true);
+  std::abort();  // a finished fiber is never resumed
+}
+
+std::string Where(const Fiber& f) {
+  return "block " + std::to_string(f.coords.block_idx.x) + " thread " + std::to_string(f.coords.thread_idx.x);
+}
+
+// Lanes of warp w that exist (the last warp of a block may be partial).
+int LanesOf(const BlockRun& r, int warp) {
+  return std::min<int>(kWarp, static_cast<int>(r.fibers.size()) - warp * kWarp);
+}
+
+// Releases every barrier all of whose threads have arrived; true if any was.
+bool ReleaseBarriers(BlockRun& r) {
+  bool released = false;
+  const int threads = static_cast<int>(r.fibers.size());
+  const int done = r.done;
+  if (r.at_block_barrier > 0 && r.at_block_barrier == threads) {
+    for (Fiber& f : r.fibers) f.state = State::kRunnable;
+    r.at_block_barrier = 0;
+    released = true;
+  } else if (r.at_block_barrier > 0 && r.at_block_barrier + done == threads && r.error.empty()) {
+    r.error = "__syncthreads reached by " + std::to_string(r.at_block_barrier) + " of " + std::to_string(threads) +
+              " threads; the others had exited (undefined behaviour on a device)";
+  }
+  for (size_t w = 0; w < r.at_warp_barrier.size(); ++w) {
+    if (r.at_warp_barrier[w] == 0 || r.at_warp_barrier[w] < LanesOf(r, static_cast<int>(w))) continue;
+    for (int lane = 0; lane < LanesOf(r, static_cast<int>(w)); ++lane) {
+      r.fibers[w * kWarp + lane].state = State::kRunnable;
+    }
+    r.at_warp_barrier[w] = 0;
+    released = true;
+  }
+  return released;
+}
+
+// Runs one block to the end; returns "" or what went wrong.
+std::string RunBlock(BlockRun& r) {
+  const int threads = static_cast<int>(r.fibers.size());
+  for (;;) {
+    const int first = NextRunnable(r, -1);
+    const bool ran = first >= 0;
+    if (ran) EnterFiber(first);
+    if (!r.error.empty()) return r.error;
+    if (r.done == threads) return "";
+    if (!ReleaseBarriers(r) && !ran) {
+      std::string states;
+      for (const Fiber& f : r.fibers) {
+        states += f.state == State::kDone ? 'D' : f.state == State::kAtBlockBarrier ? 'B' : 'W';
+      }
+      return r.error.empty() ? "threads wait at barriers that can never be released (D done, B __syncthreads, "
+                               "W warp shuffle): " +
+                                   states
+                             : r.error;
+    }
+  }
+}
+
+// Out of line, so the shuffle's own frame stays small: every fiber switch touches it.
+[[gnu::noinline]] void UnsupportedShuffle(const Fiber& self, unsigned mask, int width) {
+  if (run->error.empty()) {
+    run->error = "__shfl_xor_sync at " + Where(self) + ": mask " + std::to_string(mask) + " width " +
+                 std::to_string(width) + " (emulated: the full warp's mask and width 32 only)";
+  }
+  SwitchAway(false);  // the scheduler stops at the error and never resumes this fiber
+}
+
+}  // namespace
+
+const ThreadCoords& Coords() { return Current().coords; }
+
+void SyncThreads() {
+  run->at_block_barrier++;
+  Current().state = State::kAtBlockBarrier;
+  SwitchAway(false);
+}
+
+float ShuffleXor(unsigned mask, float value, int lane_mask, int width) {
+  BlockRun& r = *run;
+  Fiber& self = Current();
+  const int thread = static_cast<int>(self.coords.thread_idx.x), warp = thread / kWarp, lane = thread % kWarp;
+  const int lanes = LanesOf(r, warp);
+  const unsigned everyone = lanes == kWarp ? 0xffffffffu : (1u << lanes) - 1;
+  if (mask != everyone || width != kWarp) UnsupportedShuffle(self, mask, width);
+  float* slots = &r.exchange[(warp * 2 + self.shuffles % 2) * kWarp];
+  self.shuffles++;
+  slots[lane] = value;
+  r.at_warp_barrier[warp]++;
+  self.state = State::kAtWarpBarrier;
+  SwitchAway(false);
+  // The other half of the buffer takes the next shuffle, so no lane overwrites a value another
+  // lane has yet to read.
+  return slots[(lane ^ lane_mask) % kWarp];
+}
+
+void RunKernel(dim3 grid, dim3 block, const std::function<void()>& body) {
+  internal::CountKernelLaunch();
+  if (internal::StickyError() != cudaSuccess) return;
+  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
+  if (threads == 0 || threads > kMaxThreads || grid.x == 0 || grid.y == 0 || grid.z == 0 || block.y != 1 ||
+      block.z != 1 || grid.y != 1 || grid.z != 1 || grid.x > 0x7fffffffu) {
+    internal::Diagnose("kernel launch: invalid configuration grid " + std::to_string(grid.x) + "x" +
+                       std::to_string(grid.y) + "x" + std::to_string(grid.z) + ", block " + std::to_string(block.x) +
+                       "x" + std::to_string(block.y) + "x" + std::to_string(block.z) +
+                       " (one-dimensional launches of 1-1024 threads are emulated)");
+    internal::SetLastError(cudaErrorInvalidConfiguration);
+    return;
+  }
+  if (internal::TakeFault(Fault::kKernel)) {
+    internal::RaiseFault(cudaErrorLaunchFailure, "injected fault in a kernel");
+    return;
+  }
+  while (stacks.size() < threads) stacks.push_back(std::make_unique<char[]>(kStackBytes));
+  BlockRun r;
+  r.body = &body;
+#if defined(CUDA_EMULATION_ASAN)
+  pthread_attr_t attr;
+  void* stack_addr = nullptr;
+  if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+    pthread_attr_getstack(&attr, &stack_addr, &r.scheduler_stack_size);
+    pthread_attr_destroy(&attr);
+  }
+  r.scheduler_stack_bottom = stack_addr;
+#endif
+  r.fibers.resize(threads);
+  const size_t warps = (threads + kWarp - 1) / kWarp;
+  r.exchange.assign(warps * 2 * kWarp, 0.0f);
+  BlockRun* outer = run;
+  run = &r;
+  for (unsigned b = 0; b < grid.x; ++b) {
+    r.at_block_barrier = 0;
+    r.done = 0;
+    r.at_warp_barrier.assign(warps, 0);
+    for (unsigned t = 0; t < threads; ++t) {
+      Fiber& f = r.fibers[t];
+      f.state = State::kRunnable;
+      f.shuffles = 0;
+      f.coords = {dim3(t), dim3(b), block, grid};
+#if defined(CUDA_EMULATION_ASAN)
+      // A fiber abandoned at an error may have left its frames' redzones poisoned.
+      __asan_unpoison_memory_region(stacks[t].get(), kStackBytes);
+#endif
+      MakeContext(f.context, stacks[t].get(), kStackBytes, &FiberEntry);
+    }
+    if (const std::string error = RunBlock(r); !error.empty()) {
+      run = outer;
+      internal::RaiseFault(cudaErrorLaunchFailure, "kernel block " + std::to_string(b) + ": " + error);
+      return;
+    }
+  }
+  run = outer;
+}
+
+}  // namespace cuda_emulation

@@ -1,0 +1,67 @@
+// Device-side half of the CUDA emulation: what a .cu file needs to compile as C++ and run on
+// the CPU. Each block's threads run as fibers on the launching thread, so __syncthreads and
+// warp shuffles really wait for every thread they name (an unreached barrier is reported, not
+// hung on); blocks run one after another. Included before the .cu file by its test wrapper.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <utility>
+
+#include "cuda_runtime_api.h"
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+// One copy per launching thread; blocks of a launch run one at a time, so it is the block's.
+#define __shared__ static thread_local
+
+namespace cuda_emulation {
+
+struct ThreadCoords {
+  dim3 thread_idx, block_idx, block_dim, grid_dim;
+};
+
+// The coordinates of the emulated thread now running.
+const ThreadCoords& Coords();
+void SyncThreads();
+float ShuffleXor(unsigned mask, float value, int lane_mask, int width);
+
+// Runs `body` once per thread of every block, as a launch of grid × block threads would;
+// launch errors (a bad configuration, an unreached barrier) go to cudaGetLastError.
+void RunKernel(dim3 grid, dim3 block, const std::function<void()>& body);
+
+// kernel<<<grid, block, 0, stream>>>(args...) is Launch(kernel, grid, block, stream)(args...).
+template <class... Params>
+auto Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t) {
+  return [=](auto&&... args) { RunKernel(grid, block, [&] { kernel(args...); }); };
+}
+
+}  // namespace cuda_emulation
+
+#define threadIdx (::cuda_emulation::Coords().thread_idx)
+#define blockIdx (::cuda_emulation::Coords().block_idx)
+#define blockDim (::cuda_emulation::Coords().block_dim)
+#define gridDim (::cuda_emulation::Coords().grid_dim)
+
+inline void __syncthreads() { cuda_emulation::SyncThreads(); }
+
+inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask, int width = 32) {
+  return cuda_emulation::ShuffleXor(mask, value, lane_mask, width);
+}
+
+// The fast intrinsic computes 2^(x·log2 e) with x·log2 e rounded to float: its error grows
+// with |x| as on the device, which the plain expf would hide.
+inline float __expf(float x) { return std::exp2(x * 1.44269504f); }
+
+template <class T>
+inline T min(T a, T b) {
+  return b < a ? b : a;
+}
+template <class T>
+inline T max(T a, T b) {
+  return a < b ? b : a;
+}

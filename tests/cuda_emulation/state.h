@@ -1,0 +1,33 @@
+// Internal to the CUDA emulation: the device state runtime.cc keeps and cublas.cc and simt.cc
+// consult (memory spaces, sticky errors, faults, counters).
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "cuda_emulation.h"
+#include "cuda_runtime_api.h"
+
+namespace cuda_emulation::internal {
+
+// True when [p, p + bytes) lies inside one live device allocation.
+bool IsDeviceRange(const void* p, size_t bytes);
+// True when p points into a device allocation at all (a host pointer must not).
+bool IsDevicePointer(const void* p);
+
+// A sticky device error (a fault) fails every later call until Reset(); a plain one is only
+// what the next cudaGetLastError reports.
+cudaError_t StickyError();
+void SetLastError(cudaError_t error);
+void RaiseFault(cudaError_t error, const std::string& diagnostic);
+
+// Records what went wrong for LastDiagnostic() and prints it on stderr.
+void Diagnose(const std::string& diagnostic);
+
+// True (once) when a fault of this kind was injected.
+bool TakeFault(Fault fault);
+
+void CountKernelLaunch();
+void CountGemm();
+
+}  // namespace cuda_emulation::internal
