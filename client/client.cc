@@ -17,28 +17,10 @@
 #include <string>
 #include <utility>
 
+#include "client/json.h"
+
 namespace attnserve {
 namespace {
-
-// A JSON string literal for `s`; the policy name is user input and lands in a service config.
-std::string JsonQuote(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      static const char kHex[] = "0123456789abcdef";
-      out += "\\u00";
-      out += kHex[(c >> 4) & 0xf];
-      out += kHex[c & 0xf];
-    } else {
-      out += c;
-    }
-  }
-  out += '"';
-  return out;
-}
 
 std::shared_ptr<grpc::Channel> MakeChannel(const ClientOptions& o) {
   grpc::ChannelArguments args;
@@ -52,7 +34,7 @@ std::shared_ptr<grpc::Channel> MakeChannel(const ClientOptions& o) {
   if (!o.load_balancing.empty()) {
     // The default service config, so the policy applies to every resolver (dns:///, ipv4:, ...)
     // unless the resolver itself supplies a service config.
-    args.SetServiceConfigJSON("{\"loadBalancingConfig\":[{" + JsonQuote(o.load_balancing) +
+    args.SetServiceConfigJSON("{\"loadBalancingConfig\":[{" + JsonString(o.load_balancing) +
                               ":{}}]}");
   }
   return grpc::CreateCustomChannel(o.target, grpc::InsecureChannelCredentials(), args);

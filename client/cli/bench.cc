@@ -16,6 +16,7 @@
 
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/cli/args.h"
+#include "client/json.h"
 
 namespace attnserve::cli {
 namespace {
@@ -78,23 +79,6 @@ std::string Num(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.9g", v);
   return buf;
-}
-
-std::string JsonString(std::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned char>(c));
-      out += buf;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
 }
 
 std::string CsvField(std::string_view s) {
