@@ -7,6 +7,12 @@
 #                                    # .gpu-carry/ for a machine without Debian's -dev packages
 #   scripts/gpu-check.sh             # there: build, test, benchmark; results under $OUT or
 #                                    # build-gpu/out
+#
+# Without a GPU (no nvidia-smi, or it lists none) it runs the half that needs none: the same
+# core-only build (with the CUDA backend when nvcc is present), the unit tests — the CUDA
+# backend's sources run over the host emulation of CUDA (tests/cuda_emulation), the real-device
+# instances skip —, and the benchmark and PyTorch peer on the CPU. PYTHON picks the interpreter
+# for the peer (one with torch, e.g. build-bench/peers-venv/bin/python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 carry=.gpu-carry
@@ -23,10 +29,18 @@ out=${OUT:-build-gpu/out}
 mkdir -p "$out"
 log() { echo "== $*" | tee -a "$out/summary.txt"; }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv | tee "$out/gpu.txt"
-cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')
-args=(-DATTNSERVE_CORE_ONLY=ON -DATTNSERVE_CUDA=ON -DCMAKE_BUILD_TYPE=Release
-      -DCMAKE_CUDA_ARCHITECTURES="${ATTNSERVE_CUDA_ARCH:-$cap}")
+python=${PYTHON:-python3}
+if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  gpu=1
+  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv | tee "$out/gpu.txt"
+  cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')
+  args=(-DATTNSERVE_CORE_ONLY=ON -DATTNSERVE_CUDA=ON -DCMAKE_BUILD_TYPE=Release
+        -DCMAKE_CUDA_ARCHITECTURES="${ATTNSERVE_CUDA_ARCH:-$cap}")
+else
+  gpu=0
+  log "no NVIDIA GPU here: build, unit tests (CUDA emulated on the CPU) and the CPU benchmark only"
+  args=(-DATTNSERVE_CORE_ONLY=ON -DATTNSERVE_CUDA=AUTO -DCMAKE_BUILD_TYPE=Release)
+fi
 if [[ ! -d /usr/include/eigen3 ]]; then
   args+=(-DCMAKE_DISABLE_FIND_PACKAGE_Eigen3=ON -DATTNSERVE_EIGEN_INCLUDE_DIR="$PWD/$carry/eigen3")
 fi
@@ -39,26 +53,41 @@ log "build (${args[*]})"
 cmake -S . -B build-gpu "${gen[@]}" "${args[@]}" > "$out/configure.txt" 2>&1 || { tail -30 "$out/configure.txt"; exit 1; }
 cmake --build build-gpu -j"$(nproc)" > "$out/build.txt" 2>&1 || { grep -E "error" -A5 "$out/build.txt" | head -60; exit 1; }
 
-log "unit tests, CUDA backends required"
 status=0
-ATTNSERVE_REQUIRE_BACKENDS=cuda,cuda-tf32 ctest --test-dir build-gpu -L unit -E '^emulated\.' --output-on-failure \
-  > "$out/tests.txt" 2>&1 || status=1
+if ((gpu)); then
+  log "unit tests, CUDA backends required"
+  ATTNSERVE_REQUIRE_BACKENDS=cuda,cuda-tf32 ctest --test-dir build-gpu -L unit -E '^emulated\.' --output-on-failure \
+    > "$out/tests.txt" 2>&1 || status=1
+else
+  log "unit tests, the CUDA backend emulated"
+  ctest --test-dir build-gpu -L unit -j"$(nproc)" --output-on-failure > "$out/tests.txt" 2>&1 || status=1
+fi
 grep -E "tests passed|tests failed|Failed|\(Failed\)" "$out/tests.txt" | tee -a "$out/summary.txt"
 grep -E "worst relative" "$out/tests.txt" | tee -a "$out/summary.txt" || true
 
-log "benchmark fp32"
-build-gpu/bench/forward_bench --device cuda --json "$out/cuda.json" | tee -a "$out/summary.txt"
-log "benchmark tf32"
-build-gpu/bench/forward_bench --device cuda --tf32 --json "$out/cuda-tf32.json" | tee -a "$out/summary.txt"
+# On a GPU every shape, the large one included. On the CPU the large one would take minutes, and
+# both sides use every core (the peer table pairs rows by shape, not by thread count).
+device=cpu shapes=bert-base,gpt2-medium,small-request threads=(--threads "$(nproc)")
+((gpu)) && device=cuda shapes=bert-base,gpt2-medium,small-request,large threads=()
+log "benchmark fp32 ($device)"
+build-gpu/bench/forward_bench --device "$device" --shapes "$shapes" "${threads[@]}" --json "$out/$device.json" |
+  tee -a "$out/summary.txt"
+if ((gpu)); then
+  log "benchmark tf32"
+  build-gpu/bench/forward_bench --device cuda --tf32 --shapes "$shapes" --json "$out/cuda-tf32.json" |
+    tee -a "$out/summary.txt"
+fi
 
 peer=()
-if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  log "PyTorch"
-  python3 bench/peers/torch_attention.py --device cuda --json "$out/torch.json" | tee -a "$out/summary.txt"
+if "$python" -c "import torch, sys; sys.exit(0 if '$device' == 'cpu' or torch.cuda.is_available() else 1)" 2>/dev/null; then
+  log "PyTorch ($device)"
+  "$python" bench/peers/torch_attention.py --device "$device" --shapes "$shapes" "${threads[@]}" \
+    --json "$out/torch.json" |
+    tee -a "$out/summary.txt"
   peer=("$out/torch.json")
 else
-  log "PyTorch with CUDA not available: no peer column"
+  log "PyTorch ($device) not available to $python: no peer column"
 fi
-log "table (fp32)"
-python3 bench/peers/compare.py "$out/cuda.json" "${peer[@]}" | tee -a "$out/summary.txt"
+log "table (fp32, $device)"
+python3 bench/peers/compare.py "$out/$device.json" "${peer[@]}" | tee -a "$out/summary.txt"
 exit $status

@@ -2,6 +2,7 @@
 // checked against the memory spaces they name, synchronous streams, wall-clock events.
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <map>
@@ -30,6 +31,12 @@ struct Allocation {
   Space space;
 };
 
+// An integer from the environment, or `fallback`.
+int64_t EnvInt(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::strtoll(v, nullptr, 10) : fallback;
+}
+
 struct State {
   std::mutex mu;
   std::map<const char*, Allocation> allocations;  // by base address
@@ -37,11 +44,20 @@ struct State {
   int device_count = 1;
   cudaError_t sticky = cudaSuccess;
   bool pending_fault[3] = {false, false, false};
+  // From the environment, for a server process that loads the emulated plugin: the GEMM (0 the
+  // first) that faults, and GEMMs issued so far; -1 for none.
+  int64_t gemm_fault_at = -1, gemms_issued = 0;
   std::string diagnostic;
 };
 
 State& GetState() {
-  static State* state = new State;  // never destroyed: backends may outlive static destruction
+  // Never destroyed: backends may outlive static destruction.
+  static State* state = [] {
+    auto* s = new State;
+    s->device_count = static_cast<int>(EnvInt("ATTNSERVE_CUDA_EMULATION_DEVICES", 1));
+    s->gemm_fault_at = EnvInt("ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM", -1);
+    return s;
+  }();
   return *state;
 }
 
@@ -205,6 +221,7 @@ void RaiseFault(cudaError_t error, const std::string& diagnostic) {
 bool TakeFault(Fault fault) {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
+  if (fault == Fault::kGemm && s.gemm_fault_at >= 0 && s.gemms_issued++ == s.gemm_fault_at) return true;
   bool& pending = s.pending_fault[static_cast<int>(fault)];
   const bool taken = pending;
   pending = false;

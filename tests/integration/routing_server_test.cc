@@ -1,12 +1,8 @@
 // The A/B inside the real attnserve binary on loopback: SetRouting's admin guard and field
 // errors, routed and sticky forms as Forward reports them, forms a layer lacks, shadows and
 // the metrics they leave in a scrape of /metrics, and the layer gauges across load and unload.
-#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -48,36 +44,9 @@ struct Server {
   }
   Client& client() { return process->client(); }
 
-  // GET /metrics: the body.
-  std::string Scrape() const {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(metrics_port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    std::string response;
-    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
-      const std::string request = "GET /metrics HTTP/1.0\r\n\r\n";
-      (void)!write(fd, request.data(), request.size());
-      char buf[8192];
-      ssize_t n;
-      while ((n = read(fd, buf, sizeof buf)) > 0) response.append(buf, static_cast<size_t>(n));
-    }
-    close(fd);
-    const size_t body = response.find("\r\n\r\n");
-    return body == std::string::npos ? "" : response.substr(body + 4);
-  }
-
+  std::string Scrape() const { return testing::ScrapeMetrics(metrics_port); }
   // The value of one sample line `series` (name and labels exactly as exposed); -1 if absent.
-  double Sample(const std::string& series) const {
-    const std::string text = Scrape();
-    std::istringstream in(text);
-    std::string line;
-    while (std::getline(in, line)) {
-      if (line.rfind(series + " ", 0) == 0) return std::strtod(line.c_str() + series.size() + 1, nullptr);
-    }
-    return -1;
-  }
+  double Sample(const std::string& series) const { return testing::MetricSample(Scrape(), series); }
 };
 
 v1::ForwardRequest Request(const std::string& layer, v1::Form form, const std::string& key, uint64_t seed) {

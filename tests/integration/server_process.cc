@@ -1,8 +1,11 @@
 #include "tests/integration/server_process.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -152,6 +155,34 @@ int RunToExit(const std::string& binary, const std::vector<std::string>& args, s
   }
   *output = ReadFile(log);
   return status;
+}
+
+std::string ScrapeMetrics(int metrics_port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(metrics_port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string response;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+    const std::string request = "GET /metrics HTTP/1.0\r\n\r\n";
+    (void)!write(fd, request.data(), request.size());
+    char buf[8192];
+    ssize_t n;
+    while ((n = read(fd, buf, sizeof buf)) > 0) response.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  return body == std::string::npos ? "" : response.substr(body + 4);
+}
+
+double MetricSample(const std::string& scrape, const std::string& series) {
+  std::istringstream in(scrape);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(series + " ", 0) == 0) return std::strtod(line.c_str() + series.size() + 1, nullptr);
+  }
+  return -1;
 }
 
 }  // namespace attnserve::testing

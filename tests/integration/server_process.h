@@ -55,6 +55,13 @@ class ServerProcess {
 int RunToExit(const std::string& binary, const std::vector<std::string>& args, std::string* output,
               std::chrono::seconds timeout = std::chrono::seconds(60));
 
+// GET /metrics from a metrics port on 127.0.0.1: the body, or "" when nothing answers.
+std::string ScrapeMetrics(int metrics_port);
+
+// The value of the sample line `series` (name and labels exactly as exposed) in a scrape; -1
+// when there is none.
+double MetricSample(const std::string& scrape, const std::string& series);
+
 // TempDir comes from tests/unit/temp_dir.h.
 
 }  // namespace attnserve::testing

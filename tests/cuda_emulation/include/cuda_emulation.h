@@ -23,11 +23,14 @@ void ResetCounters();
 // Device allocations not yet freed (device memory a test expects to be returned).
 int64_t LiveDeviceAllocations();
 
-// Devices cudaGetDeviceCount reports (1 unless set; 0 makes it fail as with no GPU).
+// Devices cudaGetDeviceCount reports: 1, or ATTNSERVE_CUDA_EMULATION_DEVICES; 0 makes it fail
+// as with no GPU.
 void SetDeviceCount(int count);
 
 // The next operation of this kind fails as a device fault would: the call reports it and the
 // error stays (sticky), as after a fault on a real device, until Reset().
+// A process that cannot call this (a server that loaded the emulated plugin) sets
+// ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=K instead: its GEMM number K (0 the first) faults.
 enum class Fault { kKernel, kGemm, kCopy };
 void InjectFault(Fault fault);
 

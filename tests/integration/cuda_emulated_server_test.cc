@@ -1,0 +1,166 @@
+// The real attnserve binary on a GPU it cannot tell from a real one: `--device cuda` with the
+// CUDA plugin built over the host emulation (tests/cuda_emulation). What the unit tests cannot
+// reach runs here: the plugin's dlopen and C ABI, the device in LayerInfo and in the metrics'
+// labels, both forms against float64 through gRPC, and a device fault turning into INTERNAL for
+// the request, NOT_SERVING for the server and a device_errors_total sample.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "server/core/layer.h"
+#include "server/core/reference.h"
+#include "tests/integration/server_process.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::ServerProcess;
+using testing::TempDir;
+
+constexpr int64_t kDModel = 48, kHeads = 4;
+constexpr uint64_t kSeed = 11;
+const char kLayer[] = "tiny=random:d_model=48,heads=4,seed=11";
+
+// A server on the emulated GPU; `env` is set for it (and only it: the test restores it).
+struct EmulatedGpuServer {
+  TempDir dir;
+  std::unique_ptr<ServerProcess> process;
+  std::string error;
+  int metrics_port = 0;
+
+  EmulatedGpuServer(std::vector<std::string> args, const std::vector<std::pair<std::string, std::string>>& env) {
+    setenv("ATTNSERVE_CUDA_PLUGIN_PATH", ATTNSERVE_EMULATED_PLUGIN, 1);
+    for (const auto& [name, value] : env) setenv(name.c_str(), value.c_str(), 1);
+    const std::string port_file = dir.File("metrics_port");
+    args.insert(args.end(), {"--metrics-port-file", port_file});
+    process = ServerProcess::Start(ATTNSERVE_BINARY, args, &error);
+    for (const auto& [name, value] : env) unsetenv(name.c_str());
+    unsetenv("ATTNSERVE_CUDA_PLUGIN_PATH");
+    std::ifstream in(port_file);
+    in >> metrics_port;
+  }
+  Client& client() { return process->client(); }
+};
+
+std::vector<float> RandomInput(uint64_t seed, size_t count) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(count);
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
+double RelativeL2(const std::vector<float>& got, const std::vector<double>& want) {
+  if (got.size() != want.size()) return INFINITY;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num / den);
+}
+
+v1::ForwardRequest Request(v1::Form form, const std::vector<float>& x, int64_t batch, int64_t n) {
+  v1::ForwardRequest req;
+  req.set_layer("tiny");
+  req.set_form(form);
+  req.set_causal(true);
+  *req.mutable_input() = MakeTensor(x, {batch, n, kDModel});
+  return req;
+}
+
+class CudaEmulatedServerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+#ifndef ATTNSERVE_SERVER_LOADS_CUDA_PLUGIN
+    GTEST_SKIP() << "this attnserve was built without the CUDA toolkit: --device cuda loads no plugin";
+#endif
+  }
+};
+
+TEST_F(CudaEmulatedServerTest, ServesBothFormsOnTheGpuAndLabelsTheDevice) {
+  EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer}, {});
+  ASSERT_NE(server.process, nullptr) << server.error;
+  EXPECT_THAT(server.process->Log(), HasSubstr("cuda:0"));
+
+  v1::LayerInfo info;
+  ASSERT_TRUE(server.client().GetLayer("tiny", &info).ok());
+  ASSERT_GE(info.forms_size(), 2);
+  for (const v1::FormInfo& form : info.forms()) EXPECT_EQ(form.device(), "cuda:0");
+
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = kDModel, .heads = kHeads}), kSeed);
+  const int64_t batch = 3, n = 7;
+  const std::vector<float> x = RandomInput(5, batch * n * kDModel);
+  std::vector<double> want;
+  for (int64_t b = 0; b < batch; ++b) {
+    Sequence s;
+    s.input = ConstMatrixView(x.data() + b * n * kDModel, n, kDModel);
+    s.causal = true;
+    const std::vector<double> y = ReferenceForward(w, s);
+    want.insert(want.end(), y.begin(), y.end());
+  }
+  for (v1::Form form : {v1::FORM_FACTORED, v1::FORM_SUMMED}) {
+    v1::ForwardResponse resp;
+    const grpc::Status st = server.client().Forward(Request(form, x, batch, n), &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    std::vector<float> got;
+    ASSERT_TRUE(TensorToFloats(resp.output(), &got).ok());
+    EXPECT_LT(RelativeL2(got, want), 1e-5) << v1::Form_Name(form);
+  }
+  const std::string scrape = testing::ScrapeMetrics(server.metrics_port);
+  EXPECT_THAT(scrape, HasSubstr("device=\"cuda:0\""));
+  EXPECT_THAT(scrape, ::testing::Not(HasSubstr("device=\"cpu\"")));
+}
+
+TEST_F(CudaEmulatedServerTest, ADeviceFaultFailsTheRequestAndTakesTheServerOutOfRotation) {
+  // The first GEMM of the first batch faults (loading uploads weights but runs no GEMM).
+  EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer}, {{"ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM", "0"}});
+  ASSERT_NE(server.process, nullptr) << server.error;
+  const std::vector<float> x = RandomInput(6, 1 * 5 * kDModel);
+  v1::ForwardResponse resp;
+  const grpc::Status failed = server.client().Forward(Request(v1::FORM_FACTORED, x, 1, 5), &resp);
+  EXPECT_EQ(failed.error_code(), grpc::StatusCode::INTERNAL) << failed.error_message();
+  EXPECT_THAT(failed.error_message(), HasSubstr("cuBLAS error"));
+
+  // The health watcher polls every 250 ms.
+  ServingStatus status = ServingStatus::kServing;
+  for (int i = 0; i < 40 && status != ServingStatus::kNotServing; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_TRUE(server.client().HealthStatus("", &status).ok());
+  }
+  EXPECT_EQ(status, ServingStatus::kNotServing) << server.process->Log();
+  EXPECT_EQ(testing::MetricSample(testing::ScrapeMetrics(server.metrics_port),
+                                  "attnserve_device_errors_total{device=\"cuda:0\"}"),
+            1);
+  // Later requests fail fast without touching the device; the process stays up.
+  const grpc::Status again = server.client().Forward(Request(v1::FORM_SUMMED, x, 1, 5), &resp);
+  EXPECT_EQ(again.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_THAT(again.error_message(), HasSubstr("unhealthy"));
+  EXPECT_EQ(server.process->Stop(SIGTERM), 0) << server.process->Log();
+}
+
+TEST_F(CudaEmulatedServerTest, NoGpuAutoFallsBackToTheCpuAndCudaRefusesToStart) {
+  EmulatedGpuServer fallback({"--device", "auto", "--layer", kLayer}, {{"ATTNSERVE_CUDA_EMULATION_DEVICES", "0"}});
+  ASSERT_NE(fallback.process, nullptr) << fallback.error;
+  EXPECT_THAT(fallback.process->Log(), HasSubstr("no usable GPU"));
+  v1::LayerInfo info;
+  ASSERT_TRUE(fallback.client().GetLayer("tiny", &info).ok());
+  EXPECT_EQ(info.forms(0).device(), "cpu");
+
+  EmulatedGpuServer refused({"--device", "cuda", "--layer", kLayer}, {{"ATTNSERVE_CUDA_EMULATION_DEVICES", "0"}});
+  EXPECT_EQ(refused.process, nullptr);
+  EXPECT_THAT(refused.error, HasSubstr("no usable GPU"));
+}
+
+}  // namespace
+}  // namespace attnserve
