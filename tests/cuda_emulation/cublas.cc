@@ -44,22 +44,22 @@ cublasStatus_t Invalid(const std::string& call, const std::string& why) {
 }
 
 struct GemmCall {
-  const char* name;
-  cublasHandle_t handle;
-  cublasOperation_t transa, transb;
-  int m, n, k;
-  const float *alpha, *beta;
-  const float* a;
-  int lda;
-  long long stride_a;
-  const float* b;
-  int ldb;
-  long long stride_b;
-  float* c;
-  int ldc;
-  long long stride_c;
-  int batch;
-  bool tf32;
+  const char* name = "";
+  cublasHandle_t handle = nullptr;
+  cublasOperation_t transa = CUBLAS_OP_N, transb = CUBLAS_OP_N;
+  int m = 0, n = 0, k = 0;
+  const float *alpha = nullptr, *beta = nullptr;
+  const float* a = nullptr;
+  int lda = 0;
+  long long stride_a = 0;
+  const float* b = nullptr;
+  int ldb = 0;
+  long long stride_b = 0;
+  float* c = nullptr;
+  int ldc = 0;
+  long long stride_c = 0;
+  int batch = 1;
+  bool tf32 = false;
 };
 
 // The documented checks of cublas<t>gemm / cublasGemmEx / cublasGemmStridedBatchedEx.
@@ -161,10 +161,37 @@ cublasStatus_t CheckTypes(const char* name, cudaDataType at, cudaDataType bt, cu
   return CUBLAS_STATUS_SUCCESS;
 }
 
+// The Ex entry points: 32-bit float operands only, then the common GEMM.
+cublasStatus_t GemmEx(const char* name, cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
+                      int m, int n, int k, const void* alpha, const void* a, cudaDataType a_type, int lda,
+                      long long stride_a, const void* b, cudaDataType b_type, int ldb, long long stride_b,
+                      const void* beta, void* c, cudaDataType c_type, int ldc, long long stride_c, int batch,
+                      cublasComputeType_t compute, cublasGemmAlgo_t) {
+  if (auto s = CheckTypes(name, a_type, b_type, c_type, compute)) return s;
+  return Gemm({.name = name,
+               .handle = handle,
+               .transa = transa,
+               .transb = transb,
+               .m = m,
+               .n = n,
+               .k = k,
+               .alpha = static_cast<const float*>(alpha),
+               .beta = static_cast<const float*>(beta),
+               .a = static_cast<const float*>(a),
+               .lda = lda,
+               .stride_a = stride_a,
+               .b = static_cast<const float*>(b),
+               .ldb = ldb,
+               .stride_b = stride_b,
+               .c = static_cast<float*>(c),
+               .ldc = ldc,
+               .stride_c = stride_c,
+               .batch = batch,
+               .tf32 = UsesTf32(handle, compute)});
+}
+
 }  // namespace
 }  // namespace cuda_emulation
-
-using cuda_emulation::GemmCall;
 
 cublasStatus_t cublasCreate(cublasHandle_t* handle) {
   if (cuda_emulation::internal::StickyError() != cudaSuccess) return CUBLAS_STATUS_NOT_INITIALIZED;
@@ -193,53 +220,18 @@ cublasStatus_t cublasSetMathMode(cublasHandle_t handle, cublasMath_t mode) {
 cublasStatus_t cublasSgemm(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
                            int k, const float* alpha, const float* A, int lda, const float* B, int ldb,
                            const float* beta, float* C, int ldc) {
-  return cuda_emulation::Gemm(GemmCall{"cublasSgemm",
-                                       handle,
-                                       transa,
-                                       transb,
-                                       m,
-                                       n,
-                                       k,
-                                       alpha,
-                                       beta,
-                                       A,
-                                       lda,
-                                       0,
-                                       B,
-                                       ldb,
-                                       0,
-                                       C,
-                                       ldc,
-                                       0,
-                                       1,
-                                       cuda_emulation::UsesTf32(handle, CUBLAS_COMPUTE_32F)});
+  return cuda_emulation::GemmEx("cublasSgemm", handle, transa, transb, m, n, k, alpha, A, CUDA_R_32F, lda, 0, B,
+                                CUDA_R_32F, ldb, 0, beta, C, CUDA_R_32F, ldc, 0, 1, CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT);
 }
 
+// As cuBLAS defines it: cublasGemmEx is the strided batch of one.
 cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
                             int k, const void* alpha, const void* A, cudaDataType Atype, int lda, const void* B,
                             cudaDataType Btype, int ldb, const void* beta, void* C, cudaDataType Ctype, int ldc,
-                            cublasComputeType_t computeType, cublasGemmAlgo_t) {
-  if (auto s = cuda_emulation::CheckTypes("cublasGemmEx", Atype, Btype, Ctype, computeType)) return s;
-  return cuda_emulation::Gemm(GemmCall{"cublasGemmEx",
-                                       handle,
-                                       transa,
-                                       transb,
-                                       m,
-                                       n,
-                                       k,
-                                       static_cast<const float*>(alpha),
-                                       static_cast<const float*>(beta),
-                                       static_cast<const float*>(A),
-                                       lda,
-                                       0,
-                                       static_cast<const float*>(B),
-                                       ldb,
-                                       0,
-                                       static_cast<float*>(C),
-                                       ldc,
-                                       0,
-                                       1,
-                                       cuda_emulation::UsesTf32(handle, computeType)});
+                            cublasComputeType_t computeType, cublasGemmAlgo_t algo) {
+  return cuda_emulation::GemmEx("cublasGemmEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda, 0, B, Btype, ldb,
+                                0, beta, C, Ctype, ldc, 0, 1, computeType, algo);
 }
 
 cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
@@ -247,26 +239,8 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation
                                           int lda, long long int strideA, const void* B, cudaDataType Btype, int ldb,
                                           long long int strideB, const void* beta, void* C, cudaDataType Ctype, int ldc,
                                           long long int strideC, int batchCount, cublasComputeType_t computeType,
-                                          cublasGemmAlgo_t) {
-  if (auto s = cuda_emulation::CheckTypes("cublasGemmStridedBatchedEx", Atype, Btype, Ctype, computeType)) return s;
-  return cuda_emulation::Gemm(GemmCall{"cublasGemmStridedBatchedEx",
-                                       handle,
-                                       transa,
-                                       transb,
-                                       m,
-                                       n,
-                                       k,
-                                       static_cast<const float*>(alpha),
-                                       static_cast<const float*>(beta),
-                                       static_cast<const float*>(A),
-                                       lda,
-                                       strideA,
-                                       static_cast<const float*>(B),
-                                       ldb,
-                                       strideB,
-                                       static_cast<float*>(C),
-                                       ldc,
-                                       strideC,
-                                       batchCount,
-                                       cuda_emulation::UsesTf32(handle, computeType)});
+                                          cublasGemmAlgo_t algo) {
+  return cuda_emulation::GemmEx("cublasGemmStridedBatchedEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda,
+                                strideA, B, Btype, ldb, strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType,
+                                algo);
 }
