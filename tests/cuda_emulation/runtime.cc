@@ -418,6 +418,9 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWith
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
   RETURN_IF_STICKY();
   *stream = new CUstream_st{flags};
+  auto& s = cuda_emulation::GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.counters.streams_created++;
   return cudaSuccess;
 }
 

@@ -7,8 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <iostream>
 #include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "cublas_v2.h"
@@ -272,6 +274,38 @@ TEST_F(CudaEmulationTest, WeightsMoveOnceAndBatchesMoveOnlyActivationsThroughPin
     for (auto& s : seqs) EXPECT_LT(RelativeL2(s.output.data(), ReferenceForward(w, s.View())), 1e-5);
   }
   EXPECT_EQ(cuda_emulation::LiveDeviceAllocations(), baseline) << "device memory returned";
+}
+
+TEST_F(CudaEmulationTest, ConcurrentCallersEachGetTheirOwnStream) {
+  auto backend = MakeEmulatedBackend();
+  ASSERT_NE(backend, nullptr);
+  const LayerWeights w = SmallLayer();
+  auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  ASSERT_TRUE(resident.ok());
+  cuda_emulation::ResetCounters();
+  constexpr int kCallers = 3, kRounds = 8;
+  std::vector<double> worst(kCallers, 0.0);
+  std::vector<std::thread> callers;
+  for (int t = 0; t < kCallers; ++t) {
+    callers.emplace_back([&, t] {
+      std::mt19937_64 rng(100 + t);
+      for (int round = 0; round < kRounds; ++round) {
+        testing::OwnedSequence seq = RandomSequence(rng, 48, 20 + t, 20 + t, false, round % 2 == 0, -1);
+        const Sequence batch[] = {seq.View()};
+        if (!backend->Forward(**resident, batch).ok()) {
+          worst[t] = INFINITY;
+          return;
+        }
+        worst[t] = std::max(worst[t], RelativeL2(seq.output.data(), ReferenceForward(w, seq.View())));
+      }
+    });
+  }
+  for (auto& c : callers) c.join();
+  for (int t = 0; t < kCallers; ++t) EXPECT_LT(worst[t], 1e-5) << "caller " << t;
+  // A lane per caller that found the others busy, never more lanes than callers at once.
+  const int64_t made = cuda_emulation::ReadCounters().streams_created;
+  EXPECT_LE(made, kCallers - 1) << "one lane existed already";
+  std::cout << "[ info     ] " << made << " more lane(s) made for " << kCallers << " concurrent callers\n";
 }
 
 TEST_F(CudaEmulationTest, ADeviceFaultFailsTheBatchAndMarksTheDeviceUnhealthy) {

@@ -131,10 +131,15 @@ struct DeviceBlock {
   DeviceBlock Cols(int64_t first, int64_t count) const { return {data + first, rows, count, ld}; }
 };
 
-class CudaBackend final : public Backend {
+// One worker's share of the device: its own stream, cuBLAS handle, scratch workspace and pinned
+// staging buffers, so that batches from different workers overlap on the GPU. The weights are
+// shared by every lane (uploaded and synchronised once, read-only afterwards).
+class Lane {
  public:
-  explicit CudaBackend(CudaBackendOptions options) : options_(options) {}
-  ~CudaBackend() override {
+  explicit Lane(CudaBackendOptions options) : options_(options) {}
+  Lane(const Lane&) = delete;
+  Lane& operator=(const Lane&) = delete;
+  ~Lane() {
     cudaSetDevice(options_.device);
     if (handle_ != nullptr) cublasDestroy(handle_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -149,36 +154,12 @@ class CudaBackend final : public Backend {
     return OkStatus();
   }
 
-  std::string DeviceName() const override { return "cuda:" + std::to_string(options_.device); }
-  bool Healthy() const override { return healthy_.load(); }
-
-  StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override {
-    if (!form) return InvalidArgumentError("Upload: no form given");
-    std::lock_guard<std::mutex> lock(mu_);
-    Status st = CudaCheck(cudaSetDevice(options_.device), "cudaSetDevice");
-    auto resident = std::make_shared<CudaResidentForm>(std::move(form));
-    if (st.ok()) st = resident->Upload(stream_);
-    if (!st.ok()) return MarkFailed(st);
-    return std::shared_ptr<const ResidentForm>(std::move(resident));
-  }
-
-  Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override {
-    const auto* resident = dynamic_cast<const CudaResidentForm*>(&form);
-    if (resident == nullptr) return InvalidArgumentError("Forward: form was not uploaded to " + DeviceName());
-    if (batch.empty()) return OkStatus();
-    ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(resident->weights().config, batch));
-    if (!Healthy()) return InternalError(DeviceName() + " is unhealthy after an earlier device error");
-    std::lock_guard<std::mutex> lock(mu_);
-    Status st = RunBatch(*resident, batch);
-    return st.ok() ? st : MarkFailed(st);
+  Status Upload(CudaResidentForm& resident) {
+    CUDA_TRY(cudaSetDevice(options_.device));
+    return resident.Upload(stream_);
   }
 
  private:
-  Status MarkFailed(Status st) {
-    healthy_.store(false);
-    return st;
-  }
-
   cublasComputeType_t ComputeType() const {
     return options_.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   }
@@ -258,6 +239,8 @@ class CudaBackend final : public Backend {
     return OkStatus();
   }
 
+ public:
+  // Runs one batch on this lane's stream; returns once the outputs are written.
   Status RunBatch(const CudaResidentForm& r, std::span<const Sequence> batch) {
     const FormWeights& f = r.weights();
     const LayerConfig& c = f.config;
@@ -369,13 +352,95 @@ class CudaBackend final : public Backend {
     return OkStatus();
   }
 
+ private:
   CudaBackendOptions options_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
-  std::atomic<bool> healthy_{true};
-  std::mutex mu_;  // serialises Upload and Forward on the one stream and handle
   DeviceArray workspace_;
   PinnedArray staging_in_, staging_out_;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(CudaBackendOptions options) : options_(options) {}
+
+  // One lane up front, so that a device that cannot be used fails here, at start-up.
+  Status Init() {
+    auto lane = NewLane();
+    if (!lane.ok()) return lane.status();
+    idle_.push_back(std::move(lane).value());
+    return OkStatus();
+  }
+
+  std::string DeviceName() const override { return "cuda:" + std::to_string(options_.device); }
+  bool Healthy() const override { return healthy_.load(); }
+
+  StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override {
+    if (!form) return InvalidArgumentError("Upload: no form given");
+    auto resident = std::make_shared<CudaResidentForm>(std::move(form));
+    Status st = WithLane([&](Lane& lane) { return lane.Upload(*resident); });
+    if (!st.ok()) return MarkFailed(st);
+    return std::shared_ptr<const ResidentForm>(std::move(resident));
+  }
+
+  Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override {
+    const auto* resident = dynamic_cast<const CudaResidentForm*>(&form);
+    if (resident == nullptr) return InvalidArgumentError("Forward: form was not uploaded to " + DeviceName());
+    if (batch.empty()) return OkStatus();
+    ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(resident->weights().config, batch));
+    if (!Healthy()) return InternalError(DeviceName() + " is unhealthy after an earlier device error");
+    const Status st = WithLane([&](Lane& lane) { return lane.RunBatch(*resident, batch); });
+    return st.ok() ? st : MarkFailed(st);
+  }
+
+  // Lanes made so far: one per caller that ever found all the others busy.
+  int Lanes() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return lanes_;
+  }
+
+ private:
+  Status MarkFailed(Status st) {
+    healthy_.store(false);
+    return st;
+  }
+
+  StatusOr<std::unique_ptr<Lane>> NewLane() {
+    auto lane = std::make_unique<Lane>(options_);
+    ATTNSERVE_RETURN_IF_ERROR(lane->Init());
+    std::lock_guard<std::mutex> lock(mu_);
+    ++lanes_;
+    return lane;
+  }
+
+  // Runs `work` on an idle lane, or on a new one when every lane is busy: as many lanes as
+  // callers at once (the executor's workers), each reused afterwards.
+  template <class Work>
+  Status WithLane(Work work) {
+    std::unique_ptr<Lane> lane;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!idle_.empty()) {
+        lane = std::move(idle_.back());
+        idle_.pop_back();
+      }
+    }
+    if (!lane) {
+      auto made = NewLane();
+      if (!made.ok()) return made.status();
+      lane = std::move(made).value();
+    }
+    const Status st = work(*lane);
+    std::lock_guard<std::mutex> lock(mu_);
+    idle_.push_back(std::move(lane));
+    return st;
+  }
+
+  CudaBackendOptions options_;
+  std::atomic<bool> healthy_{true};
+  mutable std::mutex mu_;  // guards idle_ and lanes_
+  std::vector<std::unique_ptr<Lane>> idle_;
+  int lanes_ = 0;
 };
 
 }  // namespace

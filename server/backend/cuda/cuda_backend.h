@@ -1,8 +1,10 @@
 // The CUDA backend: cuBLAS for every GEMM, small kernels (kernels.cu) for the masked softmax,
 // bias adds and the summed form's head interleave. This header includes no CUDA headers, so
 // the server can choose a device without compiling against CUDA.
-// Thread-safety: a CUDA backend owns one stream and one cuBLAS handle; Forward calls are
-// serialised on them (one backend per compute worker gives parallel streams).
+// Thread-safety: Upload and Forward may be called from several threads at once. Each call runs
+// on a lane — a stream, a cuBLAS handle, scratch and pinned buffers — that no other call uses
+// meanwhile; lanes are made on demand, so there are as many as callers at once (the executor's
+// workers), and their batches overlap on the device.
 #pragma once
 
 #include <memory>

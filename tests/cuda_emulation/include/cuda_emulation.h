@@ -15,6 +15,7 @@ struct Counters {
   int64_t pinned_allocations = 0;     // cudaMallocHost calls that allocated
   int64_t pageable_async_copies = 0;  // cudaMemcpyAsync from or to memory not from cudaMallocHost
   int64_t kernel_launches = 0;
+  int64_t streams_created = 0;
   int64_t gemm_calls = 0;  // cuBLAS GEMM calls (a strided batch counts once)
 };
 Counters ReadCounters();
