@@ -8,6 +8,7 @@
 #include <limits>
 #include <vector>
 
+#include "server/backend/cpu/skinny_gemm.h"
 #include "server/core/rope.h"
 
 namespace attnserve {
@@ -43,7 +44,11 @@ void Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y,
     const int64_t c0 = t * chunk_cols, count = std::min(chunk_cols, w.cols - c0);
     if (count <= 0) continue;
     auto out = AsEigen(y.ColBlock(c0, count));
-    out.noalias() = AsEigen(x) * AsEigen(w.ColBlock(c0, count));
+    if (SkinnyGemmPays(x.rows, count)) {
+      SkinnyGemm(x, w.ColBlock(c0, count), y.ColBlock(c0, count));
+    } else {
+      out.noalias() = AsEigen(x) * AsEigen(w.ColBlock(c0, count));
+    }
     if (bias != nullptr) out.rowwise() += BiasMap(bias + c0, count);
   }
 }

@@ -1,0 +1,67 @@
+// skinny_gemm_bench: the CPU backend's SkinnyGemm against Eigen's general GEMM on one thread,
+// x of few rows times weights as wide as a layer's fused projections, as a time ratio measured
+// in the same run (docs/benchmarks.md, "The skinny GEMM"): the measurements behind
+// SkinnyGemmPays.
+//
+//   skinny_gemm_bench
+#include <Eigen/Core>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+
+#include "server/backend/cpu/skinny_gemm.h"
+
+namespace {
+
+using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// Best of many runs: the machine is shared, the minimum is the least disturbed.
+template <class F>
+double BestMs(F f) {
+  double best = 1e30;
+  for (int r = 0; r < 150; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    best = std::min(best, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+}  // namespace
+
+int main() {
+  using attnserve::ConstMatrixView;
+  using attnserve::MatrixView;
+  if (!attnserve::SkinnyGemmAvailable()) {
+    std::printf("this build has no SkinnyGemm (compiled without AVX-512)\n");
+    return 0;
+  }
+  Eigen::setNbThreads(1);
+  // The weight blocks a request multiplies: fused W_Q|W_K|W_V and W_O of the factored form,
+  // and the summed form's value block (h·d wide), at BERT-base and GPT-2-medium widths.
+  struct Weights {
+    const char* name;
+    int64_t depth, cols, ld;
+  };
+  const Weights weights[] = {{"bert W_in", 768, 2304, 2304},       {"bert W_O", 768, 768, 768},
+                             {"bert summed W_M", 768, 9216, 10752}, {"gpt2-m W_in", 1024, 3072, 3072},
+                             {"gpt2-m W_O", 1024, 1024, 1024},      {"gpt2-m summed W_M", 1024, 16384, 18432}};
+  std::printf("%-18s %5s %10s %10s %14s %5s\n", "weights", "rows", "eigen ms", "skinny ms", "eigen/skinny", "pays");
+  for (const Weights& wt : weights) {
+    for (int64_t rows : {1, 4, 8, 16, 32}) {
+      const RowMatrix x = RowMatrix::Random(rows, wt.depth), w = RowMatrix::Random(wt.depth, wt.ld);
+      RowMatrix y1(rows, wt.cols), y2(rows, wt.cols);
+      const ConstMatrixView wv(w.data(), wt.depth, wt.cols, wt.ld);
+      const double eigen = BestMs([&] {
+        y1.noalias() = x * Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>(w.data(), wt.depth, wt.cols,
+                                                                                Eigen::OuterStride<>(wt.ld));
+      });
+      const double skinny = BestMs([&] {
+        attnserve::SkinnyGemm(ConstMatrixView(x.data(), rows, wt.depth), wv, MatrixView(y2.data(), rows, wt.cols));
+      });
+      std::printf("%-18s %5ld %10.3f %10.3f %14.2f %5s\n", wt.name, static_cast<long>(rows), eigen, skinny,
+                  eigen / skinny, attnserve::SkinnyGemmPays(rows, wt.cols) ? "yes" : "no");
+    }
+  }
+  return 0;
+}

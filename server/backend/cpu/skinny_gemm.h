@@ -1,0 +1,32 @@
+// y = x · w for an x of few rows (a request of a handful of tokens), without packing w.
+//
+// A general GEMM (Eigen's) first copies w into panels that suit its micro-kernel; for a large x
+// that copy is paid back many times, for a few rows it is most of the cost: the product reads w
+// once while the packing reads and writes it again. This kernel streams w straight from its
+// rows: blocks of 6 rows of x × 64 columns of w in 24 AVX-512 registers, with w's rows
+// prefetched ahead (they lie a page or more apart). Where it pays was measured, not assumed
+// (docs/benchmarks.md, "The skinny GEMM").
+#pragma once
+
+#include "server/core/tensor.h"
+
+namespace attnserve {
+
+// Whether SkinnyGemm beats the general GEMM for an x of `rows` rows times `cols` columns of w:
+// this build has it (compiled for AVX-512), 2 ≤ rows ≤ 16 and cols ≤ 4096. Measured at BERT-base
+// and GPT-2-medium weight blocks, one thread (bench/skinny_gemm_bench): 1.2–3.2× faster from 2 to
+// 16 rows; at 1 row Eigen's matrix-vector product is as fast (0.88–1.11), at 32 rows it depends
+// on the width (0.78–1.30). The column limit keeps out the summed form's value block (9216 and
+// more columns): alone it measured 0.99–2.7×, but inside a whole forward at 16 tokens on one
+// thread the summed form got 1.2× slower with it.
+bool SkinnyGemmPays(int64_t rows, int64_t cols);
+constexpr int64_t kSkinnyGemmMinRows = 2, kSkinnyGemmMaxRows = 16, kSkinnyGemmMaxCols = 4096;
+
+// True when this build has the kernel.
+bool SkinnyGemmAvailable();
+
+// y = x · w; x is [rows, k], w is [k, cols], y is [rows, cols], each with its own row stride.
+// Requires SkinnyGemmAvailable(); any size works, SkinnyGemmPays says when it is the faster.
+void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y);
+
+}  // namespace attnserve
