@@ -393,12 +393,6 @@ class CudaBackend final : public Backend {
     return st.ok() ? st : MarkFailed(st);
   }
 
-  // Lanes made so far: one per caller that ever found all the others busy.
-  int Lanes() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return lanes_;
-  }
-
  private:
   Status MarkFailed(Status st) {
     healthy_.store(false);
@@ -408,8 +402,6 @@ class CudaBackend final : public Backend {
   StatusOr<std::unique_ptr<Lane>> NewLane() {
     auto lane = std::make_unique<Lane>(options_);
     ATTNSERVE_RETURN_IF_ERROR(lane->Init());
-    std::lock_guard<std::mutex> lock(mu_);
-    ++lanes_;
     return lane;
   }
 
@@ -438,9 +430,8 @@ class CudaBackend final : public Backend {
 
   CudaBackendOptions options_;
   std::atomic<bool> healthy_{true};
-  mutable std::mutex mu_;  // guards idle_ and lanes_
+  std::mutex mu_;  // guards idle_
   std::vector<std::unique_ptr<Lane>> idle_;
-  int lanes_ = 0;
 };
 
 }  // namespace
