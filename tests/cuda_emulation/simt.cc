@@ -17,6 +17,11 @@
 #define CUDA_EMULATION_ASAN 1
 #endif
 
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#define CUDA_EMULATION_TSAN 1
+#endif
+
 #if !defined(__x86_64__)
 #include <ucontext.h>
 #endif
@@ -59,8 +64,16 @@ cuda_emulation_switch:
 
 struct Context {
   void* sp = nullptr;
+#if defined(CUDA_EMULATION_TSAN)
+  void* tsan_fiber = nullptr;  // ThreadSanitizer's view of this stack (the launcher's own: its thread's)
+#endif
 };
-void SwitchContext(Context& from, Context& to) { cuda_emulation_switch(&from.sp, to.sp); }
+void SwitchContext(Context& from, Context& to) {
+#if defined(CUDA_EMULATION_TSAN)
+  __tsan_switch_to_fiber(to.tsan_fiber, 0);
+#endif
+  cuda_emulation_switch(&from.sp, to.sp);
+}
 void MakeContext(Context& c, char* stack, size_t bytes, void (*entry)()) {
   auto top = reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t{15};
   // Stacks 64 KiB apart would put every fiber's live frames in the same cache sets; a
@@ -71,6 +84,9 @@ void MakeContext(Context& c, char* stack, size_t bytes, void (*entry)()) {
   *--sp = reinterpret_cast<uint64_t>(entry);    // where the switch's `ret` goes
   for (int reg = 0; reg < 6; ++reg) *--sp = 0;  // rbp rbx r12 r13 r14 r15
   c.sp = sp;
+#if defined(CUDA_EMULATION_TSAN)
+  if (c.tsan_fiber == nullptr) c.tsan_fiber = __tsan_create_fiber(0);
+#endif
 }
 #else
 struct Context {
@@ -294,6 +310,17 @@ void RunKernel(dim3 grid, dim3 block, const std::function<void()>& body) {
   r.scheduler_stack_bottom = stack_addr;
 #endif
   r.fibers.resize(threads);
+#if defined(CUDA_EMULATION_TSAN)
+  r.scheduler.tsan_fiber = __tsan_get_current_fiber();
+  struct ReleaseFibers {  // ThreadSanitizer's fiber records of this launch, on every way out
+    BlockRun& r;
+    ~ReleaseFibers() {
+      for (Fiber& f : r.fibers) {
+        if (f.context.tsan_fiber != nullptr) __tsan_destroy_fiber(f.context.tsan_fiber);
+      }
+    }
+  } release_fibers{r};
+#endif
   const size_t warps = (threads + kWarp - 1) / kWarp;
   r.exchange.assign(warps * 2 * kWarp, 0.0f);
   BlockRun* outer = run;
