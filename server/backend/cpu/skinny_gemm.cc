@@ -1,6 +1,10 @@
 #include "server/backend/cpu/skinny_gemm.h"
 
-#if defined(__AVX512F__)
+// The kernel is compiled for AVX-512 whatever the build's own flags, and used only when the CPU
+// running it has AVX-512 (checked once): a portable build (ATTNSERVE_NATIVE=OFF, the container
+// images) still gets it on the hosts that can run it.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ATTNSERVE_SKINNY_GEMM 1
 #include <immintrin.h>
 
 #include <algorithm>
@@ -8,7 +12,9 @@
 
 namespace attnserve {
 
-#if defined(__AVX512F__)
+#if defined(ATTNSERVE_SKINNY_GEMM)
+#pragma GCC push_options
+#pragma GCC target("avx512f")
 namespace {
 
 constexpr int kBlockCols = 64;  // four 16-float registers per row
@@ -59,7 +65,6 @@ void RowBlocks(ConstMatrixView x, ConstMatrixView w, MatrixView y, int64_t r0, i
 
 }  // namespace
 
-bool SkinnyGemmAvailable() { return true; }
 
 void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
   const int64_t full = x.rows / kBlockRows * kBlockRows;
@@ -75,6 +80,13 @@ void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
       default: break;
     }
   }
+}
+
+#pragma GCC pop_options
+
+bool SkinnyGemmAvailable() {
+  static const bool available = __builtin_cpu_supports("avx512f");
+  return available;
 }
 
 #else

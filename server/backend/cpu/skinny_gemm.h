@@ -13,7 +13,7 @@
 namespace attnserve {
 
 // Whether SkinnyGemm beats the general GEMM for an x of `rows` rows times `cols` columns of w:
-// this build has it (compiled for AVX-512), 2 ≤ rows ≤ 16 and cols ≤ 4096. Measured at BERT-base
+// this CPU has AVX-512, 2 ≤ rows ≤ 16 and cols ≤ 4096. Measured at BERT-base
 // and GPT-2-medium weight blocks, one thread (bench/skinny_gemm_bench): 1.2–3.2× faster from 2 to
 // 16 rows; at 1 row Eigen's matrix-vector product is as fast (0.88–1.11), at 32 rows it depends
 // on the width (0.78–1.30). The column limit keeps out the summed form's value block (9216 and
@@ -22,7 +22,8 @@ namespace attnserve {
 bool SkinnyGemmPays(int64_t rows, int64_t cols);
 constexpr int64_t kSkinnyGemmMinRows = 2, kSkinnyGemmMaxRows = 16, kSkinnyGemmMaxCols = 4096;
 
-// True when this build has the kernel.
+// True when the kernel can run here: an x86-64 build with GCC, on a CPU with AVX-512
+// (whatever -march the rest of the build used).
 bool SkinnyGemmAvailable();
 
 // y = x · w; x is [rows, k], w is [k, cols], y is [rows, cols], each with its own row stride.
