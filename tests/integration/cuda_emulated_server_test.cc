@@ -31,21 +31,18 @@ constexpr int64_t kDModel = 48, kHeads = 4;
 constexpr uint64_t kSeed = 11;
 const char kLayer[] = "tiny=random:d_model=48,heads=4,seed=11";
 
-// A server on the emulated GPU; `env` is set for it (and only it: the test restores it).
+// A server on the emulated GPU, with `env` ("NAME=value") in its environment.
 struct EmulatedGpuServer {
   TempDir dir;
   std::unique_ptr<ServerProcess> process;
   std::string error;
   int metrics_port = 0;
 
-  EmulatedGpuServer(std::vector<std::string> args, const std::vector<std::pair<std::string, std::string>>& env) {
-    setenv("ATTNSERVE_CUDA_PLUGIN_PATH", ATTNSERVE_EMULATED_PLUGIN, 1);
-    for (const auto& [name, value] : env) setenv(name.c_str(), value.c_str(), 1);
+  EmulatedGpuServer(std::vector<std::string> args, std::vector<std::string> env) {
+    env.push_back(std::string("ATTNSERVE_CUDA_PLUGIN_PATH=") + ATTNSERVE_EMULATED_PLUGIN);
     const std::string port_file = dir.File("metrics_port");
     args.insert(args.end(), {"--metrics-port-file", port_file});
-    process = ServerProcess::Start(ATTNSERVE_BINARY, args, &error);
-    for (const auto& [name, value] : env) unsetenv(name.c_str());
-    unsetenv("ATTNSERVE_CUDA_PLUGIN_PATH");
+    process = ServerProcess::Start(ATTNSERVE_BINARY, args, &error, std::chrono::seconds(60), env);
     std::ifstream in(port_file);
     in >> metrics_port;
   }
@@ -124,7 +121,7 @@ TEST_F(CudaEmulatedServerTest, ServesBothFormsOnTheGpuAndLabelsTheDevice) {
 
 TEST_F(CudaEmulatedServerTest, ADeviceFaultFailsTheRequestAndTakesTheServerOutOfRotation) {
   // The first GEMM of the first batch faults (loading uploads weights but runs no GEMM).
-  EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer}, {{"ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM", "0"}});
+  EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer}, {"ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=0"});
   ASSERT_NE(server.process, nullptr) << server.error;
   const std::vector<float> x = RandomInput(6, 1 * 5 * kDModel);
   v1::ForwardResponse resp;
@@ -150,14 +147,14 @@ TEST_F(CudaEmulatedServerTest, ADeviceFaultFailsTheRequestAndTakesTheServerOutOf
 }
 
 TEST_F(CudaEmulatedServerTest, NoGpuAutoFallsBackToTheCpuAndCudaRefusesToStart) {
-  EmulatedGpuServer fallback({"--device", "auto", "--layer", kLayer}, {{"ATTNSERVE_CUDA_EMULATION_DEVICES", "0"}});
+  EmulatedGpuServer fallback({"--device", "auto", "--layer", kLayer}, {"ATTNSERVE_CUDA_EMULATION_DEVICES=0"});
   ASSERT_NE(fallback.process, nullptr) << fallback.error;
   EXPECT_THAT(fallback.process->Log(), HasSubstr("no usable GPU"));
   v1::LayerInfo info;
   ASSERT_TRUE(fallback.client().GetLayer("tiny", &info).ok());
   EXPECT_EQ(info.forms(0).device(), "cpu");
 
-  EmulatedGpuServer refused({"--device", "cuda", "--layer", kLayer}, {{"ATTNSERVE_CUDA_EMULATION_DEVICES", "0"}});
+  EmulatedGpuServer refused({"--device", "cuda", "--layer", kLayer}, {"ATTNSERVE_CUDA_EMULATION_DEVICES=0"});
   EXPECT_EQ(refused.process, nullptr);
   EXPECT_THAT(refused.error, HasSubstr("no usable GPU"));
 }

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <filesystem>
@@ -26,14 +27,34 @@ std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
+// This process's environment with `extra` ("NAME=value") added, replacing variables of the
+// same name: the child's alone, so the parent never calls setenv while gRPC threads may read it.
+std::vector<std::string> ChildEnvironment(const std::vector<std::string>& extra) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const std::string name = entry.substr(0, entry.find('=') + 1);
+    const bool replaced =
+        std::any_of(extra.begin(), extra.end(), [&](const std::string& x) { return x.rfind(name, 0) == 0; });
+    if (!replaced) env.push_back(entry);
+  }
+  env.insert(env.end(), extra.begin(), extra.end());
+  return env;
+}
+
 // fork + exec with stdout and stderr into `log_path`; the child gets SIGKILL when this thread
 // dies. Only async-signal-safe calls between fork and exec (gRPC threads exist in the parent).
-pid_t Spawn(const std::string& binary, const std::vector<std::string>& args, const std::string& log_path) {
+pid_t Spawn(const std::string& binary, const std::vector<std::string>& args, const std::vector<std::string>& extra_env,
+            const std::string& log_path) {
   std::vector<std::string> all = {binary};
   all.insert(all.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (auto& a : all) argv.push_back(a.data());
   argv.push_back(nullptr);
+  std::vector<std::string> env = ChildEnvironment(extra_env);
+  std::vector<char*> envp;
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
   const int log_fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (log_fd < 0) return -1;
   const pid_t parent = getpid();
@@ -43,7 +64,7 @@ pid_t Spawn(const std::string& binary, const std::vector<std::string>& args, con
     if (getppid() != parent) _exit(127);  // the parent died before prctl
     dup2(log_fd, STDOUT_FILENO);
     dup2(log_fd, STDERR_FILENO);
-    execv(argv[0], argv.data());
+    execve(argv[0], argv.data(), envp.data());
     _exit(127);
   }
   close(log_fd);
@@ -77,7 +98,8 @@ int KillAndReap(pid_t pid, int signal, std::chrono::seconds timeout) {
 
 
 std::unique_ptr<ServerProcess> ServerProcess::Start(const std::string& binary, const std::vector<std::string>& args,
-                                                    std::string* error, std::chrono::seconds timeout) {
+                                                    std::string* error, std::chrono::seconds timeout,
+                                                    const std::vector<std::string>& env) {
   std::unique_ptr<ServerProcess> server(new ServerProcess());
   std::string tmpl = (std::filesystem::temp_directory_path() / "attnserve_srv_XXXXXX").string();
   if (mkdtemp(tmpl.data()) == nullptr) {
@@ -90,7 +112,7 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::string& binary, c
   std::vector<std::string> all = {"--listen", "127.0.0.1:0", "--port-file", port_file, "--metrics-listen",
                                   "127.0.0.1:0"};
   all.insert(all.end(), args.begin(), args.end());
-  server->pid_ = Spawn(binary, all, server->dir_ + "/log");
+  server->pid_ = Spawn(binary, all, env, server->dir_ + "/log");
   if (server->pid_ < 0) {
     *error = "cannot start " + binary;
     return nullptr;
@@ -146,7 +168,7 @@ int RunToExit(const std::string& binary, const std::vector<std::string>& args, s
               std::chrono::seconds timeout) {
   TempDir dir;
   const std::string log = dir.File("log");
-  const pid_t pid = Spawn(binary, args, log);
+  const pid_t pid = Spawn(binary, args, {}, log);
   if (pid < 0) return -3;
   int status = WaitFor(pid, timeout);
   if (status == -1) {

@@ -21,10 +21,12 @@ class ServerProcess {
  public:
   // Starts `binary` with `args` plus --listen 127.0.0.1:0 and a --port-file, then waits until
   // the port is known and grpc.health.v1 answers SERVING. nullptr and `error` (with the
-  // server's log) when it does not come up within `timeout`.
+  // server's log) when it does not come up within `timeout`. `env` ("NAME=value") is added to
+  // the child's environment only.
   static std::unique_ptr<ServerProcess> Start(const std::string& binary, const std::vector<std::string>& args,
                                               std::string* error,
-                                              std::chrono::seconds timeout = std::chrono::seconds(60));
+                                              std::chrono::seconds timeout = std::chrono::seconds(60),
+                                              const std::vector<std::string>& env = {});
   ~ServerProcess();
   ServerProcess(const ServerProcess&) = delete;
   ServerProcess& operator=(const ServerProcess&) = delete;

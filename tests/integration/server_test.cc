@@ -978,7 +978,10 @@ TEST(DrainTest, SigtermUnderLoadLosesNothing) {
   for (int t = 0; t < 4; ++t) {
     senders.emplace_back([&] {
       // Its own client: calls after the server is gone fail fast instead of sharing a channel.
-      Client client(ClientOptions{.target = server->target(), .timeout = std::chrono::milliseconds(20000)});
+      ClientOptions options;
+      options.target = server->target();
+      options.timeout = std::chrono::milliseconds(20000);
+      Client client(options);
       while (!stop) {
         ++sent;
         v1::ForwardResponse resp;
