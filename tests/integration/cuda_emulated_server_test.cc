@@ -7,9 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <cmath>
 #include <csignal>
-#include <cstdlib>
 #include <fstream>
 #include <random>
 #include <string>
@@ -19,6 +17,7 @@
 #include "server/core/layer.h"
 #include "server/core/reference.h"
 #include "tests/integration/server_process.h"
+#include "tests/unit/test_support.h"
 
 namespace attnserve {
 namespace {
@@ -48,24 +47,6 @@ struct EmulatedGpuServer {
   }
   Client& client() { return process->client(); }
 };
-
-std::vector<float> RandomInput(uint64_t seed, size_t count) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal;
-  std::vector<float> x(count);
-  for (float& v : x) v = normal(rng);
-  return x;
-}
-
-double RelativeL2(const std::vector<float>& got, const std::vector<double>& want) {
-  if (got.size() != want.size()) return INFINITY;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return std::sqrt(num / den);
-}
 
 v1::ForwardRequest Request(v1::Form form, const std::vector<float>& x, int64_t batch, int64_t n) {
   v1::ForwardRequest req;
@@ -97,7 +78,8 @@ TEST_F(CudaEmulatedServerTest, ServesBothFormsOnTheGpuAndLabelsTheDevice) {
 
   const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = kDModel, .heads = kHeads}), kSeed);
   const int64_t batch = 3, n = 7;
-  const std::vector<float> x = RandomInput(5, batch * n * kDModel);
+  std::mt19937_64 rng(5);
+  const std::vector<float> x = testing::RandomVector(rng, batch * n * kDModel);
   std::vector<double> want;
   for (int64_t b = 0; b < batch; ++b) {
     Sequence s;
@@ -112,7 +94,8 @@ TEST_F(CudaEmulatedServerTest, ServesBothFormsOnTheGpuAndLabelsTheDevice) {
     ASSERT_TRUE(st.ok()) << st.error_message();
     std::vector<float> got;
     ASSERT_TRUE(TensorToFloats(resp.output(), &got).ok());
-    EXPECT_LT(RelativeL2(got, want), 1e-5) << v1::Form_Name(form);
+    ASSERT_EQ(got.size(), want.size());
+    EXPECT_LT(testing::RelativeL2(got.data(), want), 1e-5) << v1::Form_Name(form);
   }
   const std::string scrape = testing::ScrapeMetrics(server.metrics_port);
   EXPECT_THAT(scrape, HasSubstr("device=\"cuda:0\""));
@@ -123,7 +106,8 @@ TEST_F(CudaEmulatedServerTest, ADeviceFaultFailsTheRequestAndTakesTheServerOutOf
   // The first GEMM of the first batch faults (loading uploads weights but runs no GEMM).
   EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer}, {"ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=0"});
   ASSERT_NE(server.process, nullptr) << server.error;
-  const std::vector<float> x = RandomInput(6, 1 * 5 * kDModel);
+  std::mt19937_64 rng(6);
+  const std::vector<float> x = testing::RandomVector(rng, 1 * 5 * kDModel);
   v1::ForwardResponse resp;
   const grpc::Status failed = server.client().Forward(Request(v1::FORM_FACTORED, x, 1, 5), &resp);
   EXPECT_EQ(failed.error_code(), grpc::StatusCode::INTERNAL) << failed.error_message();
