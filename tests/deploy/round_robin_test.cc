@@ -113,22 +113,28 @@ class RoundRobinTest : public ::testing::Test {
     }
   }
 
+  // round_robin connects to every address; until the second connection is up, calls go to the
+  // first. Sends one call at a time (for at most 20 s) until both servers have answered; the
+  // calls each answered in (*a, *b).
+  void WaitUntilBothAnswer(Client& client, int* a, int* b) {
+    *a = *b = 0;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while ((*a == 0 || *b == 0) && std::chrono::steady_clock::now() < until) {
+      int da = 0, db = 0;
+      ASSERT_NO_FATAL_FAILURE(Send(client, 1, &da, &db));
+      *a += da;
+      *b += db;
+    }
+  }
+
   std::unique_ptr<ServerProcess> a_, b_;
   std::vector<float> out_a_, out_b_;
 };
 
 TEST_F(RoundRobinTest, ForwardCallsAlternateBetweenBothServers) {
   auto client = NewClient("round_robin");
-  // round_robin connects to every address; until the second connection is up, calls go to the
-  // first. Wait (bounded) until both have answered once.
   int a = 0, b = 0;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while ((a == 0 || b == 0) && std::chrono::steady_clock::now() < until) {
-    int da = 0, db = 0;
-    ASSERT_NO_FATAL_FAILURE(Send(*client, 1, &da, &db));
-    a += da;
-    b += db;
-  }
+  ASSERT_NO_FATAL_FAILURE(WaitUntilBothAnswer(*client, &a, &b));
   ASSERT_GT(a, 0) << "server A never answered";
   ASSERT_GT(b, 0) << "server B never answered";
   // With both connections ready, round_robin takes them in turn: 40 calls, 20 each.
@@ -171,13 +177,7 @@ TEST_F(RoundRobinTest, PickFirstUsesOneServer) {
 TEST_F(RoundRobinTest, CarriesOnWhenOneServerStops) {
   auto client = NewClient("round_robin");
   int a = 0, b = 0;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while ((a == 0 || b == 0) && std::chrono::steady_clock::now() < until) {
-    int da = 0, db = 0;
-    ASSERT_NO_FATAL_FAILURE(Send(*client, 1, &da, &db));
-    a += da;
-    b += db;
-  }
+  ASSERT_NO_FATAL_FAILURE(WaitUntilBothAnswer(*client, &a, &b));
   ASSERT_TRUE(a > 0 && b > 0);
   EXPECT_EQ(a_->Stop(SIGTERM), 0) << a_->Log();
   // Until the channel has seen A's connection close, a call may still be sent its way.
