@@ -38,10 +38,11 @@ std::string PluginPath() {
   std::string dir(exe, len);
   return dir.substr(0, dir.rfind('/') + 1) + ATTNSERVE_CUDA_PLUGIN;
 }
+#endif
 
-// Loads the plugin and makes a backend on `index`; the error says why not.
-StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int index, bool tf32) {
-  const std::string path = PluginPath();
+}  // namespace
+
+StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, bool tf32) {
   // Never unloaded: the backend's code lives there for the life of the process.
   void* plugin = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (plugin == nullptr) return UnavailableError(std::string("cannot load the CUDA backend: ") + dlerror());
@@ -56,9 +57,6 @@ StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int index, bool tf32) {
   if (backend == nullptr) return UnavailableError(why);
   return std::unique_ptr<Backend>(backend);
 }
-#endif
-
-}  // namespace
 
 bool BuiltWithCuda() {
 #ifdef ATTNSERVE_CUDA_PLUGIN
@@ -78,7 +76,7 @@ StatusOr<ChosenBackend> ChooseBackend(const DeviceChoice& choice) {
   if (choice.device == "cpu") return Cpu(choice, "cpu: asked for");
   const int index = choice.device == "auto" ? 0 : CudaIndex(choice.device);
 #ifdef ATTNSERVE_CUDA_PLUGIN
-  auto gpu = LoadCudaBackend(index, choice.tf32);
+  auto gpu = LoadCudaPlugin(PluginPath(), index, choice.tf32);
   if (gpu.ok()) {
     return ChosenBackend{std::move(gpu).value(),
                          "cuda:" + std::to_string(index) + ": " +

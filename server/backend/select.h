@@ -30,4 +30,11 @@ StatusOr<ChosenBackend> ChooseBackend(const DeviceChoice& choice);
 // True when this build has the CUDA backend.
 bool BuiltWithCuda();
 
+// Loads the CUDA backend plugin at `path` (dlopen; never unloaded) and makes a backend on
+// device `index`. UNAVAILABLE with the reason when the file is not a plugin or no GPU is
+// usable. ChooseBackend calls it with the plugin next to the executable; tests call it with
+// the plugin they built, so that no test binary links cuBLAS (hundreds of MB mapped before
+// main, which from a cold page cache outlasts CTest's test discovery).
+StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, bool tf32);
+
 }  // namespace attnserve

@@ -4,8 +4,10 @@
 #include <cstdlib>
 
 #include "server/backend/cpu/cpu_backend.h"
-#ifdef ATTNSERVE_HAVE_CUDA
+#if defined(ATTNSERVE_CUDA_EMULATED)
 #include "server/backend/cuda/cuda_backend.h"
+#elif defined(ATTNSERVE_CUDA_PLUGIN_FILE)
+#include "server/backend/select.h"
 #endif
 
 namespace attnserve::testing {
@@ -60,9 +62,15 @@ OwnedSequence RandomSequence(std::mt19937_64& rng, int64_t d_model, int64_t n, i
 
 std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why) {
   if (name == "cpu") return std::make_unique<CpuBackend>();
-#ifdef ATTNSERVE_HAVE_CUDA
+#if defined(ATTNSERVE_CUDA_EMULATED) || defined(ATTNSERVE_CUDA_PLUGIN_FILE)
   if (name == "cuda" || name == "cuda-tf32") {
+#ifdef ATTNSERVE_CUDA_EMULATED
+    // The emulated backend is linked in: it maps no CUDA library.
     auto backend = MakeCudaBackend({.device = 0, .tf32 = name == "cuda-tf32"});
+#else
+    // The real one through the plugin the server loads, as the server loads it.
+    auto backend = LoadCudaPlugin(ATTNSERVE_CUDA_PLUGIN_FILE, 0, name == "cuda-tf32");
+#endif
     if (backend.ok()) return std::move(backend).value();
     *why = backend.status().message();
     return nullptr;
