@@ -12,6 +12,8 @@
 #include <climits>
 #include <cstring>
 #include <exception>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <string>
@@ -20,6 +22,18 @@
 #include "client/json.h"
 
 namespace attnserve {
+
+std::string ReadPemFile(const std::string& what, const std::string& path, std::string* error) {
+  std::ifstream in(path, std::ios::binary);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!in.good() && !in.eof()) text.clear();
+  if (text.find("-----BEGIN ") == std::string::npos) {
+    *error = what + ": cannot read a PEM file at '" + path + "'";
+    return "";
+  }
+  return text;
+}
+
 namespace {
 
 std::shared_ptr<grpc::Channel> MakeChannel(const ClientOptions& o) {
@@ -37,7 +51,16 @@ std::shared_ptr<grpc::Channel> MakeChannel(const ClientOptions& o) {
     args.SetServiceConfigJSON("{\"loadBalancingConfig\":[{" + JsonString(o.load_balancing) +
                               ":{}}]}");
   }
-  return grpc::CreateCustomChannel(o.target, grpc::InsecureChannelCredentials(), args);
+  if (!o.tls()) return grpc::CreateCustomChannel(o.target, grpc::InsecureChannelCredentials(), args);
+  grpc::SslCredentialsOptions ssl;
+  std::string error;  // the CLI read the files once already; a file gone since fails the handshake
+  if (!o.tls_ca.empty()) ssl.pem_root_certs = ReadPemFile("tls_ca", o.tls_ca, &error);
+  if (!o.tls_cert.empty()) {
+    ssl.pem_cert_chain = ReadPemFile("tls_cert", o.tls_cert, &error);
+    ssl.pem_private_key = ReadPemFile("tls_key", o.tls_key, &error);
+  }
+  if (!o.server_name.empty()) args.SetSslTargetNameOverride(o.server_name);
+  return grpc::CreateCustomChannel(o.target, grpc::SslCredentials(ssl), args);
 }
 
 // The grpc.health.v1 messages are tiny and Debian ships no health.proto, so they are encoded by

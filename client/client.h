@@ -43,7 +43,16 @@ struct ClientOptions {
   // When set, LoadLayer, UnloadLayer and SetRouting send "authorization: Bearer <admin_token>"
   // (servers started with --admin-token require it). Other calls never carry it.
   std::string admin_token;
+  // TLS (all PEM file paths; read when the Client is made). With tls_ca set the channel speaks
+  // TLS and trusts that CA; with tls_cert and tls_key it also presents a client certificate
+  // (mTLS). server_name overrides the name checked against the server's certificate (for a
+  // target that is an IP address or a name the certificate does not carry).
+  std::string tls_ca, tls_cert, tls_key, server_name;
+  bool tls() const { return !tls_ca.empty() || !tls_cert.empty(); }
 };
+
+// Reads a PEM file for ClientOptions' TLS fields: "" and `error` set when it cannot.
+std::string ReadPemFile(const std::string& what, const std::string& path, std::string* error);
 
 class Client {
  public:

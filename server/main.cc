@@ -15,6 +15,7 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -35,39 +36,71 @@
 namespace attnserve {
 namespace {
 
-// %v escaped for a JSON string, so that --log-json lines stay valid JSON whatever the message.
-class JsonMessageFlag final : public spdlog::custom_flag_formatter {
+// Length of the valid UTF-8 sequence starting at text[i], or 0 when the bytes there are not one
+// (overlong forms, surrogates and code points past U+10FFFF included).
+size_t Utf8SequenceLength(std::string_view text, size_t i) {
+  const auto b = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
+  const unsigned char c = b(i);
+  size_t n = 0;
+  uint32_t cp = 0;
+  if (c < 0x80) return 1;
+  if (c >= 0xc2 && c <= 0xdf) {
+    n = 2, cp = c & 0x1f;
+  } else if (c >= 0xe0 && c <= 0xef) {
+    n = 3, cp = c & 0x0f;
+  } else if (c >= 0xf0 && c <= 0xf4) {
+    n = 4, cp = c & 0x07;
+  } else {
+    return 0;
+  }
+  if (i + n > text.size()) return 0;
+  for (size_t k = 1; k < n; ++k) {
+    if ((b(i + k) & 0xc0) != 0x80) return 0;
+    cp = (cp << 6) | (b(i + k) & 0x3f);
+  }
+  if ((n == 3 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) || (n == 4 && (cp < 0x10000 || cp > 0x10ffff))) {
+    return 0;
+  }
+  return n;
+}
+
+// %v made safe for one log line: control characters and invalid UTF-8 never reach the log
+// as they are (a request's text could otherwise forge lines or break a JSON reader). Text logs
+// show such bytes as \xNN; JSON logs also escape '"' and '\\' and write U+FFFD for bad bytes.
+template <bool kJson>
+class SafeMessageFlag final : public spdlog::custom_flag_formatter {
  public:
   void format(const spdlog::details::log_msg& msg, const std::tm&, spdlog::memory_buf_t& dest) override {
-    for (char c : std::string_view(msg.payload.data(), msg.payload.size())) {
-      switch (c) {
-        case '"':
-          dest.append(std::string_view("\\\""));
-          break;
-        case '\\':
-          dest.append(std::string_view("\\\\"));
-          break;
-        case '\n':
-          dest.append(std::string_view("\\n"));
-          break;
-        case '\r':
-          dest.append(std::string_view("\\r"));
-          break;
-        case '\t':
-          dest.append(std::string_view("\\t"));
-          break;
-        default:
-          if (static_cast<unsigned char>(c) < 0x20) {
-            char buf[8];
-            std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-            dest.append(std::string_view(buf));
-          } else {
-            dest.push_back(c);
-          }
+    const std::string_view text(msg.payload.data(), msg.payload.size());
+    for (size_t i = 0; i < text.size();) {
+      const size_t n = Utf8SequenceLength(text, i);
+      const auto c = static_cast<unsigned char>(text[i]);
+      char buf[8];
+      if (n == 0) {
+        if (kJson) {
+          dest.append(std::string_view("\\ufffd"));
+        } else {
+          std::snprintf(buf, sizeof buf, "\\x%02x", c);
+          dest.append(std::string_view(buf));
+        }
+        ++i;
+        continue;
       }
+      if (n > 1) {
+        dest.append(text.substr(i, n));
+      } else if (kJson && (c == '"' || c == '\\')) {
+        dest.push_back('\\');
+        dest.push_back(static_cast<char>(c));
+      } else if (c < 0x20 || c == 0x7f) {
+        std::snprintf(buf, sizeof buf, kJson ? "\\u%04x" : "\\x%02x", c);
+        dest.append(std::string_view(buf));
+      } else {
+        dest.push_back(static_cast<char>(c));
+      }
+      i += n;
     }
   }
-  std::unique_ptr<custom_flag_formatter> clone() const override { return std::make_unique<JsonMessageFlag>(); }
+  std::unique_ptr<custom_flag_formatter> clone() const override { return std::make_unique<SafeMessageFlag>(); }
 };
 
 void ConfigureLogging(const ServerOptions& options) {
@@ -75,11 +108,13 @@ void ConfigureLogging(const ServerOptions& options) {
   auto logger = std::make_shared<spdlog::logger>("attnserve", std::make_shared<spdlog::sinks::stderr_sink_mt>());
   if (options.log_json) {
     auto formatter = std::make_unique<spdlog::pattern_formatter>(spdlog::pattern_time_type::utc);
-    formatter->add_flag<JsonMessageFlag>('*').set_pattern(
+    formatter->add_flag<SafeMessageFlag<true>>('*').set_pattern(
         R"({"time":"%Y-%m-%dT%H:%M:%S.%fZ","level":"%l","thread":%t,"msg":"%*"})");
     logger->set_formatter(std::move(formatter));
   } else {
-    logger->set_pattern("%Y-%m-%d %H:%M:%S.%e %^%-5l%$ %v");
+    auto formatter = std::make_unique<spdlog::pattern_formatter>();
+    formatter->add_flag<SafeMessageFlag<false>>('*').set_pattern("%Y-%m-%d %H:%M:%S.%e %^%-5l%$ %*");
+    logger->set_formatter(std::move(formatter));
   }
   logger->set_level(spdlog::level::from_str(options.log_level));
   logger->flush_on(spdlog::level::info);
@@ -89,6 +124,61 @@ void ConfigureLogging(const ServerOptions& options) {
 std::string HostOf(const std::string& listen) {
   const size_t colon = listen.rfind(':');
   return colon == std::string::npos ? listen : listen.substr(0, colon);
+}
+
+StatusOr<std::string> ReadPem(const std::string& what, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return InvalidArgumentError(what + ": cannot read '" + path + "'");
+  std::stringstream text;
+  text << in.rdbuf();
+  if (text.str().find("-----BEGIN ") == std::string::npos) {
+    return InvalidArgumentError(what + ": '" + path + "' holds no PEM block");
+  }
+  return text.str();
+}
+
+// Plaintext, TLS, or mTLS (REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY) for every gRPC listener. The
+// files are read once, at start-up: a renewed certificate takes a restart (docs/security.md).
+StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const ServerOptions& options) {
+  if (options.tls_cert.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl;
+  auto cert = ReadPem("--tls-cert", options.tls_cert);
+  if (!cert.ok()) return cert.status();
+  auto key = ReadPem("--tls-key", options.tls_key);
+  if (!key.ok()) return key.status();
+  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  if (!options.tls_client_ca.empty()) {
+    auto ca = ReadPem("--tls-client-ca", options.tls_client_ca);
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(ssl);
+}
+
+// One gRPC server on `listen` with the defences the gRPC in use does not set itself
+// (docs/security.md): streams per connection, ping abuse, connection age, header size.
+std::unique_ptr<grpc::Server> BuildServer(const ServerOptions& options, const std::string& listen,
+                                          const std::shared_ptr<grpc::ServerCredentials>& credentials,
+                                          grpc::Service* service, int* port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(listen, credentials, port);
+  // gRPC sets SO_REUSEPORT by default: a second server on a busy port would start and share
+  // it silently. Refuse to start instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetMaxReceiveMessageSize(options.max_message_mb << 20);
+  builder.SetMaxSendMessageSize(options.max_message_mb << 20);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             options.keepalive_min_ping_interval_s * 1000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, options.keepalive_max_ping_strikes);
+  if (options.max_connection_age_s > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS, options.max_connection_age_s * 1000);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, options.max_connection_age_grace_s * 1000);
+  }
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, options.max_metadata_kb * 1024);
+  builder.RegisterService(service);
+  return builder.BuildAndStart();
 }
 
 bool WritePortFile(const std::string& path, int port) {
@@ -138,16 +228,18 @@ int Run(int argc, char** argv) {
   Metrics metrics;
   metrics.SetBuildInfo(ATTNSERVE_VERSION, backend.DeviceName(),
                        backend.DeviceName() == "cpu" ? "eigen" : (options.gpu_math == "tf32" ? "cublas-tf32" : "cublas"));
-  LayerStore store(&backend);
+  LayerStore store(&backend, LayerStoreOptions{.max_layers = options.max_layers,
+                                                .max_total_bytes = int64_t{options.max_layer_mb} << 20,
+                                                .model_dirs = options.model_dirs});
   for (const auto& [name, source] : options.layers) {
     StatusOr<std::shared_ptr<const Layer>> layer = store.Load(name, source);
     if (!layer.ok()) {
-      spdlog::critical("cannot load layer '{}' from '{}': {}", name, source, layer.status().ToString());
+      spdlog::critical("cannot load layer '{}': {}", name, layer.status().ToString());
       return 1;
     }
     std::string forms;
     for (const auto& [form, _] : (*layer)->forms) forms += (forms.empty() ? "" : ", ") + std::string(FormName(form));
-    spdlog::info("layer '{}' from '{}': {} (forms: {})", name, source, (*layer)->config.ToString(), forms);
+    spdlog::info("layer '{}' from '{}': {} (forms: {})", name, (*layer)->source, (*layer)->config.ToString(), forms);
     ReportLayerMetrics(**layer, metrics);
   }
 
@@ -169,38 +261,61 @@ int Run(int argc, char** argv) {
   }
   (void)router.SetShadowRate(options.shadow_rate);  // checked by ParseServerOptions
   ShadowRunner shadow(&executor, ShadowOptions{.queue_capacity = options.shadow_queue}, &metrics);
-  AttentionServiceImpl service(&store, &executor,
-                               ServiceOptions{.admin_token = options.admin_token,
-                                              .max_score_bytes = int64_t{options.max_scores_mb} << 20,
-                                              .metrics = &metrics,
-                                              .router = &router,
-                                              .shadow = &shadow});
+  StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = ServerCredentials(options);
+  if (!credentials.ok()) {
+    spdlog::critical("{}", credentials.status().message());
+    return 1;
+  }
+  auto service_options = [&](AdminAccess access) {
+    return ServiceOptions{.admin_access = access,
+                          .admin_token = options.admin_token,
+                          .admin_queue = options.admin_queue,
+                          .max_score_bytes = int64_t{options.max_scores_mb} << 20,
+                          .metrics = &metrics,
+                          .router = &router,
+                          .shadow = &shadow};
+  };
+  // The public listener opens the admin API only to token holders; the admin listener, which
+  // can only bind loopback without a token (server_options.cc), to whoever reaches it.
+  const AdminAccess token_or_closed = options.admin_token.empty() ? AdminAccess::kClosed : AdminAccess::kToken;
+  AttentionServiceImpl service(&store, &executor, service_options(token_or_closed));
+  std::unique_ptr<AttentionServiceImpl> admin_service;
+  if (!options.admin_listen.empty()) {
+    admin_service = std::make_unique<AttentionServiceImpl>(
+        &store, &executor, service_options(options.admin_token.empty() ? AdminAccess::kOpen : AdminAccess::kToken));
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &port);
-  // gRPC sets SO_REUSEPORT by default: a second server on a busy port would start and share
-  // it silently. Refuse to start instead.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.SetMaxReceiveMessageSize(options.max_message_mb << 20);
-  builder.SetMaxSendMessageSize(options.max_message_mb << 20);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server =
+      BuildServer(options, options.listen, *credentials, &service, &port);
   if (server == nullptr || port == 0) {
     spdlog::critical("cannot listen on {} (address in use or invalid?)", options.listen);
     return 1;
+  }
+  int admin_port = 0;
+  std::unique_ptr<grpc::Server> admin_server;
+  if (admin_service != nullptr) {
+    admin_server = BuildServer(options, options.admin_listen, *credentials, admin_service.get(), &admin_port);
+    if (admin_server == nullptr || admin_port == 0) {
+      spdlog::critical("cannot listen on --admin-listen {} (address in use or invalid?)", options.admin_listen);
+      server->Shutdown();
+      return 1;
+    }
+    spdlog::info("admin listener on {}:{} ({})", HostOf(options.admin_listen), admin_port,
+                 options.admin_token.empty() ? "loopback, no token" : "admin token required");
   }
   server->GetHealthCheckService()->SetServingStatus("attnserve.v1.AttentionService", true);
   const std::string bound = HostOf(options.listen) + ":" + std::to_string(port);
   std::cout << "listening on " << bound << std::endl;
   spdlog::info(
       "attnserve {} listening on {} (backend {}, {} workers, batches of <= {} requests / {} tokens "
-      "after <= {} us, queues of {}, max message {} MiB{})",
+      "after <= {} us, queues of {}, max message {} MiB, {}, admin API {})",
       ATTNSERVE_VERSION, bound, backend.DeviceName(), options.workers, options.max_batch_requests,
       options.max_batch_tokens, options.max_queue_delay_us, options.max_queue_requests, options.max_message_mb,
-      options.admin_token.empty() ? "" : ", admin token required");
+      options.tls_cert.empty() ? "plaintext" : (options.tls_client_ca.empty() ? "TLS" : "mTLS"),
+      options.admin_token.empty() ? "closed on this listener" : "with the admin token");
   std::string routes;
   for (const auto& [layer, split] : router.Routes()) {
     routes += (routes.empty() ? "" : "; ") + layer + "=" + FormatRouteSpec(split);
@@ -209,6 +324,11 @@ int Run(int argc, char** argv) {
                (*metrics_endpoint)->port(), routes, router.shadow_rate());
   if (!options.metrics_port_file.empty() && !WritePortFile(options.metrics_port_file, (*metrics_endpoint)->port())) {
     spdlog::critical("cannot write the metrics port file '{}'", options.metrics_port_file);
+    server->Shutdown();
+    return 1;
+  }
+  if (!options.admin_port_file.empty() && !WritePortFile(options.admin_port_file, admin_port)) {
+    spdlog::critical("cannot write the admin port file '{}'", options.admin_port_file);
     server->Shutdown();
     return 1;
   }
@@ -228,7 +348,10 @@ int Run(int argc, char** argv) {
     spdlog::info("signal {}: draining ({} requests queued; accepted requests get {} s)", signal,
                  executor.QueueDepth(), options.drain_timeout_s);
     server->GetHealthCheckService()->Shutdown();  // health checks answer NOT_SERVING from now on
-    server->Shutdown(std::chrono::system_clock::now() + drain_timeout);
+    if (admin_server != nullptr) admin_server->GetHealthCheckService()->Shutdown();
+    const auto deadline = std::chrono::system_clock::now() + drain_timeout;
+    server->Shutdown(deadline);
+    if (admin_server != nullptr) admin_server->Shutdown(deadline);
   });
   // A device fault (Backend::Healthy() turning false) takes the server out of rotation: health
   // answers NOT_SERVING for the whole server and the service, so probes and balancers move on.
@@ -245,6 +368,7 @@ int Run(int argc, char** argv) {
     }
   });
   server->Wait();
+  if (admin_server != nullptr) admin_server->Wait();
   signal_waiter.join();
   {
     std::lock_guard<std::mutex> lock(health_mu);

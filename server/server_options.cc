@@ -1,7 +1,5 @@
 #include "server/server_options.h"
 
-#include "server/backend/select.h"
-
 #include <yaml-cpp/yaml.h>
 
 #include <charconv>
@@ -9,7 +7,9 @@
 #include <fstream>
 #include <sstream>
 #include <string_view>
+#include <variant>
 
+#include "server/backend/select.h"
 #include "server/routing/router.h"     // ParseRouteSpec, kDefaultRoute
 #include "server/store/layer_store.h"  // ValidateLayerName
 
@@ -17,8 +17,9 @@ namespace attnserve {
 namespace {
 
 constexpr const char* kLogLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+constexpr size_t kMinAdminTokenBytes = 16;
 
-Status CheckInt(const std::string& what, const std::string& text, int min, int max, int* out) {
+Status CheckInt(const std::string& what, const std::string& text, int64_t min, int64_t max, int* out) {
   int v = 0;
   const char* end = text.data() + text.size();
   auto [p, ec] = std::from_chars(text.data(), end, v);
@@ -41,14 +42,6 @@ Status CheckBool(const std::string& what, const std::string& text, bool* out) {
   return OkStatus();
 }
 
-Status CheckLogLevel(const std::string& what, const std::string& level) {
-  for (const char* l : kLogLevels) {
-    if (level == l) return OkStatus();
-  }
-  return InvalidArgumentError(what + ": expected one of trace, debug, info, warn, error, critical, off, got '" + level +
-                              "'");
-}
-
 Status CheckFraction(const std::string& what, const std::string& text, double* out) {
   double v = 0;
   const char* end = text.data() + text.size();
@@ -60,91 +53,285 @@ Status CheckFraction(const std::string& what, const std::string& text, double* o
   return OkStatus();
 }
 
+Status CheckLogLevel(const std::string& what, const std::string& level) {
+  for (const char* l : kLogLevels) {
+    if (level == l) return OkStatus();
+  }
+  return InvalidArgumentError(what + ": expected one of trace, debug, info, warn, error, critical, off, got '" + level +
+                              "'");
+}
+
+Status CheckDevice(const std::string& what, const std::string& device) {
+  Status st = ValidateDevice(device);
+  return st.ok() ? st : InvalidArgumentError(what + ": " + st.message());
+}
+
+Status CheckGpuMath(const std::string& what, const std::string& mode) {
+  if (mode == "fp32" || mode == "tf32") return OkStatus();
+  return InvalidArgumentError(what + ": expected fp32 or tf32, got '" + mode + "'");
+}
+
+Status CheckAddress(const std::string& what, const std::string& address) {
+  if (!address.empty()) return OkStatus();
+  return InvalidArgumentError(what + ": expected HOST:PORT (e.g. 0.0.0.0:50051), got an empty string");
+}
+
 // A route LAYER → SPEC, checked where it is given so the error names the flag or key.
-Status AddRoute(const std::string& what, std::vector<std::pair<std::string, std::string>>& routes,
-                const std::string& layer, const std::string& spec) {
+Status AddRoute(const std::string& what, const std::string& value, ServerOptions* o) {
+  const size_t eq = value.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    return InvalidArgumentError(what + ": expected LAYER=FORM:WEIGHT,... (LAYER may be '*'), e.g. "
+                                "'*=factored:90,summed:10', got '" + value + "'");
+  }
+  const std::string layer = value.substr(0, eq), spec = value.substr(eq + 1);
   if (layer != kDefaultRoute) {
     Status name = ValidateLayerName(layer);
     if (!name.ok()) return InvalidArgumentError(what + ": " + name.message());
   }
   StatusOr<RouteSplit> split = ParseRouteSpec(spec, what + " " + layer);
   if (!split.ok()) return split.status();
-  for (auto& r : routes) {
+  for (auto& r : o->routes) {
     if (r.first == layer) {
       r.second = spec;
       return OkStatus();
     }
   }
-  routes.emplace_back(layer, spec);
+  o->routes.emplace_back(layer, spec);
   return OkStatus();
 }
 
-void AddLayer(std::vector<std::pair<std::string, std::string>>& layers, std::pair<std::string, std::string> layer) {
-  for (auto& l : layers) {
-    if (l.first == layer.first) {
-      l.second = std::move(layer.second);
-      return;
+Status AddLayer(const std::string& what, const std::string& value, ServerOptions* o) {
+  StatusOr<std::pair<std::string, std::string>> layer = ParseLayerFlag(value);
+  if (!layer.ok()) return InvalidArgumentError(what + ": " + layer.status().message());
+  Status name = ValidateLayerName(layer->first);
+  if (!name.ok()) return InvalidArgumentError(what + ": " + name.message());
+  for (auto& l : o->layers) {
+    if (l.first == layer->first) {
+      l.second = std::move(layer->second);
+      return OkStatus();
     }
   }
-  layers.push_back(std::move(layer));
+  o->layers.push_back(std::move(layer).value());
+  return OkStatus();
 }
 
-// The batcher's integer settings: one row gives the flag, the YAML key and the range.
-struct IntSetting {
-  std::string_view flag, key;
-  int min, max;
-  int ServerOptions::*field;
-};
-constexpr IntSetting kBatchingSettings[] = {
-    {"--max-batch-requests", "max_batch_requests", 1, 4096, &ServerOptions::max_batch_requests},
-    {"--max-batch-tokens", "max_batch_tokens", 1, 1 << 24, &ServerOptions::max_batch_tokens},
-    {"--max-queue-delay-us", "max_queue_delay_us", 0, 10000000, &ServerOptions::max_queue_delay_us},
-    {"--max-queue-requests", "max_queue_requests", 1, 1000000, &ServerOptions::max_queue_requests},
-    {"--drain-timeout-s", "drain_timeout_s", 0, 3600, &ServerOptions::drain_timeout_s},
+Status AddModelDir(const std::string& what, const std::string& dir, ServerOptions* o) {
+  if (dir.empty() || dir[0] != '/') {
+    return InvalidArgumentError(what + ": expected an absolute directory path, got '" + dir + "'");
+  }
+  o->model_dirs.push_back(dir);
+  return OkStatus();
+}
+
+// One row per setting: the flag, the YAML key, where it lands, its range and its help. The
+// flag parser, the YAML reader, the range checks and the usage text all read this table, so a
+// setting is added in one place (and in docs/service.md, which a test holds to this table).
+struct Setting {
+  std::string_view flag;     // "--listen"; empty: YAML only
+  std::string_view key;      // "listen"; empty: flag only
+  std::string_view metavar;  // what the value is; empty: a boolean flag
+  std::variant<std::monostate, std::string ServerOptions::*, int ServerOptions::*, bool ServerOptions::*,
+               double ServerOptions::*>
+      member;
+  int64_t min = 0, max = 0;  // integers
+  // Checks a string value (strings), or takes one entry of a repeatable setting (member empty).
+  Status (*check)(const std::string& what, const std::string& value) = nullptr;
+  Status (*add)(const std::string& what, const std::string& value, ServerOptions* o) = nullptr;
+  std::string_view help;
+  bool secret = false;  // its value never appears in an error or the log
 };
 
-const IntSetting* FindSetting(std::string_view name, bool by_flag) {
-  for (const IntSetting& s : kBatchingSettings) {
-    if ((by_flag ? s.flag : s.key) == name) return &s;
+using O = ServerOptions;
+const Setting kSettings[] = {
+    {"--config", "", "FILE", &O::config_file, 0, 0, nullptr, nullptr,
+     "YAML file of these settings (keys: the flag names with '_' for '-'); flags override it"},
+    {"--listen", "listen", "ADDR", &O::listen, 0, 0, CheckAddress, nullptr,
+     "gRPC address; port 0 picks a free port, printed as 'listening on HOST:PORT'"},
+    {"--port-file", "port_file", "FILE", &O::port_file, 0, 0, nullptr, nullptr,
+     "also write the bound port to FILE once listening"},
+    {"--layer", "layers", "NAME=SOURCE", {}, 0, 0, nullptr, AddLayer,
+     "load a layer at start-up (repeatable; YAML: a mapping NAME: SOURCE); SOURCE is random:... or "
+     "safetensors:... (docs/sources.md); without any, the built-in 'demo' layer"},
+    {"--device", "device", "DEV", &O::device, 0, 0, CheckDevice, nullptr,
+     "auto, cpu, cuda or cuda:N (auto: a usable GPU when there is one, else the CPU); an explicit "
+     "cuda without a usable GPU refuses to start"},
+    {"--gpu-math", "gpu_math", "MODE", &O::gpu_math, 0, 0, CheckGpuMath, nullptr,
+     "fp32 or tf32 (TF32 tensor-core GEMMs on the GPU)"},
+    {"--threads", "threads", "N", &O::threads, 0, 1024, nullptr, nullptr, "CPU backend threads per Forward (0: every core)"},
+    {"--workers", "workers", "N", &O::workers, 1, 256, nullptr, nullptr, "batches computed side by side"},
+    {"--max-batch-requests", "max_batch_requests", "N", &O::max_batch_requests, 1, 4096, nullptr, nullptr,
+     "requests in one batch at most (1: no batching)"},
+    {"--max-batch-tokens", "max_batch_tokens", "N", &O::max_batch_tokens, 1, 1 << 24, nullptr, nullptr,
+     "query + context rows in one batch at most"},
+    {"--max-queue-delay-us", "max_queue_delay_us", "N", &O::max_queue_delay_us, 0, 10000000, nullptr, nullptr,
+     "how long the oldest queued request waits for others (0: take what queued while the device was busy)"},
+    {"--max-queue-requests", "max_queue_requests", "N", &O::max_queue_requests, 1, 1000000, nullptr, nullptr,
+     "requests waiting per (layer, form) queue; beyond: RESOURCE_EXHAUSTED at once"},
+    {"--drain-timeout-s", "drain_timeout_s", "N", &O::drain_timeout_s, 0, 3600, nullptr, nullptr,
+     "on SIGTERM/SIGINT: NOT_SERVING, refuse new calls, give accepted ones N seconds, then exit 0"},
+    {"--max-message-mb", "max_message_mb", "N", &O::max_message_mb, 1, 2047, nullptr, nullptr,
+     "largest request and response in MiB"},
+    {"--max-scores-mb", "max_scores_mb", "N", &O::max_scores_mb, 1, 1048576, nullptr, nullptr,
+     "largest attention scores one sequence may need, n*m*heads*4 bytes, in MiB; beyond: RESOURCE_EXHAUSTED"},
+    {"--log-level", "log_level", "LEVEL", &O::log_level, 0, 0, CheckLogLevel, nullptr,
+     "trace, debug, info, warn, error, critical or off"},
+    {"--log-json", "log_json", "", &O::log_json, 0, 0, nullptr, nullptr, "log one JSON object per line"},
+    {"--admin-token", "admin_token", "TOKEN", &O::admin_token, 0, 0, nullptr, nullptr,
+     "opens the admin API (LoadLayer, UnloadLayer, SetRouting) to callers sending 'authorization: Bearer "
+     "TOKEN'; at least 16 bytes (or set ATTNSERVE_ADMIN_TOKEN, which keeps it out of ps)",
+     /*secret=*/true},
+    {"--admin-listen", "admin_listen", "ADDR", &O::admin_listen, 0, 0, nullptr, nullptr,
+     "a second gRPC listener that also serves the admin API; without a token only on a loopback address "
+     "(e.g. 127.0.0.1:50052)"},
+    {"--admin-port-file", "admin_port_file", "FILE", &O::admin_port_file, 0, 0, nullptr, nullptr,
+     "also write the admin listener's port to FILE"},
+    {"--admin-queue", "admin_queue", "N", &O::admin_queue, 1, 1024, nullptr, nullptr,
+     "admin calls waiting at most; beyond: RESOURCE_EXHAUSTED"},
+    {"--max-layers", "max_layers", "N", &O::max_layers, 1, 100000, nullptr, nullptr,
+     "layers held at most; a load beyond: RESOURCE_EXHAUSTED"},
+    {"--max-layer-mb", "max_layer_mb", "N", &O::max_layer_mb, 1, 1 << 30, nullptr, nullptr,
+     "weights of every held layer and form together, in MiB; a load beyond: RESOURCE_EXHAUSTED"},
+    {"--model-dir", "model_dirs", "DIR", {}, 0, 0, nullptr, AddModelDir,
+     "where LoadLayer over gRPC may read checkpoints (repeatable; YAML: a list); none: API loads of "
+     "safetensors sources are refused"},
+    {"--tls-cert", "tls_cert", "FILE", &O::tls_cert, 0, 0, nullptr, nullptr,
+     "PEM certificate chain: every gRPC listener speaks TLS (with --tls-key; read at start-up)"},
+    {"--tls-key", "tls_key", "FILE", &O::tls_key, 0, 0, nullptr, nullptr, "PEM private key of --tls-cert"},
+    {"--tls-client-ca", "tls_client_ca", "FILE", &O::tls_client_ca, 0, 0, nullptr, nullptr,
+     "PEM CA bundle: clients must present a certificate it signed (mTLS)"},
+    {"--max-concurrent-streams", "max_concurrent_streams", "N", &O::max_concurrent_streams, 1, 100000, nullptr,
+     nullptr, "concurrent calls per HTTP/2 connection"},
+    {"--keepalive-min-ping-interval-s", "keepalive_min_ping_interval_s", "N", &O::keepalive_min_ping_interval_s, 1,
+     86400, nullptr, nullptr, "client pings closer together than this are strikes"},
+    {"--keepalive-max-ping-strikes", "keepalive_max_ping_strikes", "N", &O::keepalive_max_ping_strikes, 0, 1000,
+     nullptr, nullptr, "strikes before the connection is closed (0: no limit)"},
+    {"--max-connection-age-s", "max_connection_age_s", "N", &O::max_connection_age_s, 0, 2000000, nullptr, nullptr,
+     "close connections after this long, gracefully (0: never)"},
+    {"--max-connection-age-grace-s", "max_connection_age_grace_s", "N", &O::max_connection_age_grace_s, 0, 86400,
+     nullptr, nullptr, "calls in flight on an aged connection get this long"},
+    {"--max-metadata-kb", "max_metadata_kb", "N", &O::max_metadata_kb, 1, 1024, nullptr, nullptr,
+     "request metadata (headers) at most, in KiB"},
+    {"--metrics-listen", "metrics_listen", "ADDR", &O::metrics_listen, 0, 0, CheckAddress, nullptr,
+     "serve Prometheus metrics at http(s)://ADDR/metrics; port 0 picks a free port (docs/metrics.md)"},
+    {"--metrics-port-file", "metrics_port_file", "FILE", &O::metrics_port_file, 0, 0, nullptr, nullptr,
+     "also write the metrics port to FILE once listening"},
+    {"--metrics-web-config", "metrics_web_config", "FILE", &O::metrics_web_config, 0, 0, nullptr, nullptr,
+     "TLS and basic auth of the metrics endpoint, in Prometheus's web.config.file format (docs/security.md)"},
+    {"--route", "routes", "LAYER=SPEC", {}, 0, 0, nullptr, AddRoute,
+     "split requests to LAYER that leave the form unspecified, SPEC = FORM:WEIGHT,... e.g. "
+     "factored:90,summed:10; LAYER '*' = every layer without its own (repeatable; YAML: a mapping)"},
+    {"--shadow-rate", "shadow_rate", "R", &O::shadow_rate, 0, 0, nullptr, nullptr,
+     "also run this fraction of requests by another held form, off the request path, and record the divergence"},
+    {"--shadow-queue", "shadow_queue", "N", &O::shadow_queue, 1, 100000, nullptr, nullptr,
+     "shadow runs waiting at most; beyond: dropped and counted"},
+    {"--help", "", "", &O::help, 0, 0, nullptr, nullptr, "print this help and exit"},
+    {"--version", "", "", &O::version, 0, 0, nullptr, nullptr, "print the version and exit"},
+};
+
+const Setting* FindFlag(std::string_view flag) {
+  if (flag == "-h") flag = "--help";
+  for (const Setting& s : kSettings) {
+    if (s.flag == flag) return &s;
   }
   return nullptr;
 }
 
-// The limits every setting must respect, wherever it came from.
-Status CheckRanges(const ServerOptions& o) {
-  if (o.listen.empty()) return InvalidArgumentError("--listen: expected HOST:PORT, got an empty string");
-  if (o.threads < 0 || o.threads > 1024) {
-    return InvalidArgumentError("threads: expected [0, 1024], got " + std::to_string(o.threads));
+const Setting* FindKey(std::string_view key) {
+  for (const Setting& s : kSettings) {
+    if (!s.key.empty() && s.key == key) return &s;
   }
-  if (o.workers < 1 || o.workers > 256) {
-    return InvalidArgumentError("workers: expected [1, 256], got " + std::to_string(o.workers));
+  return nullptr;
+}
+
+// Sets one value of `setting` from text; `what` names the flag or key in errors.
+Status Apply(const Setting& setting, const std::string& what, const std::string& text, ServerOptions* o) {
+  if (setting.add != nullptr) return setting.add(what, text, o);
+  if (auto* s = std::get_if<std::string ServerOptions::*>(&setting.member)) {
+    if (setting.check != nullptr) ATTNSERVE_RETURN_IF_ERROR(setting.check(what, text));
+    o->**s = text;
+    return OkStatus();
   }
-  for (const IntSetting& setting : kBatchingSettings) {
-    const int v = o.*setting.field;
-    if (v < setting.min || v > setting.max) {
-      return InvalidArgumentError(std::string(setting.key) + ": expected [" + std::to_string(setting.min) + ", " +
-                                  std::to_string(setting.max) + "], got " + std::to_string(v));
+  if (auto* i = std::get_if<int ServerOptions::*>(&setting.member)) {
+    return CheckInt(what, text, setting.min, setting.max, &(o->**i));
+  }
+  if (auto* b = std::get_if<bool ServerOptions::*>(&setting.member)) return CheckBool(what, text, &(o->**b));
+  if (auto* d = std::get_if<double ServerOptions::*>(&setting.member)) return CheckFraction(what, text, &(o->**d));
+  return InternalError(what + ": setting has no destination");
+}
+
+std::string KnownKeys() {
+  std::string keys;
+  for (const Setting& s : kSettings) {
+    if (!s.key.empty()) keys += (keys.empty() ? "" : ", ") + std::string(s.key);
+  }
+  return keys;
+}
+
+bool IsLoopbackHost(std::string_view host) {
+  return host == "127.0.0.1" || host.starts_with("127.") || host == "[::1]" || host == "::1" || host == "localhost";
+}
+
+// What must hold across settings, wherever they came from.
+Status CheckCombinations(const ServerOptions& o) {
+  if (!o.admin_token.empty() && o.admin_token.size() < kMinAdminTokenBytes) {
+    // The token itself is never echoed.
+    return InvalidArgumentError("admin_token: expected at least " + std::to_string(kMinAdminTokenBytes) +
+                                " bytes, got " + std::to_string(o.admin_token.size()) +
+                                " (e.g. openssl rand -hex 32)");
+  }
+  if (!o.admin_listen.empty() && o.admin_token.empty()) {
+    const std::string_view host = std::string_view(o.admin_listen).substr(0, o.admin_listen.rfind(':'));
+    if (!IsLoopbackHost(host)) {
+      return InvalidArgumentError("admin_listen: without an admin token the admin listener must bind a loopback "
+                                  "address (127.0.0.1:PORT or [::1]:PORT), got '" + o.admin_listen +
+                                  "'; set --admin-token to open it to the network");
     }
   }
-  // gRPC takes the limit as an int of bytes.
-  if (o.max_message_mb < 1 || o.max_message_mb > 2047) {
-    return InvalidArgumentError("max_message_mb: expected [1, 2047], got " + std::to_string(o.max_message_mb));
+  if (o.tls_cert.empty() != o.tls_key.empty()) {
+    return InvalidArgumentError("tls_cert, tls_key: expected both or neither, got only " +
+                                std::string(o.tls_cert.empty() ? "tls_key" : "tls_cert"));
   }
-  if (o.metrics_listen.empty()) {
-    return InvalidArgumentError("metrics_listen: expected HOST:PORT (e.g. 0.0.0.0:9464), got an empty string");
-  }
-  if (o.max_scores_mb < 1 || o.max_scores_mb > 1048576) {
-    return InvalidArgumentError("max_scores_mb: expected [1, 1048576], got " + std::to_string(o.max_scores_mb));
-  }
-  ATTNSERVE_RETURN_IF_ERROR(CheckLogLevel("log_level", o.log_level));
-  ATTNSERVE_RETURN_IF_ERROR(ValidateDevice(o.device));
-  if (o.gpu_math != "fp32" && o.gpu_math != "tf32") {
-    return InvalidArgumentError("gpu_math: expected fp32 or tf32, got '" + o.gpu_math + "'");
-  }
-  for (const auto& [name, source] : o.layers) {
-    ATTNSERVE_RETURN_IF_ERROR(ValidateLayerName(name));
+  if (!o.tls_client_ca.empty() && o.tls_cert.empty()) {
+    return InvalidArgumentError("tls_client_ca: mTLS needs the server's own certificate too (--tls-cert, --tls-key)");
   }
   return OkStatus();
+}
+
+// "  --flag METAVAR   help (default X)", wrapped at 100 columns.
+std::string UsageLine(const Setting& s, const ServerOptions& defaults) {
+  std::string head = "  " + std::string(s.flag) + (s.metavar.empty() ? "" : " " + std::string(s.metavar));
+  std::string help(s.help);
+  std::string def;
+  if (auto* str = std::get_if<std::string ServerOptions::*>(&s.member)) {
+    def = defaults.**str;
+  } else if (auto* i = std::get_if<int ServerOptions::*>(&s.member)) {
+    def = std::to_string(defaults.**i);
+  } else if (auto* d = std::get_if<double ServerOptions::*>(&s.member)) {
+    def = std::to_string(defaults.**d);
+    def.erase(def.find_last_not_of('0') + 1);
+    if (def.back() == '.') def.pop_back();
+  }
+  if (!def.empty() && !s.secret) help += " (default " + def + ")";
+  constexpr size_t kHelpColumn = 34, kWidth = 100;
+  std::string out = head;
+  out += head.size() + 1 < kHelpColumn ? std::string(kHelpColumn - head.size(), ' ') : "\n" + std::string(kHelpColumn, ' ');
+  size_t column = kHelpColumn;
+  std::istringstream words(help);
+  std::string word;
+  bool first = true;
+  while (words >> word) {
+    if (!first && column + 1 + word.size() > kWidth) {
+      out += "\n" + std::string(kHelpColumn, ' ');
+      column = kHelpColumn;
+    } else if (!first) {
+      out += ' ';
+      ++column;
+    }
+    out += word;
+    column += word.size();
+    first = false;
+  }
+  return out + "\n";
 }
 
 }  // namespace
@@ -167,65 +354,27 @@ Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, 
       const std::string key = kv.first.as<std::string>();
       const YAML::Node& v = kv.second;
       const std::string what = origin + ": " + key;
-      if (key == "layers") {
-        if (!v.IsMap()) return InvalidArgumentError(what + ": expected a mapping NAME: SOURCE");
-        for (const auto& layer : v) {
-          AddLayer(o->layers, {layer.first.as<std::string>(), layer.second.as<std::string>()});
+      const Setting* setting = FindKey(key);
+      // A misspelt key silently ignored would leave a setting at its default.
+      if (setting == nullptr) return InvalidArgumentError(what + ": unknown key (expected " + KnownKeys() + ")");
+      if (setting->add != nullptr && v.IsMap()) {
+        // layers {NAME: SOURCE}, routes {LAYER: SPEC}
+        for (const auto& entry : v) {
+          ATTNSERVE_RETURN_IF_ERROR(
+              setting->add(what, entry.first.as<std::string>() + "=" + entry.second.as<std::string>(), o));
         }
         continue;
       }
-      if (key == "routes") {
-        if (!v.IsMap()) return InvalidArgumentError(what + ": expected a mapping LAYER: FORM:WEIGHT,... (LAYER may be '*')");
-        for (const auto& route : v) {
-          ATTNSERVE_RETURN_IF_ERROR(
-              AddRoute(what, o->routes, route.first.as<std::string>(), route.second.as<std::string>()));
-        }
+      if (setting->add != nullptr && setting->metavar.find('=') != std::string_view::npos) {
+        return InvalidArgumentError(what + ": expected a mapping " +
+                                    (key == "layers" ? std::string("NAME: SOURCE") : std::string("LAYER: FORM:WEIGHT,... (LAYER may be '*')")));
+      }
+      if (setting->add != nullptr && v.IsSequence()) {
+        for (const auto& entry : v) ATTNSERVE_RETURN_IF_ERROR(setting->add(what, entry.as<std::string>(), o));
         continue;
       }
       if (!v.IsScalar()) return InvalidArgumentError(what + ": expected a single value");
-      const std::string s = v.as<std::string>();
-      if (key == "listen") {
-        o->listen = s;
-      } else if (key == "port_file") {
-        o->port_file = s;
-      } else if (key == "threads") {
-        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 0, 1024, &o->threads));
-      } else if (key == "workers") {
-        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 1, 256, &o->workers));
-      } else if (const IntSetting* setting = FindSetting(key, /*by_flag=*/false)) {
-        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, setting->min, setting->max, &(o->*setting->field)));
-      } else if (key == "max_message_mb") {
-        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 1, 2047, &o->max_message_mb));
-      } else if (key == "max_scores_mb") {
-        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 1, 1048576, &o->max_scores_mb));
-      } else if (key == "log_level") {
-        ATTNSERVE_RETURN_IF_ERROR(CheckLogLevel(what, s));
-        o->log_level = s;
-      } else if (key == "log_json") {
-        ATTNSERVE_RETURN_IF_ERROR(CheckBool(what, s, &o->log_json));
-      } else if (key == "admin_token") {
-        o->admin_token = s;
-      } else if (key == "device") {
-        o->device = s;
-      } else if (key == "gpu_math") {
-        o->gpu_math = s;
-      } else if (key == "metrics_listen") {
-        o->metrics_listen = s;
-      } else if (key == "metrics_port_file") {
-        o->metrics_port_file = s;
-      } else if (key == "shadow_rate") {
-        ATTNSERVE_RETURN_IF_ERROR(CheckFraction(what, s, &o->shadow_rate));
-      } else if (key == "shadow_queue") {
-        ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, s, 1, 100000, &o->shadow_queue));
-      } else {
-        // A misspelt key silently ignored would leave a setting at its default.
-        return InvalidArgumentError(what +
-                                    ": unknown key (expected listen, port_file, layers, threads, workers, "
-                                    "max_batch_requests, max_batch_tokens, max_queue_delay_us, max_queue_requests, "
-                                    "drain_timeout_s, max_message_mb, max_scores_mb, log_level, log_json, "
-                                    "admin_token, metrics_listen, metrics_port_file, routes, shadow_rate, "
-                                    "shadow_queue, device, gpu_math)");
-      }
+      ATTNSERVE_RETURN_IF_ERROR(Apply(*setting, what, v.as<std::string>(), o));
     }
   } catch (const YAML::Exception& e) {
     return InvalidArgumentError(origin + ": not valid YAML: " + e.what());
@@ -235,40 +384,32 @@ Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, 
 
 StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv) {
   struct Flag {
-    std::string name, value;
+    const Setting* setting;
+    std::string value;
     bool has_value;
   };
   std::vector<Flag> flags;
-  static const std::string_view kBoolFlags[] = {"--help", "-h", "--version", "--log-json"};
-  static const std::string_view kValueFlags[] = {
-      "--listen",         "--port-file",     "--layer",     "--threads",     "--workers",
-      "--max-message-mb", "--max-scores-mb", "--log-level", "--admin-token", "--config",
-      "--metrics-listen", "--metrics-port-file", "--route", "--shadow-rate", "--shadow-queue",
-      "--device", "--gpu-math"};
   for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    Flag f;
+    const std::string arg = argv[i];
     const size_t eq = arg.find('=');
-    f.name = arg.substr(0, eq);
-    f.has_value = eq != std::string::npos;
-    if (f.has_value) f.value = arg.substr(eq + 1);
-    bool is_bool = false, is_value = false;
-    for (auto b : kBoolFlags) is_bool = is_bool || f.name == b;
-    for (auto v : kValueFlags) is_value = is_value || f.name == v;
-    is_value = is_value || FindSetting(f.name, /*by_flag=*/true) != nullptr;
-    if (!is_bool && !is_value) return InvalidArgumentError("unknown flag '" + arg + "' (see --help)");
-    if (is_value && !f.has_value) {
-      if (i + 1 >= argc) return InvalidArgumentError(f.name + ": expected a value after it");
+    const std::string name = arg.substr(0, eq);
+    Flag f{FindFlag(name), eq == std::string::npos ? "" : arg.substr(eq + 1), eq != std::string::npos};
+    // Only the name: a misspelt --admin-token=SECRET must not print the secret.
+    if (f.setting == nullptr) return InvalidArgumentError("unknown flag '" + name + "' (see --help)");
+    const bool is_bool = f.setting->metavar.empty();
+    if (!is_bool && !f.has_value) {
+      if (i + 1 >= argc) return InvalidArgumentError(name + ": expected a value after it");
       f.value = argv[++i];
       f.has_value = true;
     }
+    if (is_bool && !f.has_value) f.value = "true";
     flags.push_back(std::move(f));
   }
 
   ServerOptions o;
   if (const char* token = std::getenv("ATTNSERVE_ADMIN_TOKEN")) o.admin_token = token;
   for (const Flag& f : flags) {
-    if (f.name != "--config") continue;
+    if (f.setting->flag != "--config") continue;
     o.config_file = f.value;
     std::ifstream in(f.value);
     if (!in) return InvalidArgumentError("--config: cannot read '" + f.value + "'");
@@ -277,121 +418,46 @@ StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv) {
     ATTNSERVE_RETURN_IF_ERROR(ApplyYamlConfig(text.str(), f.value, &o));
   }
   for (const Flag& f : flags) {
-    const std::string& v = f.value;
-    if (f.name == "--help" || f.name == "-h") {
-      o.help = true;
-    } else if (f.name == "--version") {
-      o.version = true;
-    } else if (f.name == "--log-json") {
-      if (f.has_value) {
-        ATTNSERVE_RETURN_IF_ERROR(CheckBool("--log-json", v, &o.log_json));
-      } else {
-        o.log_json = true;
-      }
-    } else if (f.name == "--listen") {
-      o.listen = v;
-    } else if (f.name == "--port-file") {
-      o.port_file = v;
-    } else if (f.name == "--layer") {
-      StatusOr<std::pair<std::string, std::string>> layer = ParseLayerFlag(v);
-      if (!layer.ok()) return layer.status();
-      AddLayer(o.layers, std::move(layer).value());
-    } else if (f.name == "--threads") {
-      ATTNSERVE_RETURN_IF_ERROR(CheckInt("--threads", v, 0, 1024, &o.threads));
-    } else if (f.name == "--workers") {
-      ATTNSERVE_RETURN_IF_ERROR(CheckInt("--workers", v, 1, 256, &o.workers));
-    } else if (const IntSetting* setting = FindSetting(f.name, /*by_flag=*/true)) {
-      ATTNSERVE_RETURN_IF_ERROR(CheckInt(f.name, v, setting->min, setting->max, &(o.*setting->field)));
-    } else if (f.name == "--max-message-mb") {
-      ATTNSERVE_RETURN_IF_ERROR(CheckInt("--max-message-mb", v, 1, 2047, &o.max_message_mb));
-    } else if (f.name == "--max-scores-mb") {
-      ATTNSERVE_RETURN_IF_ERROR(CheckInt("--max-scores-mb", v, 1, 1048576, &o.max_scores_mb));
-    } else if (f.name == "--log-level") {
-      ATTNSERVE_RETURN_IF_ERROR(CheckLogLevel("--log-level", v));
-      o.log_level = v;
-    } else if (f.name == "--admin-token") {
-      o.admin_token = v;
-    } else if (f.name == "--device") {
-      o.device = v;
-    } else if (f.name == "--gpu-math") {
-      o.gpu_math = v;
-    } else if (f.name == "--metrics-listen") {
-      o.metrics_listen = v;
-    } else if (f.name == "--metrics-port-file") {
-      o.metrics_port_file = v;
-    } else if (f.name == "--route") {
-      const size_t eq = v.find('=');
-      if (eq == std::string::npos || eq == 0) {
-        return InvalidArgumentError("--route: expected LAYER=FORM:WEIGHT,... (LAYER may be '*'), e.g. "
-                                    "'*=factored:90,summed:10', got '" + v + "'");
-      }
-      ATTNSERVE_RETURN_IF_ERROR(AddRoute("--route", o.routes, v.substr(0, eq), v.substr(eq + 1)));
-    } else if (f.name == "--shadow-rate") {
-      ATTNSERVE_RETURN_IF_ERROR(CheckFraction("--shadow-rate", v, &o.shadow_rate));
-    } else if (f.name == "--shadow-queue") {
-      ATTNSERVE_RETURN_IF_ERROR(CheckInt("--shadow-queue", v, 1, 100000, &o.shadow_queue));
-    }
+    if (f.setting->flag == "--config") continue;
+    ATTNSERVE_RETURN_IF_ERROR(Apply(*f.setting, std::string(f.setting->flag), f.value, &o));
   }
   if (o.help || o.version) return o;
-  ATTNSERVE_RETURN_IF_ERROR(CheckRanges(o));
+  ATTNSERVE_RETURN_IF_ERROR(CheckCombinations(o));
   if (o.layers.empty()) o.layers.emplace_back(kDemoLayerName, kDemoLayerSource);
   return o;
 }
 
 std::string UsageText() {
-  return std::string(
-             "Usage: attnserve [flags]\n"
-             "Serves multi-head attention layers over gRPC (attnserve.v1.AttentionService, grpc.health.v1,\n"
-             "server reflection). Flags override the --config file; see docs/service.md.\n"
-             "\n"
-             "  --listen ADDR          address to listen on (default 0.0.0.0:50051); port 0 picks a free\n"
-             "                         port, printed as 'listening on HOST:PORT'\n"
-             "  --port-file FILE       also write the bound port to FILE once listening\n"
-             "  --layer NAME=SOURCE    load a layer at start-up (repeatable); SOURCE is random:... or\n"
-             "                         safetensors:... (docs/sources.md). Without any layer the server\n"
-             "                         serves '") +
-         kDemoLayerName + "' = " + kDemoLayerSource +
-         "\n"
-         "  --device DEV           auto, cpu, cuda or cuda:N (default auto: a usable GPU when there is\n"
-         "                         one, else the CPU); an explicit cuda without a usable GPU refuses to start\n"
-         "  --gpu-math MODE        fp32 (default) or tf32 (TF32 tensor-core GEMMs on the GPU)\n"
-         "  --threads N            CPU backend threads per Forward (default 0 = every core)\n"
-         "  --workers N            batches computed side by side (default 1)\n"
-         "  --max-batch-requests N requests in one batch at most (default 32; 1 = no batching)\n"
-         "  --max-batch-tokens N   query + context rows in one batch at most (default 8192)\n"
-         "  --max-queue-delay-us N how long the oldest queued request waits for others (default 0:\n"
-         "                         take what queued while the device was busy, never wait)\n"
-         "  --max-queue-requests N requests waiting per (layer, form) queue; beyond: RESOURCE_EXHAUSTED\n"
-         "                         at once (default 256)\n"
-         "  --drain-timeout-s N    on SIGTERM/SIGINT: NOT_SERVING, refuse new calls, give accepted ones\n"
-         "                         N seconds to finish, then exit 0 (default 30)\n"
-         "  --max-message-mb N     largest request and response in MiB (default 64)\n"
-         "  --max-scores-mb N      largest attention scores one sequence may need, n*m*heads*4 bytes,\n"
-         "                         in MiB (default 2048); beyond: RESOURCE_EXHAUSTED\n"
-         "  --log-level LEVEL      trace, debug, info, warn, error, critical or off (default info)\n"
-         "  --log-json             log one JSON object per line\n"
-         "  --admin-token TOKEN    require 'authorization: Bearer TOKEN' on LoadLayer, UnloadLayer and\n"
-         "                         SetRouting (or set ATTNSERVE_ADMIN_TOKEN, which keeps it out of ps)\n"
-         "  --metrics-listen ADDR  serve Prometheus metrics at http://ADDR/metrics (default 0.0.0.0:9464);\n"
-         "                         port 0 picks a free port (docs/metrics.md)\n"
-         "  --metrics-port-file FILE  also write the metrics port to FILE once listening\n"
-         "  --route LAYER=SPEC     split requests to LAYER that leave the form unspecified, SPEC =\n"
-         "                         FORM:WEIGHT,... e.g. factored:90,summed:10; LAYER '*' = every layer\n"
-         "                         without its own route (repeatable; default *=factored:100)\n"
-         "  --shadow-rate R        also run this fraction of requests by another held form, off the\n"
-         "                         request path, and record the divergence (default 0)\n"
-         "  --shadow-queue N       shadow runs waiting at most; beyond: dropped and counted (default 16)\n"
-         "  --config FILE          YAML file with the same settings: listen, port_file, layers\n"
-         "                         {NAME: SOURCE}, threads, workers, max_batch_requests,\n"
-         "                         max_batch_tokens, max_queue_delay_us, max_queue_requests,\n"
-         "                         drain_timeout_s, max_message_mb, max_scores_mb, log_level, log_json,\n"
-         "                         admin_token, metrics_listen, metrics_port_file, routes {LAYER: SPEC},\n"
-         "                         shadow_rate, shadow_queue, device, gpu_math\n"
-         "  --help, -h             print this help and exit\n"
-         "  --version              print the version and exit\n"
-         "\n"
-         "Exit status: 0 after a clean shutdown on SIGTERM or SIGINT; 1 when start-up fails (bad layer,\n"
-         "address in use); 2 for bad flags or configuration.\n";
+  const ServerOptions defaults;
+  std::string text =
+      "Usage: attnserve [flags]\n"
+      "Serves multi-head attention layers over gRPC (attnserve.v1.AttentionService, grpc.health.v1,\n"
+      "server reflection). Flags override the --config file; docs/service.md has each setting.\n"
+      "Without --layer the server serves '" +
+      std::string(kDemoLayerName) + "' = " + kDemoLayerSource + ".\n\n";
+  for (const Setting& s : kSettings) {
+    if (!s.flag.empty()) text += UsageLine(s, defaults);
+  }
+  text +=
+      "  -h                              the same as --help\n"
+      "\n"
+      "Exit status: 0 after a clean shutdown on SIGTERM or SIGINT; 1 when start-up fails (bad layer,\n"
+      "address in use); 2 for bad flags or configuration.\n";
+  return text;
+}
+
+std::vector<SettingDoc> SettingDocs() {
+  const ServerOptions defaults;
+  std::vector<SettingDoc> docs;
+  for (const Setting& s : kSettings) {
+    SettingDoc d{std::string(s.flag), std::string(s.key), std::string(s.metavar), std::string(s.help), ""};
+    if (auto* str = std::get_if<std::string ServerOptions::*>(&s.member)) d.default_value = defaults.**str;
+    if (auto* i = std::get_if<int ServerOptions::*>(&s.member)) d.default_value = std::to_string(defaults.**i);
+    if (auto* b = std::get_if<bool ServerOptions::*>(&s.member)) d.default_value = defaults.**b ? "true" : "false";
+    if (auto* f = std::get_if<double ServerOptions::*>(&s.member)) d.default_value = std::to_string(defaults.**f);
+    docs.push_back(std::move(d));
+  }
+  return docs;
 }
 
 }  // namespace attnserve

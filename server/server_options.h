@@ -31,7 +31,29 @@ struct ServerOptions {
   int max_scores_mb = 2048;  // attention scores of one sequence (n · m · heads · 4 bytes)
   std::string log_level = "info";
   bool log_json = false;
-  std::string admin_token;  // empty: LoadLayer / UnloadLayer / SetRouting are unguarded
+  // The admin API (LoadLayer, UnloadLayer, SetRouting; docs/security.md). Closed on --listen
+  // unless a token is set; open without a token only on an admin listener bound to loopback.
+  std::string admin_token;   // >= 16 bytes; callers send "authorization: Bearer TOKEN"
+  std::string admin_listen;  // HOST:PORT of a second listener that also serves the admin API
+  std::string admin_port_file;
+  int admin_queue = 8;             // admin calls waiting at most; beyond: RESOURCE_EXHAUSTED
+  int max_layers = 32;             // layers held at most
+  int max_layer_mb = 16384;        // weights of every held layer and form together, MiB
+  // Directories LoadLayer over gRPC may read checkpoints from; none: API loads of safetensors
+  // sources are refused (sources from flags and the config file are not confined).
+  std::vector<std::string> model_dirs;
+  // TLS on every gRPC listener (PEM files); with tls_client_ca, clients must present a
+  // certificate it signed (mTLS).
+  std::string tls_cert, tls_key, tls_client_ca;
+  // The metrics endpoint's TLS and basic auth, in the format of Prometheus's web.config.file.
+  std::string metrics_web_config;
+  // HTTP/2 defences (docs/security.md): the gRPC in use predates several of gRPC's own.
+  int max_concurrent_streams = 128;        // per connection
+  int keepalive_min_ping_interval_s = 10;  // pings closer than this count as strikes
+  int keepalive_max_ping_strikes = 2;      // beyond: GOAWAY
+  int max_connection_age_s = 1800;         // then GOAWAY (clients reconnect; rebalances too)
+  int max_connection_age_grace_s = 60;     // for calls in flight at that point
+  int max_metadata_kb = 16;                // request headers at most
   // Prometheus endpoint (docs/metrics.md): HOST:PORT serving /metrics; port 0 picks a free one.
   std::string metrics_listen = "0.0.0.0:9464";
   std::string metrics_port_file;  // when set, the metrics port is written there once listening
@@ -61,5 +83,11 @@ Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, 
 StatusOr<std::pair<std::string, std::string>> ParseLayerFlag(const std::string& value);
 
 std::string UsageText();
+
+// One setting as docs/service.md's table shows it (a test holds the doc to this list).
+struct SettingDoc {
+  std::string flag, key, metavar, help, default_value;
+};
+std::vector<SettingDoc> SettingDocs();
 
 }  // namespace attnserve

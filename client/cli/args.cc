@@ -201,13 +201,17 @@ bool ParseGlobalArgs(const std::vector<std::string>& args, const GlobalEnv& env,
   *out = GlobalArgs();
   if (env.target != nullptr && *env.target != '\0') out->client.target = env.target;
   if (env.admin_token != nullptr) out->client.admin_token = env.admin_token;
-  std::string target, timeout_ms, max_mb, lb, token;
+  std::string target, timeout_ms, max_mb, lb, token, tls_ca, tls_cert, tls_key, server_name;
   FlagParser flags;
   flags.AddString("target", &target, "ADDR", "");
   flags.AddString("timeout-ms", &timeout_ms, "MS", "");
   flags.AddString("max-message-mb", &max_mb, "MB", "");
   flags.AddString("load-balancing", &lb, "POLICY", "");
   flags.AddString("admin-token", &token, "TOKEN", "");
+  flags.AddString("tls-ca", &tls_ca, "FILE", "");
+  flags.AddString("tls-cert", &tls_cert, "FILE", "");
+  flags.AddString("tls-key", &tls_key, "FILE", "");
+  flags.AddString("server-name", &server_name, "NAME", "");
   // Global flags end at the first positional (the subcommand); the rest belong to it.
   size_t i = 0;
   std::vector<std::string> globals;
@@ -241,6 +245,23 @@ bool ParseGlobalArgs(const std::vector<std::string>& args, const GlobalEnv& env,
   }
   out->client.load_balancing = lb;
   if (flags.Seen("admin-token")) out->client.admin_token = token;
+  if (tls_cert.empty() != tls_key.empty()) {
+    *error = "--tls-cert and --tls-key: expected both or neither, got only " +
+             std::string(tls_cert.empty() ? "--tls-key" : "--tls-cert");
+    return false;
+  }
+  for (const auto& [flag, path] : {std::pair<const char*, const std::string&>{"--tls-ca", tls_ca},
+                                   {"--tls-cert", tls_cert}, {"--tls-key", tls_key}}) {
+    if (!path.empty() && ReadPemFile(flag, path, error).empty()) return false;
+  }
+  if (!server_name.empty() && tls_ca.empty() && tls_cert.empty()) {
+    *error = "--server-name: only with TLS (--tls-ca)";
+    return false;
+  }
+  out->client.tls_ca = tls_ca;
+  out->client.tls_cert = tls_cert;
+  out->client.tls_key = tls_key;
+  out->client.server_name = server_name;
   if (i < args.size()) {
     out->command = args[i];
     out->command_args.assign(args.begin() + static_cast<long>(i) + 1, args.end());
@@ -257,6 +278,11 @@ std::string GlobalFlagsHelp() {
          "  --load-balancing POLICY   gRPC policy, e.g. round_robin (default pick_first)\n"
          "  --admin-token TOKEN       sent on load, unload and route changes (default\n"
          "                            $ATTNSERVE_ADMIN_TOKEN, which keeps it out of ps)\n"
+         "  --tls-ca FILE             speak TLS, trusting this CA (PEM)\n"
+         "  --tls-cert FILE           client certificate for mTLS (PEM; with --tls-key)\n"
+         "  --tls-key FILE            its private key (PEM)\n"
+         "  --server-name NAME        the name the server's certificate must carry, when\n"
+         "                            the target's host is not it (an IP address)\n"
          "  -h, --help                this help\n";
 }
 

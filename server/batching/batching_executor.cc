@@ -54,11 +54,10 @@ BatchingExecutor::BatchingExecutor(Backend* backend, BatchPolicy policy, BatchOb
       batcher_(policy, [this](const std::string&, BatchItems batch) { RunBatch(std::move(batch)); }) {}
 
 std::string BatchingExecutor::QueueName(const Layer& layer, Form form) const {
-  // The layer object's address keeps a replaced layer's jobs apart from its successor's: a
-  // batch runs on exactly one set of weights.
-  char address[32];
-  std::snprintf(address, sizeof address, "%p", static_cast<const void*>(&layer));
-  return layer.name + "/" + std::string(FormName(form)) + "/" + backend_->DeviceName() + "@" + address;
+  // The load's serial number keeps a replaced layer's jobs apart from its successor's: a batch
+  // runs on exactly one set of weights. (Not its address: queue names reach error messages.)
+  return layer.name + "/" + std::string(FormName(form)) + "/" + backend_->DeviceName() + "#" +
+         std::to_string(layer.serial);
 }
 
 void BatchingExecutor::Submit(ForwardJob job) {

@@ -1,5 +1,7 @@
 #include "server/core/status.h"
 
+#include <algorithm>
+
 namespace attnserve {
 
 std::string_view StatusCodeName(StatusCode code) {
@@ -28,6 +30,29 @@ std::string_view StatusCodeName(StatusCode code) {
 std::string Status::ToString() const {
   if (ok()) return "OK";
   return std::string(StatusCodeName(code_)) + ": " + message_;
+}
+
+}  // namespace attnserve
+
+namespace attnserve {
+
+std::string QuoteUntrusted(std::string_view text, size_t max_bytes) {
+  std::string out = "'";
+  const size_t shown = std::min(text.size(), max_bytes);
+  for (size_t i = 0; i < shown; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\'' && c != '\\') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  out += "'";
+  if (shown < text.size()) out += " (" + std::to_string(text.size()) + " bytes, first " + std::to_string(shown) + " shown)";
+  return out;
 }
 
 }  // namespace attnserve

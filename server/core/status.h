@@ -53,8 +53,16 @@ class [[nodiscard]] Status {
 };
 
 inline Status OkStatus() { return Status(); }
+
+// A caller-supplied string as an error message or log line may show it: quoted, at most
+// `max_bytes` of it (the rest counted, not shown), every byte outside printable ASCII, the
+// quote and the backslash escaped as \xNN, so that no message carries a newline, a terminal
+// escape or invalid UTF-8 from the network.
+std::string QuoteUntrusted(std::string_view text, size_t max_bytes = 128);
 inline Status InvalidArgumentError(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
 inline Status NotFoundError(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
+inline Status PermissionDeniedError(std::string m) { return {StatusCode::kPermissionDenied, std::move(m)}; }
+inline Status UnauthenticatedError(std::string m) { return {StatusCode::kUnauthenticated, std::move(m)}; }
 inline Status FailedPreconditionError(std::string m) { return {StatusCode::kFailedPrecondition, std::move(m)}; }
 inline Status ResourceExhaustedError(std::string m) { return {StatusCode::kResourceExhausted, std::move(m)}; }
 inline Status InternalError(std::string m) { return {StatusCode::kInternal, std::move(m)}; }

@@ -38,29 +38,45 @@ static_assert(static_cast<int>(StatusCode::kUnauthenticated) == grpc::StatusCode
 
 // One thread that runs admin tasks in order. A layer load reads files and materialises forms
 // (seconds for a large layer); doing that on a gRPC callback thread would stall other calls.
+// The queue is bounded, a task whose caller's deadline passed while it waited is not run, and
+// tasks still waiting at shutdown are answered UNAVAILABLE, so a slow load never holds up a
+// drain by more than itself.
 class AdminWorker {
  public:
-  AdminWorker() : thread_([this] { Run(); }) {}
+  struct Task {
+    std::function<void()> run;
+    std::function<void(Status)> refuse;  // answers the call without running it
+    std::chrono::steady_clock::time_point deadline;
+  };
+
+  explicit AdminWorker(int capacity) : capacity_(capacity), thread_([this] { Run(); }) {}
   ~AdminWorker() {
+    std::deque<Task> left;
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
+      left.swap(tasks_);
     }
     cv_.notify_one();
+    for (Task& task : left) task.refuse(UnavailableError("the server is shutting down"));
     thread_.join();
   }
-  void Post(std::function<void()> task) {
+  // False when the queue is full (the caller answers RESOURCE_EXHAUSTED).
+  bool Post(Task task) {
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_ || static_cast<int>(tasks_.size()) >= capacity_) return false;
       tasks_.push_back(std::move(task));
     }
     cv_.notify_one();
+    return true;
   }
+  int capacity() const { return capacity_; }
 
  private:
   void Run() {
     for (;;) {
-      std::function<void()> task;
+      Task task;
       {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
@@ -68,14 +84,19 @@ class AdminWorker {
         task = std::move(tasks_.front());
         tasks_.pop_front();
       }
-      task();
+      if (std::chrono::steady_clock::now() >= task.deadline) {
+        task.refuse(Status(StatusCode::kDeadlineExceeded, "the deadline passed while the call waited for earlier admin calls"));
+      } else {
+        task.run();
+      }
     }
   }
 
+  const int capacity_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;  // guarded by mu_
-  bool stopping_ = false;                    // guarded by mu_
+  std::deque<Task> tasks_;  // guarded by mu_
+  bool stopping_ = false;   // guarded by mu_
   std::thread thread_;
 };
 
@@ -326,7 +347,7 @@ void FillLayerInfo(const Layer& layer, v1::LayerInfo* info) {
 }
 
 AttentionServiceImpl::AttentionServiceImpl(LayerStore* store, Executor* executor, ServiceOptions options)
-    : store_(store), executor_(executor), options_(std::move(options)), admin_(std::make_unique<AdminWorker>()) {}
+    : store_(store), executor_(executor), options_(std::move(options)), admin_(std::make_unique<AdminWorker>(options_.admin_queue)) {}
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
@@ -348,8 +369,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
     }
     std::shared_ptr<const Layer> layer = store_->Get(request->layer());
     if (layer == nullptr) {
-      return NotFoundError("layer: no layer named '" + request->layer() +
-                           "' is loaded (loaded: " + LoadedNames(*store_) + ")");
+      return NotFoundError("layer: no layer named " + QuoteUntrusted(request->layer()) +
+                           " is loaded (loaded: " + LoadedNames(*store_) + ")");
     }
     counted_layer = layer;
     // FORM_UNSPECIFIED: the router's split for this layer (sticky on the request key).
@@ -387,7 +408,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
   });
   // Once Start has run, the jobs' completions answer the call; only earlier errors end here.
   if (!status.ok()) {
-    spdlog::debug("Forward layer='{}': {}", request->layer(), status.ToString());
+    spdlog::debug("Forward layer={}: {}", QuoteUntrusted(request->layer()), status.ToString());
     if (options_.metrics != nullptr) {
       options_.metrics->RequestFinished(counted_layer ? std::string_view(counted_layer->name) : std::string_view(),
                                         counted_form, status.code(), SecondsSince(arrived));
@@ -414,8 +435,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetLayer(grpc::CallbackServerCon
   reactor->Finish(ToGrpc(Guarded("GetLayer", [&]() -> Status {
     std::shared_ptr<const Layer> layer = store_->Get(request->name());
     if (layer == nullptr) {
-      return NotFoundError("name: no layer named '" + request->name() + "' is loaded (loaded: " + LoadedNames(*store_) +
-                           ")");
+      return NotFoundError("name: no layer named " + QuoteUntrusted(request->name()) +
+                           " is loaded (loaded: " + LoadedNames(*store_) + ")");
     }
     FillLayerInfo(*layer, response);
     if (request->include_spectrum()) FillSpectrumInfo(*layer, response);
@@ -438,21 +459,28 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
           "'safetensors:PATH', got an empty string");
     }
     // The request and response stay valid until Finish, which the task calls.
-    admin_->Post([this, reactor, request, response] {
+    AdminWorker::Task task;
+    task.deadline = SteadyDeadline(*context);
+    task.refuse = [reactor](Status st) { reactor->Finish(ToGrpc(st)); };
+    task.run = [this, reactor, request, response] {
       Status st = Guarded("LoadLayer", [&]() -> Status {
-        StatusOr<std::shared_ptr<const Layer>> layer = store_->Load(request->name(), request->source());
+        StatusOr<std::shared_ptr<const Layer>> layer = store_->Load(request->name(), request->source(), LoadOrigin::kApi);
         if (!layer.ok()) return layer.status();
         if (options_.metrics != nullptr) ReportLayerMetrics(**layer, *options_.metrics);
         FillLayerInfo(**layer, response);
         return OkStatus();
       });
       if (st.ok()) {
-        spdlog::info("loaded layer '{}' from '{}'", request->name(), request->source());
+        spdlog::info("loaded layer '{}' from '{}'", request->name(), response->source());
       } else {
-        spdlog::warn("LoadLayer '{}' from '{}' refused: {}", request->name(), request->source(), st.ToString());
+        spdlog::warn("LoadLayer '{}' refused: {}", request->name(), st.ToString());
       }
       reactor->Finish(ToGrpc(st));
-    });
+    };
+    if (!admin_->Post(std::move(task))) {
+      return ResourceExhaustedError("admin: " + std::to_string(admin_->capacity()) +
+                                    " admin calls are already waiting (--admin-queue); retry later");
+    }
     return OkStatus();
   });
   if (!status.ok()) reactor->Finish(ToGrpc(status));
@@ -476,20 +504,30 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::UnloadLayer(grpc::CallbackServer
 }
 
 Status AttentionServiceImpl::CheckAdmin(const grpc::CallbackServerContext& context) const {
-  if (options_.admin_token.empty()) return OkStatus();
+  switch (options_.admin_access) {
+    case AdminAccess::kOpen:
+      return OkStatus();
+    case AdminAccess::kClosed:
+      return PermissionDeniedError(
+          "admin: LoadLayer, UnloadLayer and SetRouting are closed on this listener; start the server with "
+          "--admin-token (or ATTNSERVE_ADMIN_TOKEN) and send 'authorization: Bearer TOKEN', or call them through "
+          "--admin-listen 127.0.0.1:PORT (docs/security.md)");
+    case AdminAccess::kToken:
+      break;
+  }
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
   if (it == metadata.end()) {
-    return Status(StatusCode::kUnauthenticated,
-                  "authorization: expected metadata 'authorization: Bearer <admin token>' (this server guards "
-                  "LoadLayer, UnloadLayer and SetRouting), got none");
+    return UnauthenticatedError(
+        "authorization: expected metadata 'authorization: Bearer <admin token>' (this server guards "
+        "LoadLayer, UnloadLayer and SetRouting), got none");
   }
   const std::string_view got(it->second.data(), it->second.size());
   const std::string want = "Bearer " + options_.admin_token;
   // Compare every byte whatever the first mismatch, so timing does not reveal the token.
   unsigned char diff = got.size() == want.size() ? 0 : 1;
   for (size_t i = 0; i < want.size(); ++i) diff |= static_cast<unsigned char>(want[i] ^ (i < got.size() ? got[i] : 0));
-  if (diff != 0) return Status(StatusCode::kPermissionDenied, "authorization: the admin token is not accepted");
+  if (diff != 0) return UnauthenticatedError("authorization: the admin token is not accepted");
   return OkStatus();
 }
 

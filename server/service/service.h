@@ -21,10 +21,18 @@ class Metrics;       // server/metrics/metrics.h
 class Router;        // server/routing/router.h
 class ShadowRunner;  // server/routing/shadow.h
 
+// Who may call the admin API (LoadLayer, UnloadLayer, SetRouting) on one listener
+// (docs/security.md).
+enum class AdminAccess {
+  kClosed,  // PERMISSION_DENIED, saying how to open it
+  kToken,   // "authorization: Bearer TOKEN"; missing or wrong: UNAUTHENTICATED
+  kOpen,    // anyone who reaches the listener: only an admin listener bound to loopback
+};
+
 struct ServiceOptions {
-  // When non-empty, LoadLayer, UnloadLayer and SetRouting need the metadata
-  // "authorization: Bearer TOKEN".
-  std::string admin_token;
+  AdminAccess admin_access = AdminAccess::kClosed;
+  std::string admin_token;  // kToken: the token callers must send
+  int admin_queue = 8;      // admin calls waiting at most; beyond: RESOURCE_EXHAUSTED
   // Attention scores one sequence may need (n · m · heads · 4 bytes); beyond: RESOURCE_EXHAUSTED.
   int64_t max_score_bytes = int64_t{2048} << 20;
   // Not owned; they outlive the service. Null: nothing is recorded; FORM_UNSPECIFIED is the

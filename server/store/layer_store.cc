@@ -1,10 +1,13 @@
 #include "server/store/layer_store.h"
 
+#include <atomic>
+#include <filesystem>
 #include <exception>
 #include <new>
 #include <optional>
 #include <utility>
 
+#include "server/store/checkpoint_file.h"
 #include "server/store/source.h"
 
 namespace attnserve {
@@ -83,22 +86,98 @@ Status ValidateLayerName(std::string_view name) {
   return OkStatus();
 }
 
-StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name, const std::string& source) {
+namespace {
+
+int64_t LayerBytes(const Layer& layer) {
+  int64_t bytes = 0;
+  for (const auto& [form, resident] : layer.forms) bytes += resident->weights().Bytes();
+  return bytes;
+}
+
+// `path` relative to the model dir it lies under ("" when under none).
+std::string RelativeTo(const std::string& dir, const std::string& path) {
+  std::string prefix = dir;
+  while (prefix.size() > 1 && prefix.back() == '/') prefix.pop_back();
+  prefix += '/';
+  return path.rfind(prefix, 0) == 0 ? path.substr(prefix.size()) : "";
+}
+
+bool HasDotDot(const std::string& path) {
+  size_t start = 0;
+  for (;;) {
+    const size_t slash = path.find('/', start);
+    if (path.substr(start, slash - start) == "..") return true;
+    if (slash == std::string::npos) return false;
+    start = slash + 1;
+  }
+}
+
+// Points an API load's checkpoint at the model dir that holds it: an absolute path must lie
+// under one; a relative one is looked up in each in turn. Whatever is refused gets one answer.
+Status ConfineToModelDirs(const std::vector<std::string>& model_dirs, SourceSpec* spec) {
+  if (model_dirs.empty()) {
+    return PermissionDeniedError(
+        "safetensors sources over the API need the server started with --model-dir DIR (the checkpoints it may "
+        "read); without it only the operator's own --layer and config sources load checkpoints");
+  }
+  if (HasDotDot(spec->path)) return InvalidArgumentError("checkpoint path: '..' is not allowed");
+  for (const std::string& dir : model_dirs) {
+    const std::string relative = spec->path.starts_with('/') ? RelativeTo(dir, spec->path) : spec->path;
+    if (relative.empty()) continue;
+    if (OpenCheckpointFile(dir, relative).ok()) {
+      spec->model_dir = dir;
+      spec->path = relative;
+      return OkStatus();
+    }
+  }
+  return NotFoundError("checkpoint: no readable regular file '" + spec->path + "' beneath the model dirs");
+}
+
+// The source as ListLayers shows it: a checkpoint's path relative to its model dir, or its
+// file name alone when it lies under none.
+std::string ShownSource(const std::string& source, const SourceSpec& spec, const std::vector<std::string>& model_dirs) {
+  if (spec.kind != SourceKind::kSafetensors) return source;
+  std::string shown = spec.path;
+  if (spec.model_dir.empty()) {
+    shown = std::filesystem::path(spec.path).filename().string();
+    for (const std::string& dir : model_dirs) {
+      const std::string relative = RelativeTo(dir, spec.path);
+      if (!relative.empty()) {
+        shown = relative;
+        break;
+      }
+    }
+  }
+  const size_t comma = source.find(',');
+  return "safetensors:" + shown + (comma == std::string::npos ? "" : source.substr(comma));
+}
+
+}  // namespace
+
+StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name, const std::string& source,
+                                                        LoadOrigin origin) {
   ATTNSERVE_RETURN_IF_ERROR(ValidateLayerName(name));
   const std::string at = "layer '" + name + "': ";
   if (backend_ == nullptr) return FailedPreconditionError(at + "the store has no backend");
   auto spec = ParseSource(source);
   if (!spec.ok()) return Prefixed(at, spec.status());
+  if (origin == LoadOrigin::kApi && spec->kind == SourceKind::kSafetensors) {
+    ATTNSERVE_RETURN_IF_ERROR(Prefixed(at, ConfineToModelDirs(options_.model_dirs, &*spec)));
+  }
+  ATTNSERVE_RETURN_IF_ERROR(Prefixed(at, CheckLayerCount(name)));
+  const std::string layer_source_shown = ShownSource(source, *spec, options_.model_dirs);
 
   // Everything slow (reading, drawing, materialising, uploading) runs outside the mutex, so
   // readers of other layers never wait on a load.
   std::shared_ptr<const Layer> published;
   try {
     auto loaded = LoadSource(*spec, options_.max_form_bytes);
-    if (!loaded.ok()) return Prefixed(at + "source '" + source + "': ", loaded.status());
+    if (!loaded.ok()) return Prefixed(at + "source " + QuoteUntrusted(layer_source_shown) + ": ", loaded.status());
     auto layer = std::make_shared<Layer>();
     layer->name = name;
-    layer->source = source;
+    static std::atomic<uint64_t> next_serial{1};
+    layer->serial = next_serial.fetch_add(1);
+    layer->source = layer_source_shown;
     layer->config = loaded->weights.config;
     layer->device = backend_->DeviceName();
     FormWeights factored = MaterializeFactored(loaded->weights);
@@ -109,7 +188,7 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
     std::optional<FormWeights> lowrank;
     if (loaded->lowrank) {
       auto built = BuildLowRank(*loaded, *layer->spectrum, options_.max_form_bytes);
-      if (!built.ok()) return Prefixed(at + "source '" + source + "': ", built.status());
+      if (!built.ok()) return Prefixed(at + "source " + QuoteUntrusted(layer_source_shown) + ": ", built.status());
       layer->lowrank_selection = loaded->lowrank->text;
       layer->lowrank_ranks = built->value_width;
       layer->lowrank_kept_energy = KeptEnergy(*layer->spectrum, layer->lowrank_ranks);
@@ -132,14 +211,28 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
     }
     published = std::move(layer);
   } catch (const std::bad_alloc&) {
-    return ResourceExhaustedError(at + "out of memory loading source '" + source + "'");
+    return ResourceExhaustedError(at + "out of memory loading source " + QuoteUntrusted(layer_source_shown));
   } catch (const std::exception& e) {
-    return InternalError(at + "unexpected error loading source '" + source + "': " + e.what());
+    return InternalError(at + "unexpected error loading source " + QuoteUntrusted(layer_source_shown) + ": " + e.what());
   }
 
   std::shared_ptr<const Layer> replaced;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // Checked again at publication: loads run side by side, outside the mutex.
+    if (layers_.find(name) == layers_.end() && static_cast<int64_t>(layers_.size()) >= options_.max_layers) {
+      return ResourceExhaustedError(at + LayerCountMessage());
+    }
+    int64_t others = 0;
+    for (const auto& [held_name, held] : layers_) {
+      if (held_name != name) others += LayerBytes(*held);
+    }
+    const int64_t bytes = LayerBytes(*published);
+    if (others + bytes > options_.max_total_bytes) {
+      return ResourceExhaustedError(at + "its forms take " + std::to_string(bytes >> 20) + " MiB and the other layers " +
+                                    std::to_string(others >> 20) + " MiB, more than --max-layer-mb (" +
+                                    std::to_string(options_.max_total_bytes >> 20) + " MiB); unload a layer or raise it");
+    }
     auto& slot = layers_[name];
     replaced = std::move(slot);
     slot = published;
@@ -147,6 +240,19 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
   // `replaced` is released here, outside the mutex: when no request holds it any more, its
   // forms are freed without blocking other callers.
   return published;
+}
+
+std::string LayerStore::LayerCountMessage() const {
+  return "the server holds " + std::to_string(options_.max_layers) + " layers, the most --max-layers allows; " +
+         "unload one or raise it";
+}
+
+Status LayerStore::CheckLayerCount(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (layers_.find(name) != layers_.end() || static_cast<int64_t>(layers_.size()) < options_.max_layers) {
+    return OkStatus();
+  }
+  return ResourceExhaustedError(LayerCountMessage());
 }
 
 Status LayerStore::Unload(std::string_view name) {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <climits>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -23,7 +24,12 @@ namespace attnserve {
 
 struct Layer {
   std::string name;
-  std::string source;  // the SOURCE string it was loaded from (docs/sources.md)
+  // Unique per load in this process (a replaced layer and its successor differ), so that work
+  // queued for one set of weights never runs on another.
+  uint64_t serial = 0;
+  // The SOURCE string it was loaded from (docs/sources.md), with a checkpoint's path shown
+  // relative to its model dir, or as its file name alone: no server path leaves the server.
+  std::string source;
   LayerConfig config;  // complete
   std::string device;  // the backend's DeviceName()
   // The forms held, resident on the backend. The factored form is always held.
@@ -57,7 +63,18 @@ Status ValidateLayerName(std::string_view name);
 struct LayerStoreOptions {
   // The largest single form a load may materialise (see LoadSource in source.h).
   int64_t max_form_bytes = int64_t{16} << 30;
+  // Caps over every held layer (a replaced layer's own bytes do not count against its
+  // replacement): RESOURCE_EXHAUSTED naming the flag beyond them.
+  int max_layers = 1 << 20;
+  int64_t max_total_bytes = INT64_MAX;
+  // Where API loads may read checkpoints (absolute paths); none: API loads of safetensors
+  // sources are refused. Also what Layer::source is shown relative to.
+  std::vector<std::string> model_dirs;
 };
+
+// Who asked for a load. The operator's own sources (flags, config file) are read as written;
+// a load over the API is confined to the model dirs (server/store/checkpoint_file.h).
+enum class LoadOrigin { kOperator, kApi };
 
 class LayerStore {
  public:
@@ -67,7 +84,8 @@ class LayerStore {
   // (the low-rank one from the spectrum, when the source asks), uploads them and publishes the
   // layer under `name`, replacing any layer of that name (requests already
   // holding the old one finish on it). Errors name the source and what was wrong.
-  StatusOr<std::shared_ptr<const Layer>> Load(const std::string& name, const std::string& source);
+  StatusOr<std::shared_ptr<const Layer>> Load(const std::string& name, const std::string& source,
+                                              LoadOrigin origin = LoadOrigin::kOperator);
 
   // NOT_FOUND when no such layer.
   Status Unload(std::string_view name);
@@ -79,6 +97,9 @@ class LayerStore {
   std::vector<std::shared_ptr<const Layer>> List() const;
 
  private:
+  Status CheckLayerCount(const std::string& name) const;
+  std::string LayerCountMessage() const;
+
   Backend* backend_;
   const LayerStoreOptions options_;
   mutable std::mutex mu_;

@@ -1,5 +1,7 @@
 #include "server/store/safetensors.h"
 
+#include "server/store/checkpoint_file.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -245,8 +247,11 @@ Status ParseHeader(const std::string& path, const std::string& text, int64_t dat
   Json header;
   try {
     header = Json::parse(text);
-  } catch (const Json::exception& e) {
-    return InvalidArgumentError(at + "header is not valid JSON: " + e.what());
+  } catch (const Json::parse_error& e) {
+    // The parser's own message quotes the bytes it stopped at: say where, never what.
+    return InvalidArgumentError(at + "header is not valid JSON (at byte " + std::to_string(e.byte) + " of it)");
+  } catch (const Json::exception&) {
+    return InvalidArgumentError(at + "header is not valid JSON");
   }
   if (!header.is_object()) {
     return InvalidArgumentError(at + "header must be a JSON object, got " + Show(header));
@@ -407,14 +412,13 @@ StatusOr<FloatTensor> SafetensorsFile::ReadFloat(std::string_view name) const {
   }
 }
 
-StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
+StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path, const std::string& beneath) {
   const std::string at = FilePrefix(path);
-  const int raw_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (raw_fd < 0) return OpenError(path, errno);
-  auto fd = std::make_shared<const SafetensorsFile::Fd>(raw_fd);
+  StatusOr<FileDescriptor> opened = OpenCheckpointFile(beneath, path);
+  if (!opened.ok()) return opened.status();
+  auto fd = std::make_shared<const SafetensorsFile::Fd>(opened->release());
   struct stat st {};
   if (::fstat(fd->fd, &st) != 0) return OpenError(path, errno);
-  if (!S_ISREG(st.st_mode)) return InvalidArgumentError(at + "not a regular file");
   const int64_t file_size = st.st_size;
 
   unsigned char length_bytes[8];
@@ -424,16 +428,16 @@ StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
   }
   const uint64_t header_length = LoadLE(length_bytes, 8);
   if (header_length > kMaxSafetensorsHeaderBytes) {
-    return InvalidArgumentError(at + "header length " + std::to_string(header_length) + " exceeds the limit of " +
+    // The length's value is file content: never echoed (a non-checkpoint's first bytes).
+    return InvalidArgumentError(at + "not a safetensors file: its header length field exceeds the limit of " +
                                 std::to_string(kMaxSafetensorsHeaderBytes) + " bytes");
   }
   if (header_length > static_cast<uint64_t>(file_size - 8)) {
-    return InvalidArgumentError(at + "header length " + std::to_string(header_length) + " exceeds the " +
-                                std::to_string(file_size - 8) + " bytes after the length field (truncated file?)");
+    return InvalidArgumentError(at + "not a safetensors file, or truncated: its header length field exceeds the " +
+                                std::to_string(file_size - 8) + " bytes after it");
   }
   if (header_length < 2) {
-    return InvalidArgumentError(at + "header length " + std::to_string(header_length) +
-                                " is too short for a JSON object");
+    return InvalidArgumentError(at + "not a safetensors file: its header length field is too short for a JSON object");
   }
 
   SafetensorsFile file;

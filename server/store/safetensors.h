@@ -68,7 +68,7 @@ class SafetensorsFile {
   StatusOr<FloatTensor> ReadFloat(std::string_view name) const;
 
  private:
-  friend StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path);
+  friend StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path, const std::string& beneath);
   struct Fd;
 
   std::string path_;
@@ -78,8 +78,9 @@ class SafetensorsFile {
   std::vector<TensorInfo> tensors_;
 };
 
-// Opens `path`, reads and checks its header. NOT_FOUND when the file cannot be opened;
-// INVALID_ARGUMENT for anything wrong in it.
-StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path);
+// Opens `path` (beneath the model dir `beneath` when set: server/store/checkpoint_file.h),
+// reads and checks its header. NOT_FOUND when the file cannot be opened; INVALID_ARGUMENT for
+// anything wrong in it. No error quotes the file's bytes before its header parsed as JSON.
+StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path, const std::string& beneath = "");
 
 }  // namespace attnserve

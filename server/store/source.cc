@@ -1,5 +1,8 @@
 #include "server/store/source.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -14,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "server/store/checkpoint_file.h"
 #include "server/store/safetensors.h"
 
 namespace attnserve {
@@ -614,25 +618,35 @@ StatusOr<int64_t> JsonPositive(const nlohmann::json& j, const char* key, const s
 
 // config.json beside the checkpoint (Hugging Face's layout), parsed; nullopt when there is none.
 // `ask` ends every error, saying what the source can give instead.
-StatusOr<std::optional<nlohmann::json>> ReadConfigJson(const std::string& checkpoint, const std::string& ask) {
-  namespace fs = std::filesystem;
-  const fs::path config = fs::path(checkpoint).parent_path() / "config.json";
-  const std::string where = "'" + config.string() + "'";
-  std::error_code ec;
-  if (!fs::is_regular_file(config, ec)) return std::optional<nlohmann::json>();
-  const uintmax_t size = fs::file_size(config, ec);
-  if (ec || size > kMaxConfigJsonBytes) {
+StatusOr<std::optional<nlohmann::json>> ReadConfigJson(const std::string& checkpoint, const std::string& beneath,
+                                                      const std::string& ask) {
+  const std::string config = (std::filesystem::path(checkpoint).parent_path() / "config.json").string();
+  const std::string where = "'" + config + "'";
+  // Opened as the checkpoint is (beneath its model dir, regular files only, never blocking).
+  StatusOr<FileDescriptor> fd = OpenCheckpointFile(beneath, config);
+  if (!fd.ok()) {
+    if (fd.status().code() == StatusCode::kNotFound) return std::optional<nlohmann::json>();
+    return InvalidArgumentError(where + ": " + fd.status().message() + ask);
+  }
+  struct stat st {};
+  if (::fstat(fd->get(), &st) != 0 || st.st_size > static_cast<off_t>(kMaxConfigJsonBytes)) {
     return InvalidArgumentError(where + ": cannot read it or larger than " + std::to_string(kMaxConfigJsonBytes) +
                                 " bytes" + ask);
   }
-  std::ifstream in(config, std::ios::binary);
-  if (!in) return InvalidArgumentError(where + ": cannot open it" + ask);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string text(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t got = ::pread(fd->get(), text.data() + done, text.size() - done, static_cast<off_t>(done));
+    if (got <= 0) return InvalidArgumentError(where + ": cannot read it" + ask);
+    done += static_cast<size_t>(got);
+  }
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    return InvalidArgumentError(where + ": not valid JSON: " + e.what() + ask);
+  } catch (const nlohmann::json::parse_error& e) {
+    return InvalidArgumentError(where + ": not valid JSON (at byte " + std::to_string(e.byte) + ")" + ask);
+  } catch (const nlohmann::json::exception&) {
+    return InvalidArgumentError(where + ": not valid JSON" + ask);
   }
   if (!j.is_object()) return InvalidArgumentError(where + ": expected a JSON object" + ask);
   return std::optional<nlohmann::json>(std::move(j));
@@ -643,10 +657,10 @@ std::string ConfigJsonPath(const std::string& checkpoint) {
 }
 
 // The number of heads from config.json beside the checkpoint.
-StatusOr<int64_t> HeadsFromConfigJson(const std::string& checkpoint) {
+StatusOr<int64_t> HeadsFromConfigJson(const std::string& checkpoint, const std::string& beneath) {
   const std::string where = ConfigJsonPath(checkpoint);
   const std::string ask = "; give the number of heads in the source with heads=H";
-  auto j = ReadConfigJson(checkpoint, ask);
+  auto j = ReadConfigJson(checkpoint, beneath, ask);
   if (!j.ok()) return j.status();
   if (!*j) {
     return InvalidArgumentError("the source does not say how many heads the layer has and there is no " + where +
@@ -671,10 +685,10 @@ struct LlamaJson {
 // Hugging Face's LlamaConfig default, used when config.json has no rope_theta.
 constexpr double kLlamaDefaultRopeTheta = 10000.0;
 
-StatusOr<std::optional<LlamaJson>> LlamaConfigFromJson(const std::string& checkpoint) {
+StatusOr<std::optional<LlamaJson>> LlamaConfigFromJson(const std::string& checkpoint, const std::string& beneath) {
   const std::string where = ConfigJsonPath(checkpoint);
   const std::string ask = "; give heads=H and rope_theta=T in the source instead";
-  auto j = ReadConfigJson(checkpoint, ask);
+  auto j = ReadConfigJson(checkpoint, beneath, ask);
   if (!j.ok()) return j.status();
   if (!*j) return std::optional<LlamaJson>();
   const nlohmann::json& json = **j;
@@ -828,7 +842,7 @@ Status CheckFormSizes(const LayerConfig& config, bool hold_summed, int64_t max_f
 }
 
 StatusOr<LayerSource> LoadSafetensors(const SourceSpec& spec, int64_t max_form_bytes) {
-  auto file = ReadSafetensors(spec.path);
+  auto file = ReadSafetensors(spec.path, spec.model_dir);
   if (!file.ok()) return file.status();
   auto names = ResolveLayout(*file, spec);
   if (!names.ok()) return names.status();
@@ -843,7 +857,7 @@ StatusOr<LayerSource> LoadSafetensors(const SourceSpec& spec, int64_t max_form_b
   if (names->arch == CheckpointArch::kLlama) {
     // LLaMA-family checkpoints take heads, key/value heads and rope_theta from config.json;
     // the source's options win over it.
-    auto from_json = LlamaConfigFromJson(spec.path);
+    auto from_json = LlamaConfigFromJson(spec.path, spec.model_dir);
     if (!from_json.ok()) return Prefixed(at, from_json.status());
     llama = *from_json;
     if (!llama && (heads == 0 || !spec.rope_theta)) {
@@ -859,7 +873,7 @@ StatusOr<LayerSource> LoadSafetensors(const SourceSpec& spec, int64_t max_form_b
     }
     if (!spec.rope_theta) rope_theta = llama->rope_theta.value_or(kLlamaDefaultRopeTheta);
   } else if (heads == 0) {
-    auto from_json = HeadsFromConfigJson(spec.path);
+    auto from_json = HeadsFromConfigJson(spec.path, spec.model_dir);
     if (!from_json.ok()) return Prefixed(at, from_json.status());
     heads = *from_json;
   }
@@ -948,7 +962,7 @@ int64_t SummedFormParameters(const LayerConfig& c) {
 }
 
 StatusOr<SourceSpec> ParseSource(std::string_view source) {
-  const std::string at = "source '" + std::string(source) + "': ";
+  const std::string at = "source " + QuoteUntrusted(source, 256) + ": ";
   const size_t colon = source.find(':');
   const std::string_view kind = Trim(source.substr(0, colon));
   if (colon == std::string_view::npos || (kind != "random" && kind != "safetensors")) {
@@ -994,7 +1008,7 @@ StatusOr<LayerSource> LoadSource(std::string_view source, int64_t max_form_bytes
   auto spec = ParseSource(source);
   if (!spec.ok()) return spec.status();
   auto loaded = LoadSource(*spec, max_form_bytes);
-  if (!loaded.ok()) return Prefixed("source '" + std::string(source) + "': ", loaded.status());
+  if (!loaded.ok()) return Prefixed("source " + QuoteUntrusted(source, 256) + ": ", loaded.status());
   return loaded;
 }
 

@@ -49,6 +49,9 @@ struct SourceSpec {
 
   // safetensors
   std::string path;
+  // Set by the store for loads over the API: `path` is relative to this model dir and every
+  // file of the source is opened beneath it (server/store/checkpoint_file.h). Empty: as given.
+  std::string model_dir;
   CheckpointArch arch = CheckpointArch::kAuto;
   std::optional<int64_t> index;        // gpt2, bert: the block number; default 0
   std::optional<std::string> prefix;   // prepended to every tensor name; default: detected

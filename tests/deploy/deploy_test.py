@@ -7,21 +7,28 @@ No Docker engine or Kubernetes cluster runs here, so what can be checked without
                of the build context that .dockerignore leaves, scripts/runtime-packages on the
                built binaries); the runtime stages' user, ports, health check, stop signal and
                entrypoint flags against `attnserve --help` and `attnserve-cli --help`.
-  compose      flags, ports, grace period, mounted files, Prometheus's scrape target and
-               Grafana's data source, and the real server started with the compose command.
+  compose      flags, ports (published on 127.0.0.1 only), grace period, mounted files,
+               Prometheus's scrape target and Grafana's data source, and the real server started
+               with the compose command: it serves, and refuses admin calls without a token.
   Kubernetes   the kustomizations rendered (by a small renderer here; compared with `kubectl
                kustomize` where kubectl exists), flags, ports, gRPC probes, grace period vs the
-               drain, resources, selectors, and the real server started with the ConfigMap.
+               drain, resources, selectors, security contexts, the NetworkPolicy, in the base and
+               every overlay; the admin overlay's Secret; the tls overlay's certificate, mounts
+               and exec probes; and the real server started with the ConfigMap (admin calls
+               refused, then allowed with the admin overlay's token) and with the tls overlay's
+               flags on a throwaway CA, its probe commands run against it.
 
 Run by CTest with ATTNSERVE_SOURCE_DIR, ATTNSERVE_BUILD_DIR, ATTNSERVE_BINARY and
 ATTNSERVE_CLI_BINARY set; `deploy_test.py ClassName` runs one group. Debian's /usr/bin/python3
 with python3-yaml (scripts/setup installs it).
 """
 
+import contextlib
 import copy
 import json
 import os
 import re
+import secrets
 import select
 import shlex
 import shutil
@@ -131,14 +138,25 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start_and_stop_server(test, args, what):
-    """Starts attnserve with `args` on loopback (listen addresses overridden), checks that it
-    comes up and answers SERVING, sends SIGTERM and expects exit 0."""
+def child_env(**extra):
+    """The environment of a server or CLI child: this process's, without the variables that would
+    change what is under test (an admin token, a default target), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ATTNSERVE_ADMIN_TOKEN", "ATTNSERVE_TARGET")}
+    env.update(extra)
+    return env
+
+
+@contextlib.contextmanager
+def running_server(test, args, what, env=None, check_health=True):
+    """Starts attnserve with `args` on loopback (listen addresses overridden) and yields its
+    target once it has printed 'listening on'. With check_health, it must answer SERVING over
+    plaintext first. On leaving: SIGTERM, and exit 0 expected."""
     full = [BINARY] + list(args) + ["--listen=127.0.0.1:0"]
     if "--metrics-listen" in server_flags():
         full.append(f"--metrics-listen=127.0.0.1:{free_port()}")
     with tempfile.TemporaryFile(mode="w+") as err:
-        proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=child_env() if env is None else env)
         try:
             line, deadline = "", time.time() + 60
             while time.time() < deadline and proc.poll() is None:
@@ -152,9 +170,10 @@ def start_and_stop_server(test, args, what):
                 err.seek(0)
                 test.fail(f"{what}: the server did not start ({shlex.join(full)}); exit {proc.returncode}:\n{err.read()}")
             target = line.split()[-1]
-            health = subprocess.run([CLI, "--target", target, "--timeout-ms", "10000", "health"],
-                                    capture_output=True, text=True, timeout=30)
-            test.assertEqual(health.stdout.strip(), "SERVING", f"{what}: health: {health.stdout} {health.stderr}")
+            if check_health:
+                health = cli(target, "health")
+                test.assertEqual(health.stdout.strip(), "SERVING", f"{what}: health: {health.stdout} {health.stderr}")
+            yield target
             proc.send_signal(signal.SIGTERM)
             rc = proc.wait(timeout=60)
             err.seek(0)
@@ -164,6 +183,49 @@ def start_and_stop_server(test, args, what):
                 proc.kill()
                 proc.wait()
             proc.stdout.close()
+
+
+def start_and_stop_server(test, args, what):
+    """Starts attnserve with `args` on loopback (listen addresses overridden), checks that it
+    comes up and answers SERVING, sends SIGTERM and expects exit 0."""
+    with running_server(test, args, what):
+        pass
+
+
+def cli(target, *args, global_flags=()):
+    """attnserve-cli [global flags] --target TARGET ARGS..., without $ATTNSERVE_ADMIN_TOKEN."""
+    return subprocess.run([CLI, "--target", target, "--timeout-ms", "10000", *global_flags, *args],
+                          capture_output=True, text=True, timeout=60, env=child_env())
+
+
+# A layer small enough to load in a moment; what the admin checks load.
+ADMIN_PROBE_LOAD = ("load", "probe", "random:d_model=8,heads=1")
+
+
+def check_admin_api(test, closed_args, open_args, token_variable, what):
+    """The admin API on the public listener: closed (PERMISSION_DENIED, naming --admin-token) when
+    the server runs with `closed_args` and no token; with `open_args` and a 32-hex-digit token in
+    the environment variable `token_variable`, refused without the token or with a wrong one
+    (UNAUTHENTICATED) and allowed with it (attnserve-cli --admin-token)."""
+    with running_server(test, closed_args, f"{what}, no admin token") as target:
+        out = cli(target, *ADMIN_PROBE_LOAD)
+        test.assertNotEqual(out.returncode, 0, f"{what}: a load without any admin token configured succeeded:\n"
+                                                f"{out.stdout}")
+        test.assertIn("PERMISSION_DENIED", out.stderr, f"{what}: the admin API must be closed without a token")
+        test.assertIn("--admin-token", out.stderr, f"{what}: the refusal should say how to open the admin API")
+        listed = cli(target, "layers")
+        test.assertEqual(listed.returncode, 0, listed.stderr)
+        test.assertNotIn("probe", listed.stdout, f"{what}: the refused load loaded the layer anyway")
+    token = secrets.token_hex(16)
+    env = child_env(**{token_variable: token})
+    with running_server(test, open_args, f"{what}, admin token from ${token_variable}", env=env) as target:
+        for flags, case in (((), "no token"), (("--admin-token", secrets.token_hex(16)), "a wrong token")):
+            out = cli(target, *ADMIN_PROBE_LOAD, global_flags=flags)
+            test.assertNotEqual(out.returncode, 0, f"{what}: a load with {case} succeeded")
+            test.assertIn("UNAUTHENTICATED", out.stderr, f"{what}: a load with {case}")
+        out = cli(target, *ADMIN_PROBE_LOAD, global_flags=("--admin-token", token))
+        test.assertEqual(out.returncode, 0, f"{what}: a load with the token failed:\n{out.stderr}")
+        test.assertIn("probe", out.stdout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,11 +778,43 @@ def prestop_seconds(container):
     return 0
 
 
+def make_test_pki(directory, dns_names):
+    """A throwaway CA (ca.crt) and a certificate for `dns_names` signed by it (tls.crt, tls.key),
+    as cert-manager's CA issuer writes them into a Secret, made with openssl."""
+    def openssl(*args):
+        out = subprocess.run(["openssl", *args], cwd=directory, capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise AssertionError(f"openssl {' '.join(args)}: {out.stderr}")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=attnserve test CA",
+            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    openssl("req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", f"/CN={dns_names[0]}")
+    with open(os.path.join(directory, "ext.cnf"), "w") as f:
+        f.write("basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth,clientAuth\n"
+                "subjectAltName=" + ",".join(f"DNS:{n}" for n in dns_names) + "\n")
+    openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "tls.crt", "-days", "1", "-extfile", "ext.cnf")
+
+
+# The files cert-manager writes into a Certificate's Secret.
+CERT_MANAGER_KEYS = ("tls.crt", "tls.key", "ca.crt")
+# Server flags (attnserve) and probe flags (attnserve-cli) that name such a file.
+SERVER_TLS_FILE_FLAGS = ("--tls-cert", "--tls-key", "--tls-client-ca")
+CLI_TLS_FILE_FLAGS = ("--tls-ca", "--tls-cert", "--tls-key")
+
+
 class KubernetesTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.base = kustomize(os.path.join(DEPLOY, "k8s"))
         cls.gpu = kustomize(os.path.join(DEPLOY, "k8s", "overlays", "gpu"))
+        cls.admin = kustomize(os.path.join(DEPLOY, "k8s", "overlays", "admin"))
+        cls.tls = kustomize(os.path.join(DEPLOY, "k8s", "overlays", "tls"))
+
+    def variants(self, *names):
+        """[(name, objects)] of the base and the overlays (all of them unless named)."""
+        all_ = {"base": self.base, "gpu overlay": self.gpu, "admin overlay": self.admin, "tls overlay": self.tls}
+        return [(n, o) for n, o in all_.items() if not names or n in names]
 
     def deployment(self, objs):
         return one(objs, "Deployment")
@@ -729,6 +823,16 @@ class KubernetesTest(unittest.TestCase):
         containers = self.deployment(objs)["spec"]["template"]["spec"]["containers"]
         return one([dict(c, kind="c") for c in containers], "c", lambda c: c["name"] == "attnserve")
 
+    def mount_of(self, objs, path):
+        """(volume mount, volume) that holds `path` in the server container: the deepest mount."""
+        c = self.container(objs)
+        mounts = [m for m in c.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        self.assertTrue(mounts, f"{path} is not under any volume mount of the container")
+        mount = max(mounts, key=lambda m: len(m["mountPath"]))
+        volume = one([dict(v, kind="v") for v in self.deployment(objs)["spec"]["template"]["spec"]["volumes"]], "v",
+                     lambda v: v["name"] == mount["name"])
+        return mount, volume
+
     def config(self, objs):
         """(args, the YAML config as text and parsed) of the server container."""
         c = self.container(objs)
@@ -736,12 +840,10 @@ class KubernetesTest(unittest.TestCase):
         path = flag_value(args, "--config")
         if path is None:
             return args, None, {}
-        mount = [m for m in c.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
-        self.assertEqual(len(mount), 1, f"--config {path} is not under one volume mount")
-        volume = one([dict(v, kind="v") for v in self.deployment(objs)["spec"]["template"]["spec"]["volumes"]], "v",
-                     lambda v: v["name"] == mount[0]["name"])
+        mount, volume = self.mount_of(objs, path)
+        self.assertIn("configMap", volume, f"--config {path} is not in a ConfigMap volume")
         cm = one(objs, "ConfigMap", lambda o: o["metadata"]["name"] == volume["configMap"]["name"])
-        key = path[len(mount[0]["mountPath"].rstrip("/")) + 1 :]
+        key = path[len(mount["mountPath"].rstrip("/")) + 1 :]
         self.assertIn(key, cm["data"], f"ConfigMap {cm['metadata']['name']} has no key {key}")
         return args, cm["data"][key], yaml.safe_load(cm["data"][key]) or {}
 
@@ -753,21 +855,39 @@ class KubernetesTest(unittest.TestCase):
         drain = flag_value(args, "--drain-timeout-s", conf.get("drain_timeout_s") or default_of("--drain-timeout-s"))
         return port_of(listen), port_of(metrics), float(drain)
 
+    def local_config(self, objs, tmp):
+        """The container's args with --config pointing at a copy of the ConfigMap's YAML in tmp."""
+        args, text, _ = self.config(objs)
+        self.assertIsNotNone(text, "the Deployment passes no --config")
+        path = os.path.join(tmp, "attnserve.yaml")
+        with open(path, "w") as f:
+            f.write(text)
+        return [f"--config={path}" if a.startswith("--config") else a for a in args]
+
+    def admin_token_env(self, objs):
+        """The container's env entries that set the admin token."""
+        return [e for e in self.container(objs).get("env", []) if e["name"] == "ATTNSERVE_ADMIN_TOKEN"]
+
     def test_kinds(self):
-        kinds = sorted(o["kind"] for o in self.base)
-        self.assertEqual(kinds, sorted(["ConfigMap", "Deployment", "Service", "Service", "HorizontalPodAutoscaler",
-                                        "PodDisruptionBudget", "ServiceMonitor"]))
-        for o in self.base + self.gpu:
-            self.assertIn("app.kubernetes.io/name", o["metadata"].get("labels", {}), f"{o['kind']} {o['metadata']['name']}")
+        base_kinds = ["ConfigMap", "Deployment", "Service", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
+                      "ServiceMonitor", "NetworkPolicy"]
+        self.assertEqual(sorted(o["kind"] for o in self.base), sorted(base_kinds))
+        self.assertEqual(sorted(o["kind"] for o in self.gpu), sorted(base_kinds))
+        self.assertEqual(sorted(o["kind"] for o in self.admin), sorted(base_kinds))
+        self.assertEqual(sorted(o["kind"] for o in self.tls), sorted(base_kinds + ["Certificate"]))
+        for name, objs in self.variants():
+            for o in objs:
+                self.assertIn("app.kubernetes.io/name", o["metadata"].get("labels", {}),
+                              f"{name}: {o['kind']} {o['metadata']['name']}")
 
     def test_flags_exist(self):
-        for name, objs in (("base", self.base), ("gpu overlay", self.gpu)):
+        for name, objs in self.variants():
             c = self.container(objs)
             assert_flags_exist(self, c.get("args", []), BINARY, f"deploy/k8s ({name}) container args")
             self.assertEqual(c.get("command"), None, "the image's ENTRYPOINT runs the server; args only")
 
     def test_ports_and_grpc_probes(self):
-        for name, objs in (("base", self.base), ("gpu overlay", self.gpu)):
+        for name, objs in self.variants("base", "gpu overlay", "admin overlay"):
             with self.subTest(objs=name):
                 grpc_port, metrics_port, _ = self.settings(objs)
                 c = self.container(objs)
@@ -785,7 +905,7 @@ class KubernetesTest(unittest.TestCase):
                 self.assertEqual(c["readinessProbe"]["grpc"].get("service"), "attnserve.v1.AttentionService")
 
     def test_grace_period_exceeds_drain(self):
-        for name, objs in (("base", self.base), ("gpu overlay", self.gpu)):
+        for name, objs in self.variants():
             _, _, drain = self.settings(objs)
             pod = self.deployment(objs)["spec"]["template"]["spec"]
             sleep = prestop_seconds(self.container(objs))
@@ -795,7 +915,7 @@ class KubernetesTest(unittest.TestCase):
                                f"{name}: grace period must cover the preStop sleep ({sleep}s) and the drain ({drain}s)")
 
     def test_resources_and_threads(self):
-        for name, objs in (("base", self.base), ("gpu overlay", self.gpu)):
+        for name, objs in self.variants():
             with self.subTest(objs=name):
                 c = self.container(objs)
                 res = c["resources"]
@@ -811,13 +931,197 @@ class KubernetesTest(unittest.TestCase):
                 self.assertGreaterEqual(self.deployment(objs)["spec"]["replicas"], 2)
 
     def test_security(self):
-        pod = self.deployment(self.base)["spec"]["template"]["spec"]
-        self.assertTrue(pod["securityContext"]["runAsNonRoot"])
-        self.assertNotEqual(pod["securityContext"].get("runAsUser", 0), 0)
+        """Non-root as the image's user, no privilege escalation, no capabilities, read-only root
+        file system, the runtime's default seccomp profile: in the base and every overlay."""
         user = parse_dockerfile(os.path.join(SRC, "Dockerfile"))[-1].last("USER").split(":")[0]
-        self.assertEqual(str(pod["securityContext"]["runAsUser"]), user, "the image's USER")
-        c = self.container(self.base)
-        self.assertFalse(c["securityContext"]["allowPrivilegeEscalation"])
+        for name, objs in self.variants():
+            with self.subTest(objs=name):
+                pod = self.deployment(objs)["spec"]["template"]["spec"]
+                for host in ("hostNetwork", "hostPID", "hostIPC"):
+                    self.assertFalse(pod.get(host, False), host)
+                psc = pod.get("securityContext", {})
+                self.assertIs(psc.get("runAsNonRoot"), True)
+                self.assertEqual(psc.get("runAsUser"), 65532)
+                self.assertEqual(str(psc["runAsUser"]), user, "the image's USER")
+                for c in pod["containers"] + pod.get("initContainers", []):
+                    csc = c.get("securityContext", {})
+                    self.assertIs(csc.get("allowPrivilegeEscalation"), False, c["name"])
+                    self.assertIs(csc.get("readOnlyRootFilesystem"), True, c["name"])
+                    self.assertEqual(csc.get("capabilities", {}).get("drop"), ["ALL"], c["name"])
+                    self.assertEqual(csc.get("capabilities", {}).get("add", []), [], c["name"])
+                    self.assertFalse(csc.get("privileged", False), c["name"])
+                    self.assertNotIn(csc.get("runAsUser", 65532), (0,), c["name"])
+                    self.assertNotEqual(csc.get("runAsNonRoot"), False, c["name"])
+                    seccomp = csc.get("seccompProfile", psc.get("seccompProfile", {}))
+                    self.assertEqual(seccomp.get("type"), "RuntimeDefault", c["name"])
+
+    def test_network_policy(self):
+        """The NetworkPolicy selects the server pods and lets in exactly: gRPC from the pods of the
+        namespace, metrics from the namespace named monitoring."""
+        for name, objs in self.variants():
+            with self.subTest(objs=name):
+                policy = one(objs, "NetworkPolicy")
+                pod_labels = self.deployment(objs)["spec"]["template"]["metadata"]["labels"]
+                selector = policy["spec"]["podSelector"]
+                self.assertEqual(set(selector), {"matchLabels"}, "select by labels only")
+                self.assertTrue(selector["matchLabels"], "an empty podSelector selects every pod of the namespace")
+                self.assertTrue(selects(selector["matchLabels"], pod_labels), "the NetworkPolicy selects no server pod")
+                self.assertEqual(policy["spec"]["policyTypes"], ["Ingress"])
+                grpc_port, metrics_port, _ = self.settings(objs)
+                named = {p["name"]: p["containerPort"] for p in self.container(objs)["ports"]}
+
+                def port_number(p):
+                    return named.get(p["port"]) if isinstance(p["port"], str) else p["port"]
+
+                rules = [(json.dumps(r.get("from"), sort_keys=True),
+                          sorted((port_number(p), p.get("protocol", "TCP")) for p in r.get("ports", [])))
+                         for r in policy["spec"].get("ingress", [])]
+                expected = [
+                    (json.dumps([{"podSelector": {}}], sort_keys=True), [(grpc_port, "TCP")]),
+                    (json.dumps([{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+                                sort_keys=True), [(metrics_port, "TCP")]),
+                ]
+                self.assertEqual(sorted(rules), sorted(expected))
+
+    def test_admin_api_closed_except_admin_overlay(self):
+        """Only overlays/admin sets a token, from a Secret that must exist (optional: false); the
+        base, its ConfigMap and the other overlays leave the admin API closed."""
+        for name, objs in self.variants():
+            with self.subTest(objs=name):
+                args, _, conf = self.config(objs)
+                self.assertNotIn("admin_token", conf, "a token in a ConfigMap is readable by anyone who can read it")
+                self.assertEqual([f for f in flag_names(args) if f in ("--admin-token", "--admin-listen")], [])
+                env = self.admin_token_env(objs)
+                if name != "admin overlay":
+                    self.assertEqual(env, [], f"{name} keeps the admin API closed")
+                    continue
+                self.assertEqual(len(env), 1)
+                self.assertNotIn("value", env[0], "the token comes from a Secret, not the manifest")
+                ref = env[0]["valueFrom"]["secretKeyRef"]
+                self.assertEqual((ref["name"], ref["key"]), ("attnserve-admin", "token"))
+                self.assertIs(ref.get("optional"), False, "without the Secret the pod must not start")
+                # The overlay tells how to create that very Secret.
+                overlay = os.path.join(DEPLOY, "k8s", "overlays", "admin")
+                text = ""
+                for f in sorted(os.listdir(overlay)):
+                    with open(os.path.join(overlay, f)) as fh:
+                        text += fh.read()
+                m = re.search(r"kubectl create secret generic (\S+) --from-literal=([\w.-]+)="
+                              r"\$\(openssl rand -hex (\d+)\)", text)
+                self.assertIsNotNone(m, "overlays/admin: no `kubectl create secret generic ...` comment")
+                self.assertEqual((m.group(1), m.group(2)), (ref["name"], ref["key"]))
+                self.assertGreaterEqual(int(m.group(3)), 16, "a token of 16 bytes or more")
+
+    def test_tls_overlay(self):
+        """The server on TLS with the cert-manager Secret's files, and the exec probes that replace
+        the native gRPC ones: the CLI where the image installs it, flags it knows, files under the
+        Secret's mount, the served port, a name the certificate carries, deadlines under the
+        probes' timeouts."""
+        objs = self.tls
+        grpc_port, _, _ = self.settings(objs)
+        cert = one(objs, "Certificate")
+        self.assertEqual(cert["apiVersion"], "cert-manager.io/v1")
+        self.assertEqual(cert["spec"]["secretName"], "attnserve-tls")
+        self.assertEqual((cert["spec"]["issuerRef"].get("kind", "Issuer"), cert["spec"]["issuerRef"]["name"]),
+                         ("Issuer", "attnserve-ca"))
+        self.assertTrue({"server auth", "client auth"} <= set(cert["spec"].get("usages", [])),
+                        "server auth, and client auth for the mTLS variant's probes")
+        dns_names = cert["spec"]["dnsNames"]
+        namespaces = {n.split(".")[1] for n in dns_names if ".svc" in n}
+        self.assertEqual(len(namespaces), 1, f"dnsNames in one namespace: {dns_names}")
+        ns = namespaces.pop()
+        for s in (o for o in objs if o["kind"] == "Service"):
+            n = s["metadata"]["name"]
+            for name in (n, f"{n}.{ns}.svc", f"{n}.{ns}.svc.cluster.local"):
+                self.assertIn(name, dns_names, f"Service {n}: clients connect by {name}")
+            for p in s["spec"]["ports"]:
+                if p["name"] == "grpc":
+                    self.assertNotEqual(p.get("appProtocol"), "kubernetes.io/h2c", f"Service {n}: TLS is not h2c")
+
+        def secret_file(path, what):
+            mount, volume = self.mount_of(objs, path)
+            self.assertIn("secret", volume, f"{what} {path}: not in a Secret volume")
+            self.assertEqual(volume["secret"]["secretName"], cert["spec"]["secretName"], f"{what} {path}")
+            self.assertNotIn("items", volume["secret"], "cert-manager's key names, as they are")
+            self.assertIs(mount.get("readOnly"), True, f"{what}: the Secret is mounted read-only")
+            self.assertIn(path[len(mount["mountPath"].rstrip("/")) + 1 :], CERT_MANAGER_KEYS, f"{what} {path}")
+
+        args, _, _ = self.config(objs)
+        for flag in ("--tls-cert", "--tls-key"):
+            self.assertIsNotNone(flag_value(args, flag), f"the server needs {flag}")
+        for flag in SERVER_TLS_FILE_FLAGS:
+            if flag_value(args, flag) is not None:
+                secret_file(flag_value(args, flag), f"attnserve {flag}")
+
+        runtime = parse_dockerfile(os.path.join(SRC, "Dockerfile"))[-1]
+        installed = {os.path.join(split_options(r)[1].split()[-1], os.path.basename(src))
+                     for r in runtime.all("COPY") for src in split_options(r)[1].split()[:-1]}
+        c = self.container(objs)
+        probe_flags = {}
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            with self.subTest(probe=kind):
+                probe = c[kind]
+                self.assertEqual(set(probe) & {"grpc", "httpGet", "tcpSocket"}, set(), "kubelet probes have no TLS")
+                argv = probe["exec"]["command"]
+                self.assertIn(argv[0], installed, "the CLI where the Dockerfile installs it")
+                self.assertEqual(os.path.basename(argv[0]), "attnserve-cli")
+                self.assertIn("health", argv)
+                globals_ = argv[1 : argv.index("health")]
+                probe_flags[kind] = globals_
+                target = flag_value(globals_, "--target")
+                self.assertEqual(target, f"127.0.0.1:{grpc_port}", "the served port, in the pod")
+                self.assertIsNotNone(flag_value(globals_, "--tls-ca"), "the probe checks the server's certificate")
+                self.assertIn(flag_value(globals_, "--server-name"), dns_names, "a name the certificate carries")
+                for flag in CLI_TLS_FILE_FLAGS:
+                    if flag_value(globals_, flag) is not None:
+                        secret_file(flag_value(globals_, flag), f"{kind} {flag}")
+                service = argv[argv.index("health") + 1 :]
+                self.assertIn(service[0] if service else "", GRPC_HEALTH_SERVICES)
+                if kind == "readinessProbe":
+                    self.assertEqual(service, ["attnserve.v1.AttentionService"], "turns NOT_SERVING when draining")
+                deadline_ms = int(flag_value(globals_, "--timeout-ms", "30000"))
+                self.assertLess(deadline_ms, 1000 * probe.get("timeoutSeconds", 1), "the CLI's deadline in the probe's")
+        # Last, so that the checks above run before the binaries know these flags.
+        assert_flags_exist(self, args, BINARY, "deploy/k8s/overlays/tls container args")
+        for kind, globals_ in probe_flags.items():
+            assert_flags_exist(self, globals_, CLI, f"deploy/k8s/overlays/tls {kind}")
+
+    def test_tls_probes_against_the_server(self):
+        """The tls overlay's server arguments and probe commands, run for real on a throwaway CA
+        whose certificate carries the Certificate's dnsNames: every probe passes, plaintext does
+        not; and the mTLS variant (--tls-client-ca, probes with the pod's certificate)."""
+        if shutil.which("openssl") is None:
+            self.skipTest("no openssl to make a test certificate")
+        cert = one(self.tls, "Certificate")
+        c = self.container(self.tls)
+        mount_path = self.mount_of(self.tls, flag_value(c["args"], "--tls-cert"))[0]["mountPath"].rstrip("/")
+        with tempfile.TemporaryDirectory() as tmp:
+            make_test_pki(tmp, cert["spec"]["dnsNames"])
+            local = [a.replace(mount_path + "/", tmp + "/") for a in self.local_config(self.tls, tmp)]
+
+            def probe_commands(target, client_cert):
+                for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+                    argv = [a.replace(mount_path + "/", tmp + "/") for a in c[kind]["exec"]["command"]]
+                    argv = [CLI] + argv[1:]
+                    argv[argv.index("--target") + 1] = target
+                    if client_cert:
+                        i = argv.index("health")
+                        argv[i:i] = ["--tls-cert", f"{tmp}/tls.crt", "--tls-key", f"{tmp}/tls.key"]
+                    yield kind, argv
+
+            for variant, extra in (("TLS", []), ("mTLS", [f"--tls-client-ca={tmp}/ca.crt"])):
+                what = f"deploy/k8s/overlays/tls ({variant})"
+                with running_server(self, local + extra, what, check_health=False) as t:
+                    for kind, argv in probe_commands(t, client_cert=bool(extra)):
+                        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=child_env())
+                        self.assertEqual((out.returncode, out.stdout.strip()), (0, "SERVING"),
+                                         f"{variant} {kind}: {shlex.join(argv)}\n{out.stderr}")
+                    plain = cli(t, "health")
+                    self.assertNotEqual(plain.returncode, 0, f"{variant}: the server answered plaintext")
+                    if extra:
+                        _, argv = next(probe_commands(t, client_cert=False))
+                        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=child_env())
+                        self.assertNotEqual(out.returncode, 0, "mTLS: a client without a certificate got in")
 
     def test_services(self):
         objs = self.base
@@ -868,30 +1172,47 @@ class KubernetesTest(unittest.TestCase):
 
     def test_configmap_config_starts_the_server(self):
         """The ConfigMap's YAML and the Deployment's args, accepted by the real server."""
-        args, text, _ = self.config(self.base)
+        _, text, _ = self.config(self.base)
         self.assertIsNotNone(text, "the Deployment passes no --config")
         self.assertIn("layers", yaml.safe_load(text))
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "attnserve.yaml")
-            with open(path, "w") as f:
-                f.write(text)
-            local = [f"--config={path}" if a.startswith("--config") else a for a in args]
+            local = self.local_config(self.base, tmp)
             self.assertNotIn("/etc/attnserve", " ".join(local))
             start_and_stop_server(self, local, "deploy/k8s Deployment + ConfigMap")
+
+    def test_admin_api_on_the_real_server(self):
+        """The base (ConfigMap config, no token) refuses a load with PERMISSION_DENIED; the admin
+        overlay, its token in the variable its secretKeyRef fills, takes one sent with the token.
+        A token under 16 bytes stops the server at start-up."""
+        env = self.admin_token_env(self.admin)
+        self.assertEqual(len(env), 1)
+        with tempfile.TemporaryDirectory() as tmp:
+            closed = self.local_config(self.base, tmp)
+            opened = self.local_config(self.admin, tmp)
+            check_admin_api(self, closed, opened, env[0]["name"], "deploy/k8s ConfigMap")
+            short = subprocess.run([BINARY] + opened + ["--listen=127.0.0.1:0"], capture_output=True, text=True,
+                                   timeout=60, env=child_env(**{env[0]["name"]: "x" * 15}))
+            self.assertNotEqual(short.returncode, 0, "a 15-byte admin token must be refused at start-up")
+            self.assertNotIn("listening on", short.stdout)
 
     def test_matches_kubectl_kustomize(self):
         """This file's renderer against the real one, where kubectl is installed."""
         kubectl = shutil.which("kubectl")
         if kubectl is None:
             self.skipTest("kubectl is not installed; the manifests are checked through this file's renderer")
-        for path, mine in ((os.path.join(DEPLOY, "k8s"), self.base), (os.path.join(DEPLOY, "k8s", "overlays", "gpu"), self.gpu)):
-            out = subprocess.run([kubectl, "kustomize", path], capture_output=True, text=True, timeout=60)
-            self.assertEqual(out.returncode, 0, out.stderr)
-            theirs = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(out.stdout)}
-            ours = {(o["kind"], o["metadata"]["name"]): o for o in mine}
-            self.assertEqual(sorted(theirs), sorted(ours))
-            for key in ours:
-                self.assertEqual(json.dumps(theirs[key], sort_keys=True), json.dumps(ours[key], sort_keys=True), key)
+        paths = {"base": os.path.join(DEPLOY, "k8s"), "gpu overlay": os.path.join(DEPLOY, "k8s", "overlays", "gpu"),
+                 "admin overlay": os.path.join(DEPLOY, "k8s", "overlays", "admin"),
+                 "tls overlay": os.path.join(DEPLOY, "k8s", "overlays", "tls")}
+        for name, mine in self.variants():
+            with self.subTest(objs=name):
+                out = subprocess.run([kubectl, "kustomize", paths[name]], capture_output=True, text=True, timeout=60)
+                self.assertEqual(out.returncode, 0, out.stderr)
+                theirs = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(out.stdout)}
+                ours = {(o["kind"], o["metadata"]["name"]): o for o in mine}
+                self.assertEqual(sorted(theirs), sorted(ours))
+                for key in ours:
+                    self.assertEqual(json.dumps(theirs[key], sort_keys=True), json.dumps(ours[key], sort_keys=True),
+                                     key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -996,6 +1317,32 @@ class ComposeTest(unittest.TestCase):
 
     def test_command_starts_the_server(self):
         start_and_stop_server(self, self.command(), "deploy/compose.yaml attnserve command")
+
+    def test_ports_published_on_loopback_only(self):
+        """Every published port of every service binds the host's 127.0.0.1, not all interfaces."""
+        for name, service in self.services.items():
+            self.assertNotEqual(service.get("network_mode"), "host", f"{name}: host networking publishes every port")
+            self.assertTrue(service.get("ports"), f"{name} publishes no port")
+            for p in service.get("ports", []):
+                if isinstance(p, dict):  # long syntax
+                    host_ip, published = p.get("host_ip"), p.get("published")
+                else:
+                    m = re.fullmatch(r"(?:(\[[^\]]*\]|[^:]*):)?(?:([\d-]*):)?([\d-]+)(?:/\w+)?", str(p))
+                    self.assertIsNotNone(m, f"{name}: cannot read port entry {p!r}")
+                    host_ip, published = m.group(1), m.group(2)
+                self.assertEqual(host_ip, "127.0.0.1", f"{name} publishes {p!r} beyond the loopback address")
+                self.assertTrue(published, f"{name}: {p!r} publishes on a random host port")
+
+    def test_admin_api_closed(self):
+        """No admin token in the compose file: the real server, started with its command, refuses
+        a load with PERMISSION_DENIED; given a token in $ATTNSERVE_ADMIN_TOKEN it takes one sent
+        with attnserve-cli --admin-token."""
+        env = self.server.get("environment", {})
+        names = [e.split("=", 1)[0] for e in env] if isinstance(env, list) else list(env)
+        self.assertNotIn("ATTNSERVE_ADMIN_TOKEN", names)
+        self.assertEqual([f for f in flag_names(self.command()) if f in ("--admin-token", "--admin-listen")], [],
+                         "the compose file keeps the admin API closed")
+        check_admin_api(self, self.command(), self.command(), "ATTNSERVE_ADMIN_TOKEN", "deploy/compose.yaml")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import urllib.parse
 import urllib.request
 
 SRC = os.path.abspath(os.environ.get("ATTNSERVE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", "..")))
+ADMIN_TOKEN = "e2e-test-admin-token-0123456789"
 BINARY = os.environ.get("ATTNSERVE_BINARY", os.path.join(SRC, "build", "server", "attnserve"))
 CLI = os.environ.get("ATTNSERVE_CLI_BINARY", os.path.join(SRC, "build", "client", "attnserve-cli"))
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
@@ -140,7 +141,9 @@ class PrometheusE2E(unittest.TestCase):
                "--layer", f"{LAYER}={LAYER_SOURCE}", "--threads", "1", "--log-level", "warn",
                # Every served request mirrored, so the shadow series fill; the queue bound and
                # the drops are the unit tests' business.
-               "--shadow-rate", "1", "--shadow-queue", "64"]
+               "--shadow-rate", "1", "--shadow-queue", "64",
+               # The admin API is closed unless a token opens it (docs/security.md).
+               "--admin-token", ADMIN_TOKEN]
         cls.server_log = open(os.path.join(cls.dir, "server.log"), "w")
         cls.server = subprocess.Popen(cmd, stdout=cls.server_log, stderr=subprocess.STDOUT,
                                       preexec_fn=die_with_parent)
@@ -200,7 +203,8 @@ class PrometheusE2E(unittest.TestCase):
 
     @classmethod
     def cli(cls, *args, check=False):
-        out = subprocess.run([CLI, "--target", cls.target, "--timeout-ms", "30000", *args],
+        out = subprocess.run([CLI, "--target", cls.target, "--timeout-ms", "30000", "--admin-token", ADMIN_TOKEN,
+                              *args],
                              capture_output=True, text=True, timeout=60)
         if check and out.returncode != 0:
             raise AssertionError(f"attnserve-cli {' '.join(args)} exited {out.returncode}: {out.stdout}{out.stderr}")

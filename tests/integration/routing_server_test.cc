@@ -83,10 +83,13 @@ v1::SetRoutingRequest Route(const std::string& layer, std::vector<std::pair<v1::
 constexpr char kLayer[] = "ab=random:d_model=32,heads=4,seed=5";
 
 TEST(RoutingServerTest, SetRoutingIsAdminGuardedAndChecksEveryField) {
-  Server server({"--layer", kLayer, "--admin-token", "s3cret"});
+  Server server({"--layer", kLayer, "--admin-token", "s3cret-s3cret-s3cret"});
   ASSERT_NE(server.process, nullptr);
   v1::RoutingInfo info;
-  grpc::Status s = server.client().SetRouting(Route("ab", {{v1::FORM_SUMMED, 1}}), &info);
+  ClientOptions anonymous;
+  anonymous.target = server.process->target();
+  Client anonymous_client(anonymous);
+  grpc::Status s = anonymous_client.SetRouting(Route("ab", {{v1::FORM_SUMMED, 1}}), &info);
   EXPECT_EQ(s.error_code(), grpc::UNAUTHENTICATED) << Describe(s);
   EXPECT_THAT(s.error_message(), HasSubstr("SetRouting"));
 
@@ -95,10 +98,10 @@ TEST(RoutingServerTest, SetRoutingIsAdminGuardedAndChecksEveryField) {
   wrong.admin_token = "guess";
   Client wrong_client(wrong);
   s = wrong_client.SetRouting(Route("ab", {{v1::FORM_SUMMED, 1}}), &info);
-  EXPECT_EQ(s.error_code(), grpc::PERMISSION_DENIED) << Describe(s);
+  EXPECT_EQ(s.error_code(), grpc::UNAUTHENTICATED) << Describe(s);
 
   ClientOptions admin = wrong;
-  admin.admin_token = "s3cret";
+  admin.admin_token = "s3cret-s3cret-s3cret";
   Client admin_client(admin);
   struct Case {
     v1::SetRoutingRequest request;
@@ -143,7 +146,7 @@ TEST(RoutingServerTest, SetRoutingIsAdminGuardedAndChecksEveryField) {
 }
 
 TEST(RoutingServerTest, RoutedFormsAreStickyAndSkipFormsNotHeld) {
-  Server server({"--layer", kLayer, "--layer", "only=random:d_model=32,heads=4,seed=6,summed=false", "--route",
+  Server server({"--admin-token", testing::kTestAdminToken, "--layer", kLayer, "--layer", "only=random:d_model=32,heads=4,seed=6,summed=false", "--route",
                  "*=factored:1,summed:1"});
   ASSERT_NE(server.process, nullptr);
   Client& client = server.client();
@@ -200,7 +203,7 @@ TEST(RoutingServerTest, ShadowsRecordDivergenceAndNeverChangeTheAnswer) {
 }
 
 TEST(RoutingServerTest, RefusalsAndLayerGaugesInTheScrape) {
-  Server server({"--layer", kLayer});
+  Server server({"--admin-token", testing::kTestAdminToken, "--layer", kLayer});
   ASSERT_NE(server.process, nullptr);
   Client& client = server.client();
   v1::ForwardResponse resp;

@@ -99,7 +99,8 @@ int KillAndReap(pid_t pid, int signal, std::chrono::seconds timeout) {
 
 std::unique_ptr<ServerProcess> ServerProcess::Start(const std::string& binary, const std::vector<std::string>& args,
                                                     std::string* error, std::chrono::seconds timeout,
-                                                    const std::vector<std::string>& env) {
+                                                    const std::vector<std::string>& env,
+                                                    const ClientOptions& client) {
   std::unique_ptr<ServerProcess> server(new ServerProcess());
   std::string tmpl = (std::filesystem::temp_directory_path() / "attnserve_srv_XXXXXX").string();
   if (mkdtemp(tmpl.data()) == nullptr) {
@@ -133,9 +134,12 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::string& binary, c
     if (!text.empty()) server->port_ = std::atoi(text.c_str());
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  ClientOptions options;
+  ClientOptions options = client;
   options.target = server->target();
   options.timeout = std::chrono::milliseconds(60000);
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    if (args[i] == "--admin-token") options.admin_token = args[i + 1];
+  }
   server->client_ = std::make_unique<Client>(options);
   for (;;) {
     bool serving = false;

@@ -17,16 +17,22 @@
 
 namespace attnserve::testing {
 
+// The admin token the integration tests open the admin API with (`--admin-token`, at least
+// 16 bytes). ServerProcess's client sends whatever token the server's args name.
+inline constexpr char kTestAdminToken[] = "integration-test-admin-token";
+
 class ServerProcess {
  public:
   // Starts `binary` with `args` plus --listen 127.0.0.1:0 and a --port-file, then waits until
-  // the port is known and grpc.health.v1 answers SERVING. nullptr and `error` (with the
+  // the port is known and grpc.health.v1 answers SERVING, asked by a client made from `client`
+  // (its target replaced; TLS settings kept for a TLS server). nullptr and `error` (with the
   // server's log) when it does not come up within `timeout`. `env` ("NAME=value") is added to
   // the child's environment only.
   static std::unique_ptr<ServerProcess> Start(const std::string& binary, const std::vector<std::string>& args,
                                               std::string* error,
                                               std::chrono::seconds timeout = std::chrono::seconds(60),
-                                              const std::vector<std::string>& env = {});
+                                              const std::vector<std::string>& env = {},
+                                              const ClientOptions& client = {});
   ~ServerProcess();
   ServerProcess(const ServerProcess&) = delete;
   ServerProcess& operator=(const ServerProcess&) = delete;

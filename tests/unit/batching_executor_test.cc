@@ -55,8 +55,10 @@ class FakeBackend final : public Backend {
 };
 
 std::shared_ptr<const Layer> MakeLayer(Backend& backend, float scale) {
+  static uint64_t serial = 0;
   auto layer = std::make_shared<Layer>();
   layer->name = "demo";
+  layer->serial = ++serial;  // as LayerStore numbers its loads
   layer->config = *CompleteConfig({.d_model = 4, .heads = 2, .scale = scale});
   FormWeights f;
   f.config = layer->config;

@@ -62,7 +62,7 @@ TEST(RoutingFlagsTest, BadValuesAreNamed) {
            Case{{"--shadow-rate", "2"}, "--shadow-rate: expected a fraction in [0, 1], got '2'"},
            Case{{"--shadow-rate", "nan"}, "--shadow-rate: expected a fraction in [0, 1], got 'nan'"},
            Case{{"--shadow-queue", "0"}, "--shadow-queue: expected an integer in [1, 100000], got '0'"},
-           Case{{"--metrics-listen", ""}, "metrics_listen: expected HOST:PORT"},
+           Case{{"--metrics-listen", ""}, "--metrics-listen: expected HOST:PORT"},
        }) {
     StatusOr<ServerOptions> o = Parse(c.args);
     ASSERT_FALSE(o.ok()) << c.args[0] << " " << c.args[1];

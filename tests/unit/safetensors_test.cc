@@ -252,7 +252,7 @@ TEST_F(SafetensorsTest, F64ConvertsAndIntegersOpenButDoNotConvert) {
 }
 
 TEST_F(SafetensorsTest, MissingFileIsNotFound) {
-  ExpectRefusedFile((dir_ / "absent.safetensors").string(), {"cannot open"}, StatusCode::kNotFound);
+  ExpectRefusedFile((dir_ / "absent.safetensors").string(), {"no such file"}, StatusCode::kNotFound);
 }
 
 TEST_F(SafetensorsTest, DirectoryIsRefused) { ExpectRefusedFile(dir_.string(), {"not a regular file"}); }
@@ -270,9 +270,9 @@ TEST_F(SafetensorsTest, TruncatedFiles) {
 
 TEST_F(SafetensorsTest, HeaderLengthLies) {
   ExpectRefusedFile(Write("long.safetensors", LittleEndian(1000, 8) + "{}" + std::string(20, ' ')),
-                    {"header length 1000", "22 bytes"});
+                    {"header length field exceeds", "22 bytes"});
   ExpectRefusedFile(Write("huge.safetensors", LittleEndian(~uint64_t{0}, 8) + "{}"),
-                    {"header length 18446744073709551615", "limit"});
+                    {"header length field exceeds the limit"});
   ExpectRefusedFile(Write("big.safetensors", LittleEndian(uint64_t{200} << 20, 8) + "{}"), {"limit"});
   ExpectRefusedFile(Write("zero.safetensors", LittleEndian(0, 8)), {"too short"});
 }

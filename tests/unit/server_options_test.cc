@@ -47,7 +47,7 @@ TEST(ServerOptionsTest, FlagsInBothSpellings) {
   StatusOr<ServerOptions> o =
       Parse({"--listen", "127.0.0.1:0", "--layer=a=random:d_model=8,heads=2", "--layer", "b=safetensors:/x.st",
              "--threads=3", "--workers", "2", "--max-message-mb", "1", "--log-level=debug", "--log-json",
-             "--admin-token", "s3cret", "--port-file", "/tmp/p", "--max-queue-requests=5", "--max-scores-mb", "16"});
+             "--admin-token", "s3cret-s3cret-s3cret", "--port-file", "/tmp/p", "--max-queue-requests=5", "--max-scores-mb", "16"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
   EXPECT_EQ(o->listen, "127.0.0.1:0");
   ASSERT_EQ(o->layers.size(), 2u);
@@ -58,7 +58,7 @@ TEST(ServerOptionsTest, FlagsInBothSpellings) {
   EXPECT_EQ(o->max_message_mb, 1);
   EXPECT_EQ(o->log_level, "debug");
   EXPECT_TRUE(o->log_json);
-  EXPECT_EQ(o->admin_token, "s3cret");
+  EXPECT_EQ(o->admin_token, "s3cret-s3cret-s3cret");
   EXPECT_EQ(o->port_file, "/tmp/p");
   EXPECT_EQ(o->max_queue_requests, 5);
   EXPECT_EQ(o->max_scores_mb, 16);
@@ -121,9 +121,9 @@ TEST(ServerOptionsTest, YamlErrorsNameTheKey) {
 }
 
 TEST(ServerOptionsTest, AdminTokenFromEnvironmentHasLowestPrecedence) {
-  setenv("ATTNSERVE_ADMIN_TOKEN", "from-env", 1);
-  EXPECT_EQ(Parse({})->admin_token, "from-env");
-  EXPECT_EQ(Parse({"--admin-token", "flag"})->admin_token, "flag");
+  setenv("ATTNSERVE_ADMIN_TOKEN", "from-env-0123456789", 1);
+  EXPECT_EQ(Parse({})->admin_token, "from-env-0123456789");
+  EXPECT_EQ(Parse({"--admin-token", "from-flag-0123456789"})->admin_token, "from-flag-0123456789");
   unsetenv("ATTNSERVE_ADMIN_TOKEN");
 }
 
