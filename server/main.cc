@@ -244,7 +244,17 @@ int Run(int argc, char** argv) {
   }
 
   // After the layers: a bad layer is reported as such whatever the state of the metrics port.
-  StatusOr<std::unique_ptr<MetricsEndpoint>> metrics_endpoint = MetricsEndpoint::Start(options.metrics_listen, metrics);
+  MetricsWebConfig web;
+  if (!options.metrics_web_config.empty()) {
+    StatusOr<MetricsWebConfig> read = ReadMetricsWebConfig(options.metrics_web_config);
+    if (!read.ok()) {
+      spdlog::critical("{}", read.status().message());
+      return 1;
+    }
+    web = std::move(read).value();
+  }
+  StatusOr<std::unique_ptr<MetricsEndpoint>> metrics_endpoint =
+      MetricsEndpoint::Start(options.metrics_listen, metrics, web);
   if (!metrics_endpoint.ok()) {
     spdlog::critical("{}", metrics_endpoint.status().message());
     return 1;
@@ -320,8 +330,9 @@ int Run(int argc, char** argv) {
   for (const auto& [layer, split] : router.Routes()) {
     routes += (routes.empty() ? "" : "; ") + layer + "=" + FormatRouteSpec(split);
   }
-  spdlog::info("metrics on {}:{}/metrics; routes {}; shadow rate {}", HostOf(options.metrics_listen),
-               (*metrics_endpoint)->port(), routes, router.shadow_rate());
+  spdlog::info("metrics on {}://{}:{}/metrics{}; routes {}; shadow rate {}", web.tls() ? "https" : "http",
+               HostOf(options.metrics_listen), (*metrics_endpoint)->port(),
+               web.basic_auth_users.empty() ? "" : " (basic auth)", routes, router.shadow_rate());
   if (!options.metrics_port_file.empty() && !WritePortFile(options.metrics_port_file, (*metrics_endpoint)->port())) {
     spdlog::critical("cannot write the metrics port file '{}'", options.metrics_port_file);
     server->Shutdown();

@@ -8,9 +8,11 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "server/core/status.h"
 #include "server/metrics/metrics.h"
+#include "server/metrics/web_config.h"
 
 class CivetServer;
 
@@ -21,7 +23,10 @@ class MetricsEndpoint {
   // Listens on `listen` (IPV4:PORT, [IPV6]:PORT or PORT; port 0 picks a free port) and serves
   // `metrics`, which must outlive the endpoint. INVALID_ARGUMENT for a malformed address,
   // UNAVAILABLE when it cannot listen (address in use, not a local address).
-  static StatusOr<std::unique_ptr<MetricsEndpoint>> Start(const std::string& listen, const Metrics& metrics);
+  // `web` adds TLS (and client certificates) and basic auth (docs/security.md). Every
+  // connection gets 10 s to send its request, so slow clients cannot hold the threads.
+  static StatusOr<std::unique_ptr<MetricsEndpoint>> Start(const std::string& listen, const Metrics& metrics,
+                                                          const MetricsWebConfig& web = {});
   ~MetricsEndpoint();  // stops listening; waits for scrapes in progress
   MetricsEndpoint(const MetricsEndpoint&) = delete;
   MetricsEndpoint& operator=(const MetricsEndpoint&) = delete;
@@ -35,6 +40,7 @@ class MetricsEndpoint {
   std::unique_ptr<Handler> handler_;
   std::unique_ptr<CivetServer> server_;  // after handler_: destroyed first, so no scrape outlives it
   int port_ = 0;
+  std::vector<int> pem_fds_;  // in-memory PEM files civetweb reads by /proc/self/fd path
 };
 
 }  // namespace attnserve

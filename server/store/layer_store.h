@@ -69,7 +69,7 @@ struct LayerStoreOptions {
   int64_t max_total_bytes = INT64_MAX;
   // Where API loads may read checkpoints (absolute paths); none: API loads of safetensors
   // sources are refused. Also what Layer::source is shown relative to.
-  std::vector<std::string> model_dirs;
+  std::vector<std::string> model_dirs{};
 };
 
 // Who asked for a load. The operator's own sources (flags, config file) are read as written;

@@ -20,6 +20,7 @@ Every process it starts dies with it (PR_SET_PDEATHSIG) and is stopped in tearDo
 whole run is bounded by the timeouts below.
 """
 
+import base64
 import ctypes
 import json
 import math
@@ -36,9 +37,12 @@ import unittest
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 
 SRC = os.path.abspath(os.environ.get("ATTNSERVE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", "..")))
 ADMIN_TOKEN = "e2e-test-admin-token-0123456789"
+# /metrics behind basic auth (--metrics-web-config), scraped by Prometheus with basic_auth.
+SCRAPE_USER, SCRAPE_PASSWORD = "prometheus", "scrape-password-e2e"
 BINARY = os.environ.get("ATTNSERVE_BINARY", os.path.join(SRC, "build", "server", "attnserve"))
 CLI = os.environ.get("ATTNSERVE_CLI_BINARY", os.path.join(SRC, "build", "client", "attnserve-cli"))
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
@@ -68,9 +72,20 @@ def read(path):
         return f.read()
 
 
-def http_get(url, timeout=5):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def http_get(url, timeout=5, auth=None):
+    request = urllib.request.Request(url)
+    if auth is not None:
+        request.add_header("Authorization", "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
+    with urllib.request.urlopen(request, timeout=timeout) as r:
         return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+
+
+def bcrypt_hash(password):
+    """What `htpasswd -nBC 10` writes, through libxcrypt (Debian's Python still has crypt)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import crypt
+    return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=1 << 6))
 
 
 def stop(proc, timeout=15):
@@ -136,6 +151,9 @@ class PrometheusE2E(unittest.TestCase):
     def start_server(cls):
         port_file = os.path.join(cls.dir, "port")
         metrics_port_file = os.path.join(cls.dir, "metrics_port")
+        web_config = os.path.join(cls.dir, "web.yml")
+        with open(web_config, "w") as f:
+            f.write(f"basic_auth_users:\n  {SCRAPE_USER}: '{bcrypt_hash(SCRAPE_PASSWORD)}'\n")
         cmd = [BINARY, "--listen", "127.0.0.1:0", "--port-file", port_file,
                "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", metrics_port_file,
                "--layer", f"{LAYER}={LAYER_SOURCE}", "--threads", "1", "--log-level", "warn",
@@ -143,7 +161,7 @@ class PrometheusE2E(unittest.TestCase):
                # the drops are the unit tests' business.
                "--shadow-rate", "1", "--shadow-queue", "64",
                # The admin API is closed unless a token opens it (docs/security.md).
-               "--admin-token", ADMIN_TOKEN]
+               "--admin-token", ADMIN_TOKEN, "--metrics-web-config", web_config]
         cls.server_log = open(os.path.join(cls.dir, "server.log"), "w")
         cls.server = subprocess.Popen(cmd, stdout=cls.server_log, stderr=subprocess.STDOUT,
                                       preexec_fn=die_with_parent)
@@ -171,6 +189,9 @@ class PrometheusE2E(unittest.TestCase):
                 "scrape_configs:\n"
                 "  - job_name: attnserve\n"
                 "    metrics_path: /metrics\n"
+                "    basic_auth:\n"
+                f"      username: {SCRAPE_USER}\n"
+                f"      password: {SCRAPE_PASSWORD}\n"
                 "    static_configs:\n"
                 f"      - targets: ['127.0.0.1:{cls.metrics_port}']\n")
         check = subprocess.run([PROMTOOL, "check", "config", config], capture_output=True, text=True, timeout=60)
@@ -332,7 +353,8 @@ class PrometheusE2E(unittest.TestCase):
         self.assertEqual(self.query_values("sum(attnserve_inflight_requests)"), {(): 0.0})
 
     def test_promtool_accepts_a_scrape(self):
-        status, content_type, body = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        status, content_type, body = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                              auth=(SCRAPE_USER, SCRAPE_PASSWORD))
         self.assertEqual(status, 200)
         self.assertTrue(content_type.startswith("text/plain; version=0.0.4"), content_type)
         out = subprocess.run([PROMTOOL, "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
@@ -340,6 +362,14 @@ class PrometheusE2E(unittest.TestCase):
         excerpt = [l for l in body.splitlines() if l.startswith(("attnserve_requests_total", "attnserve_flops_total",
                                                                    "attnserve_routing_weight"))]
         print("scrape excerpt:\n  " + "\n  ".join(excerpt), file=sys.stderr)
+
+    def test_metrics_need_the_password(self):
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        for auth in (None, (SCRAPE_USER, "wrong"), ("someone", SCRAPE_PASSWORD)):
+            with self.assertRaises(urllib.error.HTTPError) as refused:
+                http_get(url, auth=auth)
+            self.assertEqual(refused.exception.code, 401, auth)
+            self.assertIn("Basic", refused.exception.headers.get("WWW-Authenticate", ""))
 
     # --- The deploy files ------------------------------------------------------------------------
 

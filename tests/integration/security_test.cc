@@ -12,7 +12,9 @@
 #include <thread>
 #include <cstdlib>
 #include <filesystem>
+#include <algorithm>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -221,6 +223,75 @@ TEST(SecurityTest, QueueFullNamesNoAddress) {
     EXPECT_THAT(status.error_message(), AllOf(HasSubstr("slow/summed"), Not(HasSubstr("0x"))));
   }
   EXPECT_GT(refused, 0);
+}
+
+// The status-code table of docs/service.md, walked: every code it lists is answered by the real
+// server to the request that should get it here, or is covered by the named test elsewhere.
+TEST(SecurityTest, TheStatusCodeTableIsWhatTheServerAnswers) {
+  std::ifstream doc(std::string(ATTNSERVE_SOURCE_DIR) + "/docs/service.md");
+  ASSERT_TRUE(doc.good());
+  std::vector<std::string> documented;
+  std::string line;
+  bool in_section = false;
+  while (std::getline(doc, line)) {
+    if (line.starts_with("## ")) in_section = line == "## Status codes";
+    if (in_section && line.starts_with("| `")) documented.push_back(line.substr(3, line.find('`', 3) - 3));
+  }
+  ASSERT_GE(documented.size(), 8u);
+
+  auto server = StartOrFail({"--admin-token", kTestAdminToken, "--layer", kTinyLayer, "--max-layers", "1"});
+  ASSERT_NE(server, nullptr);
+  Client& client = server->client();
+  Client anonymous = AnonymousClient(*server);
+  auto forward = [&](v1::ForwardRequest req, int timeout_ms = 10000) {
+    ClientOptions o = client.options();
+    o.timeout = std::chrono::milliseconds(timeout_ms);
+    Client c(o);
+    v1::ForwardResponse resp;
+    return c.Forward(req, &resp);
+  };
+  v1::ForwardRequest good;
+  good.set_layer("tiny");
+  std::vector<float> x(2 * 8 * 16);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::cos(0.37f * static_cast<float>(i));
+  *good.mutable_input() = MakeTensor(x, {2, 8, 16});
+  std::map<std::string, grpc::Status> answered;
+  {
+    v1::ForwardRequest no_input;
+    no_input.set_layer("tiny");
+    answered["INVALID_ARGUMENT"] = forward(no_input);
+    v1::ForwardRequest unknown = good;
+    unknown.set_layer("nope");
+    answered["NOT_FOUND"] = forward(unknown);
+    v1::ForwardRequest lowrank = good;
+    lowrank.set_form(v1::FORM_LOWRANK);
+    answered["FAILED_PRECONDITION"] = forward(lowrank);
+    answered["RESOURCE_EXHAUSTED"] = client.LoadLayer("second", "random:d_model=16,heads=2", nullptr);
+    answered["UNAUTHENTICATED"] = anonymous.UnloadLayer("tiny");
+    answered["PERMISSION_DENIED"] = client.LoadLayer("x", "safetensors:x.safetensors,heads=2", nullptr);
+    v1::ForwardRequest big = good;
+    std::vector<float> long_input(4096 * 16, 0.25f);
+    *big.mutable_input() = MakeTensor(long_input, {1, 4096, 16});
+    big.set_form(v1::FORM_SUMMED);
+    answered["DEADLINE_EXCEEDED"] = forward(big, 1);
+  }
+  // Codes whose trigger is a whole scenario of its own.
+  const std::map<std::string, std::string> elsewhere = {
+      {"UNAVAILABLE", "DrainTest.SigtermUnderLoadLosesNothing, TlsTest.*"},
+      {"INTERNAL", "CudaEmulatedServerTest.ADeviceFaultFailsTheRequestAndTakesTheServerOutOfRotation"},
+      {"OUT_OF_RANGE", "the non-finite output tests (server_test.cc)"},
+  };
+  for (const std::string& code : documented) {
+    auto it = answered.find(code);
+    if (it == answered.end()) {
+      EXPECT_TRUE(elsewhere.count(code)) << code << " is documented, but no test here or elsewhere triggers it";
+      continue;
+    }
+    EXPECT_EQ(std::string(GrpcCodeName(it->second.error_code())), code) << Describe(it->second);
+  }
+  for (const auto& [code, _] : answered) {
+    EXPECT_NE(std::find(documented.begin(), documented.end(), code), documented.end()) << code << " is not documented";
+  }
 }
 
 // Certificates made here with openssl: a CA, a server certificate for 127.0.0.1 and "attnserve",

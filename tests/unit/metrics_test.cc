@@ -498,3 +498,63 @@ TEST(DashboardTest, QueriesNameOnlyExportedMetricsAndLabels) {
 
 }  // namespace
 }  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// --metrics-web-config: Prometheus's web.config.file format, checked key by key.
+class MetricsWebConfigTest : public ::testing::Test {
+ protected:
+  std::string Write(const std::string& name, const std::string& text) {
+    const std::string path = (std::filesystem::temp_directory_path() / ("attnserve_webcfg_" + std::to_string(getpid()) + "_" + name)).string();
+    std::ofstream(path) << text;
+    files_.push_back(path);
+    return path;
+  }
+  void TearDown() override {
+    for (const auto& f : files_) std::filesystem::remove(f);
+  }
+  std::vector<std::string> files_;
+};
+
+// bcrypt of "secret" (cost 4: fast enough for a unit test; the format is what counts).
+constexpr char kSecretHash[] = "$2b$04$WMcboLv9AK1AV0IC3FYHE.JQhHlHsF78VF.ObPD45q88bqs/wMhqC";
+
+TEST_F(MetricsWebConfigTest, BasicAuthUsersAndBcrypt) {
+  auto config = ReadMetricsWebConfig(Write("ok.yml", std::string("basic_auth_users:\n  prom: '") + kSecretHash + "'\n"));
+  ASSERT_TRUE(config.ok()) << config.status().ToString();
+  EXPECT_FALSE(config->tls());
+  ASSERT_EQ(config->basic_auth_users.size(), 1u);
+  EXPECT_TRUE(BcryptMatches("secret", config->basic_auth_users.at("prom")));
+  EXPECT_FALSE(BcryptMatches("Secret", config->basic_auth_users.at("prom")));
+  EXPECT_FALSE(BcryptMatches("", config->basic_auth_users.at("prom")));
+}
+
+TEST_F(MetricsWebConfigTest, ErrorsNameTheKey) {
+  using ::testing::HasSubstr;
+  EXPECT_THAT(ReadMetricsWebConfig(Write("a.yml", "basic_auth_users:\n  prom: plaintext\n")).status().message(),
+              HasSubstr("basic_auth_users.prom: expected a bcrypt hash"));
+  EXPECT_THAT(ReadMetricsWebConfig(Write("b.yml", "http_server_config:\n  http2: true\n")).status().message(),
+              HasSubstr("http_server_config: unknown key"));
+  EXPECT_THAT(ReadMetricsWebConfig(Write("c.yml", "tls_server_config:\n  cert_file: x.crt\n")).status().message(),
+              HasSubstr("expected both cert_file and key_file"));
+  EXPECT_THAT(ReadMetricsWebConfig(Write("d.yml", "tls_server_config:\n  min_version: TLS13\n")).status().message(),
+              HasSubstr("tls_server_config.min_version: not supported"));
+  EXPECT_THAT(ReadMetricsWebConfig("/nonexistent/web.yml").status().message(), HasSubstr("cannot read it"));
+}
+
+// Debian bookworm's civetweb cannot load OpenSSL 3 (docs/security.md): TLS on /metrics is
+// refused at start-up with the reason, never started half-way.
+TEST_F(MetricsWebConfigTest, TlsOnMetricsIsRefusedWhereCivetwebCannotLoadOpenSsl) {
+  MetricsWebConfig web;
+  web.cert_pem = "-----BEGIN CERTIFICATE-----\n";
+  web.key_pem = "-----BEGIN PRIVATE KEY-----\n";
+  Metrics metrics;
+  auto endpoint = MetricsEndpoint::Start("127.0.0.1:0", metrics, web);
+  if (endpoint.ok()) GTEST_SKIP() << "this civetweb loads OpenSSL: TLS on /metrics is available here";
+  EXPECT_EQ(endpoint.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(endpoint.status().message(), ::testing::HasSubstr("OpenSSL"));
+}
+
+}  // namespace
+}  // namespace attnserve

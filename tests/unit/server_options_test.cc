@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -160,6 +162,38 @@ TEST(ServerOptionsTest, BatchingSettingsFromFlagsAndYaml) {
   EXPECT_THAT(Parse({"--drain-timeout-s", "-1"}).status().message(), HasSubstr("--drain-timeout-s"));
   EXPECT_THAT(ApplyYamlConfig("max_queue_requests: 0\n", "c.yaml", &from_yaml).message(),
               HasSubstr("max_queue_requests"));
+}
+
+}  // namespace
+}  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// docs/service.md's flag table and the settings table in server_options.cc say the same thing:
+// every flag and its YAML key in a row, and no row for a flag the server does not have.
+TEST(ServerOptionsTest, TheDocumentedFlagTableIsTheCodes) {
+  std::ifstream doc(std::string(ATTNSERVE_SOURCE_DIR) + "/docs/service.md");
+  ASSERT_TRUE(doc.good());
+  std::map<std::string, std::string> rows;  // flag → the whole row
+  std::string line;
+  while (std::getline(doc, line)) {
+    if (!line.starts_with("| `--")) continue;
+    const std::string first_cell = line.substr(2, line.find(" | ") - 2);
+    for (size_t at = first_cell.find("`--"); at != std::string::npos; at = first_cell.find("`--", at + 1)) {
+      const size_t end = first_cell.find_first_of(" `", at + 1);
+      rows[first_cell.substr(at + 1, end - at - 1)] = line;
+    }
+  }
+  std::set<std::string> flags;
+  for (const SettingDoc& s : SettingDocs()) {
+    if (s.flag.empty()) continue;
+    flags.insert(s.flag);
+    ASSERT_TRUE(rows.count(s.flag)) << s.flag << " is missing from docs/service.md's flag table";
+    if (!s.key.empty()) EXPECT_THAT(rows[s.flag], HasSubstr("`" + s.key)) << s.flag << ": YAML key " << s.key;
+    EXPECT_THAT(UsageText(), HasSubstr(s.flag));
+  }
+  for (const auto& [flag, row] : rows) EXPECT_TRUE(flags.count(flag)) << flag << " is documented but not a flag";
 }
 
 }  // namespace
