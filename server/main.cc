@@ -270,7 +270,12 @@ int Run(int argc, char** argv) {
     (void)router.SetRoute(layer, ParseRouteSpec(spec).value());  // checked by ParseServerOptions
   }
   (void)router.SetShadowRate(options.shadow_rate);  // checked by ParseServerOptions
-  ShadowRunner shadow(&executor, ShadowOptions{.queue_capacity = options.shadow_queue}, &metrics);
+  // One budget for what every admitted request and shadow run holds (docs/reliability.md).
+  const int64_t memory_budget =
+      options.max_memory_mb > 0 ? int64_t{options.max_memory_mb} << 20 : DefaultMemoryBudgetBytes();
+  MemoryBudget memory(memory_budget, "--max-memory-mb",
+                      [&metrics, memory_budget](int64_t reserved) { metrics.SetMemory(reserved, memory_budget); });
+  ShadowRunner shadow(&executor, ShadowOptions{.queue_capacity = options.shadow_queue, .budget = &memory}, &metrics);
   StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = ServerCredentials(options);
   if (!credentials.ok()) {
     spdlog::critical("{}", credentials.status().message());
@@ -283,7 +288,10 @@ int Run(int argc, char** argv) {
                           .max_score_bytes = int64_t{options.max_scores_mb} << 20,
                           .metrics = &metrics,
                           .router = &router,
-                          .shadow = &shadow};
+                          .shadow = &shadow,
+                          .memory = &memory,
+                          .backend = &backend,
+                          .max_response_bytes = int64_t{options.max_message_mb} << 20};
   };
   // The public listener opens the admin API only to token holders; the admin listener, which
   // can only bind loopback without a token (server_options.cc), to whoever reaches it.
@@ -321,9 +329,10 @@ int Run(int argc, char** argv) {
   std::cout << "listening on " << bound << std::endl;
   spdlog::info(
       "attnserve {} listening on {} (backend {}, {} workers, batches of <= {} requests / {} tokens "
-      "after <= {} us, queues of {}, max message {} MiB, {}, admin API {})",
+      "after <= {} us, queues of {}, max message {} MiB, memory budget {} MiB, {}, admin API {})",
       ATTNSERVE_VERSION, bound, backend.DeviceName(), options.workers, options.max_batch_requests,
       options.max_batch_tokens, options.max_queue_delay_us, options.max_queue_requests, options.max_message_mb,
+      memory.budget() >> 20,
       options.tls_cert.empty() ? "plaintext" : (options.tls_client_ca.empty() ? "TLS" : "mTLS"),
       options.admin_token.empty() ? "closed on this listener" : "with the admin token");
   std::string routes;

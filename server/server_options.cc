@@ -173,6 +173,10 @@ const Setting kSettings[] = {
      "largest request and response in MiB"},
     {"--max-scores-mb", "max_scores_mb", "N", &O::max_scores_mb, 1, 1048576, nullptr, nullptr,
      "largest attention scores one sequence may need, n*m*heads*4 bytes, in MiB; beyond: RESOURCE_EXHAUSTED"},
+    {"--max-memory-mb", "max_memory_mb", "N", &O::max_memory_mb, 0, 1 << 30, nullptr, nullptr,
+     "memory every admitted request may hold at once (input, output, compare and shadow copies, backend scratch), "
+     "in MiB; 0: half the container's memory limit, else half the machine's; beyond: RESOURCE_EXHAUSTED, or "
+     "INVALID_ARGUMENT for a request that can never fit"},
     {"--log-level", "log_level", "LEVEL", &O::log_level, 0, 0, CheckLogLevel, nullptr,
      "trace, debug, info, warn, error, critical or off"},
     {"--log-json", "log_json", "", &O::log_json, 0, 0, nullptr, nullptr, "log one JSON object per line"},

@@ -29,6 +29,9 @@ struct ServerOptions {
   std::string gpu_math = "fp32";  // fp32, or tf32 for TF32 tensor-core GEMMs on the GPU
   int max_message_mb = 64;   // receive and send limit
   int max_scores_mb = 2048;  // attention scores of one sequence (n · m · heads · 4 bytes)
+  // What admitted requests may hold at once (inputs, outputs, copies, backend scratch), MiB;
+  // 0: half the container's memory limit, else half the machine's memory.
+  int max_memory_mb = 0;
   std::string log_level = "info";
   bool log_json = false;
   // The admin API (LoadLayer, UnloadLayer, SetRouting; docs/security.md). Closed on --listen

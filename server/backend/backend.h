@@ -4,6 +4,7 @@
 // ResidentForm is immutable and shared between the calls that use it.
 #pragma once
 
+#include <climits>
 #include <memory>
 #include <span>
 #include <string>
@@ -40,6 +41,14 @@ class Backend {
   // their own n, m, causal flag and key length; each is checked with ValidateSequence first,
   // and a bad one fails the call before anything is computed.
   virtual Status Forward(const ResidentForm& form, std::span<const Sequence> batch) = 0;
+
+  // Host memory one Forward of `batch` allocates beyond its inputs and outputs, for the
+  // server's memory budget. The default is the CPU backend's formula on one thread with the
+  // summed form unchunked (an upper bound for a backend whose host side stages less).
+  virtual int64_t ScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch,
+                               bool self_attention) const {
+    return ForwardScratchBytes(form, batch, self_attention, 1, INT64_MAX);
+  }
 };
 
 // Checks every sequence of a batch against the form's layer; the error names the sequence.

@@ -12,7 +12,8 @@ struct DivergenceStats {
   double rel_l2 = 0;   // ||other - served||_2 / ||served||_2 (0 when both are zero; inf when only served is)
 };
 
-// `served` and `other` have the same size (the caller's outputs of one request).
+// `served` and `other` have the same size (the caller's outputs of one request). A NaN or an
+// infinity in either makes both measures infinite: it never agrees with anything.
 DivergenceStats MeasureDivergence(std::span<const float> served, std::span<const float> other);
 
 }  // namespace attnserve

@@ -1,5 +1,7 @@
 #include "server/core/forms.h"
 
+#include <algorithm>
+
 #include <Eigen/Core>
 
 namespace attnserve {
@@ -110,6 +112,38 @@ FormWeights MaterializeSummed(const LayerWeights& w) {
 }
 
 FormWeights MaterializeQueryKeyOnly(Form form, const LayerWeights& w) { return StartForm(form, w, 0); }
+
+int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape> batch, bool self_attention,
+                            int threads, int64_t max_score_scratch_bytes) {
+  if (batch.empty()) return 0;
+  const int64_t d = f.config.d_model, heads = f.config.heads;
+  int64_t tx = 0, tc = 0, max_scores = 0, a_cat_total = 0, a_cat_largest = 0;
+  for (const SequenceShape& s : batch) {
+    const int64_t keys = s.keys < 0 ? s.m : s.keys;
+    tx += s.n;
+    tc += s.m;
+    max_scores = std::max(max_scores, s.n * keys);
+    a_cat_total += s.n * keys * heads;
+    a_cat_largest = std::max(a_cat_largest, s.n * keys * heads);
+  }
+  const bool stacked = batch.size() > 1;
+  int64_t floats = 0;
+  if (stacked) floats += tx * d + (self_attention ? 0 : tc * d);          // StackRows copies
+  floats += self_attention ? tx * (f.q_cols + f.k_cols) : tx * f.q_cols + tc * f.k_cols;  // Q, K
+  floats += tc * f.value_cols;                                            // the value block
+  floats += static_cast<int64_t>(std::max(threads, 1)) * max_scores;      // a score matrix per thread
+  if (f.has_output_projection()) {
+    floats += tx * f.out_rows;                                            // heads' outputs
+    if (stacked) floats += tx * d;                                        // the stacked output
+  } else {
+    const int64_t chunk_cap = max_score_scratch_bytes / static_cast<int64_t>(sizeof(float));
+    floats += std::min(a_cat_total, std::max(chunk_cap, a_cat_largest));  // A_cat of one chunk
+  }
+  // Eigen's GEMM packs its operands into blocks sized to the caches, per thread (measured:
+  // 1-2 MiB each at these widths; tests/unit/memory_footprint_test.cc).
+  const int64_t packing = static_cast<int64_t>(std::max(threads, 1)) * (int64_t{2} << 20);
+  return floats * static_cast<int64_t>(sizeof(float)) + packing;
+}
 
 double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch) {
   const double d = static_cast<double>(f.config.d_model);

@@ -82,4 +82,15 @@ struct SequenceShape {
 // as computed where the backend computes them (it skips keys beyond key_length only).
 double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batch);
 
+// Bytes of host scratch the CPU backend allocates for one Forward of `batch` in this form
+// (server/backend/cpu/cpu_backend.cc, whose allocations this follows line by line): the stacked
+// inputs, Q and K, the value block (m · h · d_model floats in the summed form), the heads'
+// outputs and the stacked output (factored, low rank), a score matrix per thread, and the
+// summed form's A_cat chunk (which holds at most `max_score_scratch_bytes` or one sequence's
+// n · L · h floats, whichever is more), and the GEMMs' packing blocks. `self_attention` says
+// whether the context is the input.
+// The memory budget admits requests by this figure (docs/reliability.md compares it with RSS).
+int64_t ForwardScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch, bool self_attention,
+                            int threads, int64_t max_score_scratch_bytes);
+
 }  // namespace attnserve

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -80,6 +81,9 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
        "FLOP/s."},
       {"attnserve_queue_depth", "gauge", {"layer", "form"}, "Forward jobs waiting in the executor's queue."},
       {"attnserve_inflight_requests", "gauge", {}, "Forward calls received and not yet answered."},
+      {"attnserve_memory_reserved_bytes", "gauge", {},
+       "Bytes admitted requests and shadow runs hold now under the memory budget (--max-memory-mb)."},
+      {"attnserve_memory_budget_bytes", "gauge", {}, "The memory budget of admitted requests (--max-memory-mb)."},
       {"attnserve_shadow_divergence", "histogram", {"layer", "form"},
        "Relative L2 distance ||mirror - served|| / ||served|| of shadow runs, by the mirror's form."},
       {"attnserve_shadow_divergence_max_abs", "histogram", {"layer", "form"},
@@ -94,6 +98,9 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
       {"attnserve_build_info", "gauge", {"version", "device", "blas"}, "Always 1; the labels describe the build."},
       {"attnserve_device_errors_total", "counter", {"device"},
        "Backend calls that failed with a device error (the backend is then unhealthy)."},
+      {"attnserve_nonfinite_outputs_total", "counter", {"layer", "form"},
+       "Outputs a form computed with a NaN or an infinity in them (float32 overflowed on finite inputs): served "
+       "ones are answered OUT_OF_RANGE, compare and shadow ones show as infinite divergence."},
   };
   return families;
 }
@@ -133,6 +140,7 @@ struct Metrics::Impl {
     std::atomic<prometheus::Gauge*> queue_depth{nullptr};
     std::atomic<prometheus::Histogram*> shadow_divergence{nullptr};
     std::atomic<prometheus::Histogram*> shadow_max_abs{nullptr};
+    std::atomic<prometheus::Counter*> nonfinite_outputs{nullptr};
     std::mutex device_mu;  // per batch, not per request: a plain lock is cheap enough
     std::vector<DeviceSeries> devices;  // guarded by device_mu
   };
@@ -162,7 +170,10 @@ struct Metrics::Impl {
   prometheus::Family<prometheus::Gauge>& routing_weight = Gauge(*registry, "attnserve_routing_weight");
   prometheus::Family<prometheus::Gauge>& build_info = Gauge(*registry, "attnserve_build_info");
   prometheus::Family<prometheus::Counter>& device_errors = Counter(*registry, "attnserve_device_errors_total");
+  prometheus::Family<prometheus::Counter>& nonfinite_outputs = Counter(*registry, "attnserve_nonfinite_outputs_total");
   prometheus::Gauge& inflight = inflight_family.Add({});
+  prometheus::Gauge& memory_reserved = Gauge(*registry, "attnserve_memory_reserved_bytes").Add({});
+  prometheus::Gauge& memory_budget = Gauge(*registry, "attnserve_memory_budget_bytes").Add({});
 
   std::shared_mutex mu;
   std::map<std::string, std::unique_ptr<LayerSeries>, std::less<>> layers;  // guarded by mu; never erased
@@ -230,6 +241,11 @@ void Metrics::SetBuildInfo(std::string_view version, std::string_view device, st
 
 void Metrics::RequestStarted() { impl_->inflight.Increment(); }
 
+void Metrics::SetMemory(int64_t reserved_bytes, int64_t budget_bytes) {
+  impl_->memory_reserved.Set(static_cast<double>(reserved_bytes));
+  impl_->memory_budget.Set(static_cast<double>(budget_bytes));
+}
+
 void Metrics::RequestFinished(std::string_view layer, std::optional<Form> form, StatusCode code, double seconds) {
   impl_->inflight.Decrement();
   const size_t slot = FormSlot(form);
@@ -271,6 +287,12 @@ void Metrics::RemoveLayer(std::string_view layer) {
 
 void Metrics::CountDeviceError(std::string_view device) {
   impl_->device_errors.Add({{"device", std::string(device)}}).Increment();
+}
+
+void Metrics::CountNonFiniteOutput(std::string_view layer, Form form) {
+  const size_t slot = FormSlot(form);
+  Impl::FormSeries& s = impl_->Series(layer, slot);
+  Lazy(s.nonfinite_outputs, impl_->nonfinite_outputs, [&] { return Impl::LayerForm(layer, slot); }).Increment();
 }
 
 void Metrics::JobQueued(std::string_view layer, Form form) {
@@ -320,6 +342,9 @@ void Metrics::ShadowCompared(std::string_view layer, Form mirror, const Divergen
   auto labels = [&] { return Impl::LayerForm(layer, slot); };
   Lazy(s.shadow_divergence, impl_->shadow_divergence, labels, DivergenceBuckets()).Observe(divergence.rel_l2);
   Lazy(s.shadow_max_abs, impl_->shadow_max_abs, labels, DivergenceBuckets()).Observe(divergence.max_abs);
+  // The served output was finite (the service answered it), so an infinite divergence is the
+  // mirror's own NaN or infinity.
+  if (std::isinf(divergence.max_abs)) CountNonFiniteOutput(layer, mirror);
 }
 
 void Metrics::ShadowDropped(std::string_view layer) {

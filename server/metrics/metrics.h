@@ -61,6 +61,8 @@ class Metrics final : public BatchObserver, public RoutingObserver {
   // build_info{version,device,blas} = 1. Call once at start-up.
   void SetBuildInfo(std::string_view version, std::string_view device, std::string_view blas);
 
+  // The memory budget's state (memory_reserved_bytes, memory_budget_bytes).
+  void SetMemory(int64_t reserved_bytes, int64_t budget_bytes);
   // A Forward call arrived (inflight_requests + 1).
   void RequestStarted();
   // A Forward call ended with `code` after `seconds` (inflight_requests - 1, requests_total,
@@ -77,6 +79,11 @@ class Metrics final : public BatchObserver, public RoutingObserver {
   // A device failed a batch (the backend is now unhealthy).
   void CountDeviceError(std::string_view device);
 
+  // An output `form` computed for a request to `layer` held a NaN or an infinity (float32
+  // overflowed on finite inputs): nonfinite_outputs_total. The service counts served outputs
+  // (answered OUT_OF_RANGE) and compare outputs; ShadowCompared counts mirrors.
+  void CountNonFiniteOutput(std::string_view layer, Form form);
+
   // BatchObserver: queue_depth, queue_duration_seconds, compute_duration_seconds,
   // batch_requests, batch_tokens, flops_total; a batch failing with INTERNAL also counts a
   // device error.
@@ -85,7 +92,8 @@ class Metrics final : public BatchObserver, public RoutingObserver {
   void BatchDone(const BatchReport& report) override;
 
   // RoutingObserver: routing_weight, shadow_divergence (rel_l2),
-  // shadow_divergence_max_abs, shadow_dropped_total.
+  // shadow_divergence_max_abs, shadow_dropped_total; a mirror with a non-finite output (an
+  // infinite divergence) also counts in nonfinite_outputs_total.
   void RouteChanged(std::string_view layer, const std::vector<std::pair<Form, double>>& split) override;
   void ShadowCompared(std::string_view layer, Form mirror, const DivergenceStats& divergence) override;
   void ShadowDropped(std::string_view layer) override;

@@ -10,24 +10,8 @@
 
 namespace attnserve {
 
-int64_t ShadowRequest::BytesFor(int64_t batch, int64_t n, int64_t m, int64_t d_model) {
-  const int64_t rows = batch * (3 * n + m);  // input, served output, mirror output, context
-  return rows * d_model * static_cast<int64_t>(sizeof(float));
-}
-
-std::vector<Sequence> ShadowRequest::Sequences(float* output) const {
-  std::vector<Sequence> seqs;
-  seqs.reserve(static_cast<size_t>(batch));
-  for (int64_t b = 0; b < batch; ++b) {
-    Sequence s;
-    s.input = ConstMatrixView(input.data() + b * n * d_model, n, d_model);
-    if (!context.empty()) s.context = ConstMatrixView(context.data() + b * m * d_model, m, d_model);
-    s.causal = causal;
-    s.key_length = key_lengths.empty() ? -1 : key_lengths[static_cast<size_t>(b)];
-    s.output = MatrixView(output + b * n * d_model, n, d_model);
-    seqs.push_back(s);
-  }
-  return seqs;
+int64_t ShadowRequest::BytesFor(const AttentionRequest& request) {
+  return request.Bytes() + 2 * request.output_elements() * static_cast<int64_t>(sizeof(float));
 }
 
 ShadowRunner::ShadowRunner(Executor* executor, ShadowOptions options, RoutingObserver* observer)
@@ -51,6 +35,19 @@ bool ShadowRunner::Offer(std::string_view layer, int64_t bytes, const std::funct
   // The copy is made outside the lock: it is the slow part, and other offers need not wait.
   Task task;
   task.bytes = bytes;
+  if (options_.budget != nullptr) {
+    StatusOr<MemoryBudget::Reservation> reserved = options_.budget->Reserve(bytes, "a shadow run");
+    if (!reserved.ok()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        --reserved_;
+        bytes_ -= bytes;
+      }
+      if (observer_ != nullptr) observer_->ShadowDropped(layer);
+      return false;
+    }
+    task.reservation = std::move(reserved).value();
+  }
   bool built = false;
   try {
     task.request = make();
@@ -131,7 +128,7 @@ void ShadowRunner::Run(Task& task) {
     mirror_output.resize(r.served_output.size());
     job.layer = r.layer;
     job.form = r.mirror;
-    job.sequences = r.Sequences(mirror_output.data());
+    job.sequences = r.request.Sequences(mirror_output.data());
     job.done = [&done](Status status, JobTimings) { done.set_value(std::move(status)); };
   } catch (const std::exception&) {
     if (observer_ != nullptr) observer_->ShadowDropped(layer_name);

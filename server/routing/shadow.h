@@ -21,36 +21,34 @@
 #include <vector>
 
 #include "server/batching/executor.h"
+#include "server/batching/memory_budget.h"
 #include "server/core/forms.h"
-#include "server/core/sequence.h"
+#include "server/core/request.h"
 #include "server/routing/routing_observer.h"
 #include "server/store/layer_store.h"
 
 namespace attnserve {
 
 // An owned copy of one request and of its served output: the request's own bytes are gone
-// once the client has its answer.
+// once the client has its answer. `request` is a copy of the decoded request (a copy owns every
+// value and keeps every field), so the mirror computes exactly what the client asked.
 struct ShadowRequest {
   std::shared_ptr<const Layer> layer;
   Form served = Form::kFactored;
   Form mirror = Form::kSummed;
-  int64_t batch = 0, n = 0, d_model = 0;
-  int64_t m = 0;               // context rows; 0: self-attention
-  std::vector<float> input;    // [batch, n, d_model]
-  std::vector<float> context;  // [batch, m, d_model] or empty
-  bool causal = false;
-  std::vector<int64_t> key_lengths;  // empty or one per batch row
+  AttentionRequest request;
   std::vector<float> served_output;  // [batch, n, d_model]
 
-  // What a copy of a request of this size holds: input, context and two outputs.
-  static int64_t BytesFor(int64_t batch, int64_t n, int64_t m, int64_t d_model);
-  // One sequence per batch row, viewing this object's memory and writing into `output`.
-  std::vector<Sequence> Sequences(float* output) const;
+  // What a copy of `request` and its two outputs (served and mirrored) hold, in bytes.
+  static int64_t BytesFor(const AttentionRequest& request);
 };
 
 struct ShadowOptions {
   int queue_capacity = 16;                    // mirrors waiting at most
   int64_t max_queue_bytes = int64_t{256} << 20;  // their copies' bytes at most (in flight included)
+  // The server-wide budget each mirror also reserves its bytes from (not owned; may be null):
+  // a mirror that does not fit is dropped and counted, never queued.
+  MemoryBudget* budget = nullptr;
 };
 
 class ShadowRunner {
@@ -79,6 +77,7 @@ class ShadowRunner {
   struct Task {
     ShadowRequest request;
     int64_t bytes = 0;
+    MemoryBudget::Reservation reservation;  // given back when the task is done or dropped
   };
   void Work();
   void Run(Task& task);

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -136,6 +137,10 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// A response's bytes beyond its output tensor's: protobuf's tags and lengths, the shape, the
+// form, the timings and up to two divergences, about 120 bytes; rounded up.
+constexpr int64_t kResponseFraming = 256;
+
 // What one Forward call reports when it is answered: its outcome to the metrics, and, when it
 // was served well and sampled for a shadow, a mirror run of `mirror` to the shadow runner.
 struct CallReporting {
@@ -143,19 +148,54 @@ struct CallReporting {
   ShadowRunner* shadow = nullptr;
   std::optional<Form> mirror;
   std::chrono::steady_clock::time_point arrived;
+  const Backend* backend = nullptr;  // for the mirror's scratch in its memory reservation
 };
+
+// The shapes the backend sees for a request: one sequence per batch row.
+std::vector<SequenceShape> ShapesOf(const AttentionRequest& r) {
+  std::vector<SequenceShape> shapes;
+  const int64_t m = r.context ? r.context->rows : r.n();
+  for (int64_t b = 0; b < r.batch(); ++b) {
+    shapes.push_back({.n = r.n(), .m = m, .keys = r.key_lengths.empty() ? -1 : r.key_lengths[b]});
+  }
+  return shapes;
+}
+
+// Host bytes one form's job holds while it is queued and computed: its output and the
+// backend's scratch (the same formula the backend allocates by: ForwardScratchBytes).
+int64_t JobBytes(const Layer& layer, Form form, const AttentionRequest& r, std::span<const SequenceShape> shapes,
+                 const Backend* backend) {
+  const int64_t output = r.output_elements() * static_cast<int64_t>(sizeof(float));
+  const ResidentForm* resident = layer.Find(form);
+  if (backend == nullptr || resident == nullptr) return output;
+  return output + backend->ScratchBytes(resident->weights(), shapes, !r.context.has_value());
+}
+
+// What a Forward call holds from admission to its answer: the request's tensors (the wire bytes,
+// and float32 copies where the wire was half precision), then per form run its output and
+// scratch. docs/reliability.md has the model and its check against measured RSS.
+int64_t RequestFootprint(const Layer& layer, const AttentionRequest& r, std::span<const Form> forms,
+                         int64_t wire_bytes, const Backend* backend) {
+  const std::vector<SequenceShape> shapes = ShapesOf(r);
+  int64_t bytes = wire_bytes;
+  if (r.input.owns_values()) bytes += r.input.elements() * static_cast<int64_t>(sizeof(float));
+  if (r.context && r.context->owns_values()) bytes += r.context->elements() * static_cast<int64_t>(sizeof(float));
+  for (Form form : forms) bytes += JobBytes(layer, form, r, shapes, backend);
+  return bytes;
+}
 
 // The state of one Forward call: its decoded input, where each job writes, and the outcome of
 // every job. Shared by the jobs' completions; the last one to finish answers the call.
 class ForwardCall {
  public:
   ForwardCall(grpc::ServerUnaryReactor* reactor, v1::ForwardResponse* response, std::shared_ptr<const Layer> layer,
-              DecodedForward decoded, CallReporting reporting)
+              AttentionRequest decoded, CallReporting reporting, MemoryBudget::Reservation reservation)
       : reactor_(reactor),
         response_(response),
         layer_(std::move(layer)),
         decoded_(std::move(decoded)),
-        reporting_(std::move(reporting)) {}
+        reporting_(std::move(reporting)),
+        reservation_(std::move(reservation)) {}
 
   // Prepares the output buffers and submits the served form's job and, for `compare`, one per
   // other held form. The call is answered from the last job's completion.
@@ -233,13 +273,26 @@ class ForwardCall {
       }
     }
     const size_t elements = static_cast<size_t>(decoded_.output_elements());
+    const std::span<const float> served(served_output_, elements);
+    // The inputs were finite (DecodeForward); a NaN or an infinity here means float32
+    // overflowed in the computation, which the client must hear rather than read as an answer.
+    // One pass over the output: cheap next to computing it.
+    if (Status finite = CheckOutputFinite(decoded_, forms_[0], served); !finite.ok()) {
+      if (reporting_.metrics != nullptr) reporting_.metrics->CountNonFiniteOutput(layer_->name, forms_[0]);
+      Answer(ToGrpc(finite));
+      return;
+    }
     if (!fallback_output_.empty()) {
       std::memcpy(response_->mutable_output()->mutable_data()->data(), fallback_output_.data(),
                   elements * sizeof(float));
     }
-    const std::span<const float> served(served_output_, elements);
     for (size_t i = 1; i < forms_.size(); ++i) {
       const DivergenceStats d = MeasureDivergence(served, compare_outputs_[i - 1]);
+      // The served output is finite, so an infinite divergence is a non-finite compare output:
+      // the client sees it as such, and it is counted like a served one.
+      if (std::isinf(d.max_abs) && reporting_.metrics != nullptr) {
+        reporting_.metrics->CountNonFiniteOutput(layer_->name, forms_[i]);
+      }
       v1::Divergence* div = response_->add_divergence();
       div->set_form(ToProtoForm(forms_[i]));
       div->set_max_abs(d.max_abs);
@@ -266,21 +319,15 @@ class ForwardCall {
   // call, which ends with the answer. A full shadow queue drops the mirror, never the answer.
   void OfferShadow(std::span<const float> served) {
     if (reporting_.shadow == nullptr || !reporting_.mirror) return;
-    const DecodedTensor& in = decoded_.input;
-    const int64_t m = decoded_.context ? decoded_.context->rows : 0;
-    reporting_.shadow->Offer(layer_->name, ShadowRequest::BytesFor(in.batch, in.rows, m, in.cols), [&] {
+    const std::vector<SequenceShape> shapes = ShapesOf(decoded_);
+    const int64_t bytes =
+        ShadowRequest::BytesFor(decoded_) + JobBytes(*layer_, *reporting_.mirror, decoded_, shapes, reporting_.backend);
+    reporting_.shadow->Offer(layer_->name, bytes, [&] {
       ShadowRequest r;
       r.layer = layer_;
       r.served = forms_[0];
       r.mirror = *reporting_.mirror;
-      r.batch = in.batch;
-      r.n = in.rows;
-      r.d_model = in.cols;
-      r.m = m;
-      r.input.assign(in.data(), in.data() + in.batch * in.rows * in.cols);
-      if (decoded_.context) r.context.assign(decoded_.context->data(), decoded_.context->data() + in.batch * m * in.cols);
-      r.causal = decoded_.causal;
-      r.key_lengths = decoded_.key_lengths;
+      r.request = decoded_;  // a copy: every field, every value owned
       r.served_output.assign(served.begin(), served.end());
       return r;
     });
@@ -289,8 +336,11 @@ class ForwardCall {
   grpc::ServerUnaryReactor* const reactor_;
   v1::ForwardResponse* const response_;
   const std::shared_ptr<const Layer> layer_;  // keeps the weights alive for every job
-  const DecodedForward decoded_;
+  const AttentionRequest decoded_;  // may view the request message, which outlives the call
   const CallReporting reporting_;
+  // The call's share of the memory budget, given back when the call object goes (after the
+  // answer, once the last job's completion lets go of it).
+  MemoryBudget::Reservation reservation_;
   std::vector<Form> forms_;  // [0]: the served form; the rest: compared against it
   float* served_output_ = nullptr;
   std::vector<float> fallback_output_;
@@ -395,14 +445,42 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
         DecodeForward(layer->config, wire, ForwardLimits{.max_score_bytes = options_.max_score_bytes});
     if (!decoded.ok()) return decoded.status();
 
-    CallReporting reporting{
-        .metrics = options_.metrics, .shadow = options_.shadow, .mirror = std::nullopt, .arrived = arrived};
+    // A response gRPC would refuse to send is refused before it is computed.
+    const int64_t response_bytes = decoded->output_elements() * static_cast<int64_t>(sizeof(float)) + kResponseFraming;
+    if (response_bytes > options_.max_response_bytes) {
+      return ResourceExhaustedError("output: [" + std::to_string(decoded->batch()) + ", " +
+                                    std::to_string(decoded->n()) + ", " + std::to_string(decoded->d_model()) +
+                                    "] float32 takes " + std::to_string(response_bytes) +
+                                    " bytes, more than the largest response (--max-message-mb, " +
+                                    std::to_string(options_.max_response_bytes) + " bytes); send fewer rows");
+    }
+    // Admission: the call's whole footprint, or a refusal now (nothing allocated yet).
+    MemoryBudget::Reservation reservation;
+    if (options_.memory != nullptr) {
+      std::vector<Form> forms = {*form};
+      if (request->compare()) {
+        for (const auto& [f, _] : layer->forms) {
+          if (f != *form) forms.push_back(f);
+        }
+      }
+      const int64_t wire_bytes = static_cast<int64_t>(request->input().data().size() + request->context().data().size());
+      StatusOr<MemoryBudget::Reservation> reserved = options_.memory->Reserve(
+          RequestFootprint(*layer, *decoded, forms, wire_bytes, options_.backend), "this request");
+      if (!reserved.ok()) return reserved.status();
+      reservation = std::move(reserved).value();
+    }
+
+    CallReporting reporting{.metrics = options_.metrics,
+                            .shadow = options_.shadow,
+                            .mirror = std::nullopt,
+                            .arrived = arrived,
+                            .backend = options_.backend};
     // `compare` already runs every other form; a shadow of it would measure nothing new.
     if (options_.shadow != nullptr && options_.router != nullptr && !request->compare()) {
       reporting.mirror = options_.router->ShadowMirror(held_forms, *form);
     }
-    auto call =
-        std::make_shared<ForwardCall>(reactor, response, layer, std::move(decoded).value(), std::move(reporting));
+    auto call = std::make_shared<ForwardCall>(reactor, response, layer, std::move(decoded).value(),
+                                              std::move(reporting), std::move(reservation));
     ForwardCall::Start(std::move(call), *form, request->compare(), executor_, arrived, context);
     return OkStatus();
   });

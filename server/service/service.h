@@ -10,6 +10,7 @@
 
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/batching/executor.h"
+#include "server/batching/memory_budget.h"
 #include "server/store/layer_store.h"
 
 namespace attnserve {
@@ -40,6 +41,12 @@ struct ServiceOptions {
   Metrics* metrics = nullptr;
   Router* router = nullptr;
   ShadowRunner* shadow = nullptr;
+  // The server-wide memory budget every Forward reserves its footprint from at admission, and
+  // the backend whose scratch that footprint includes (not owned; null: no budget).
+  MemoryBudget* memory = nullptr;
+  const Backend* backend = nullptr;
+  // The largest response gRPC will send: a larger output is refused before any compute.
+  int64_t max_response_bytes = int64_t{64} << 20;
 };
 
 class AdminWorker;  // runs slow admin calls (layer loads) off gRPC's threads; service.cc

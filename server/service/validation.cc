@@ -1,9 +1,12 @@
 #include "server/service/validation.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "server/store/safetensors.h"  // HalfToFloat, BFloat16ToFloat: one conversion for files and wire
 
@@ -98,7 +101,7 @@ StatusOr<Form> ChooseForm(int wire_form, const Layer& layer) {
   return form;
 }
 
-StatusOr<DecodedTensor> DecodeTensor(std::string_view field, const WireTensor& wire, int64_t d_model,
+StatusOr<RequestTensor> DecodeTensor(std::string_view field, const WireTensor& wire, int64_t d_model,
                                      std::optional<int64_t> batch) {
   const std::string f(field);
   const int64_t elem_size = WireDtypeSize(wire.dtype);
@@ -139,27 +142,27 @@ StatusOr<DecodedTensor> DecodeTensor(std::string_view field, const WireTensor& w
                                 std::to_string(wire.data.size()));
   }
 
-  DecodedTensor out;
-  out.batch = wire.shape[0];
-  out.rows = wire.shape[1];
-  out.cols = wire.shape[2];
+  const int64_t b = wire.shape[0], rows = wire.shape[1], cols = wire.shape[2];
   const char* raw = wire.data.data();
+  RequestTensor out;
   if (static_cast<WireDtype>(wire.dtype) == WireDtype::kFloat32) {
     if (reinterpret_cast<uintptr_t>(raw) % alignof(float) == 0) {
-      out.view_ = reinterpret_cast<const float*>(raw);
+      out = RequestTensor::View(reinterpret_cast<const float*>(raw), b, rows, cols);
     } else {
       // Protobuf's buffers are aligned in practice; copy rather than read misaligned floats.
-      out.owned_.resize(elements);
-      std::memcpy(out.owned_.data(), raw, bytes);
+      std::vector<float> copy(elements);
+      std::memcpy(copy.data(), raw, bytes);
+      out = RequestTensor::Own(std::move(copy), b, rows, cols);
     }
   } else {
     const bool half = static_cast<WireDtype>(wire.dtype) == WireDtype::kFloat16;
-    out.owned_.resize(elements);
+    std::vector<float> converted(elements);
     for (int64_t i = 0; i < elements; ++i) {
       uint16_t bits;
       std::memcpy(&bits, raw + 2 * i, 2);
-      out.owned_[i] = half ? HalfToFloat(bits) : BFloat16ToFloat(bits);
+      converted[i] = half ? HalfToFloat(bits) : BFloat16ToFloat(bits);
     }
+    out = RequestTensor::Own(std::move(converted), b, rows, cols);
   }
   const float* values = out.data();
   for (int64_t i = 0; i < elements; ++i) {
@@ -180,11 +183,11 @@ StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForw
     return InvalidArgumentError("input: expected a [batch, n, d_model=" + std::to_string(config.d_model) +
                                 "] tensor, got none");
   }
-  StatusOr<DecodedTensor> input = DecodeTensor("input", request.input, config.d_model);
+  StatusOr<RequestTensor> input = DecodeTensor("input", request.input, config.d_model);
   if (!input.ok()) return input.status();
   out.input = std::move(input).value();
   if (request.context.present) {
-    StatusOr<DecodedTensor> context = DecodeTensor("context", request.context, config.d_model, out.input.batch);
+    StatusOr<RequestTensor> context = DecodeTensor("context", request.context, config.d_model, out.input.batch);
     if (!context.ok()) return context.status();
     out.context = std::move(context).value();
   }
@@ -234,21 +237,27 @@ StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForw
   return out;
 }
 
-std::vector<Sequence> DecodedForward::Sequences(float* output) const {
-  std::vector<Sequence> seqs;
-  seqs.reserve(input.batch);
-  const int64_t d = input.cols;
-  for (int64_t b = 0; b < input.batch; ++b) {
-    Sequence s;
-    s.input = ConstMatrixView(input.data() + b * input.rows * d, input.rows, d);
-    if (context) s.context = ConstMatrixView(context->data() + b * context->rows * d, context->rows, d);
-    s.causal = causal;
-    s.key_length = key_lengths.empty() ? -1 : key_lengths[b];
-    s.position_offset = position_offset;
-    s.output = MatrixView(output + b * input.rows * d, input.rows, d);
-    seqs.push_back(s);
+Status CheckOutputFinite(const AttentionRequest& request, Form form, std::span<const float> output) {
+  size_t bad = 0;
+  while (bad < output.size() && std::isfinite(output[bad])) ++bad;
+  if (bad == output.size()) return OkStatus();
+  // Only now, on the error path: the inputs' largest magnitude, which tells the client how far
+  // to scale them down.
+  float largest = 0;
+  for (const RequestTensor* t : {&request.input, request.context ? &*request.context : nullptr}) {
+    if (t == nullptr) continue;
+    for (float v : t->values()) largest = std::max(largest, std::abs(v));
   }
-  return seqs;
+  const int64_t d = std::max<int64_t>(request.d_model(), 1), n = std::max<int64_t>(request.n(), 1);
+  const int64_t i = static_cast<int64_t>(bad), row = i / d, col = i % d;
+  const float v = output[bad];
+  char magnitude[32];
+  std::snprintf(magnitude, sizeof magnitude, "%g", static_cast<double>(largest));
+  return OutOfRangeError("output: expected finite values, got " +
+                         std::string(std::isnan(v) ? "NaN" : v > 0 ? "inf" : "-inf") + " at [" +
+                         std::to_string(row / n) + ", " + std::to_string(row % n) + ", " + std::to_string(col) +
+                         "]: the inputs are finite (largest magnitude " + magnitude + ") but the " +
+                         Str(FormName(form)) + " form's computation overflowed float32; scale the inputs down");
 }
 
 }  // namespace attnserve

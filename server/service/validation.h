@@ -1,8 +1,8 @@
-// Checks a Forward request against its layer and turns its tensors into core Sequences, with
-// errors that name the field, what was expected and what came (docs/service.md). Works on a
-// plain view of the wire message, so it is tested without protobuf or gRPC; service.cc fills
-// the view from the proto.
-// Thread-safety: stateless functions; a DecodedForward is owned by one request.
+// Checks a Forward request against its layer and turns its tensors into an AttentionRequest
+// (server/core/request.h), and checks the output computed for it, with errors that name the
+// field, what was expected and what came (docs/service.md). Works on a plain view of the wire
+// message, so it is tested without protobuf or gRPC; service.cc fills the view from the proto.
+// Thread-safety: stateless functions; a decoded request is owned by one call.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +14,7 @@
 
 #include "server/core/forms.h"
 #include "server/core/layer.h"
+#include "server/core/request.h"
 #include "server/core/sequence.h"
 #include "server/core/status.h"
 #include "server/store/layer_store.h"
@@ -56,42 +57,16 @@ Status CheckWireForm(int wire_form);
 // hold the form. The one place where the server picks a form (routing replaces it later).
 StatusOr<Form> ChooseForm(int wire_form, const Layer& layer);
 
-// A [batch, rows, d_model] float32 block: a view of the wire bytes when they are float32 and
-// aligned (no copy), else a converted copy it owns.
-class DecodedTensor {
- public:
-  const float* data() const { return owned_.empty() ? view_ : owned_.data(); }
-  int64_t batch = 0, rows = 0, cols = 0;
-
- private:
-  friend StatusOr<DecodedTensor> DecodeTensor(std::string_view field, const WireTensor& wire, int64_t d_model,
-                                              std::optional<int64_t> batch);
-  const float* view_ = nullptr;
-  std::vector<float> owned_;
-};
-
 // Checks dtype, rank 3, every dim >= 1 (the product checked for overflow before anything is
 // allocated), d_model, byte length (= product × dtype size) and finiteness; converts FLOAT16
-// and BFLOAT16 to float32. `batch`: the batch the tensor must have, when known.
-StatusOr<DecodedTensor> DecodeTensor(std::string_view field, const WireTensor& wire, int64_t d_model,
+// and BFLOAT16 to float32. `batch`: the batch the tensor must have, when known. The result
+// views the wire bytes when they are float32 and aligned (no copy), else owns a converted copy.
+StatusOr<RequestTensor> DecodeTensor(std::string_view field, const WireTensor& wire, int64_t d_model,
                                      std::optional<int64_t> batch = std::nullopt);
 
-// A request's tensors, checked against its layer.
-struct DecodedForward {
-  DecodedTensor input;
-  std::optional<DecodedTensor> context;
-  bool causal = false;
-  std::vector<int64_t> key_lengths;  // empty, or one per batch row
-  int64_t position_offset = 0;       // rotary position of each row's first query
-
-  int64_t batch() const { return input.batch; }
-  int64_t n() const { return input.rows; }
-  int64_t d_model() const { return input.cols; }
-  int64_t output_elements() const { return input.batch * input.rows * input.cols; }
-  // One Sequence per batch row, writing into `output` ([batch, n, d_model], row-major). The
-  // sequences view this object's memory and the wire bytes: keep both alive while they run.
-  std::vector<Sequence> Sequences(float* output) const;
-};
+// What DecodeForward returns: the request's tensors, checked against its layer. Its tensors may
+// view the wire message; a copy of it owns everything (the shadow keeps one).
+using DecodedForward = AttentionRequest;
 
 // Bounds on what one request may make the server compute, beyond the message size.
 struct ForwardLimits {
@@ -104,5 +79,11 @@ struct ForwardLimits {
 // RESOURCE_EXHAUSTED when a sequence exceeds `limits` (the message names the flag to raise).
 StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForwardRequest& request,
                                        const ForwardLimits& limits = {});
+
+// OUT_OF_RANGE when `output`, the [batch, n, d_model] answer `form` computed for `request`, holds
+// a NaN or an infinity: DecodeForward refused non-finite inputs, so float32 overflowed in the
+// computation (inputs near its limit overflow the projections), and no float32 answer is right.
+// The message names the first such element, the form and the inputs' largest magnitude.
+Status CheckOutputFinite(const AttentionRequest& request, Form form, std::span<const float> output);
 
 }  // namespace attnserve

@@ -80,23 +80,39 @@ TEST_F(CudaEmulatedServerTest, ServesBothFormsOnTheGpuAndLabelsTheDevice) {
   const int64_t batch = 3, n = 7;
   std::mt19937_64 rng(5);
   const std::vector<float> x = testing::RandomVector(rng, batch * n * kDModel);
-  std::vector<double> want;
-  for (int64_t b = 0; b < batch; ++b) {
-    Sequence s;
-    s.input = ConstMatrixView(x.data() + b * n * kDModel, n, kDModel);
-    s.causal = true;
-    const std::vector<double> y = ReferenceForward(w, s);
-    want.insert(want.end(), y.begin(), y.end());
+  auto reference = [&](const std::vector<float>& input) {
+    std::vector<double> want;
+    for (int64_t b = 0; b < batch; ++b) {
+      Sequence s;
+      s.input = ConstMatrixView(input.data() + b * n * kDModel, n, kDModel);
+      s.causal = true;
+      const std::vector<double> y = ReferenceForward(w, s);
+      want.insert(want.end(), y.begin(), y.end());
+    }
+    return want;
+  };
+  // ±1e20: finite inputs whose scores (~1e41) are not; the softmax kernel recomputes such rows
+  // in float64, so the answer is still the reference's.
+  std::vector<float> huge = x;
+  for (float& v : huge) v = v < 0 ? -1e20f : 1e20f;
+  const std::vector<float>* const inputs[] = {&x, &huge};
+  for (const std::vector<float>* input : inputs) {
+    const std::vector<double> want = reference(*input);
+    for (v1::Form form : {v1::FORM_FACTORED, v1::FORM_SUMMED}) {
+      v1::ForwardResponse resp;
+      const grpc::Status st = server.client().Forward(Request(form, *input, batch, n), &resp);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      std::vector<float> got;
+      ASSERT_TRUE(TensorToFloats(resp.output(), &got).ok());
+      ASSERT_EQ(got.size(), want.size());
+      EXPECT_LT(testing::RelativeL2(got.data(), want), 1e-5) << v1::Form_Name(form) << " input[0] " << (*input)[0];
+    }
   }
-  for (v1::Form form : {v1::FORM_FACTORED, v1::FORM_SUMMED}) {
-    v1::ForwardResponse resp;
-    const grpc::Status st = server.client().Forward(Request(form, x, batch, n), &resp);
-    ASSERT_TRUE(st.ok()) << st.error_message();
-    std::vector<float> got;
-    ASSERT_TRUE(TensorToFloats(resp.output(), &got).ok());
-    ASSERT_EQ(got.size(), want.size());
-    EXPECT_LT(testing::RelativeL2(got.data(), want), 1e-5) << v1::Form_Name(form);
-  }
+  // 3e38 everywhere overflows the projections themselves: OUT_OF_RANGE, not NaN answered OK.
+  v1::ForwardResponse resp;
+  const grpc::Status overflow =
+      server.client().Forward(Request(v1::FORM_FACTORED, std::vector<float>(x.size(), 3e38f), batch, n), &resp);
+  EXPECT_EQ(overflow.error_code(), grpc::OUT_OF_RANGE) << overflow.error_message();
   const std::string scrape = testing::ScrapeMetrics(server.metrics_port);
   EXPECT_THAT(scrape, HasSubstr("device=\"cuda:0\""));
   EXPECT_THAT(scrape, ::testing::Not(HasSubstr("device=\"cpu\"")));

@@ -202,6 +202,43 @@ TEST(RoutingServerTest, ShadowsRecordDivergenceAndNeverChangeTheAnswer) {
   EXPECT_EQ(server.Sample("attnserve_batch_tokens_sum{form=\"summed\",layer=\"ab\"}"), kRequests * 2 * 5);
 }
 
+// A shadow mirrors the whole request. A rotary layer's answer depends on position_offset (the
+// queries' positions) and on a separate context (whose keys start at 0), so a mirror that lost
+// either field would diverge far beyond float32 rounding: a dropped offset measured ~0.6 here.
+TEST(RoutingServerTest, ShadowsOfRotaryCrossAttentionKeepThePositionOffset) {
+  Server server({"--layer", "rope=random:d_model=32,heads=4,rope_theta=10000,seed=3", "--shadow-rate", "1"});
+  ASSERT_NE(server.process, nullptr);
+  constexpr int kRequests = 4;
+  std::mt19937_64 rng(37);
+  std::normal_distribution<float> normal;
+  for (int i = 0; i < kRequests; ++i) {
+    std::vector<float> x(2 * 5 * 32), c(2 * 7 * 32);
+    for (float& v : x) v = normal(rng);
+    for (float& v : c) v = normal(rng);
+    v1::ForwardRequest req;
+    req.set_layer("rope");
+    req.set_form(v1::FORM_FACTORED);
+    *req.mutable_input() = MakeTensor(x, {2, 5, 32});
+    *req.mutable_context() = MakeTensor(c, {2, 7, 32});
+    req.set_position_offset(37);
+    req.set_causal(i % 2 == 1);  // a causal mask over a context: query q sees keys 0..q
+    v1::ForwardResponse resp;
+    const grpc::Status s = server.client().Forward(req, &resp);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+  }
+  const std::string count = "attnserve_shadow_divergence_count{form=\"summed\",layer=\"rope\"}";
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (server.Sample(count) < kRequests && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(server.Sample(count), kRequests);
+  // Two exact forms over the same request agree to float32 rounding (~1e-6 rel L2).
+  EXPECT_EQ(server.Sample("attnserve_shadow_divergence_bucket{form=\"summed\",layer=\"rope\",le=\"1e-05\"}"),
+            kRequests)
+      << "sum of rel L2 over the mirrors: "
+      << server.Sample("attnserve_shadow_divergence_sum{form=\"summed\",layer=\"rope\"}");
+}
+
 TEST(RoutingServerTest, RefusalsAndLayerGaugesInTheScrape) {
   Server server({"--admin-token", testing::kTestAdminToken, "--layer", kLayer});
   ASSERT_NE(server.process, nullptr);

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -933,8 +934,147 @@ TEST(ServerFlagsTest, RotaryPositionOffsetAndSpectra) {
   EXPECT_FLOAT_EQ(info.config().rope_theta(), 10000.0f);
 }
 
+// Inputs of ±1e20 are finite float32, but their attention scores (~1e41) are not: each form must
+// still answer the float64 reference's output (finite: a convex mix of values ~1e20), never OK
+// with NaN. Inputs near float32's limit overflow the projections themselves, where no float32
+// answer can be right: OUT_OF_RANGE naming the output, counted in nonfinite_outputs_total.
+TEST(ServerFlagsTest, HugeFiniteInputsAnswerTheReferenceOrOutOfRange) {
+  TempDir dir;
+  const std::string port_file = dir.File("metrics_port");
+  auto server =
+      StartOrFail({"--metrics-port-file", port_file, "--layer", kSmall.name + std::string("=") + kSmall.Source()});
+  ASSERT_NE(server, nullptr);
+  int metrics_port = 0;
+  std::ifstream(port_file) >> metrics_port;
+  const LayerWeights w = kSmall.Weights();
+  const int64_t d = kSmall.d_model, batch = 2, n = 5, m = 7;
+  std::mt19937_64 rng(20);
+  auto signs = [&](size_t count) {
+    std::vector<float> v = RandomFloats(rng, count);
+    for (float& x : v) x = x < 0 ? -1e20f : 1e20f;
+    return v;
+  };
+  const std::vector<float> input = signs(batch * n * d), context = signs(batch * m * d);
+  for (bool cross : {false, true}) {
+    const std::vector<double> want = cross ? Reference(w, input, batch, n, &context, m) : Reference(w, input, batch, n);
+    for (v1::Form form : {v1::FORM_FACTORED, v1::FORM_SUMMED}) {
+      v1::ForwardRequest req = Request(kSmall.name, input, {batch, n, d}, form);
+      if (cross) *req.mutable_context() = MakeTensor(context, {batch, m, d});
+      req.set_compare(true);
+      v1::ForwardResponse resp;
+      const grpc::Status st = server->client().Forward(req, &resp);
+      ASSERT_TRUE(st.ok()) << Describe(st) << " cross=" << cross << " form " << v1::Form_Name(form);
+      const std::vector<float> got = Output(resp);
+      EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); }))
+          << "cross=" << cross << " form " << v1::Form_Name(form);
+      EXPECT_LT(RelativeL2(got, want), kTolerance) << "cross=" << cross << " form " << v1::Form_Name(form);
+      ASSERT_EQ(resp.divergence_size(), 1);
+      EXPECT_LT(resp.divergence(0).rel_l2(), 2 * kTolerance) << "cross=" << cross << " form " << v1::Form_Name(form);
+    }
+  }
+  // 3e38 in every entry: each projection column is 3e38 times a sum of weights ~N(0, 1), past
+  // float32's 3.4e38 for nearly all of them.
+  const std::vector<float> near_max(batch * n * d, 3e38f);
+  for (v1::Form form : {v1::FORM_FACTORED, v1::FORM_SUMMED}) {
+    v1::ForwardResponse resp;
+    const grpc::Status st = server->client().Forward(Request(kSmall.name, near_max, {batch, n, d}, form), &resp);
+    EXPECT_EQ(st.error_code(), grpc::OUT_OF_RANGE) << Describe(st) << " form " << v1::Form_Name(form);
+    EXPECT_THAT(st.error_message(), AllOf(HasSubstr("output"), HasSubstr("expected finite values"),
+                                          HasSubstr("overflowed float32"), HasSubstr("3e+38")));
+  }
+  const std::string scrape = testing::ScrapeMetrics(metrics_port);
+  for (const char* form : {"factored", "summed"}) {
+    const std::string labels = std::string("form=\"") + form + "\",layer=\"small\"";
+    EXPECT_EQ(testing::MetricSample(scrape, "attnserve_nonfinite_outputs_total{" + labels + "}"), 1) << form;
+    EXPECT_EQ(testing::MetricSample(scrape, "attnserve_requests_total{code=\"OUT_OF_RANGE\"," + labels + "}"), 1)
+        << form;
+  }
+  // ...and the server still serves.
+  v1::ForwardResponse resp;
+  EXPECT_TRUE(server->client().Forward(Request(kSmall.name, RandomFloats(rng, n * d), {1, n, d}), &resp).ok());
+}
+
 // Concurrent requests share batches, and each gets exactly what it would alone (the float64
 // reference of its own input), whatever its shape, mask or form.
+// The memory budget (--max-memory-mb, docs/reliability.md): a request that can never fit is
+// INVALID_ARGUMENT naming the flag, before anything is allocated (the server's peak RSS stays far
+// below what the request would have taken: 6600 summed tokens took it to 3.2 GB); requests that
+// fit alone but not together get RESOURCE_EXHAUSTED; everything reserved comes back.
+TEST(ServerFlagsTest, MemoryBudgetRefusesWhatCanNeverFitAndWhatDoesNotFitNow) {
+  TempDir dir;
+  const std::string port_file = dir.File("metrics_port");
+  auto server = StartOrFail({"--metrics-port-file", port_file, "--max-memory-mb", "320", "--threads", "2"});
+  ASSERT_NE(server, nullptr);
+  int metrics_port = 0;
+  std::ifstream(port_file) >> metrics_port;
+  std::mt19937_64 rng(6600);
+  const std::vector<float> huge = RandomFloats(rng, 6600 * 768);
+  v1::ForwardResponse resp;
+  for (v1::Form form : {v1::FORM_SUMMED, v1::FORM_FACTORED}) {
+    v1::ForwardRequest req = Request("demo", huge, {1, 6600, 768}, form);
+    req.set_compare(form == v1::FORM_FACTORED);  // compare runs the summed form too
+    grpc::Status st = server->client().Forward(req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::INVALID_ARGUMENT) << Describe(st);
+    EXPECT_THAT(st.error_message(), HasSubstr("--max-memory-mb"));
+  }
+  // Each of these fits alone (about 200 MiB in the summed form) but not two at once.
+  const std::vector<float> mid = RandomFloats(rng, 1536 * 768);
+  std::vector<std::future<std::pair<grpc::Status, v1::ForwardResponse>>> calls;
+  for (int i = 0; i < 4; ++i) calls.push_back(server->client().ForwardFuture(Request("demo", mid, {1, 1536, 768}, v1::FORM_SUMMED)));
+  int ok = 0, exhausted = 0;
+  for (auto& c : calls) {
+    const grpc::Status st = c.get().first;
+    ok += st.ok();
+    exhausted += st.error_code() == grpc::RESOURCE_EXHAUSTED;
+    if (!st.ok()) {
+      EXPECT_THAT(st.error_message(), HasSubstr("--max-memory-mb")) << Describe(st);
+    }
+  }
+  EXPECT_GE(ok, 1);
+  EXPECT_GE(exhausted, 1);
+  EXPECT_EQ(ok + exhausted, 4);
+  // Peak RSS: the weights (~40 MiB), the runtime, one admitted request; never the refused ones.
+  std::ifstream status("/proc/" + std::to_string(server->pid()) + "/status");
+  std::string line;
+  int64_t peak_kb = 0;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) peak_kb = std::stoll(line.substr(6));
+  }
+  EXPECT_GT(peak_kb, 0);
+  EXPECT_LT(peak_kb, 900 * 1024) << "peak RSS " << peak_kb / 1024 << " MiB";
+  const std::string scrape = testing::ScrapeMetrics(metrics_port);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_memory_budget_bytes"), 320.0 * 1048576);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_memory_reserved_bytes"), 0);
+}
+
+// A response gRPC would refuse to send (half-precision input, float32 output) is refused before
+// it is computed, and counted as what the client saw.
+TEST(ServerFlagsTest, OversizedResponsesAreRefusedBeforeCompute) {
+  TempDir dir;
+  const std::string port_file = dir.File("metrics_port");
+  auto server = StartOrFail({"--metrics-port-file", port_file, "--max-message-mb", "1"});
+  ASSERT_NE(server, nullptr);
+  int metrics_port = 0;
+  std::ifstream(port_file) >> metrics_port;
+  v1::ForwardRequest req;
+  req.set_layer("demo");
+  req.set_form(v1::FORM_FACTORED);
+  req.mutable_input()->set_dtype(v1::DATA_TYPE_FLOAT16);
+  for (int64_t s : {1, 400, 768}) req.mutable_input()->add_shape(s);
+  std::string bytes(400 * 768 * 2, '\0');
+  for (size_t i = 0; i < bytes.size(); i += 2) bytes[i + 1] = 0x3c;  // 1.0 in FLOAT16
+  req.mutable_input()->set_data(bytes);  // 600 KiB in, 1.2 MB of float32 out
+  v1::ForwardResponse resp;
+  const grpc::Status st = server->client().Forward(req, &resp);
+  EXPECT_EQ(st.error_code(), grpc::RESOURCE_EXHAUSTED) << Describe(st);
+  EXPECT_THAT(st.error_message(), AllOf(HasSubstr("output"), HasSubstr("--max-message-mb")));
+  const std::string scrape = testing::ScrapeMetrics(metrics_port);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_requests_total{code=\"RESOURCE_EXHAUSTED\",form=\"factored\",layer=\"demo\"}"), 1);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"demo\"}"), -1);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_batch_requests_count{form=\"factored\",layer=\"demo\"}"), -1)
+      << "nothing was computed";
+}
+
 TEST(BatchingTest, ConcurrentRequestsShareBatchesAndEachGetsItsOwnResult) {
   auto server = StartOrFail({"--max-queue-delay-us", "20000", "--layer", kSmall.name + std::string("=") + kSmall.Source()});
   ASSERT_NE(server, nullptr);

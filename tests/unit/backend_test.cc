@@ -263,6 +263,42 @@ TEST_P(BackendTest, RotaryEmbedding) {
   EXPECT_GT(RelativeL2(x.output.data(), y.output.data(), x.output.size()), 1e-3);
 }
 
+// Inputs far from unit scale, all finite float32. From about 1e19 on, the scores scale · q·k
+// (~1e41 at 1e20) lie past float32's range while the output, a convex mix of values ~1e20, does
+// not: the answer must still be the float64 reference's, not the NaN of inf - inf in the
+// softmax's max subtraction. (At these scales the softmax is an argmax; the draws here have no
+// near-ties that float32 rounding of the scores could flip.)
+TEST_P(BackendTest, LargeMagnitudeInputsMatchFloat64Reference) {
+  if (GetParam() == "cuda-tf32") {
+    GTEST_SKIP() << "TF32 rounds the scores to ~1e-3 relative: at these scales that flips the argmax between "
+                    "keys whose scores lie that close";
+  }
+  std::mt19937_64 rng(10);
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 32, .heads = 4, .kv_heads = 2}), 20);
+  const LayerWeights rope = RandomLayerWeights(
+      *CompleteConfig({.d_model = 32, .heads = 4, .d_head = 8, .bias = false, .rope_theta = 10000.0}), 21);
+  for (double magnitude : {1e4, 1e8, 1e12, 1e16, 1e18, 1e19, 1e20}) {
+    for (const LayerWeights* layer : {&w, &rope}) {
+      std::vector<OwnedSequence> seqs;
+      seqs.push_back(RandomSequence(rng, 32, 9, 9, false, true, -1));
+      seqs.push_back(RandomSequence(rng, 32, 6, 11, true, false, 8));
+      seqs.push_back(RandomSequence(rng, 32, 4, 4, false, false, -1));
+      seqs.back().position_offset = 37;
+      // The third: every value ±magnitude, as a client probing the range would send.
+      for (float& v : seqs.back().input) v = v < 0 ? -1.0f : 1.0f;
+      for (OwnedSequence& s : seqs) {
+        for (float& v : s.input) v = static_cast<float>(v * magnitude);
+        for (float& v : s.context) v = static_cast<float>(v * magnitude);
+      }
+      CheckBothForms(*layer, seqs);
+      if (HasFailure()) {
+        ADD_FAILURE() << "magnitude " << magnitude << ", config " << layer->config.ToString();
+        return;
+      }
+    }
+  }
+}
+
 // The low-rank form through each backend: exact at full rank; at ragged ranks (some heads at 0)
 // the same as the CPU backend's result, which spectrum_test holds to the discarded-energy bound.
 TEST_P(BackendTest, LowRankForm) {

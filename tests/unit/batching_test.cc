@@ -10,6 +10,8 @@
 #include <limits>
 #include <mutex>
 #include <random>
+#include <utility>
+#include <vector>
 
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/batching/divergence.h"
@@ -199,6 +201,26 @@ TEST(DivergenceTest, HandComputed) {
   const std::vector<float> zeros = {0, 0, 0};
   EXPECT_EQ(MeasureDivergence(zeros, zeros).rel_l2, 0);
   EXPECT_EQ(MeasureDivergence(zeros, served).rel_l2, std::numeric_limits<double>::infinity());
+}
+
+// A NaN or an infinity on either side lies infinitely far from anything, itself included:
+// compare and shadows must never read it as agreement (a NaN difference compares false, so a
+// plain max skips it and a NaN sum is no number to report).
+TEST(DivergenceTest, NonFiniteValuesAreInfinitelyFar) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const float bad_values[] = {std::nanf(""), std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity()};
+  const std::vector<float> finite = {1, 2, 3, 4};
+  for (float bad : bad_values) {
+    std::vector<float> with_bad = finite;
+    with_bad[2] = bad;
+    for (const auto& [served, other] : {std::pair{finite, with_bad}, std::pair{with_bad, finite},
+                                        std::pair{with_bad, with_bad}}) {
+      const DivergenceStats d = MeasureDivergence(served, other);
+      EXPECT_EQ(d.max_abs, inf) << "bad value " << bad << " served[2]=" << served[2] << " other[2]=" << other[2];
+      EXPECT_EQ(d.rel_l2, inf) << "bad value " << bad << " served[2]=" << served[2] << " other[2]=" << other[2];
+    }
+  }
 }
 
 }  // namespace

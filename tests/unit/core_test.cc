@@ -1,12 +1,17 @@
-// Core: configs, weights, materialisation of the summed form, parameter and FLOP counts.
+// Core: configs, weights, materialisation of the summed form, parameter and FLOP counts, and the
+// request type every path turns into sequences.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
+#include <utility>
+#include <vector>
 
 #include "server/core/forms.h"
 #include "server/core/layer.h"
+#include "server/core/request.h"
 #include "server/core/status.h"
 #include "tests/unit/test_support.h"
 
@@ -164,6 +169,81 @@ TEST(StatusTest, CodesHaveGrpcNamesAndValues) {
   StatusOr<int> bad = NotFoundError("no layer");
   EXPECT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kNotFound);
+}
+
+// A request whose every field differs from its default, viewing memory it does not own.
+AttentionRequest ViewingRequest(const std::vector<float>& input, const std::vector<float>& context) {
+  AttentionRequest r;
+  r.input = RequestTensor::View(input.data(), 2, 3, 4);
+  r.context = RequestTensor::View(context.data(), 2, 5, 4);
+  r.causal = true;
+  r.key_lengths = {5, 2};
+  r.position_offset = 37;
+  return r;
+}
+
+// The decode path, compare and the shadow all make their sequences here: each field must reach
+// every sequence (a shadow's own conversion once dropped position_offset).
+TEST(AttentionRequestTest, SequencesCarryEveryField) {
+  const std::vector<float> input(2 * 3 * 4, 1.0f), context(2 * 5 * 4, 2.0f);
+  const AttentionRequest r = ViewingRequest(input, context);
+  std::vector<float> out(r.output_elements());
+  const std::vector<Sequence> seqs = r.Sequences(out.data());
+  ASSERT_EQ(seqs.size(), 2u);
+  for (int64_t b = 0; b < 2; ++b) {
+    const Sequence& s = seqs[b];
+    EXPECT_EQ(s.input.data, input.data() + b * 3 * 4);
+    EXPECT_EQ(s.n(), 3);
+    EXPECT_EQ(s.context.data, context.data() + b * 5 * 4);
+    EXPECT_EQ(s.m(), 5);
+    EXPECT_TRUE(s.causal);
+    EXPECT_EQ(s.key_length, r.key_lengths[b]);
+    EXPECT_EQ(s.position_offset, 37);
+    EXPECT_EQ(s.output.data, out.data() + b * 3 * 4);
+    EXPECT_EQ(s.output.rows, 3);
+    EXPECT_TRUE(ValidateSequence(*CompleteConfig({.d_model = 4, .heads = 2}), s).ok());
+  }
+  AttentionRequest self;
+  self.input = RequestTensor::View(input.data(), 1, 3, 4);
+  EXPECT_TRUE(self.Sequences(out.data())[0].self_attention());
+  EXPECT_EQ(self.Sequences(out.data())[0].key_length, -1);
+}
+
+// A copy (what a shadow keeps after the call is answered) owns every value and keeps every
+// field: it must give the same sequences once the memory the original viewed is gone.
+TEST(AttentionRequestTest, CopyOwnsEveryValueAndKeepsEveryField) {
+  std::vector<float> input(2 * 3 * 4), context(2 * 5 * 4);
+  for (size_t i = 0; i < input.size(); ++i) input[i] = static_cast<float>(i);
+  for (size_t i = 0; i < context.size(); ++i) context[i] = -static_cast<float>(i);
+  const AttentionRequest original = ViewingRequest(input, context);
+  EXPECT_FALSE(original.input.owns_values());
+  const AttentionRequest copy = original;
+  EXPECT_TRUE(copy.input.owns_values());
+  ASSERT_TRUE(copy.context.has_value());
+  EXPECT_TRUE(copy.context->owns_values());
+  EXPECT_EQ(copy.Bytes(), (2 * 3 * 4 + 2 * 5 * 4) * 4 + 2 * 8);
+  const std::vector<float> want_input = input, want_context = context;
+  std::fill(input.begin(), input.end(), std::nanf(""));  // the wire message is gone
+  std::fill(context.begin(), context.end(), std::nanf(""));
+  std::vector<float> out(copy.output_elements());
+  const std::vector<Sequence> seqs = copy.Sequences(out.data());
+  ASSERT_EQ(seqs.size(), 2u);
+  for (int64_t b = 0; b < 2; ++b) {
+    const Sequence& s = seqs[b];
+    for (int64_t i = 0; i < 3 * 4; ++i) ASSERT_EQ(s.input.data[i], want_input[b * 3 * 4 + i]) << b << " " << i;
+    for (int64_t i = 0; i < 5 * 4; ++i) ASSERT_EQ(s.context.data[i], want_context[b * 5 * 4 + i]) << b << " " << i;
+    EXPECT_TRUE(s.causal);
+    EXPECT_EQ(s.key_length, original.key_lengths[b]);
+    EXPECT_EQ(s.position_offset, 37);
+  }
+  // Assignment copies as well; a move keeps the view.
+  AttentionRequest assigned;
+  assigned = copy;
+  EXPECT_NE(assigned.input.data(), copy.input.data());
+  EXPECT_EQ(assigned.input.values()[5], want_input[5]);
+  AttentionRequest viewing = ViewingRequest(input, context);
+  const AttentionRequest moved = std::move(viewing);
+  EXPECT_EQ(moved.input.data(), input.data());
 }
 
 }  // namespace

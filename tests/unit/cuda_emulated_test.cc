@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <memory>
@@ -67,7 +68,8 @@ TEST_F(CudaEmulationTest, MaskedSoftmaxMatchesFloat64AtEveryBlockSize) {
       const int64_t heads = 3, n = causal ? std::min<int64_t>(keys, 40) : 5;
       std::vector<float> host = testing::RandomVector(rng_, heads * n * keys, 4.0f);
       DeviceVector dev(host);
-      ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, keys, causal, nullptr), cudaSuccess);
+      // Finite scores never read Q and K: null operands would fault if they did.
+      ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, keys, causal, cuda::ScoreOperands{}, nullptr), cudaSuccess);
       ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
       const std::vector<float> got = dev.Read();
       for (int64_t row = 0; row < heads * n; ++row) {
@@ -82,6 +84,68 @@ TEST_F(CudaEmulationTest, MaskedSoftmaxMatchesFloat64AtEveryBlockSize) {
             << "keys=" << keys << " causal=" << causal << " row " << row;
         for (int64_t j = visible; j < keys; ++j) ASSERT_EQ(got[row * keys + j], 0.0f) << "masked entry " << j;
       }
+    }
+  }
+}
+
+// Scores past float32's range (q·k of inputs ~1e20 is ~1e41): such a row is recomputed from Q
+// and K in float64 and must be the exact softmax, while rows of ordinary scores in the same call
+// keep the float32 path; a Q that itself overflowed gives a NaN row (the service's OUT_OF_RANGE),
+// never finite weights that look right.
+TEST_F(CudaEmulationTest, MaskedSoftmaxRecomputesOverflowedRowsInFloat64) {
+  for (int64_t keys : {7, 33, 300}) {  // each of the launcher's block sizes
+    for (bool causal : {false, true}) {
+      const int64_t heads = 4, group = 2, dh = 8, n = 6, q_ld = heads * dh + 3, k_ld = heads / group * dh + 5;
+      const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+      std::vector<float> q = testing::RandomVector(rng_, n * q_ld), k = testing::RandomVector(rng_, keys * k_ld);
+      // Head 0 keeps unit-scale queries (finite scores); the others' are ~1e20, as are all keys.
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t c = dh; c < q_ld; ++c) q[r * q_ld + c] *= 1e20f;
+      }
+      for (float& v : k) v *= 1e20f;
+      q[5 * q_ld + 3 * dh + 1] = INFINITY;  // row 5 of head 3: its projection overflowed
+      std::vector<float> scores(heads * n * keys);
+      std::vector<double> exact(heads * n * keys);
+      for (int64_t i = 0; i < heads; ++i) {
+        for (int64_t r = 0; r < n; ++r) {
+          for (int64_t j = 0; j < keys; ++j) {
+            double dot = 0;
+            for (int64_t t = 0; t < dh; ++t) {
+              dot += static_cast<double>(q[r * q_ld + i * dh + t]) * k[j * k_ld + (i / group) * dh + t];
+            }
+            exact[(i * n + r) * keys + j] = scale * dot;
+            scores[(i * n + r) * keys + j] = static_cast<float>(scale * dot);  // ±inf past FLT_MAX
+          }
+        }
+      }
+      DeviceVector dev(scores), dq(q), dk(k);
+      const cuda::ScoreOperands operands{.q = dq.data, .q_ld = q_ld, .k = dk.data, .k_ld = k_ld, .d_head = dh,
+                                         .group = group, .scale = scale};
+      ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, keys, causal, operands, nullptr), cudaSuccess);
+      ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
+      const std::vector<float> got = dev.Read();
+      int overflowed = 0;
+      for (int64_t row = 0; row < heads * n; ++row) {
+        const int64_t r = row % n, visible = causal ? std::min(r + 1, keys) : keys;
+        bool finite = true;
+        for (int64_t j = 0; j < visible; ++j) finite = finite && std::isfinite(scores[row * keys + j]);
+        overflowed += finite ? 0 : 1;
+        if (row == 3 * n + 5) {
+          for (int64_t j = 0; j < visible; ++j) {
+            EXPECT_TRUE(std::isnan(got[row * keys + j])) << "keys=" << keys << " j " << j;
+          }
+          continue;
+        }
+        double top = -INFINITY, sum = 0;
+        for (int64_t j = 0; j < visible; ++j) top = std::max(top, exact[row * keys + j]);
+        for (int64_t j = 0; j < visible; ++j) sum += std::exp(exact[row * keys + j] - top);
+        std::vector<double> want(keys, 0.0);
+        for (int64_t j = 0; j < visible; ++j) want[j] = std::exp(exact[row * keys + j] - top) / sum;
+        EXPECT_LT(RelativeL2(&got[row * keys], want), 2e-6)
+            << "keys=" << keys << " causal=" << causal << " row " << row << (finite ? "" : " (overflowed)");
+        for (int64_t j = visible; j < keys; ++j) ASSERT_EQ(got[row * keys + j], 0.0f) << "masked entry " << j;
+      }
+      EXPECT_GT(overflowed, n) << "the draw should overflow most rows of heads 1-3";
     }
   }
 }

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -103,12 +104,13 @@ Metrics& FullyRecorded(Metrics& m) {
   m.ShadowCompared("demo", Form::kSummed, {.max_abs = 1e-6, .rel_l2 = 1e-7});
   m.ShadowDropped("demo");
   m.CountDeviceError("cuda:0");
+  m.CountNonFiniteOutput("demo", Form::kSummed);
   return m;
 }
 
 TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
   // Written from ../shared/ARCHITECTURE.md §5 (prefix attnserve_), not from metrics.cc; the
-  // last two are this project's additions (docs/metrics.md).
+  // last three are this project's additions (docs/metrics.md).
   const std::map<std::string, std::pair<std::string, std::vector<std::string_view>>> want = {
       {"attnserve_requests_total", {"counter", {"layer", "form", "code"}}},
       {"attnserve_request_duration_seconds", {"histogram", {"layer", "form"}}},
@@ -119,6 +121,8 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
       {"attnserve_flops_total", {"counter", {"layer", "form", "device"}}},
       {"attnserve_queue_depth", {"gauge", {"layer", "form"}}},
       {"attnserve_inflight_requests", {"gauge", {}}},
+      {"attnserve_memory_reserved_bytes", {"gauge", {}}},
+      {"attnserve_memory_budget_bytes", {"gauge", {}}},
       {"attnserve_shadow_divergence", {"histogram", {"layer", "form"}}},
       {"attnserve_shadow_dropped_total", {"counter", {"layer"}}},
       {"attnserve_layer_parameters", {"gauge", {"layer", "form"}}},
@@ -127,6 +131,7 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
       {"attnserve_build_info", {"gauge", {"version", "device", "blas"}}},
       {"attnserve_shadow_divergence_max_abs", {"histogram", {"layer", "form"}}},
       {"attnserve_device_errors_total", {"counter", {"device"}}},
+      {"attnserve_nonfinite_outputs_total", {"counter", {"layer", "form"}}},
   };
   std::map<std::string, std::pair<std::string, std::vector<std::string_view>>> got;
   for (const MetricFamilySpec& f : MetricFamilies()) got[std::string(f.name)] = {std::string(f.type), f.labels};
@@ -290,6 +295,28 @@ TEST(MetricsTest, ShadowDivergenceAndDrops) {
   EXPECT_EQ(Sample(s, "attnserve_shadow_divergence_max_abs_bucket", le("1e-05")), 1);
   EXPECT_EQ(Sample(s, "attnserve_shadow_divergence_max_abs_bucket", le("1")), 2);
   EXPECT_EQ(Sample(s, "attnserve_shadow_dropped_total", {{"layer", "demo"}}), 3);
+}
+
+// A mirror whose output held a NaN or an infinity: infinite divergence, beyond every finite
+// bucket (never agreement), and one non-finite output of the mirror's form.
+TEST(MetricsTest, NonFiniteOutputsAreCountedPerLayerAndForm) {
+  Metrics m;
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  m.ShadowCompared("demo", Form::kSummed, {.max_abs = 3e-6, .rel_l2 = 2e-7});
+  m.ShadowCompared("demo", Form::kSummed, {.max_abs = kInf, .rel_l2 = kInf});
+  m.CountNonFiniteOutput("demo", Form::kFactored);
+  m.CountNonFiniteOutput("demo", Form::kFactored);
+  const Samples s = Parse(m.Scrape());
+  const std::map<std::string, std::string> lf = {{"layer", "demo"}, {"form", "summed"}};
+  auto le = [&](const char* v) {
+    auto l = lf;
+    l["le"] = v;
+    return l;
+  };
+  EXPECT_EQ(Sample(s, "attnserve_shadow_divergence_bucket", le("1")), 1);
+  EXPECT_EQ(Sample(s, "attnserve_shadow_divergence_bucket", le("+Inf")), 2);
+  EXPECT_EQ(Sample(s, "attnserve_nonfinite_outputs_total", lf), 1);
+  EXPECT_EQ(Sample(s, "attnserve_nonfinite_outputs_total", {{"layer", "demo"}, {"form", "factored"}}), 2);
 }
 
 TEST(MetricsTest, BuildInfoIsOne) {

@@ -362,10 +362,7 @@ ShadowRequest SmallRequest(const std::string& layer) {
   r.layer = NamedLayer(layer);
   r.served = Form::kFactored;
   r.mirror = Form::kSummed;
-  r.batch = 1;
-  r.n = 2;
-  r.d_model = 2;
-  r.input = {0.5f, 0.5f, 0.5f, 0.5f};
+  r.request.input = RequestTensor::Own({0.5f, 0.5f, 0.5f, 0.5f}, 1, 2, 2);
   r.served_output = {1, 1, 1, 3};
   return r;
 }
@@ -443,6 +440,31 @@ TEST(ShadowRunnerTest, AFailedMirrorIsCountedAsDropped) {
   EXPECT_TRUE(obs.compared.empty());
 }
 
+// A mirror that does not fit the server's memory budget is dropped and counted, never queued,
+// and one that fits holds its bytes until it is done.
+TEST(ShadowRunnerTest, MirrorsThatDoNotFitTheMemoryBudgetAreDropped) {
+  GatedExecutor executor;
+  RecordingObserver obs;
+  MemoryBudget budget(100, "--max-memory-mb");
+  ShadowRunner runner(&executor, ShadowOptions{.queue_capacity = 8, .budget = &budget}, &obs);
+  bool built = false;
+  EXPECT_FALSE(runner.Offer("demo", 101, [&] {
+    built = true;
+    return SmallRequest("demo");
+  }));
+  EXPECT_FALSE(built) << "a dropped mirror costs no copy";
+  EXPECT_EQ(obs.dropped.size(), 1u);
+  ASSERT_TRUE(runner.Offer("demo", 64, [] { return SmallRequest("demo"); }));
+  ASSERT_TRUE(executor.WaitForJobs(1));
+  EXPECT_EQ(budget.reserved(), 64);
+  EXPECT_FALSE(runner.Offer("demo", 64, [] { return SmallRequest("demo"); })) << "64 + 64 > 100";
+  EXPECT_EQ(obs.dropped.size(), 2u);
+  executor.ReleaseOne();
+  ASSERT_TRUE(obs.WaitForOutcomes(3));
+  runner.Shutdown();
+  EXPECT_EQ(budget.reserved(), 0);
+}
+
 TEST(ShadowRunnerTest, ShutdownDropsWhatWaitsAndRefusesLaterOffers) {
   GatedExecutor executor;
   RecordingObserver obs;
@@ -465,12 +487,16 @@ TEST(ShadowRunnerTest, ShutdownDropsWhatWaitsAndRefusesLaterOffers) {
   runner.reset();  // a second Shutdown does nothing
 }
 
+// A real mirror over a request that sets every field: a rotary layer at position_offset 37 over a
+// separate context, causal, with key lengths. Each changes the answer, so a mirror that lost one
+// would diverge far beyond float32 rounding (a lost offset did: ~0.6 through the server).
 TEST(ShadowRunnerTest, SummedMirrorOfTheFactoredFormAgreesOnTheCpu) {
   CpuBackend backend(CpuBackendOptions{.threads = 1});
   LayerConfig c;
   c.d_model = 32;
   c.heads = 4;
   c.bias = true;
+  c.rope_theta = 10000;
   const LayerWeights weights = RandomLayerWeights(*CompleteConfig(c), 11);
   auto layer = std::make_shared<Layer>();
   layer->name = "real";
@@ -489,26 +515,25 @@ TEST(ShadowRunnerTest, SummedMirrorOfTheFactoredFormAgreesOnTheCpu) {
   r.layer = layer;
   r.served = Form::kFactored;
   r.mirror = Form::kSummed;
-  r.batch = 2;
-  r.n = 5;
-  r.m = 7;
-  r.d_model = 32;
-  r.input = testing::RandomVector(rng, 2 * 5 * 32);
-  r.context = testing::RandomVector(rng, 2 * 7 * 32);
-  r.causal = true;
-  r.key_lengths = {7, 4};
+  r.request.input = RequestTensor::Own(testing::RandomVector(rng, 2 * 5 * 32), 2, 5, 32);
+  r.request.context = RequestTensor::Own(testing::RandomVector(rng, 2 * 7 * 32), 2, 7, 32);
+  r.request.causal = true;
+  r.request.key_lengths = {7, 4};
+  r.request.position_offset = 37;
   r.served_output.resize(2 * 5 * 32);
   {
     std::promise<Status> done;
     ForwardJob job;
     job.layer = layer;
     job.form = Form::kFactored;
-    job.sequences = r.Sequences(r.served_output.data());
+    job.sequences = r.request.Sequences(r.served_output.data());
     job.done = [&](Status s, JobTimings) { done.set_value(std::move(s)); };
     executor.Submit(std::move(job));
     ASSERT_TRUE(done.get_future().get().ok());
   }
-  ASSERT_TRUE(runner.Offer("real", ShadowRequest::BytesFor(2, 5, 7, 32), [&] { return r; }));
+  // Inputs, context and both outputs.
+  EXPECT_EQ(ShadowRequest::BytesFor(r.request), (2 * 5 * 32 + 2 * 7 * 32 + 2 * 2 * 5 * 32) * 4 + 2 * 8);
+  ASSERT_TRUE(runner.Offer("real", ShadowRequest::BytesFor(r.request), [&] { return r; }));
   ASSERT_TRUE(obs.WaitForOutcomes(1));
   ASSERT_EQ(obs.compared.size(), 1u) << "dropped instead";
   EXPECT_EQ(obs.compared[0].mirror, Form::kSummed);

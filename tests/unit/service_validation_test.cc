@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -160,6 +161,59 @@ TEST(ValidationTest, NonFiniteValues) {
     const Status s = DecodeError(Config(), w);
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(s.message(), AllOf(HasSubstr("input.data"), HasSubstr("finite"), HasSubstr("at [1, 2, 5]")));
+  }
+}
+
+// Large finite values are the client's to send: INVALID_ARGUMENT is for NaN and infinities
+// only. Whether the result fits float32 is known after the computation (CheckOutputFinite).
+TEST(ValidationTest, LargeFiniteValuesAreAccepted) {
+  for (float big : {1e20f, -1e20f, std::numeric_limits<float>::max(), -std::numeric_limits<float>::max()}) {
+    OwnedWire in = Floats({2, 3, 8}), ctx = Floats({2, 4, 8});
+    std::memcpy(in.bytes.data() + 4 * 7, &big, 4);
+    std::memcpy(ctx.bytes.data() + 4 * 9, &big, 4);
+    WireForwardRequest r;
+    r.input = in.View();
+    r.context = ctx.View();
+    StatusOr<DecodedForward> d = DecodeForward(Config(), r);
+    ASSERT_TRUE(d.ok()) << big << ": " << d.status().ToString();
+    EXPECT_EQ(d->input.data()[7], big);
+  }
+  // The largest BFLOAT16 (0x7f7f, about 3.39e38) converts to a finite float32.
+  OwnedWire w;
+  w.dtype = kBF16;
+  w.shape = {1, 1, 8};
+  const std::vector<uint16_t> bits(8, 0x7f7f);
+  w.bytes.assign(reinterpret_cast<const char*>(bits.data()), bits.size() * 2);
+  WireForwardRequest r;
+  r.input = w.View();
+  EXPECT_TRUE(DecodeForward(Config(), r).ok());
+}
+
+// A NaN or an infinity in a computed output, after finite inputs: OUT_OF_RANGE naming the first
+// such element as [batch, row, col], the form, and the inputs' largest magnitude.
+TEST(ValidationTest, NonFiniteOutputIsOutOfRange) {
+  std::vector<float> input(2 * 3 * 8, 1.0f), context(2 * 4 * 8, -2.0f);
+  input[11] = 3e38f;
+  context[5] = -4e37f;
+  AttentionRequest request;
+  request.input = RequestTensor::View(input.data(), 2, 3, 8);
+  request.context = RequestTensor::View(context.data(), 2, 4, 8);
+  std::vector<float> output(2 * 3 * 8, 0.5f);
+  EXPECT_TRUE(CheckOutputFinite(request, Form::kFactored, output).ok());
+  struct Case {
+    float value;
+    const char* got;
+  };
+  for (const Case& c : {Case{std::nanf(""), "got NaN"}, Case{std::numeric_limits<float>::infinity(), "got inf"},
+                        Case{-std::numeric_limits<float>::infinity(), "got -inf"}}) {
+    std::vector<float> bad = output;
+    bad[1 * 24 + 2 * 8 + 5] = c.value;
+    bad.back() = c.value;  // only the first is named
+    const Status s = CheckOutputFinite(request, Form::kSummed, bad);
+    EXPECT_EQ(s.code(), StatusCode::kOutOfRange) << c.got;
+    EXPECT_THAT(s.message(), AllOf(HasSubstr("output: expected finite values"), HasSubstr(c.got),
+                                   HasSubstr("at [1, 2, 5]"), HasSubstr("summed form"),
+                                   HasSubstr("overflowed float32"), HasSubstr("largest magnitude 3e+38")));
   }
 }
 

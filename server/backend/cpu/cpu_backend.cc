@@ -135,6 +135,35 @@ Projection Project(const FormWeights& f, std::span<const Sequence> batch, int th
   return p;
 }
 
+// One row of A from scratch in float64, for a row whose float32 scores are not all finite:
+// inputs from ~1e19 on make scale · q·k pass float32's range (an overflowed +inf max would give
+// inf - inf = NaN in the max subtraction) although the softmax itself is well defined. The
+// products of float32 values are exact in float64, and |q·k| < d_h · FLT_MAX² cannot overflow
+// there, so the row comes out as the exact softmax rounded once. A non-finite Q or K (the
+// projection itself overflowed: no float32 answer can be right) makes the row NaN, which the
+// service reports as OUT_OF_RANGE.
+template <typename QRow, typename KRows, typename ARow>
+void SoftmaxRowInFloat64(const QRow& q, const KRows& k, double scale, ARow&& out) {
+  const int64_t visible = k.rows();
+  std::vector<double> e(static_cast<size_t>(visible));
+  double top = -std::numeric_limits<double>::infinity();
+  bool finite = true;
+  for (int64_t j = 0; j < visible; ++j) {
+    double dot = 0;
+    for (int64_t t = 0; t < q.size(); ++t) dot += static_cast<double>(q(t)) * static_cast<double>(k(j, t));
+    e[j] = scale * dot;
+    finite = finite && std::isfinite(e[j]);
+    top = std::max(top, e[j]);
+  }
+  if (!finite) {
+    out.setConstant(std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  double sum = 0;
+  for (int64_t j = 0; j < visible; ++j) sum += (e[j] = std::exp(e[j] - top));
+  for (int64_t j = 0; j < visible; ++j) out(j) = static_cast<float>(e[j] / sum);
+}
+
 // A = softmax(scale · Q_i K_g(i)^T + mask) over the sequence's visible keys, into `a` [n, L].
 void HeadScores(const FormWeights& f, const Projection& p, const Sequence& s, size_t r, int64_t head,
                 RowMatrix& a) {
@@ -143,12 +172,18 @@ void HeadScores(const FormWeights& f, const Projection& p, const Sequence& s, si
   const auto q = AsEigen(ConstMatrixView(p.q.RowBlock(p.x_row[r], n).ColBlock(head * dh, dh)));
   const auto k = AsEigen(ConstMatrixView(p.k.RowBlock(p.c_row[r], keys).ColBlock(c.KvHeadOf(head) * dh, dh)));
   a.resize(n, keys);
-  a.noalias() = (q * k.transpose()) * c.SoftmaxScale();
+  // The scale on the left: Eigen folds it into the GEMM's alpha. On the right it evaluated the
+  // product into a temporary of its own first, an [n, L] matrix per thread for nothing.
+  a.noalias() = c.SoftmaxScale() * q * k.transpose();
   for (int64_t row = 0; row < n; ++row) {
     const int64_t visible = VisibleKeys(s, row);
     auto v = a.row(row).head(visible).array();
-    v = (v - v.maxCoeff()).exp();
-    v /= v.sum();
+    if (v.allFinite()) {
+      v = (v - v.maxCoeff()).exp();
+      v /= v.sum();
+    } else {
+      SoftmaxRowInFloat64(q.row(row), k.topRows(visible), c.SoftmaxScale(), a.row(row).head(visible));
+    }
     a.row(row).tail(keys - visible).setZero();
   }
 }

@@ -25,6 +25,10 @@ class CpuBackend final : public Backend {
   std::string DeviceName() const override { return "cpu"; }
   StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override;
   Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override;
+  int64_t ScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch,
+                       bool self_attention) const override {
+    return ForwardScratchBytes(form, batch, self_attention, threads_, max_score_scratch_bytes_);
+  }
 
   int threads() const { return threads_; }
 

@@ -209,7 +209,9 @@ class Lane {
                                                    q.data + j * dh, q.ld, group * dh, s + j * n * keys, keys,
                                                    group * n * keys, c.kv_heads));
     }
-    CUDA_TRY(cuda::MaskedSoftmax(s, c.heads, n, keys, seq.causal, stream_));
+    const cuda::ScoreOperands operands{.q = q.data, .q_ld = q.ld, .k = k.data, .k_ld = k.ld, .d_head = dh,
+                                       .group = group, .scale = c.SoftmaxScale()};
+    CUDA_TRY(cuda::MaskedSoftmax(s, c.heads, n, keys, seq.causal, operands, stream_));
     return OkStatus();
   }
 

@@ -1,4 +1,5 @@
 #include <cfloat>
+#include <cmath>
 
 #include "server/backend/cuda/kernels.h"
 
@@ -48,24 +49,89 @@ __device__ float BlockReduce(float v, float* shared) {
   return v;
 }
 
+// Block-wide reduction of doubles through shared memory (blockDim.x of them, a power of two);
+// every thread gets the result. Only the float64 fallback below uses it, so it is the plain
+// tree rather than shuffles.
+template <bool kMax>
+__device__ double BlockReduceDouble(double v, double* shared) {
+  shared[threadIdx.x] = v;
+  __syncthreads();
+  for (unsigned stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) {
+      const double other = shared[threadIdx.x + stride];
+      shared[threadIdx.x] = kMax ? fmax(shared[threadIdx.x], other) : shared[threadIdx.x] + other;
+    }
+    __syncthreads();
+  }
+  v = shared[0];
+  __syncthreads();  // shared[] is reused by the next reduction
+  return v;
+}
+
+// q·k of query row q of `head` and key j in float64, unscaled: the products of float32 values
+// are exact there (so fused or not, every evaluation rounds the same), and |q·k| < d_h · FLT_MAX²
+// cannot overflow.
+__device__ double ExactDot(const ScoreOperands& o, int64_t head, int64_t q, int64_t j) {
+  const float* qr = o.q + q * o.q_ld + head * o.d_head;
+  const float* kr = o.k + j * o.k_ld + (head / o.group) * o.d_head;
+  double dot = 0;
+  for (int64_t t = 0; t < o.d_head; ++t) dot += static_cast<double>(qr[t]) * static_cast<double>(kr[t]);
+  return dot;
+}
+
+// For a row whose float32 scores are not all finite: s[j] = exp(score_j - max) with the scores
+// and the max in float64; returns 1 / the sum. The dot products are computed twice (a row of
+// doubles does not fit in shared memory), so the max is taken over the unscaled dots and the
+// scale applied after the subtraction (scale > 0): the key at the max then gets exp(0) = 1
+// exactly, whereas scale · dot - max may be contracted into one fma that rounds differently
+// from the max's own copy (seen in the emulation: the top key's weight came out 0). A non-finite
+// dot (Q or K themselves overflowed in the projection: no float32 answer can be right) makes the
+// max +inf and so every weight NaN, which the service reports as OUT_OF_RANGE.
+__device__ float ExactExponentials(float* s, int64_t head, int64_t q, int64_t visible, const ScoreOperands& o) {
+  __shared__ double shared[kThreads];
+  double top = -DBL_MAX;
+  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) {
+    const double dot = ExactDot(o, head, q, j);
+    top = fmax(top, fabs(dot) <= DBL_MAX ? dot : INFINITY);
+  }
+  top = BlockReduceDouble<true>(top, shared);
+  double sum = 0;
+  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) {
+    const double e = exp(static_cast<double>(o.scale) * (ExactDot(o, head, q, j) - top));
+    s[j] = static_cast<float>(e);
+    sum += e;
+  }
+  sum = BlockReduceDouble<false>(sum, shared);
+  return static_cast<float>(1.0 / sum);
+}
+
 // One block per row of one head's scores.
-__global__ void MaskedSoftmaxKernel(float* scores, int64_t n, int64_t keys, bool causal) {
+__global__ void MaskedSoftmaxKernel(float* scores, int64_t n, int64_t keys, bool causal, ScoreOperands operands) {
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;  // over heads * n
   const int64_t q = row % n;
   float* s = scores + row * keys;
   const int64_t visible = causal ? min(q + 1, keys) : keys;
+  // A non-finite score counts as +inf, so the max also tells whether q·k overflowed float32
+  // (inputs from ~1e19 on): inf - inf in the max subtraction would make the row NaN.
   float top = -FLT_MAX;
-  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) top = fmaxf(top, s[j]);
-  top = BlockReduce<true>(top, shared);
-  float sum = 0.0f;
   for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) {
-    const float e = __expf(s[j] - top);
-    s[j] = e;
-    sum += e;
+    top = fmaxf(top, fabsf(s[j]) <= FLT_MAX ? s[j] : INFINITY);
   }
-  sum = BlockReduce<false>(sum, shared);
-  const float inv = 1.0f / sum;
+  top = BlockReduce<true>(top, shared);
+  float inv;
+  if (top <= FLT_MAX) {  // the same in every thread of the block: the barriers below are uniform
+    float sum = 0.0f;
+    for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) {
+      const float e = __expf(s[j] - top);
+      s[j] = e;
+      sum += e;
+    }
+    sum = BlockReduce<false>(sum, shared);
+    inv = 1.0f / sum;
+  } else {
+    inv = ExactExponentials(s, row / n, q, visible, operands);
+  }
   for (int64_t j = threadIdx.x; j < keys; j += blockDim.x) s[j] = j < visible ? s[j] * inv : 0.0f;
 }
 
@@ -116,10 +182,12 @@ cudaError_t AddRowBias(float* y, int64_t rows, int64_t cols, int64_t ld, const f
   return cudaGetLastError();
 }
 
-cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t n, int64_t keys, bool causal, cudaStream_t stream) {
+cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t n, int64_t keys, bool causal,
+                          const ScoreOperands& operands, cudaStream_t stream) {
   // Short rows get a small block: most threads of a 256-wide block would idle on 16 keys.
   const int threads = keys <= 32 ? 32 : keys <= 128 ? 128 : kThreads;
-  ATTNSERVE_LAUNCH(MaskedSoftmaxKernel, static_cast<unsigned>(heads * n), threads, stream)(scores, n, keys, causal);
+  ATTNSERVE_LAUNCH(MaskedSoftmaxKernel, static_cast<unsigned>(heads * n), threads, stream)
+  (scores, n, keys, causal, operands);
   return cudaGetLastError();
 }
 

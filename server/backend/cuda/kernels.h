@@ -11,10 +11,24 @@ namespace attnserve::cuda {
 // y[r, c] += bias[c] for the [rows, cols] block of y with row stride ld.
 cudaError_t AddRowBias(float* y, int64_t rows, int64_t cols, int64_t ld, const float* bias, cudaStream_t stream);
 
+// The Q and K the scores came from: head i's queries are columns [i·d_head, (i+1)·d_head) of q
+// (row stride q_ld, row r = query r of the sequence), its keys the same columns of kv head
+// i / group in k (row stride k_ld). scale is the one the score GEMM applied.
+struct ScoreOperands {
+  const float* q = nullptr;
+  int64_t q_ld = 0;
+  const float* k = nullptr;
+  int64_t k_ld = 0;
+  int64_t d_head = 0, group = 1;
+  float scale = 1.0f;
+};
+
 // In place over `heads` score matrices [n, keys] stored back to back: each row becomes the
 // softmax of its visible entries (j < q + 1 when causal, all `keys` otherwise) and 0 elsewhere.
-// The scale is already applied by the score GEMM.
-cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t n, int64_t keys, bool causal, cudaStream_t stream);
+// The scale is already applied by the score GEMM. A row with a non-finite score (q·k past
+// float32's range, inputs from ~1e19 on) is recomputed from `operands` in float64.
+cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t n, int64_t keys, bool causal,
+                          const ScoreOperands& operands, cudaStream_t stream);
 
 // a_cat[q, j·heads + i] = scores[i, q, j]: the summed form's [n, keys·heads] score layout.
 cudaError_t InterleaveHeads(const float* scores, int64_t heads, int64_t n, int64_t keys, float* a_cat,
