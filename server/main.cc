@@ -10,6 +10,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -370,8 +371,26 @@ int Run(int argc, char** argv) {
     server->GetHealthCheckService()->Shutdown();  // health checks answer NOT_SERVING from now on
     if (admin_server != nullptr) admin_server->GetHealthCheckService()->Shutdown();
     const auto deadline = std::chrono::system_clock::now() + drain_timeout;
+    // gRPC cancels the calls still open at the deadline, but Shutdown waits for every callback
+    // call to be answered, and a layer load holds its call until the load ends. At the deadline
+    // such a call is answered UNAVAILABLE instead (the load itself gets a second more, below).
+    std::mutex abandon_mu;
+    std::condition_variable abandon_cv;
+    bool shut_down = false;
+    std::thread abandoner([&] {
+      std::unique_lock<std::mutex> lock(abandon_mu);
+      if (abandon_cv.wait_for(lock, drain_timeout, [&] { return shut_down; })) return;
+      service.AbandonAdminCalls();
+      if (admin_service != nullptr) admin_service->AbandonAdminCalls();
+    });
     server->Shutdown(deadline);
     if (admin_server != nullptr) admin_server->Shutdown(deadline);
+    {
+      std::lock_guard<std::mutex> lock(abandon_mu);
+      shut_down = true;
+    }
+    abandon_cv.notify_all();
+    abandoner.join();
   });
   // A device fault (Backend::Healthy() turning false) takes the server out of rotation: health
   // answers NOT_SERVING for the whole server and the service, so probes and balancers move on.
@@ -398,6 +417,15 @@ int Run(int argc, char** argv) {
   device_watch.join();
   shadow.Shutdown();  // drops waiting mirrors; the running one needs the executor still
   const int abandoned = executor.Drain(std::chrono::milliseconds(0));
+  // gRPC cancelled every call still open at the drain deadline; a layer load can still be
+  // running on an admin thread (reads of a hung network file system do not return). It gets a
+  // second; then the process ends without it rather than hold the drain forever.
+  const auto admin_grace = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  if (!service.WaitForAdminCalls(admin_grace) ||
+      (admin_service != nullptr && !admin_service->WaitForAdminCalls(admin_grace))) {
+    spdlog::warn("stopped ({} queued requests abandoned); a layer load still running is abandoned too", abandoned);
+    std::_Exit(0);
+  }
   spdlog::info("stopped ({} queued requests abandoned at the drain deadline)", abandoned);
   return 0;
 }

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <cmath>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include "server/routing/shadow.h"
 #include "server/service/spectrum_proto.h"
 #include "server/service/validation.h"
+#include "server/service/wire_request.h"
 
 namespace attnserve {
 
@@ -74,6 +76,28 @@ class AdminWorker {
   }
   int capacity() const { return capacity_; }
 
+  // Answers every waiting task and the running one UNAVAILABLE (the running one goes on, but
+  // its answer is dropped): at shutdown, so that gRPC's Wait does not wait for a slow load.
+  void AbandonAll() {
+    std::deque<Task> waiting;
+    std::function<void(Status)> running;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting.swap(tasks_);
+      running = running_refuse_;
+    }
+    const Status shutting_down = UnavailableError("the server is shutting down");
+    for (Task& task : waiting) task.refuse(shutting_down);
+    if (running) running(shutting_down);
+    idle_cv_.notify_all();
+  }
+
+  // Waits until no task runs or waits, or until `until`; false when one still runs then.
+  bool WaitIdle(std::chrono::steady_clock::time_point until) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return idle_cv_.wait_until(lock, until, [this] { return tasks_.empty() && !running_; });
+  }
+
  private:
   void Run() {
     for (;;) {
@@ -84,19 +108,30 @@ class AdminWorker {
         if (tasks_.empty()) return;
         task = std::move(tasks_.front());
         tasks_.pop_front();
+        running_ = true;
+        running_refuse_ = task.refuse;
       }
       if (std::chrono::steady_clock::now() >= task.deadline) {
         task.refuse(Status(StatusCode::kDeadlineExceeded, "the deadline passed while the call waited for earlier admin calls"));
       } else {
         task.run();
       }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        running_ = false;
+        running_refuse_ = nullptr;
+      }
+      idle_cv_.notify_all();
     }
   }
 
   const int capacity_;
   std::mutex mu_;
   std::condition_variable cv_;
+  std::condition_variable idle_cv_;
   std::deque<Task> tasks_;  // guarded by mu_
+  bool running_ = false;    // guarded by mu_: a task is running
+  std::function<void(Status)> running_refuse_;  // guarded by mu_: the running task's refuse
   bool stopping_ = false;   // guarded by mu_
   std::thread thread_;
 };
@@ -109,15 +144,6 @@ grpc::Status ToGrpc(const Status& status) {
 namespace {
 
 v1::Form ToProtoForm(Form form) { return static_cast<v1::Form>(FormToWire(form)); }
-
-WireTensor ViewTensor(bool present, const v1::Tensor& t) {
-  WireTensor w;
-  w.present = present;
-  w.dtype = static_cast<int>(t.dtype());
-  w.shape = std::span<const int64_t>(t.shape().data(), t.shape().size());
-  w.data = t.data();
-  return w;
-}
 
 std::string LoadedNames(const LayerStore& store) {
   std::string names;
@@ -401,6 +427,12 @@ AttentionServiceImpl::AttentionServiceImpl(LayerStore* store, Executor* executor
 
 AttentionServiceImpl::~AttentionServiceImpl() = default;
 
+bool AttentionServiceImpl::WaitForAdminCalls(std::chrono::steady_clock::time_point until) {
+  return admin_->WaitIdle(until);
+}
+
+void AttentionServiceImpl::AbandonAdminCalls() { admin_->AbandonAll(); }
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerContext* context,
                                                         const v1::ForwardRequest* request,
                                                         v1::ForwardResponse* response) {
@@ -434,13 +466,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
     if (!form.ok()) return form.status();
     counted_form = *form;
 
-    WireForwardRequest wire;
-    wire.form = request->form();
-    wire.input = ViewTensor(request->has_input(), request->input());
-    wire.context = ViewTensor(request->has_context(), request->context());
-    wire.causal = request->causal();
-    wire.key_lengths = std::span<const int32_t>(request->key_lengths().data(), request->key_lengths().size());
-    wire.position_offset = request->position_offset();
+    const WireForwardRequest wire = WireRequestOf(*request);
     StatusOr<DecodedForward> decoded =
         DecodeForward(layer->config, wire, ForwardLimits{.max_score_bytes = options_.max_score_bytes});
     if (!decoded.ok()) return decoded.status();
@@ -536,23 +562,31 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
           "source: expected a SOURCE such as 'random:d_model=64,heads=4' or "
           "'safetensors:PATH', got an empty string");
     }
-    // The request and response stay valid until Finish, which the task calls.
+    // The call is answered once: by the load, or at shutdown by AbandonAdminCalls while the
+    // load still runs. The request and response belong to gRPC only until that answer, so
+    // the task copies what it reads and fills the response only if it answers.
+    auto answered = std::make_shared<std::atomic<bool>>(false);
     AdminWorker::Task task;
     task.deadline = SteadyDeadline(*context);
-    task.refuse = [reactor](Status st) { reactor->Finish(ToGrpc(st)); };
-    task.run = [this, reactor, request, response] {
+    task.refuse = [reactor, answered](Status st) {
+      if (!answered->exchange(true)) reactor->Finish(ToGrpc(st));
+    };
+    task.run = [this, reactor, response, answered, name = request->name(), source = request->source()] {
+      v1::LayerInfo info;
       Status st = Guarded("LoadLayer", [&]() -> Status {
-        StatusOr<std::shared_ptr<const Layer>> layer = store_->Load(request->name(), request->source(), LoadOrigin::kApi);
+        StatusOr<std::shared_ptr<const Layer>> layer = store_->Load(name, source, LoadOrigin::kApi);
         if (!layer.ok()) return layer.status();
         if (options_.metrics != nullptr) ReportLayerMetrics(**layer, *options_.metrics);
-        FillLayerInfo(**layer, response);
+        FillLayerInfo(**layer, &info);
         return OkStatus();
       });
       if (st.ok()) {
-        spdlog::info("loaded layer '{}' from '{}'", request->name(), response->source());
+        spdlog::info("loaded layer '{}' from '{}'", name, info.source());
       } else {
-        spdlog::warn("LoadLayer '{}' refused: {}", request->name(), st.ToString());
+        spdlog::warn("LoadLayer '{}' refused: {}", name, st.ToString());
       }
+      if (answered->exchange(true)) return;  // the server stopped waiting: nobody reads it
+      *response = std::move(info);
       reactor->Finish(ToGrpc(st));
     };
     if (!admin_->Post(std::move(task))) {

@@ -5,6 +5,7 @@
 // the call's own reactor state, shared state in LayerStore and Executor (both thread-safe).
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -57,6 +58,14 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // Shutdown has returned (no call may still be running).
   AttentionServiceImpl(LayerStore* store, Executor* executor, ServiceOptions options);
   ~AttentionServiceImpl() override;
+
+  // At shutdown: waits for the admin calls accepted so far (a layer load may take seconds),
+  // until `until`. False when one still runs then: the caller may exit without it rather than
+  // let a load stuck on a hung file system hold the drain (main.cc does).
+  bool WaitForAdminCalls(std::chrono::steady_clock::time_point until);
+  // At the drain deadline: answers every admin call still waiting or running UNAVAILABLE, so
+  // that gRPC's Server::Wait returns; a running load goes on, unanswered (docs/security.md).
+  void AbandonAdminCalls();
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
                                     v1::ForwardResponse* response) override;

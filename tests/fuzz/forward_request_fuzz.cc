@@ -16,6 +16,7 @@
 #include "attnserve/v1/attention.pb.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/service/validation.h"
+#include "server/service/wire_request.h"
 #include "server/store/layer_store.h"
 
 namespace {
@@ -50,16 +51,6 @@ struct Fixture {
   }
 };
 
-// What service.cc's ViewTensor does (it is local to that file).
-WireTensor ViewTensor(bool present, const v1::Tensor& t) {
-  WireTensor w;
-  w.present = present;
-  w.dtype = static_cast<int>(t.dtype());
-  w.shape = std::span<const int64_t>(t.shape().data(), t.shape().size());
-  w.data = t.data();
-  return w;
-}
-
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -72,13 +63,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   StatusOr<Form> form = ChooseForm(request.form(), layer);
   if (!form.ok()) return 0;
 
-  WireForwardRequest wire;
-  wire.form = request.form();
-  wire.input = ViewTensor(request.has_input(), request.input());
-  wire.context = ViewTensor(request.has_context(), request.context());
-  wire.causal = request.causal();
-  wire.key_lengths = std::span<const int32_t>(request.key_lengths().data(), request.key_lengths().size());
-  wire.position_offset = request.position_offset();
+  const WireForwardRequest wire = WireRequestOf(request);
   auto decoded = DecodeForward(layer.config, wire, ForwardLimits{.max_score_bytes = kMaxScoreBytes});
   if (!decoded.ok()) return 0;
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <future>
 #include <thread>
@@ -223,6 +224,28 @@ TEST(SecurityTest, QueueFullNamesNoAddress) {
     EXPECT_THAT(status.error_message(), AllOf(HasSubstr("slow/summed"), Not(HasSubstr("0x"))));
   }
   EXPECT_GT(refused, 0);
+}
+
+// A layer load still running at the drain deadline (here merely slow; on a hung network file
+// system it would never return) does not hold the drain: the server exits 0 about a second
+// after the deadline, without it.
+TEST(SecurityTest, TheDrainDoesNotWaitForALayerLoad) {
+  auto server = StartOrFail({"--admin-token", kTestAdminToken, "--layer", kTinyLayer, "--drain-timeout-s", "1"});
+  ASSERT_NE(server, nullptr);
+  ClientOptions o = server->client().options();
+  o.timeout = std::chrono::milliseconds(120000);
+  Client admin(o);
+  // Several seconds of materialising and spectra on this machine (more under the sanitizers).
+  auto load = std::async(std::launch::async,
+                         [&] { return admin.LoadLayer("slow", "random:d_model=6144,heads=48,summed=false", nullptr); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(server->Stop(SIGTERM, std::chrono::seconds(20)), 0) << server->Log();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(took, 4.0) << server->Log();
+  const grpc::Status st = load.get();
+  EXPECT_FALSE(st.ok()) << "the load was cut short";
+  EXPECT_THAT(server->Log(), HasSubstr("a layer load still running is abandoned"));
 }
 
 // The status-code table of docs/service.md, walked: every code it lists is answered by the real
