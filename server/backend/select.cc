@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/plugin_abi.h"
 
 namespace attnserve {
 namespace {
@@ -46,14 +47,26 @@ StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int i
   // Never unloaded: the backend's code lives there for the life of the process.
   void* plugin = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (plugin == nullptr) return UnavailableError(std::string("cannot load the CUDA backend: ") + dlerror());
-  using CountFn = int (*)(char*, size_t);
-  using MakeFn = Backend* (*)(int, bool, char*, size_t);
-  auto count = reinterpret_cast<CountFn>(dlsym(plugin, "AttnserveCudaDeviceCount"));
-  auto make = reinterpret_cast<MakeFn>(dlsym(plugin, "AttnserveMakeCudaBackend"));
-  if (count == nullptr || make == nullptr) return UnavailableError(path + ": not an attnserve CUDA plugin");
+  auto entry = reinterpret_cast<AttnserveBackendPluginFn>(dlsym(plugin, "AttnserveBackendPlugin"));
+  const AttnservePluginApi* api = entry == nullptr ? nullptr : entry();
+  if (api == nullptr) {
+    return UnavailableError(path + ": not an attnserve backend plugin (no AttnserveBackendPlugin table; a plugin "
+                            "from before the versioned ABI?)");
+  }
+  // Checked before anything of the plugin runs: what crosses the boundary is C++.
+  if (api->abi_version != ATTNSERVE_PLUGIN_ABI_VERSION) {
+    return UnavailableError(path + ": plugin ABI version " + std::to_string(api->abi_version) +
+                            ", this server speaks version " + std::to_string(ATTNSERVE_PLUGIN_ABI_VERSION) +
+                            "; use the plugin built with this server");
+  }
+  const std::string plugin_build = api->build_id == nullptr ? "" : api->build_id;
+  if (plugin_build != ATTNSERVE_BUILD_ID) {
+    return UnavailableError(path + ": plugin from build '" + plugin_build + "', this server is build '" +
+                            ATTNSERVE_BUILD_ID + "'; use the plugin built with this server");
+  }
   char why[512] = "";
-  if (count(why, sizeof why) == 0) return UnavailableError(std::string("no usable GPU: ") + why);
-  Backend* backend = make(index, tf32, why, sizeof why);
+  if (api->device_count(why, sizeof why) == 0) return UnavailableError(std::string("no usable GPU: ") + why);
+  Backend* backend = api->make_backend(index, tf32, why, sizeof why);
   if (backend == nullptr) return UnavailableError(why);
   return std::unique_ptr<Backend>(backend);
 }

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "server/backend/cuda/cuda_backend.h"
+#include "server/backend/plugin_abi.h"
 
 namespace {
 void CopyMessage(const std::string& message, char* out, size_t size) {
@@ -15,10 +16,10 @@ void CopyMessage(const std::string& message, char* out, size_t size) {
 }
 }  // namespace
 
-extern "C" {
+namespace {
 
 // Usable devices; 0 with the reason in `why`.
-int AttnserveCudaDeviceCount(char* why, size_t why_size) {
+int DeviceCount(char* why, size_t why_size) {
   std::string reason;
   const int count = attnserve::CudaDeviceCount(&reason);
   CopyMessage(reason, why, why_size);
@@ -26,7 +27,7 @@ int AttnserveCudaDeviceCount(char* why, size_t why_size) {
 }
 
 // A new CUDA backend the caller owns, or nullptr with the reason in `error`.
-attnserve::Backend* AttnserveMakeCudaBackend(int device, bool tf32, char* error, size_t error_size) {
+attnserve::Backend* MakeBackend(int device, bool tf32, char* error, size_t error_size) {
   auto backend = attnserve::MakeCudaBackend({.device = device, .tf32 = tf32});
   if (!backend.ok()) {
     CopyMessage(backend.status().message(), error, error_size);
@@ -35,4 +36,17 @@ attnserve::Backend* AttnserveMakeCudaBackend(int device, bool tf32, char* error,
   return std::move(backend).value().release();
 }
 
-}  // extern "C"
+// Tests build plugins that lie about these, to see them refused.
+#ifndef ATTNSERVE_PLUGIN_ABI_VERSION_REPORTED
+#define ATTNSERVE_PLUGIN_ABI_VERSION_REPORTED ATTNSERVE_PLUGIN_ABI_VERSION
+#endif
+#ifndef ATTNSERVE_PLUGIN_BUILD_ID_REPORTED
+#define ATTNSERVE_PLUGIN_BUILD_ID_REPORTED ATTNSERVE_BUILD_ID
+#endif
+
+const AttnservePluginApi kApi = {ATTNSERVE_PLUGIN_ABI_VERSION_REPORTED, ATTNSERVE_PLUGIN_BUILD_ID_REPORTED,
+                                 &DeviceCount, &MakeBackend};
+
+}  // namespace
+
+extern "C" const AttnservePluginApi* AttnserveBackendPlugin() { return &kApi; }

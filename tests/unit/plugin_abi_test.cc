@@ -1,0 +1,46 @@
+// The backend plugin boundary (server/backend/plugin_abi.h): the server loads a plugin of its
+// own build, and refuses, before calling anything of it, one of another ABI version or another
+// build, saying which. The plugins here are the CUDA plugin built over the emulated device.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include "server/backend/select.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+TEST(PluginAbiTest, ThePluginOfThisBuildLoads) {
+  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_GOOD_PLUGIN, 0, false);
+  ASSERT_TRUE(backend.ok()) << backend.status().ToString();
+  EXPECT_EQ((*backend)->DeviceName(), "cuda:0");
+}
+
+TEST(PluginAbiTest, AnotherAbiVersionIsRefusedWithTheVersions) {
+  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_BAD_ABI_PLUGIN, 0, false);
+  ASSERT_FALSE(backend.ok());
+  EXPECT_EQ(backend.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(backend.status().message(),
+              AllOf(HasSubstr("plugin ABI version 999"), HasSubstr("this server speaks version 1"),
+                    HasSubstr("use the plugin built with this server")));
+}
+
+TEST(PluginAbiTest, AnotherBuildIsRefusedNamingBoth) {
+  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_BAD_BUILD_PLUGIN, 0, false);
+  ASSERT_FALSE(backend.ok());
+  EXPECT_THAT(backend.status().message(),
+              AllOf(HasSubstr("plugin from build '0.0.1+someothercommit-GNU1.0'"), HasSubstr("this server is build '")));
+}
+
+TEST(PluginAbiTest, SomethingElseIsNotAPlugin) {
+  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin("libm.so.6", 0, false);
+  ASSERT_FALSE(backend.ok());
+  EXPECT_THAT(backend.status().message(), HasSubstr("not an attnserve backend plugin"));
+  EXPECT_THAT(LoadCudaPlugin("/nonexistent/libattnserve_cuda.so", 0, false).status().message(),
+              HasSubstr("cannot load the CUDA backend"));
+}
+
+}  // namespace
+}  // namespace attnserve
