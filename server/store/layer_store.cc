@@ -130,7 +130,8 @@ Status ConfineToModelDirs(const std::vector<std::string>& model_dirs, SourceSpec
       return OkStatus();
     }
   }
-  return NotFoundError("checkpoint: no readable regular file '" + spec->path + "' beneath the model dirs");
+  return NotFoundError("checkpoint: no readable regular file " + QuoteUntrusted(spec->path) +
+                       " beneath the model dirs");
 }
 
 // The source as ListLayers shows it: a checkpoint's path relative to its model dir, or its
