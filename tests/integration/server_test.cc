@@ -243,10 +243,29 @@ TEST_F(ServerTest, CompareReportsTheOtherFormsDivergence) {
     ASSERT_EQ(resp.divergence_size(), 1);
     const v1::Divergence& d = resp.divergence(0);
     EXPECT_EQ(d.form(), served == v1::FORM_FACTORED ? v1::FORM_SUMMED : v1::FORM_FACTORED);
-    // Equal in exact arithmetic; in float32 close but (almost surely) not bit-identical.
+    // Equal in exact arithmetic; in float32 close but not bit-identical: a server comparing a
+    // form with itself would report 0.
     EXPECT_LT(d.rel_l2(), 2 * kTolerance);
-    EXPECT_GE(d.rel_l2(), 0);
+    EXPECT_GT(d.rel_l2(), 0);
+    EXPECT_GT(d.max_abs(), 0);
     EXPECT_LT(d.max_abs(), 1e-3);
+    // And it is the distance to what the other form answers on its own (same shapes, same
+    // kernels: the same floats), measured here.
+    v1::ForwardRequest alone = req;
+    alone.set_form(d.form());
+    alone.set_compare(false);
+    v1::ForwardResponse other;
+    ASSERT_TRUE(client().Forward(alone, &other).ok());
+    const std::vector<float> a = Output(resp), b = Output(other);
+    double num = 0, den = 0, max_abs = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double e = static_cast<double>(b[i]) - a[i];
+      num += e * e;
+      den += static_cast<double>(a[i]) * a[i];
+      max_abs = std::max(max_abs, std::abs(e));
+    }
+    EXPECT_NEAR(d.rel_l2(), std::sqrt(num / den), 1e-3 * std::sqrt(num / den));
+    EXPECT_NEAR(d.max_abs(), max_abs, 1e-3 * max_abs);
   }
   // A layer holding one form has nothing to compare with.
   v1::ForwardRequest req = Request("factored-only", RandomFloats(rng, 32), {1, 1, 32});
