@@ -941,6 +941,29 @@ TEST(ServerFlagsTest, RotaryPositionOffsetAndSpectra) {
     seq.position_offset = offset;
     EXPECT_LT(RelativeL2(Output(resp), ReferenceForward(w, seq)), kTolerance) << "offset " << offset;
   }
+  // Causal self-attention is blind to a shift of every position (RoPE depends on q - k only),
+  // so the offset must also be seen where it changes the answer: queries at offset + q over a
+  // context whose keys start at 0. Both forms, against float64, and the answers must differ.
+  const std::vector<float> context = RandomFloats(rng, 9 * 32);
+  for (v1::Form form : {v1::FORM_FACTORED, v1::FORM_SUMMED}) {
+    std::vector<std::vector<float>> outputs;
+    for (int64_t offset : {0, 37}) {
+      v1::ForwardRequest req = Request("rope", input, {1, 7, 32}, form);
+      *req.mutable_context() = MakeTensor(context, {1, 9, 32});
+      req.set_position_offset(offset);
+      v1::ForwardResponse resp;
+      const grpc::Status st = server->client().Forward(req, &resp);
+      ASSERT_TRUE(st.ok()) << Describe(st);
+      Sequence seq;
+      seq.input = ConstMatrixView(input.data(), 7, 32);
+      seq.context = ConstMatrixView(context.data(), 9, 32);
+      seq.position_offset = offset;
+      outputs.push_back(Output(resp));
+      EXPECT_LT(RelativeL2(outputs.back(), ReferenceForward(w, seq)), kTolerance) << "cross, offset " << offset;
+    }
+    std::vector<double> at_zero(outputs[0].begin(), outputs[0].end());
+    EXPECT_GT(RelativeL2(outputs[1], at_zero), 1e-3) << "the offset changed nothing: was it dropped?";
+  }
   v1::ForwardRequest bad = Request("rope", input, {1, 7, 32});
   bad.set_position_offset(-1);
   v1::ForwardResponse resp;
