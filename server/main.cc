@@ -1,5 +1,6 @@
 // attnserve: flags and config → backend, layer store, executor, gRPC server; runs until
 // SIGTERM or SIGINT. Wiring only: every piece it starts lives in its own component.
+#include <google/protobuf/stubs/logging.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -36,6 +37,11 @@
 
 namespace attnserve {
 namespace {
+
+// After the last accepted call is answered, how long the listeners stay open before Shutdown:
+// time for clients to read their answers (Shutdown's socket close can reset a connection that
+// still holds unread bytes) while new calls are refused UNAVAILABLE.
+constexpr std::chrono::milliseconds kDrainLinger(300);
 
 // Length of the valid UTF-8 sequence starting at text[i], or 0 when the bytes there are not one
 // (overlong forms, surrogates and code points past U+10FFFF included).
@@ -120,6 +126,15 @@ void ConfigureLogging(const ServerOptions& options) {
   logger->set_level(spdlog::level::from_str(options.log_level));
   logger->flush_on(spdlog::level::info);
   spdlog::set_default_logger(std::move(logger));
+  // protobuf writes to stderr on its own, past --log-level and --log-json: one line for each
+  // request whose strings are not UTF-8, which any client could send to fill the log. Its lines
+  // go through our logger at debug level instead (gRPC answers such a call UNIMPLEMENTED before
+  // any handler runs; docs/service.md).
+  google::protobuf::SetLogHandler(
+      [](google::protobuf::LogLevel level, const char* /*file*/, int /*line*/, const std::string& message) {
+        spdlog::log(level >= google::protobuf::LOGLEVEL_FATAL ? spdlog::level::critical : spdlog::level::debug,
+                    "protobuf: {}", message);
+      });
 }
 
 std::string HostOf(const std::string& listen) {
@@ -359,9 +374,13 @@ int Run(int argc, char** argv) {
     return 1;
   }
 
-  // Graceful drain: NOT_SERVING first (load balancers stop sending), then gRPC refuses new
-  // calls (UNAVAILABLE) while the batcher finishes the accepted ones; calls still running at
-  // the drain deadline are cancelled by gRPC, and their queued jobs fail with UNAVAILABLE.
+  // Graceful drain: NOT_SERVING first (load balancers stop sending); the service answers new
+  // Forward calls UNAVAILABLE while the batcher finishes the accepted ones; once every accepted
+  // call is answered (or at the drain deadline) and the clients have had a moment to read
+  // their answers, gRPC's Shutdown closes the listeners, cancelling whatever is still open.
+  // Shutdown is not the first step: it cancels calls gRPC has received but not yet handed to
+  // the service, and closing a socket with unread client frames resets the connection, which
+  // can discard answers the client's kernel holds but the client has not yet read.
   const auto drain_timeout = std::chrono::seconds(options.drain_timeout_s);
   std::thread signal_waiter([&] {
     int signal = 0;
@@ -371,6 +390,18 @@ int Run(int argc, char** argv) {
     server->GetHealthCheckService()->Shutdown();  // health checks answer NOT_SERVING from now on
     if (admin_server != nullptr) admin_server->GetHealthCheckService()->Shutdown();
     const auto deadline = std::chrono::system_clock::now() + drain_timeout;
+    const auto steady_deadline = std::chrono::steady_clock::now() + drain_timeout;
+    service.StopAcceptingForwardCalls();
+    if (admin_service != nullptr) admin_service->StopAcceptingForwardCalls();
+    const bool answered = service.WaitForForwardCalls(steady_deadline) &&
+                          (admin_service == nullptr || admin_service->WaitForForwardCalls(steady_deadline));
+    if (answered) {
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
+          kDrainLinger, std::max<std::chrono::steady_clock::duration>(
+                            steady_deadline - std::chrono::steady_clock::now(), std::chrono::seconds(0))));
+    }
+    spdlog::info("every accepted inference call {}; closing the listeners",
+                 answered ? "is answered" : "was not answered by the drain deadline");
     // gRPC cancels the calls still open at the deadline, but Shutdown waits for every callback
     // call to be answered, and a layer load holds its call until the load ends. At the deadline
     // such a call is answered UNAVAILABLE instead (the load itself gets a second more, below).
@@ -379,7 +410,7 @@ int Run(int argc, char** argv) {
     bool shut_down = false;
     std::thread abandoner([&] {
       std::unique_lock<std::mutex> lock(abandon_mu);
-      if (abandon_cv.wait_for(lock, drain_timeout, [&] { return shut_down; })) return;
+      if (abandon_cv.wait_until(lock, steady_deadline, [&] { return shut_down; })) return;
       service.AbandonAdminCalls();
       if (admin_service != nullptr) admin_service->AbandonAdminCalls();
     });

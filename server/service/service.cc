@@ -215,13 +215,15 @@ int64_t RequestFootprint(const Layer& layer, const AttentionRequest& r, std::spa
 class ForwardCall {
  public:
   ForwardCall(grpc::ServerUnaryReactor* reactor, v1::ForwardResponse* response, std::shared_ptr<const Layer> layer,
-              AttentionRequest decoded, CallReporting reporting, MemoryBudget::Reservation reservation)
+              AttentionRequest decoded, CallReporting reporting, MemoryBudget::Reservation reservation,
+              CallGate::Ticket ticket)
       : reactor_(reactor),
         response_(response),
         layer_(std::move(layer)),
         decoded_(std::move(decoded)),
         reporting_(std::move(reporting)),
-        reservation_(std::move(reservation)) {}
+        reservation_(std::move(reservation)),
+        ticket_(std::move(ticket)) {}
 
   // Prepares the output buffers and submits the served form's job and, for `compare`, one per
   // other held form. The call is answered from the last job's completion.
@@ -339,6 +341,7 @@ class ForwardCall {
                                           SecondsSince(reporting_.arrived));
     }
     reactor_->Finish(status);
+    ticket_.Release();  // answered: the drain no longer waits for this call
   }
 
   // Queues the mirror run, copying the request and the served output now: both belong to the
@@ -367,6 +370,7 @@ class ForwardCall {
   // The call's share of the memory budget, given back when the call object goes (after the
   // answer, once the last job's completion lets go of it).
   MemoryBudget::Reservation reservation_;
+  CallGate::Ticket ticket_;  // the call counts as open for the drain until it is answered
   std::vector<Form> forms_;  // [0]: the served form; the rest: compared against it
   float* served_output_ = nullptr;
   std::vector<float> fallback_output_;
@@ -443,7 +447,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
   // make a new series per typo), the form once known.
   std::shared_ptr<const Layer> counted_layer;
   std::optional<Form> counted_form = FormFromWire(request->form());
+  // Released when this handler returns unless the call is started (then at its answer).
+  CallGate::Ticket ticket = forward_gate_.Enter();
   Status status = Guarded("Forward", [&]() -> Status {
+    if (!ticket) {
+      return UnavailableError("the server is draining (shutting down): send this request to another replica");
+    }
     ATTNSERVE_RETURN_IF_ERROR(CheckWireForm(request->form()));
     if (request->layer().empty()) {
       return InvalidArgumentError("layer: expected a layer name, got an empty string (loaded: " + LoadedNames(*store_) +
@@ -506,7 +515,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
       reporting.mirror = options_.router->ShadowMirror(held_forms, *form);
     }
     auto call = std::make_shared<ForwardCall>(reactor, response, layer, std::move(decoded).value(),
-                                              std::move(reporting), std::move(reservation));
+                                              std::move(reporting), std::move(reservation), std::move(ticket));
     ForwardCall::Start(std::move(call), *form, request->compare(), executor_, arrived, context);
     return OkStatus();
   });

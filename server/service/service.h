@@ -12,6 +12,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/batching/executor.h"
 #include "server/batching/memory_budget.h"
+#include "server/service/call_gate.h"
 #include "server/store/layer_store.h"
 
 namespace attnserve {
@@ -66,6 +67,11 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // At the drain deadline: answers every admin call still waiting or running UNAVAILABLE, so
   // that gRPC's Server::Wait returns; a running load goes on, unanswered (docs/security.md).
   void AbandonAdminCalls();
+  // The drain (main.cc): from now on Forward answers UNAVAILABLE ("draining"); the calls
+  // accepted before keep running. WaitForForwardCalls: until every accepted Forward call has
+  // been answered, or `until`; false when some are still open then.
+  void StopAcceptingForwardCalls() { forward_gate_.Close(); }
+  bool WaitForForwardCalls(std::chrono::steady_clock::time_point until) { return forward_gate_.WaitIdle(until); }
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
                                     v1::ForwardResponse* response) override;
@@ -90,6 +96,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   Executor* const executor_;
   const ServiceOptions options_;
   std::unique_ptr<AdminWorker> admin_;
+  CallGate forward_gate_;
 };
 
 // What LayerInfo says of a layer (also used by the server's start-up log).

@@ -297,6 +297,9 @@ TEST(SecurityTest, TheStatusCodeTableIsWhatTheServerAnswers) {
     *big.mutable_input() = MakeTensor(long_input, {1, 4096, 16});
     big.set_form(v1::FORM_SUMMED);
     answered["DEADLINE_EXCEEDED"] = forward(big, 1);
+    v1::ForwardRequest not_utf8 = good;
+    not_utf8.set_layer("tiny\xff\xfe");  // proto3 strings must be UTF-8: the request does not parse
+    answered["UNIMPLEMENTED"] = forward(not_utf8);
   }
   // Codes whose trigger is a whole scenario of its own.
   const std::map<std::string, std::string> elsewhere = {

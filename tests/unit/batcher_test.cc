@@ -160,6 +160,28 @@ TEST(BatcherTest, ExpiredAndCancelledItemsNeverRun) {
   }
 }
 
+// gRPC's cancellation probe turns true when a call's deadline passes too: such an item ended
+// by its deadline is DEADLINE_EXCEEDED, not CANCELLED (the metrics count them apart).
+TEST(BatcherTest, AnExpiredItemThatAlsoReadsCancelledIsADeadline) {
+  Log log;
+  std::promise<void> open;
+  Batcher batcher({.max_batch_requests = 10, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
+                  Recorder(&log, open.get_future().share()));
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
+  std::this_thread::sleep_for(20ms);
+  auto expired = std::make_unique<TestItem>(1, &log);
+  expired->deadline = Clock::now() + 5ms;
+  TestItem* expire_me = expired.get();
+  ASSERT_TRUE(batcher.Enqueue("q", std::move(expired)).ok());
+  std::this_thread::sleep_for(10ms);
+  expire_me->cancelled = true;  // as IsCancelled() reads once the deadline passed
+  open.set_value();
+  log.WaitEnded(2);
+  std::lock_guard<std::mutex> lock(log.mu);
+  ASSERT_EQ(log.failures.size(), 1u);
+  EXPECT_EQ(log.failures[0].second.code(), StatusCode::kDeadlineExceeded) << log.failures[0].second.message();
+}
+
 TEST(BatcherTest, FullQueueRefusesAtOnceAndAcceptedStillComplete) {
   Log log;
   std::promise<void> open;

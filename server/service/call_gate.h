@@ -1,0 +1,87 @@
+// The drain's door for inference calls: counts the calls a service has accepted and, once
+// closed, lets no new one in, so that SIGTERM can wait for exactly the accepted calls to be
+// answered before gRPC's Shutdown closes the sockets (docs/architecture.md, the service).
+// Thread-safety: every member may be called from any thread at once.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+
+namespace attnserve {
+
+class CallGate {
+ public:
+  // An accepted call's place in the count; given back by Release or when it goes.
+  class Ticket {
+   public:
+    Ticket() = default;
+    Ticket(Ticket&& other) noexcept : gate_(other.gate_) { other.gate_ = nullptr; }
+    Ticket& operator=(Ticket&& other) noexcept {
+      if (this != &other) {
+        Release();
+        gate_ = other.gate_;
+        other.gate_ = nullptr;
+      }
+      return *this;
+    }
+    Ticket(const Ticket&) = delete;
+    Ticket& operator=(const Ticket&) = delete;
+    ~Ticket() { Release(); }
+
+    // False for the empty ticket Enter gives once the gate is closed.
+    explicit operator bool() const { return gate_ != nullptr; }
+    // Called right after the call's answer is handed to gRPC.
+    void Release() {
+      if (gate_ != nullptr) gate_->Leave();
+      gate_ = nullptr;
+    }
+
+   private:
+    friend class CallGate;
+    explicit Ticket(CallGate* gate) : gate_(gate) {}
+    CallGate* gate_ = nullptr;
+  };
+
+  // A ticket for a new call, or an empty one once Close has run (answer it UNAVAILABLE).
+  Ticket Enter() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return Ticket();
+    ++open_;
+    return Ticket(this);
+  }
+
+  // From now on Enter refuses.
+  void Close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+  }
+
+  // Waits until every accepted call has been answered, or until `until`; false when some are
+  // still open then.
+  bool WaitIdle(std::chrono::steady_clock::time_point until) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return idle_cv_.wait_until(lock, until, [this] { return open_ == 0; });
+  }
+
+  int open() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return open_;
+  }
+
+ private:
+  void Leave() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--open_ > 0) return;
+    }
+    idle_cv_.notify_all();
+  }
+
+  mutable std::mutex mu_;
+  std::condition_variable idle_cv_;
+  bool closed_ = false;  // guarded by mu_
+  int open_ = 0;         // guarded by mu_
+};
+
+}  // namespace attnserve
