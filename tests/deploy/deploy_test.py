@@ -249,8 +249,15 @@ def substitute(text, variables):
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables.get(m.group(1) or m.group(2), ""), text)
 
 
+class Stages(list):
+    """The stages of a Dockerfile, in order, with `global_args`: the ARG defaults before the first
+    FROM (substituted into FROM lines)."""
+
+    global_args = {}
+
+
 def parse_dockerfile(path):
-    """[Stage] in order; global ARG defaults substituted into FROM lines."""
+    """Stages in order; global ARG defaults substituted into FROM lines."""
     logical, buf = [], ""
     with open(path) as f:
         for raw in f:
@@ -264,7 +271,7 @@ def parse_dockerfile(path):
             if buf.strip():
                 logical.append(buf.strip())
             buf = ""
-    global_args, stages = {}, []
+    global_args, stages = {}, Stages()
     for line in logical:
         keyword, _, rest = line.partition(" ")
         keyword, rest = keyword.upper(), rest.strip()
@@ -277,6 +284,7 @@ def parse_dockerfile(path):
             stages.append(Stage(words[0], words[2] if len(words) >= 3 and words[1].upper() == "AS" else None))
         else:
             stages[-1].instructions.append((keyword, rest))
+    stages.global_args = global_args
     return stages
 
 
@@ -419,6 +427,60 @@ class DockerfileTest(unittest.TestCase):
         # Runtime and devel of the same CUDA release and distribution.
         self.assertEqual(bases["cuda-build"].replace("-devel-", "-"), bases["cuda"].replace("-runtime-", "-"))
 
+    def depends_on(self, stage):
+        """The stages a stage needs (FROM another stage, COPY --from, RUN --mount from=), itself
+        included: what BuildKit builds for --target stage."""
+        needed, todo = set(), [stage.name]
+        while todo:
+            name = todo.pop()
+            if name in needed:
+                continue
+            needed.add(name)
+            s = self.by_name[name]
+            refs = {s.base}
+            for keyword, rest in s.instructions:
+                opts = split_options(rest)[0]
+                refs |= {o.split("=", 1)[1] for o in opts if o.startswith("--from=")}
+                refs |= {m["from"] for m in mount_options(opts) if "from" in m}
+            todo += [r for r in refs if r in self.by_name]
+        return needed
+
+    def test_cpu_and_cuda_targets_are_independent(self):
+        """The default target (the CPU runtime) builds without any CUDA stage or image, and the
+        CUDA image without the CPU stages; no `# syntax=` line (the engine's built-in frontend:
+        nothing to pull, so the build works offline)."""
+        self.assertEqual(self.depends_on(self.by_name["runtime"]), {"runtime", "build"})
+        self.assertEqual(self.depends_on(self.by_name["cuda"]), {"cuda", "cuda-build"})
+        for name in ("runtime", "build"):
+            self.assertNotIn("cuda", self.by_name[name].base)
+        with open(os.path.join(SRC, "Dockerfile")) as f:
+            text = f.read()
+        self.assertNotRegex(text, r"(?im)^#\s*syntax\s*=", "a syntax directive pulls a frontend image")
+
+    def test_oci_labels(self):
+        """Both runtime images carry the OCI labels: version = CMakeLists.txt's project version,
+        revision from a build argument, source, licenses. The ARGs they use are declared after
+        the RUN steps, so a new revision rebuilds no layer."""
+        with open(os.path.join(SRC, "CMakeLists.txt")) as f:
+            version = re.search(r"project\(attnserve VERSION ([\d.]+)", f.read()).group(1)
+        for stage in self.runtime_stages():
+            with self.subTest(stage=stage.name):
+                labels = {}
+                for rest in stage.all("LABEL"):
+                    for kv in shlex.split(rest):
+                        k, _, v = kv.partition("=")
+                        labels[k] = v
+                for key in ("version", "revision", "source", "licenses"):
+                    self.assertIn(f"org.opencontainers.image.{key}", labels)
+                values = {k: substitute(v, self.stages.global_args) for k, v in labels.items()}
+                self.assertEqual(values["org.opencontainers.image.version"], version)
+                self.assertEqual(labels["org.opencontainers.image.revision"], "${ATTNSERVE_REVISION}")
+                keywords = [k for k, _ in stage.instructions]
+                last_run = max(i for i, k in enumerate(keywords) if k == "RUN")
+                for i, (keyword, rest) in enumerate(stage.instructions):
+                    if keyword == "ARG" and rest.startswith("ATTNSERVE_REVISION"):
+                        self.assertGreater(i, last_run, "ARG ATTNSERVE_REVISION before a RUN: each commit rebuilds it")
+
     def test_scripts_test_runs_the_same_scripts(self):
         """CI (scripts/test) runs scripts/setup and scripts/build: the build stages' steps."""
         with open(os.path.join(SRC, "scripts", "test")) as f:
@@ -426,32 +488,64 @@ class DockerfileTest(unittest.TestCase):
         self.assertRegex(text, r"(?m)^\s*scripts/setup\s*$")
         self.assertRegex(text, r"(?m)^\s*scripts/build\s+build\b")
 
-    def resolve_script(self, stage, argv0, mounts, copied):
-        """The repository script a RUN command calls, or None."""
+    def resolve_script(self, stage, argv0, mounts, available):
+        """The repository script a RUN command calls, or None. `available`: the context paths the
+        stage's COPY steps have brought to the same place under its WORKDIR so far."""
         for m in mounts:
-            if m.get("type") == "bind" and "from" not in m and argv0.startswith(m["target"].rstrip("/") + "/"):
-                return os.path.normpath(os.path.join(m.get("source", "."), argv0[len(m["target"].rstrip("/")) + 1 :]))
-        if argv0.startswith("scripts/") and copied:
-            return os.path.normpath(argv0)
+            if m.get("type") != "bind" or "from" in m:
+                continue
+            target = m["target"].rstrip("/")
+            if argv0 == target:  # a single file bound
+                return os.path.normpath(m.get("source", "."))
+            if argv0.startswith(target + "/"):
+                return os.path.normpath(os.path.join(m.get("source", "."), argv0[len(target) + 1 :]))
+        path = os.path.normpath(argv0)
+        if path.startswith("scripts/") and any(a == "." or path == a or path.startswith(a + "/") for a in available):
+            return path
         return None
+
+    def context_copies(self, stage):
+        """[(instruction index, [context path])] of the stage's COPY steps from the build context
+        (no --from). Each must put its sources at the same relative place under the WORKDIR
+        (COPY server/ server/, COPY scripts/build scripts/runtime-packages scripts/), so that a
+        path in a RUN step is the repository's path."""
+        copies = []
+        for index, (keyword, rest) in enumerate(stage.instructions):
+            if keyword != "COPY":
+                continue
+            opts, paths = split_options(rest)
+            if any(o.startswith("--from") for o in opts):
+                continue
+            *srcs, dest = paths.split()
+            if dest.startswith("/"):
+                copies.append((index, []))  # into a system folder (the runtime stages' scripts)
+                continue
+            placed = []
+            for src in srcs:
+                if os.path.isdir(os.path.join(SRC, src)) or src.rstrip("/") == ".":
+                    where = dest
+                else:
+                    where = os.path.join(dest, os.path.basename(src)) if dest.endswith("/") or len(srcs) > 1 else dest
+                self.assertEqual(os.path.normpath(where), os.path.normpath(src),
+                                 f"stage {stage.name}: COPY {paths} puts {src} elsewhere than its repository path")
+                placed.append(os.path.normpath(src))
+            copies.append((index, placed))
+        return copies
 
     def run_steps(self):
         """[(stage, script, args, redirect, mounts)] for every command of every RUN step."""
         steps = []
         for stage in self.stages:
-            copied = False
-            for keyword, rest in stage.instructions:
-                if keyword == "COPY":
-                    opts, paths = split_options(rest)
-                    srcs = paths.split()[:-1]
-                    if not any(o.startswith("--from") for o in opts) and any(s.rstrip("/") in ("scripts", ".") for s in srcs):
-                        copied = True
+            copies = dict(self.context_copies(stage))
+            available = []
+            for index, (keyword, rest) in enumerate(stage.instructions):
+                available += copies.get(index, [])
                 if keyword != "RUN":
                     continue
                 opts, script = split_options(rest)
                 mounts = mount_options(opts)
                 for argv, redirect in shell_commands(script):
-                    path = self.resolve_script(stage, argv[0], mounts, copied)
+                    path = self.resolve_script(stage, argv[0], mounts, available)
                     self.assertIsNotNone(path, f"stage {stage.name}: RUN calls '{argv[0]}', not a script of scripts/ "
                                                f"that is in the image at that point (keep RUN steps to tested scripts)")
                     steps.append((stage, path, argv[1:], redirect, mounts))
@@ -535,44 +629,89 @@ class DockerfileTest(unittest.TestCase):
         self.assertEqual(sorted(set(needed) - closure), [],
                          f"packages the binaries need that scripts/setup --runtime ({listed}) does not bring")
 
+    def copied_before_build(self, stage):
+        """The context paths the stage's COPY steps bring before its scripts/build step."""
+        copies = dict(self.context_copies(stage))
+        available = []
+        for index, (keyword, rest) in enumerate(stage.instructions):
+            if keyword == "RUN" and "scripts/build" in rest:
+                return available
+            available += copies.get(index, [])
+        self.fail(f"stage {stage.name} has no scripts/build step")
+
     def test_build_configures_in_the_image_context(self):
         """Each scripts/build call of the Dockerfile, configured (not compiled) in a copy of what
-        .dockerignore leaves of the tree: catches a misspelt -D option, a target that does not
-        exist and a source file the context leaves out."""
+        the stage's COPY steps bring of what .dockerignore leaves of the tree: catches a misspelt
+        -D option, a target that does not exist and a source file the stage does not copy."""
         calls = [(s, a) for s, p, a, _, _ in self.run_steps() if os.path.basename(p) == "build"]
         self.assertEqual(sorted(s.name for s, _ in calls), ["build", "cuda-build"])
         files = context_files()
         for required in ("CMakeLists.txt", "scripts/setup", "scripts/build", "server/main.cc", "proto/CMakeLists.txt"):
             self.assertIn(required, files, f".dockerignore leaves {required} out of the build context")
-        with tempfile.TemporaryDirectory() as ctx:
-            for f in files:
-                os.makedirs(os.path.join(ctx, os.path.dirname(f)), exist_ok=True)
-                shutil.copy2(os.path.join(SRC, f), os.path.join(ctx, f))
-            for stage, args in calls:
-                options = [a for a in args[1:] if a.startswith("-D")]
-                targets = [args[i + 1] for i, a in enumerate(args) if a == "--target"]
-                self.assertIn("-DATTNSERVE_NATIVE=OFF", options, f"stage {stage.name}: an image must not use -march=native")
-                expected = ["attnserve", "attnserve-cli"] + (["attnserve_cuda_plugin"] if stage.name == "cuda-build" else [])
-                self.assertEqual(sorted(targets), expected)
-                if stage.name == "cuda-build":
-                    self.assertIn("-DATTNSERVE_CUDA=ON", options)
-                    self.assertIn("-DCMAKE_CUDA_ARCHITECTURES=80;90", options, "Ampere (sm_80) and Hopper (sm_90)")
-                    if not have_nvcc():
-                        print(f"note: no nvcc here: stage {stage.name}'s configure is not checked", file=sys.stderr)
-                        continue
-                else:
-                    self.assertIn("-DATTNSERVE_CUDA=OFF", options)
+        for stage, args in calls:
+            options = [a for a in args[1:] if a.startswith("-D")]
+            targets = [args[i + 1] for i, a in enumerate(args) if a == "--target"]
+            self.assertIn("-DATTNSERVE_NATIVE=OFF", options, f"stage {stage.name}: an image must not use -march=native")
+            for off in ("-DATTNSERVE_TESTS=OFF", "-DATTNSERVE_BENCH=OFF"):
+                self.assertIn(off, options, f"stage {stage.name}: the image builds no tests or benchmarks")
+            self.assertIn("-DCMAKE_EXE_LINKER_FLAGS=-s", options, f"stage {stage.name}: stripped binaries (-s)")
+            expected = ["attnserve", "attnserve-cli"] + (["attnserve_cuda_plugin"] if stage.name == "cuda-build" else [])
+            self.assertEqual(sorted(targets), expected)
+            copied = self.copied_before_build(stage)
+            for what in ("tests", "bench", "docs", "deploy", "."):
+                self.assertNotIn(what, copied, f"stage {stage.name} copies {what}/: a change there would recompile")
+            stage_files = [f for f in files if any(f == c or f.startswith(c + "/") for c in copied)]
+            if stage.name == "cuda-build":
+                self.assertIn("-DATTNSERVE_CUDA=ON", options)
+                self.assertIn("-DCMAKE_CUDA_ARCHITECTURES=80;90", options, "Ampere (sm_80) and Hopper (sm_90)")
+                self.assertIn("-DCMAKE_SHARED_LINKER_FLAGS=-s", options, "the CUDA plugin stripped too")
+                self.assertIn("scripts/runtime-packages", stage_files)
+                if not have_nvcc():
+                    print(f"note: no nvcc here: stage {stage.name}'s configure is not checked", file=sys.stderr)
+                    continue
+            else:
+                self.assertIn("-DATTNSERVE_CUDA=OFF", options)
+            with tempfile.TemporaryDirectory() as ctx:
+                for f in stage_files:
+                    os.makedirs(os.path.join(ctx, os.path.dirname(f)), exist_ok=True)
+                    shutil.copy2(os.path.join(SRC, f), os.path.join(ctx, f))
                 build = os.path.join(ctx, "build-" + stage.name)
                 env = dict(os.environ, PATH="/usr/local/cuda/bin:" + os.environ.get("PATH", ""))
                 out = subprocess.run([os.path.join(ctx, "scripts", "build"), build] + options + ["--configure-only"],
                                      capture_output=True, text=True, timeout=600, env=env)
-                self.assertEqual(out.returncode, 0, f"stage {stage.name}: scripts/build {build} {options}:\n"
-                                                    f"{out.stdout[-4000:]}{out.stderr[-4000:]}")
+                self.assertEqual(out.returncode, 0, f"stage {stage.name}: scripts/build {build} {options} in what the "
+                                                    f"stage copies ({copied}):\n{out.stdout[-4000:]}{out.stderr[-4000:]}")
                 listing = subprocess.run(["ninja", "-C", build, "-t", "targets", "all"], capture_output=True,
                                          text=True, check=True).stdout
                 known = set(re.findall(r"(?m)^([^:\s]+): ", listing))
                 self.assertEqual([t for t in targets if t not in known], [], f"stage {stage.name}: targets CMake lacks")
-                shutil.rmtree(build)
+
+    def test_build_stages_install_from_setup_alone(self):
+        """The package layer of each build stage depends on scripts/setup only: the first COPY
+        brings it alone, and `scripts/setup --build-only` (no test packages) runs before any other
+        COPY, so editing sources, tests or docs reuses the layer."""
+        for stage in (self.by_name["build"], self.by_name["cuda-build"]):
+            with self.subTest(stage=stage.name):
+                keywords = [k for k, _ in stage.instructions]
+                first_copy = keywords.index("COPY")
+                self.assertEqual(split_options(stage.instructions[first_copy][1])[1].split()[:-1], ["scripts/setup"])
+                first_run = keywords.index("RUN")
+                self.assertLess(first_copy, first_run)
+                self.assertNotIn("COPY", keywords[first_copy + 1 : first_run])
+                self.assertEqual(shlex.split(stage.instructions[first_run][1]), ["scripts/setup", "--build-only"])
+        build_only = subprocess.run([os.path.join(SRC, "scripts", "setup"), "--build-only", "--dry-run"],
+                                    capture_output=True, text=True, check=True).stdout.split()
+        everything = subprocess.run([os.path.join(SRC, "scripts", "setup"), "--no-fetch", "--dry-run"],
+                                    capture_output=True, text=True, check=True).stdout.split()
+        self.assertLess(set(build_only), set(everything), "--build-only is a part of the default set")
+        test_only = ("prometheus", "googletest", "libgtest-dev", "libgmock-dev", "libbenchmark-dev", "python3",
+                     "python3-numpy", "python3-pip", "python3-yaml", "yamllint", "clang", "libclang-rt-14-dev", "git")
+        self.assertEqual([p for p in test_only if p in build_only], [], "test-only packages in --build-only")
+        docker = subprocess.run([os.path.join(SRC, "scripts", "setup"), "--docker", "--dry-run"],
+                                capture_output=True, text=True, check=True).stdout.split()
+        for p in ("docker.io", "docker-compose", "debootstrap"):
+            self.assertIn(p, docker, "scripts/setup --docker: the container test's tools")
+            self.assertNotIn(p, everything, "the engine is not part of the build and test packages")
 
     def test_dockerignore(self):
         patterns = dockerignore_patterns()
@@ -589,6 +728,18 @@ class DockerfileTest(unittest.TestCase):
                 self.assertTrue(docker_excludes(path, patterns) or docker_excludes(path + "/x", patterns),
                                 f"git ignores {path} but .dockerignore keeps it in the build context")
 
+    # The scripts the runtime stages copy from the context, and where.
+    CONTAINER_SCRIPTS = {"scripts/container-entrypoint": "/usr/local/bin/attnserve-entrypoint",
+                         "scripts/container-health": "/usr/local/bin/attnserve-health"}
+
+    def stage_env(self, stage):
+        env = {}
+        for rest in stage.all("ENV"):
+            for kv in shlex.split(rest):
+                k, _, v = kv.partition("=")
+                env[k] = v
+        return env
+
     def test_runtime_stages(self):
         stages = self.runtime_stages()
         self.assertEqual(sorted(s.name for s in stages), ["cuda", "runtime"])
@@ -604,36 +755,41 @@ class DockerfileTest(unittest.TestCase):
                 exposed = {int(p.split("/")[0]) for rest in stage.all("EXPOSE") for p in rest.split()}
                 self.assertIsNotNone(self.metrics_port, "attnserve --help has no --metrics-listen yet")
                 self.assertEqual(exposed, {self.grpc_port, self.metrics_port})
-                # The entrypoint: the server, flags it knows.
+                # The entrypoint: scripts/container-entrypoint, which execs the server with the
+                # flags after it (flags it knows).
                 entry = exec_form(stage.last("ENTRYPOINT")) + (exec_form(stage.last("CMD")) if stage.last("CMD") else [])
-                self.assertEqual(entry[0], "attnserve", "exec form, the server binary")
+                self.assertEqual(entry[0], "attnserve-entrypoint", "exec form, scripts/container-entrypoint")
                 assert_flags_exist(self, entry[1:], BINARY, f"stage {stage.name} ENTRYPOINT/CMD")
                 self.assertIsNone(flag_value(entry, "--listen"), "the server's default --listen, as EXPOSE says")
-                # Health check through the CLI's grpc.health.v1 command, on the served port.
+                self.assertIsNone(flag_value(entry, "--port-file"), "the entrypoint passes --port-file itself")
+                # Health check: scripts/container-health, the CLI's grpc.health.v1 command on the
+                # port the server wrote to $ATTNSERVE_PORT_FILE (else $ATTNSERVE_TARGET).
                 options, hc = split_options(stage.last("HEALTHCHECK"))
                 self.assertTrue(hc.startswith("CMD "), hc)
                 argv = exec_form(hc[4:])
-                self.assertEqual(argv[0], "attnserve-cli")
-                self.assertIn("health", argv)
-                assert_flags_exist(self, argv[1 : argv.index("health")], CLI, f"stage {stage.name} HEALTHCHECK")
+                self.assertEqual(argv[0], "attnserve-health")
+                assert_flags_exist(self, argv[1:], CLI, f"stage {stage.name} HEALTHCHECK (attnserve-cli flags)")
                 timeout = dict(o.split("=", 1) for o in options).get("--timeout", "30s")
                 cli_timeout_ms = int(flag_value(argv, "--timeout-ms", "30000"))
                 self.assertLess(cli_timeout_ms, int(timeout.rstrip("s")) * 1000, "the CLI's deadline within --timeout")
-                env = {}
-                for rest in stage.all("ENV"):
-                    for kv in shlex.split(rest):
-                        k, _, v = kv.partition("=")
-                        env[k] = v
-                target = flag_value(argv, "--target", env.get("ATTNSERVE_TARGET", "localhost:50051"))
-                self.assertEqual(port_of(target), self.grpc_port, "the health check asks the served port")
+                env = self.stage_env(stage)
+                self.assertEqual(port_of(env.get("ATTNSERVE_TARGET", "localhost:50051")), self.grpc_port,
+                                 "without a port file the health check asks the served port")
+                port_file = env.get("ATTNSERVE_PORT_FILE", "")
+                self.assertRegex(port_file, r"^/dev/shm/", "the port file on a tmpfs a read-only root still has")
                 self.assertEqual(stage.last("STOPSIGNAL"), "SIGTERM")
-                # The binaries come from the build stage's scripts/build folder.
+                # The binaries come from the build stage's scripts/build folder, the two scripts
+                # from the context.
                 build = self.build_stage_of(stage)
                 build_dirs = [a[0] for s, p, a, _, _ in self.run_steps() if s is build and p.endswith("build")]
-                copied = set()
+                copied, scripts = set(), {}
                 for rest in stage.all("COPY"):
                     opts, paths = split_options(rest)
                     words = paths.split()
+                    if not any(o.startswith("--from") for o in opts):
+                        self.assertEqual(len(words), 2, f"COPY {paths}: one script a COPY")
+                        scripts[words[0]] = words[1]
+                        continue
                     for src in words[:-1]:
                         self.built_here(self.local_binary(src, build_dirs))
                         copied.add(os.path.basename(src))
@@ -641,22 +797,40 @@ class DockerfileTest(unittest.TestCase):
                 # The server loads the CUDA plugin from its own folder (server/backend/select.cc).
                 expected = {"attnserve", "attnserve-cli"} | ({"libattnserve_cuda.so"} if stage.name == "cuda" else set())
                 self.assertEqual(copied, expected)
+                self.assertEqual(scripts, self.CONTAINER_SCRIPTS)
+                for script in scripts:
+                    self.assertTrue(os.access(os.path.join(SRC, script), os.X_OK), f"{script} is not executable")
+                    with open(os.path.join(SRC, script)) as f:
+                        self.assertEqual(f.readline().strip(), "#!/bin/sh", f"{script}: the slim image has no bash")
+                    out = subprocess.run(["sh", "-n", os.path.join(SRC, script)], capture_output=True, text=True)
+                    self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("--device", flag_names(exec_form(self.by_name["cuda"].last("ENTRYPOINT"))))
 
-    def test_server_as_pid1_stops_on_sigterm(self):
-        """The image has no init: the server is PID 1 of its PID namespace, where the kernel
-        drops signals a process does not handle. It must still drain and exit 0 on SIGTERM."""
-        probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, text=True)
-        if probe.returncode != 0:
-            self.skipTest(f"no PID namespace here (unshare: {probe.stderr.strip()})")
-        stage = self.by_name["runtime"]
-        entry = exec_form(stage.last("ENTRYPOINT"))
-        port = free_port()
-        args = [BINARY] + entry[1:] + [f"--listen=127.0.0.1:{port}"]
-        if "--metrics-listen" in server_flags():
-            args.append(f"--metrics-listen=127.0.0.1:{free_port()}")
+    def container_env(self, port_file, **extra):
+        """The runtime image's environment for the two container scripts run here: PATH with
+        this tree's attnserve and attnserve-cli first, the image's variables, the port file."""
+        env = child_env(**self.stage_env(self.by_name["runtime"]))
+        env["PATH"] = os.pathsep.join([os.path.dirname(BINARY), os.path.dirname(CLI), env.get("PATH", "")])
+        env["ATTNSERVE_PORT_FILE"] = port_file
+        env.update(extra)
+        return env
+
+    def health(self, env):
+        argv = exec_form(split_options(self.by_name["runtime"].last("HEALTHCHECK"))[1][4:])
+        argv[0] = os.path.join(SRC, "scripts", "container-health")
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+
+    @contextlib.contextmanager
+    def entrypoint_server(self, env, *args):
+        """The runtime image's ENTRYPOINT (scripts/container-entrypoint) run here in a PID namespace
+        of its own, with `args`; yields (the unshare process, its log) once the server answers
+        SERVING on the --listen port in args."""
+        entry = exec_form(self.by_name["runtime"].last("ENTRYPOINT"))
+        argv = [os.path.join(SRC, "scripts", "container-entrypoint")] + entry[1:] + list(args)
+        argv.append(f"--metrics-listen=127.0.0.1:{free_port()}")
+        port = port_of(flag_value(argv, "--listen"))
         with tempfile.TemporaryFile(mode="w+") as log:
-            proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child"] + args, stdout=log, stderr=log)
+            proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child"] + argv, stdout=log, stderr=log, env=env)
             try:
                 deadline, serving = time.time() + 60, False
                 while time.time() < deadline and proc.poll() is None and not serving:
@@ -666,20 +840,97 @@ class DockerfileTest(unittest.TestCase):
                     time.sleep(0.2)
                 log.seek(0)
                 self.assertTrue(serving, f"the server did not come up:\n{log.read()}")
+                yield proc, log
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+    def require_pid_namespace(self):
+        probe = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            self.skipTest(f"no PID namespace here (unshare: {probe.stderr.strip()})")
+
+    def test_server_as_pid1_stops_on_sigterm(self):
+        """The image has no init: the entrypoint script execs the server, which is then PID 1 of
+        its PID namespace, where the kernel drops signals a process does not handle. It must
+        still drain and exit 0 on SIGTERM."""
+        self.require_pid_namespace()
+        with tempfile.TemporaryDirectory() as tmp:
+            env = self.container_env(os.path.join(tmp, "attnserve.port"))
+            with self.entrypoint_server(env, f"--listen=127.0.0.1:{free_port()}") as (proc, log):
                 with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
                     children = f.read().split()
                 self.assertEqual(len(children), 1)
                 with open(f"/proc/{children[0]}/status") as f:
-                    nspid = re.search(r"(?m)^NSpid:\s+(.*)$", f.read()).group(1).split()
+                    status = f.read()
+                self.assertEqual(re.search(r"(?m)^Name:\s+(\S+)", status).group(1), "attnserve",
+                                 "the entrypoint execs the server (no shell left as PID 1)")
+                nspid = re.search(r"(?m)^NSpid:\s+(.*)$", status).group(1).split()
                 self.assertEqual(nspid[-1], "1", "the server is PID 1 in its namespace")
                 os.kill(int(children[0]), signal.SIGTERM)
                 rc = proc.wait(timeout=60)
                 log.seek(0)
                 self.assertEqual(rc, 0, f"exit status after SIGTERM as PID 1; log:\n{log.read()}")
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+
+    def test_health_check_follows_the_listen_address(self):
+        """The image's HEALTHCHECK asks the port the server bound: the entrypoint passes
+        --port-file $ATTNSERVE_PORT_FILE, the health script reads it (here $ATTNSERVE_TARGET names
+        a closed port, so only the file can lead it to the server). Where the port file's folder
+        is not writable (a read-only root without /dev/shm), the server starts without it and the
+        check asks $ATTNSERVE_TARGET. (scripts/docker-test runs the image with
+        `--listen 0.0.0.0:6000` and waits for Docker to call it healthy.)"""
+        self.require_pid_namespace()
+        with tempfile.TemporaryDirectory() as tmp:
+            port_file = os.path.join(tmp, "attnserve.port")
+            with open(port_file, "w") as f:
+                f.write(f"{free_port()}\n")  # stale: from an earlier start; the entrypoint removes it
+            closed = f"127.0.0.1:{free_port()}"
+            env = self.container_env(port_file, ATTNSERVE_TARGET=closed)
+            port = free_port()
+            before = self.health(env)
+            self.assertNotEqual(before.returncode, 0, "healthy with no server")
+            with self.entrypoint_server(env, f"--listen=0.0.0.0:{port}"):
+                with open(port_file) as f:
+                    self.assertEqual(f.read().strip(), str(port))
+                out = self.health(env)
+                self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+                self.assertTrue(out.stdout.startswith(f"SERVING (127.0.0.1:{port}, from {port_file})"), out.stdout)
+            down = self.health(env)
+            self.assertNotEqual(down.returncode, 0, f"healthy after the server stopped: {down.stdout}")
+            # No writable folder for the port file: $ATTNSERVE_TARGET.
+            env = self.container_env(os.path.join(tmp, "missing", "attnserve.port"), ATTNSERVE_TARGET=f"127.0.0.1:{port}")
+            with self.entrypoint_server(env, f"--listen=127.0.0.1:{port}") as (_, log):
+                out = self.health(env)
+                self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+                self.assertIn(f"127.0.0.1:{port}, from $ATTNSERVE_TARGET", out.stdout)
+                log.seek(0)
+                self.assertIn("is not writable: no port file", log.read())
+
+
+    def test_docker_test_script(self):
+        """scripts/docker-test, the stage of the test command that builds and runs the image on a
+        real engine: bash, strict mode, syntax; installs through scripts/setup --docker; skips
+        (exit 0, a SKIPPED line) only where no engine can start; publishes on 127.0.0.1 only;
+        runs the image with the deployments' restrictions."""
+        path = os.path.join(SRC, "scripts", "docker-test")
+        self.assertTrue(os.access(path, os.X_OK), "scripts/docker-test is not executable")
+        with open(path) as f:
+            text = f.read()
+        self.assertTrue(text.startswith("#!/usr/bin/env bash\n"))
+        self.assertRegex(text, r"(?m)^set -euo pipefail$")
+        out = subprocess.run(["bash", "-n", path], capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("scripts/setup --docker", text)
+        self.assertIn("SKIPPED", text)
+        self.assertIn("DOCKER_BUILDKIT=1", text)
+        self.assertIn("debootstrap --variant=minbase bookworm", text)
+        for flag in ("--read-only", "--cap-drop ALL", "--security-opt no-new-privileges", "--listen 0.0.0.0:6000"):
+            self.assertIn(flag, text)
+        published = re.findall(r"(?<!\S)-p ([^\s\"$]\S*)", text)  # docker run -p, not mkdir -p "$dir"
+        self.assertTrue(published)
+        self.assertEqual([p for p in published if not p.startswith("127.0.0.1:")], [], "ports beyond loopback")
+        self.assertNotRegex(text, r"(?i)deb\.debian\.org", "the mirror comes from the machine's apt sources")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1332,6 +1583,55 @@ class ComposeTest(unittest.TestCase):
                     host_ip, published = m.group(1), m.group(2)
                 self.assertEqual(host_ip, "127.0.0.1", f"{name} publishes {p!r} beyond the loopback address")
                 self.assertTrue(published, f"{name}: {p!r} publishes on a random host port")
+
+    def test_compose_tools_accept_the_file(self):
+        """Debian's docker-compose 1.29 (what scripts/docker-test runs; Debian has no compose
+        plugin) takes the file with scripts/docker-test's override: no top-level `name:` or
+        `version:`; `docker-compose config` where it is installed."""
+        self.assertEqual(sorted(set(self.compose) - {"services", "volumes", "networks", "configs", "secrets"}), [],
+                         "top-level keys docker-compose 1.29 refuses")
+        override_path = os.path.join(SRC, "tests", "deploy", "compose.docker-test.yaml")
+        with open(override_path) as f:
+            override = yaml.safe_load(f)
+        self.assertEqual(sorted(override["services"]), ["attnserve", "prometheus"], "Grafana is not in Debian")
+        for name, service in override["services"].items():
+            self.assertEqual(list(service), ["image"], f"the override only swaps {name}'s image")
+        with open(os.path.join(SRC, "scripts", "docker-test")) as f:
+            script = f.read()
+        for image in (override["services"]["attnserve"]["image"], override["services"]["prometheus"]["image"]):
+            self.assertIn(image, script, "the images scripts/docker-test builds")
+        compose = shutil.which("docker-compose")
+        if compose is None:
+            print("note: no docker-compose here (scripts/setup --docker): its parse of the file is not checked",
+                  file=sys.stderr)
+            return
+        out = subprocess.run([compose, "-p", "attnserve-check", "-f", os.path.join(DEPLOY, "compose.yaml"), "-f",
+                              override_path, "config", "-q"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(out.returncode, 0, out.stderr)
+
+    def test_prometheus_image(self):
+        """deploy/prometheus/Dockerfile (Debian's prometheus, for an offline compose): runs
+        /usr/bin/prometheus as non-root with the TSDB in the volume the compose file mounts, and
+        Debian's Prometheus knows every flag the compose file passes."""
+        stages = parse_dockerfile(os.path.join(DEPLOY, "prometheus", "Dockerfile"))
+        self.assertEqual(len(stages), 1)
+        stage = stages[0]
+        self.assertEqual(stage.base, "debian:bookworm-slim")
+        self.assertEqual(exec_form(stage.last("ENTRYPOINT")), ["/usr/bin/prometheus"])
+        self.assertNotIn(stage.last("USER").split(":")[0], ("0", "root"))
+        command = self.services["prometheus"]["command"]
+        storage = flag_value(command, "--storage.tsdb.path")
+        self.assertIn(storage, exec_form(stage.last("VOLUME")))
+        self.assertIn(f"prometheus-data:{storage}", self.services["prometheus"]["volumes"])
+        self.assertIn(int(self.services["prometheus"]["ports"][0].split(":")[-1]),
+                      {int(p) for p in stage.last("EXPOSE").split()})
+        prometheus = shutil.which("prometheus") or "/usr/bin/prometheus"
+        if not os.path.exists(prometheus):
+            self.fail("Debian's prometheus is not installed (scripts/setup)")
+        out = subprocess.run([prometheus, "--help"], capture_output=True, text=True, timeout=60)
+        known = set(re.findall(r"(--[a-z][a-z0-9.-]*)", out.stdout + out.stderr))
+        self.assertEqual([f for f in flag_names(command) if f not in known], [],
+                         "flags Debian's Prometheus does not know")
 
     def test_admin_api_closed(self):
         """No admin token in the compose file: the real server, started with its command, refuses
