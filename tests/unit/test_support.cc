@@ -1,7 +1,9 @@
 #include "tests/unit/test_support.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <random>
 
 #include "server/backend/cpu/cpu_backend.h"
 #if defined(ATTNSERVE_CUDA_EMULATED)
@@ -97,8 +99,22 @@ int RandomCases(int fallback) {
 }
 
 uint64_t TestSeed() {
-  const char* v = std::getenv("ATTNSERVE_SEED");
-  return v ? std::strtoull(v, nullptr, 10) : 20261129;
+  // One seed per process, fresh each run so that every run explores new cases; printed once so
+  // that a failure's output says how to replay it.
+  static const uint64_t seed = [] {
+    const char* v = std::getenv("ATTNSERVE_SEED");
+    uint64_t s = 0;
+    if (v != nullptr && *v != '\0') {
+      s = std::strtoull(v, nullptr, 10);
+    } else {
+      std::random_device device;
+      s = (static_cast<uint64_t>(device()) << 32) ^ device();
+    }
+    std::fprintf(stderr, "[ seed     ] %llu (replay with ATTNSERVE_SEED=%llu)\n", static_cast<unsigned long long>(s),
+                 static_cast<unsigned long long>(s));
+    return s;
+  }();
+  return seed;
 }
 
 }  // namespace attnserve::testing

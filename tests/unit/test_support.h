@@ -46,7 +46,8 @@ bool BackendRequired(const std::string& name);
 // The number of random cases a randomized test draws: ATTNSERVE_RANDOM_CASES or `fallback`.
 int RandomCases(int fallback);
 
-// A seed for a test: ATTNSERVE_SEED when set, else a fixed default; tests log it.
+// The seed of this test process: ATTNSERVE_SEED when set, else a fresh one each run (drawn
+// once per process); printed to stderr on first use, so a failure's output names it.
 uint64_t TestSeed();
 
 }  // namespace attnserve::testing
