@@ -2,7 +2,8 @@
 // transformers' own LlamaAttention and PyTorch's SDPA (tests/data/hf-llama, made by its
 // generate.py; no Python at run time). Grouped-query and multi-query heads, rotary embedding at
 // position 0 and at an offset, causal self- and cross-attention, a custom d_head and softmax
-// scale, and generation with a KV cache. Each LLaMA checkpoint (model.safetensors + the
+// scale, and generation with a KV cache; and, for plain multi-head attention in the torch-mha,
+// GPT-2 and BERT layouts, SDPA's causal cross-attention and a custom scale. Each LLaMA checkpoint (model.safetensors + the
 // config.json transformers writes) is read by the real loading code (LoadSource, LayerStore) and
 // run in every form the store holds (factored, summed, low-rank at full rank) on each backend.
 // Parameterised over backends like backend_test: cpu (and the CUDA plugin where built) here; the
@@ -58,13 +59,21 @@ struct OracleLayer {
   bool bias = false;
   std::vector<OracleCase> cases;
   std::string Checkpoint() const { return kDir + "/" + name + "/model.safetensors"; }
+  // The source the server would be given: the LLaMA checkpoint (heads and rope_theta from its
+  // config.json) or, with a layout, that layout's file and heads=.
+  std::string Source(const std::string& layout = "") const {
+    if (layout.empty()) return "safetensors:" + Checkpoint();
+    return "safetensors:" + kDir + "/" + name + "/" + layout + ".safetensors,heads=" + std::to_string(heads);
+  }
 };
 
-std::vector<OracleLayer> ReadManifest() {
+// `key`: "layers" (the LLaMA checkpoints) or "mha_layers" (plain multi-head attention in the
+// torch-mha, gpt2 and bert layouts).
+std::vector<OracleLayer> ReadManifest(const std::string& key = "layers") {
   std::ifstream in(kDir + "/manifest.json");
   const Json m = Json::parse(in);
   std::vector<OracleLayer> layers;
-  for (const auto& [name, l] : m.at("layers").items()) {
+  for (const auto& [name, l] : m.at(key).items()) {
     OracleLayer layer;
     layer.name = name;
     layer.d_model = l.at("d_model").get<int64_t>();
@@ -192,17 +201,17 @@ class HfOracleTest : public ::testing::TestWithParam<std::string> {
   // The forms a case runs in: the store's own (the server's load path, lowrank=energy:1 for the
   // low-rank form at full rank) or, for a custom scale, forms materialised from the loaded
   // weights with config.scale set (no SOURCE key sets a scale).
-  std::vector<std::pair<Form, std::shared_ptr<const ResidentForm>>> Forms(const OracleLayer& l,
+  std::vector<std::pair<Form, std::shared_ptr<const ResidentForm>>> Forms(const std::string& source,
                                                                           std::optional<float> scale) {
     std::vector<std::pair<Form, std::shared_ptr<const ResidentForm>>> forms;
     if (!scale) {
-      auto it = stores_.find(l.name);
+      auto it = stores_.find(source);
       if (it == stores_.end()) {
         auto store = std::make_unique<LayerStore>(backend_.get());
-        auto loaded = store->Load(l.name, "safetensors:" + l.Checkpoint() + ",lowrank=energy:1");
-        EXPECT_TRUE(loaded.ok()) << loaded.status().ToString();
+        auto loaded = store->Load("oracle", source + ",lowrank=energy:1");
+        EXPECT_TRUE(loaded.ok()) << source << ": " << loaded.status().ToString();
         if (!loaded.ok()) return forms;
-        it = stores_.emplace(l.name, std::make_pair(std::move(store), *loaded)).first;
+        it = stores_.emplace(source, std::make_pair(std::move(store), *loaded)).first;
       }
       const auto& layer = it->second.second;
       for (Form f : kAllForms) {
@@ -212,7 +221,7 @@ class HfOracleTest : public ::testing::TestWithParam<std::string> {
       }
       return forms;
     }
-    LayerWeights w = MustLoad("safetensors:" + l.Checkpoint());
+    LayerWeights w = MustLoad(source);
     w.config.scale = *scale;
     auto upload = [&](Form f, StatusOr<FormWeights> fw) {
       EXPECT_TRUE(fw.ok()) << fw.status().ToString();
@@ -228,20 +237,23 @@ class HfOracleTest : public ::testing::TestWithParam<std::string> {
     return forms;
   }
 
-  // Runs every form on every case of `kind` in every layer; returns the number of case runs.
-  int CheckKind(const std::string& kind, bool scaled) {
+  // Runs every form on every case of `kind` (all kinds: "") in every layer, each loaded from
+  // `layout` (see OracleLayer::Source); returns the number of case runs.
+  int CheckKind(const std::string& kind, bool scaled, const std::vector<OracleLayer>& layers,
+                const std::string& layout = "") {
     int runs = 0;
-    for (const OracleLayer& l : layers_) {
+    for (const OracleLayer& l : layers) {
       for (const OracleCase& c : l.cases) {
-        if (c.kind != kind || c.scale.has_value() != scaled) continue;
+        if ((!kind.empty() && c.kind != kind) || c.scale.has_value() != scaled) continue;
         const CaseData data = ReadCase(l, c);
-        for (const auto& [form, resident] : Forms(l, c.scale)) {
+        for (const auto& [form, resident] : Forms(l.Source(layout), c.scale)) {
           std::vector<float> got;
           const std::vector<Sequence> seqs = Sequences(c, data, got);
           const Status st = backend_->Forward(*resident, seqs);
           EXPECT_TRUE(st.ok()) << st.ToString();
           const double err = testing::RelativeL2(got.data(), data.output.values.data(), got.size());
-          EXPECT_LT(err, Tolerance()) << FormName(form) << " on " << GetParam() << ": " << Describe(l, c);
+          EXPECT_LT(err, Tolerance()) << FormName(form) << " on " << GetParam() << ": " << Describe(l, c)
+                                      << (layout.empty() ? "" : ", " + layout + " layout");
           worst_[std::string(FormName(form))] = std::max(worst_[std::string(FormName(form))], err);
           ++runs;
         }
@@ -280,27 +292,27 @@ TEST_P(HfOracleTest, CheckpointAndConfigJsonLoadAsWritten) {
 // LlamaAttention.forward itself: not causal, causal, causal at position_offset 37, and key
 // lengths at offset 5 (grouped-query, multi-query, d_head ≠ d_model / heads with biases).
 TEST_P(HfOracleTest, SelfAttentionMatchesLlamaAttention) {
-  EXPECT_EQ(CheckKind("self", false), 3 * 4 * 3);
+  EXPECT_EQ(CheckKind("self", false, layers_), 3 * 4 * 3);
 }
 
 // Cross-attention (n ≠ m) from LlamaAttention's projections and rotary embedding and PyTorch's
 // SDPA: queries at position_offset + q, keys from position 0; causal top-left (SDPA's
 // is_causal), with m > n and m < n; at offsets 0, 29 and 11.
 TEST_P(HfOracleTest, CrossAttentionMatchesSdpa) {
-  EXPECT_EQ(CheckKind("cross", false), 3 * 5 * 3);
+  EXPECT_EQ(CheckKind("cross", false, layers_), 3 * 5 * 3);
 }
 
 // A custom softmax scale (LlamaAttention.scaling, SDPA's scale=) on causal self-attention and
 // causal cross-attention at an offset.
 TEST_P(HfOracleTest, CustomScaleMatches) {
-  EXPECT_EQ(CheckKind("self", true) + CheckKind("cross", true), 3 * 2 * 3);
+  EXPECT_EQ(CheckKind("self", true, layers_) + CheckKind("cross", true, layers_), 3 * 2 * 3);
 }
 
 // Generation with HF's KV cache: one new token after a prefix of 7 (a non-causal
 // cross-attention over prefix + token at position_offset 7), and three new tokens after a prefix
 // of 5 under HF's bottom-right causal mask (one sequence per new token, key_length P + q + 1).
 TEST_P(HfOracleTest, KvCacheGenerationMatchesLlamaAttention) {
-  EXPECT_EQ(CheckKind("decode", false), 3 * 2 * 3);
+  EXPECT_EQ(CheckKind("decode", false, layers_), 3 * 2 * 3);
 }
 
 // attnserve's causal mask is top-left aligned (torch's is_causal): asked as one causal sequence,
@@ -312,7 +324,7 @@ TEST_P(HfOracleTest, TopLeftCausalDiffersFromHfCacheAlignment) {
     for (const OracleCase& c : l.cases) {
       if (c.kind != "decode" || !c.causal) continue;
       const CaseData data = ReadCase(l, c);
-      for (const auto& [form, resident] : Forms(l, std::nullopt)) {
+      for (const auto& [form, resident] : Forms(l.Source(), std::nullopt)) {
         std::vector<float> got;
         const std::vector<Sequence> seqs = Sequences(c, data, got, /*as_one_sequence=*/true);
         ASSERT_TRUE(backend_->Forward(*resident, seqs).ok());
@@ -332,7 +344,7 @@ TEST_P(HfOracleTest, Float64ReferenceMatches) {
   if (GetParam() != "cpu") GTEST_SKIP() << "backend-independent: run once, under cpu";
   double worst = 0;
   for (const OracleLayer& l : layers_) {
-    LayerWeights w = MustLoad("safetensors:" + l.Checkpoint());
+    LayerWeights w = MustLoad(l.Source());
     for (const OracleCase& c : l.cases) {
       const CaseData data = ReadCase(l, c);
       w.config.scale = c.scale.value_or(0.0f);
@@ -350,6 +362,17 @@ TEST_P(HfOracleTest, Float64ReferenceMatches) {
     }
   }
   std::cout << "  worst relative L2, float64 reference vs HF: " << worst << "\n";
+}
+
+// Plain multi-head attention in the torch-mha, GPT-2 and BERT layouts (what tests/data/torch-mha
+// lacks): causal cross-attention, top-left as SDPA's is_causal, with m > n, m < n and key padding,
+// and a custom scale on causal and non-causal cross-attention.
+TEST_P(HfOracleTest, TorchLayoutsCausalCrossAttentionAndScaleMatchSdpa) {
+  const std::vector<OracleLayer> mha = ReadManifest("mha_layers");
+  ASSERT_EQ(mha.size(), 1u);
+  for (const char* layout : {"torch-mha", "gpt2", "bert"}) {
+    EXPECT_EQ(CheckKind("", false, mha, layout) + CheckKind("", true, mha, layout), 5 * 3) << layout;
+  }
 }
 
 #ifdef ATTNSERVE_CUDA_EMULATED

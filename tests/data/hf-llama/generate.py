@@ -209,6 +209,62 @@ for lname, args, seed, std in LAYERS:
                                  "seed": seed, "weight_std": std, "cases": cases,
                                  "files": {"checkpoint": f"{lname}/model.safetensors", "config": f"{lname}/config.json",
                                            "cases": f"{lname}/cases.safetensors"}}
+# Plain multi-head attention (no RoPE, bias on) in the three layouts of tests/data/torch-mha, for
+# what those vectors lack: causal cross-attention (SDPA's top-left is_causal, m > n and m < n, with
+# key padding) and a custom scale, from nn.MultiheadAttention's weights and PyTorch's SDPA.
+manifest["mha_layers"] = {}
+for lname, d, h, seed in [("mha", 48, 4, 31)]:
+    torch.manual_seed(seed)
+    mha = torch.nn.MultiheadAttention(d, h, bias=True, batch_first=True).eval()
+    with torch.no_grad():
+        for prm in mha.parameters(): prm.copy_(torch.randn_like(prm) * 0.15)
+    sd = {k: v.detach().numpy() for k, v in mha.state_dict().items()}
+    W, b, Wo, bo = sd["in_proj_weight"], sd["in_proj_bias"], sd["out_proj.weight"], sd["out_proj.bias"]
+    os.makedirs(os.path.join(HERE, lname), exist_ok=True)
+    write_safetensors(os.path.join(HERE, lname, "torch-mha.safetensors"),
+                      {"in_proj_weight": W, "in_proj_bias": b, "out_proj.weight": Wo, "out_proj.bias": bo})
+    write_safetensors(os.path.join(HERE, lname, "gpt2.safetensors"),
+                      {"h.0.attn.c_attn.weight": W.T, "h.0.attn.c_attn.bias": b, "h.0.attn.c_proj.weight": Wo.T,
+                       "h.0.attn.c_proj.bias": bo})
+    pb = "encoder.layer.0.attention."
+    write_safetensors(os.path.join(HERE, lname, "bert.safetensors"),
+                      {pb + "self.query.weight": W[:d], pb + "self.query.bias": b[:d], pb + "self.key.weight": W[d:2*d],
+                       pb + "self.key.bias": b[d:2*d], pb + "self.value.weight": W[2*d:], pb + "self.value.bias": b[2*d:],
+                       pb + "output.dense.weight": Wo, pb + "output.dense.bias": bo})
+    Wd, bd, Wod, bod = (torch.tensor(a, dtype=torch.float64) for a in (W, b, Wo, bo))
+    g = torch.Generator().manual_seed(seed + 100)
+    cases, tensors = [], {}
+    # batch, n, m, causal, key_lengths, scale
+    for i, (bt, n, m, causal, kl, scale) in enumerate([(2, 4, 9, True, None, None), (1, 7, 3, True, None, None),
+                                                        (2, 5, 8, True, [8, 6], None), (2, 3, 6, False, None, 0.7),
+                                                        (1, 6, 10, True, None, 0.05)]):
+        x = torch.randn(bt, n, d, generator=g); c = torch.randn(bt, m, d, generator=g)
+        outs = []
+        for dt in (torch.float64, torch.float32):
+            Wt, bt_, Wot, bot = (t.to(dt) for t in (Wd, bd, Wod, bod))
+            q = (x.to(dt) @ Wt[:d].T + bt_[:d]).view(bt, n, h, -1).transpose(1, 2)
+            k = (c.to(dt) @ Wt[d:2*d].T + bt_[d:2*d]).view(bt, m, h, -1).transpose(1, 2)
+            v = (c.to(dt) @ Wt[2*d:].T + bt_[2*d:]).view(bt, m, h, -1).transpose(1, 2)
+            mask = None
+            if kl:  # SDPA takes is_causal or a mask, not both: the same top-left causal mask, padded
+                qi = torch.arange(n)[:, None]; kj = torch.arange(m)[None, :]
+                mask = ((kj <= qi)[None, None] & (kj[None, None] < torch.tensor(kl)[:, None, None, None]))
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and not kl, scale=scale)
+            outs.append(o.transpose(1, 2).reshape(bt, n, d) @ Wot.T + bot)
+        key = f"case{i}"
+        tensors[key + ".input"] = x.numpy(); tensors[key + ".context"] = c.numpy()
+        tensors[key + ".output"] = outs[0].to(torch.float32).numpy()
+        cases.append({"name": key, "kind": "cross", "causal": causal, "causal_alignment": "top-left",
+                      "position_offset": 0, "key_lengths": kl, "scale": scale, "has_context": True,
+                      "oracle": "nn.MultiheadAttention weights + scaled_dot_product_attention",
+                      "float32_rel_l2": rel_l2(outs[1].numpy(), outs[0].numpy())})
+    write_safetensors(os.path.join(HERE, lname, "cases.safetensors"), tensors)
+    manifest["mha_layers"][lname] = {"d_model": d, "heads": h, "kv_heads": h, "d_head": d // h, "rope_theta": 0,
+                                     "bias": True, "seed": seed, "weight_std": 0.15, "cases": cases,
+                                     "files": {"torch-mha": f"{lname}/torch-mha.safetensors",
+                                               "gpt2": f"{lname}/gpt2.safetensors (index 0)",
+                                               "bert": f"{lname}/bert.safetensors (index 0)",
+                                               "cases": f"{lname}/cases.safetensors"}}
 json.dump(manifest, open(os.path.join(HERE, "manifest.json"), "w"), indent=1)
-print("written", list(manifest["layers"]),
-      "worst float32 run vs float64:", max(c["float32_rel_l2"] for l in manifest["layers"].values() for c in l["cases"]))
+print("written", list(manifest["layers"]), list(manifest["mha_layers"]), "worst float32 run vs float64:",
+      max(c["float32_rel_l2"] for k in ("layers", "mha_layers") for l in manifest[k].values() for c in l["cases"]))
