@@ -3,9 +3,10 @@
 // generate.py; no Python at run time). Grouped-query and multi-query heads, rotary embedding at
 // position 0 and at an offset, causal self- and cross-attention, a custom d_head and softmax
 // scale, and generation with a KV cache; and, for plain multi-head attention in the torch-mha,
-// GPT-2 and BERT layouts, SDPA's causal cross-attention and a custom scale. Each LLaMA checkpoint (model.safetensors + the
-// config.json transformers writes) is read by the real loading code (LoadSource, LayerStore) and
-// run in every form the store holds (factored, summed, low-rank at full rank) on each backend.
+// GPT-2 and BERT layouts, SDPA's causal cross-attention and a custom scale. Each checkpoint (for
+// LLaMA, model.safetensors + the config.json transformers writes) is read by the real loading code
+// (LoadSource, LayerStore) and run in every form the store holds (factored, summed, low-rank at
+// full rank) on each backend.
 // Parameterised over backends like backend_test: cpu (and the CUDA plugin where built) here; the
 // emulated CUDA backends in hf_oracle_emulated_test.
 #include <gtest/gtest.h>
@@ -215,9 +216,10 @@ class HfOracleTest : public ::testing::TestWithParam<std::string> {
       }
       const auto& layer = it->second.second;
       for (Form f : kAllForms) {
-        EXPECT_NE(layer->Find(f), nullptr) << FormName(f);
-        // The layer outlives the forms' use: alias its ownership.
-        if (layer->Find(f) != nullptr) forms.emplace_back(f, std::shared_ptr<const ResidentForm>(layer, layer->Find(f)));
+        const ResidentForm* resident = layer->Find(f);
+        EXPECT_NE(resident, nullptr) << FormName(f);
+        // A pointer into the layer that shares the layer's ownership.
+        if (resident != nullptr) forms.emplace_back(f, std::shared_ptr<const ResidentForm>(layer, resident));
       }
       return forms;
     }
