@@ -713,6 +713,31 @@ StatusOr<std::optional<LlamaJson>> LlamaConfigFromJson(const std::string& checkp
     }
     out.rope_theta = it->get<double>();
   }
+  // transformers 5 writes the rotary settings as "rope_parameters": {"rope_theta": T,
+  // "rope_type": "default"} and no top-level rope_theta. Read as absent, a base other than
+  // 10000 would load silently as 10000, and a scaled type as plain RoPE.
+  if (const auto it = json.find("rope_parameters"); it != json.end() && !it->is_null()) {
+    if (!it->is_object()) {
+      return InvalidArgumentError(where + ": 'rope_parameters' must be an object, got " + it->dump());
+    }
+    const auto type = it->find("rope_type");
+    if (type != it->end() && !type->is_null() && *type != "default") {
+      return InvalidArgumentError(where + ": 'rope_parameters' has rope_type " + type->dump() +
+                                  ", but only plain rotary embedding is supported (expected \"default\")");
+    }
+    if (const auto theta = it->find("rope_theta"); theta != it->end()) {
+      if (!theta->is_number() || !(theta->get<double>() > 0) || theta->get<double>() > kMaxRopeTheta) {
+        return InvalidArgumentError(where + ": 'rope_parameters.rope_theta' must be a number in (0, " +
+                                    FormatDouble(kMaxRopeTheta) + "], got " + theta->dump());
+      }
+      if (out.rope_theta && *out.rope_theta != theta->get<double>()) {
+        return InvalidArgumentError(where + ": 'rope_theta' (" + FormatDouble(*out.rope_theta) +
+                                    ") and 'rope_parameters.rope_theta' (" + FormatDouble(theta->get<double>()) +
+                                    ") disagree");
+      }
+      out.rope_theta = theta->get<double>();
+    }
+  }
   // Scaled RoPE (linear, dynamic, yarn, llama3) changes the frequencies: computing plain RoPE
   // instead would silently give other outputs than the model.
   if (const auto it = json.find("rope_scaling"); it != json.end() && !it->is_null()) {

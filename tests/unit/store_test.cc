@@ -661,6 +661,27 @@ TEST(Llama, ConfigJsonAndOptions) {
             R"({"num_attention_heads": 8, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})");
   ExpectError(LoadSource(source).status(), StatusCode::kInvalidArgument, {"config.json", "rope_scaling", "llama3"},
               "rope_scaling");
+  // transformers 5's config.json: the base under rope_parameters, no top-level rope_theta.
+  WriteText(dir.File("config.json"),
+            R"({"num_attention_heads": 8, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}})");
+  EXPECT_EQ(MustLoad(source).config.rope_theta, 500000.0);
+  WriteText(dir.File("config.json"),
+            R"({"num_attention_heads": 8, "rope_theta": 500000, "rope_parameters": {"rope_theta": 500000.0}})");
+  EXPECT_EQ(MustLoad(source).config.rope_theta, 500000.0);
+  WriteText(dir.File("config.json"),
+            R"({"num_attention_heads": 8, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3"}})");
+  ExpectError(LoadSource(source).status(), StatusCode::kInvalidArgument,
+              {"config.json", "rope_parameters", "llama3", "default"}, "scaled rope_parameters");
+  WriteText(dir.File("config.json"),
+            R"({"num_attention_heads": 8, "rope_theta": 10000, "rope_parameters": {"rope_theta": 500000.0}})");
+  ExpectError(LoadSource(source).status(), StatusCode::kInvalidArgument, {"config.json", "disagree"},
+              "two rope_theta");
+  WriteText(dir.File("config.json"), R"({"num_attention_heads": 8, "rope_parameters": {"rope_theta": "big"}})");
+  ExpectError(LoadSource(source).status(), StatusCode::kInvalidArgument,
+              {"config.json", "rope_parameters.rope_theta", "\"big\""}, "string rope_parameters.rope_theta");
+  WriteText(dir.File("config.json"), R"({"num_attention_heads": 8, "rope_parameters": 5})");
+  ExpectError(LoadSource(source).status(), StatusCode::kInvalidArgument, {"config.json", "rope_parameters", "object"},
+              "rope_parameters not an object");
   WriteText(dir.File("config.json"), R"({"num_attention_heads": 8, "rope_theta": "big"})");
   ExpectError(LoadSource(source).status(), StatusCode::kInvalidArgument, {"config.json", "'rope_theta'", "\"big\""},
               "string rope_theta");
