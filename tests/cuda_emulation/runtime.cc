@@ -43,7 +43,7 @@ struct State {
   Counters counters;
   int device_count = 1;
   cudaError_t sticky = cudaSuccess;
-  bool pending_fault[3] = {false, false, false};
+  bool pending_fault[5] = {false, false, false, false, false};
   // From the environment, for a server process that loads the emulated plugin: the GEMM (0 the
   // first) that faults, and GEMMs issued so far; -1 for none.
   int64_t gemm_fault_at = -1, gemms_issued = 0;
@@ -103,6 +103,9 @@ cudaError_t Allocate(void** ptr, size_t bytes, Space space) {
   if (ptr == nullptr) return Fail(cudaErrorInvalidValue, "cudaMalloc: null result pointer");
   *ptr = nullptr;
   if (bytes == 0) return cudaSuccess;
+  if (space == Space::kDevice && internal::TakeFault(Fault::kOutOfMemory)) {
+    return Fail(cudaErrorMemoryAllocation, "cudaMalloc: injected out of memory");
+  }
   void* p = ::operator new(bytes, std::align_val_t(kAlignment), std::nothrow);
   if (p == nullptr) return Fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory");
   // Fresh device memory reads as NaN, so a result that uses unwritten memory shows it.

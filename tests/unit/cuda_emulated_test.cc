@@ -400,5 +400,41 @@ TEST_F(CudaEmulationTest, ADeviceFaultFailsTheBatchAndMarksTheDeviceUnhealthy) {
   }
 }
 
+// Errors a real device reports and keeps serving after: out of device memory fails the batch
+// with RESOURCE_EXHAUSTED (the client may retry), an invalid cuBLAS argument with INTERNAL; the
+// device stays healthy, the error's leftover does not reach the next call, and the next batch
+// is computed right. Only a lost context (the test above) takes the device out of service.
+TEST_F(CudaEmulationTest, ARecoverableErrorFailsTheBatchAndTheDeviceKeepsServing) {
+  struct Case {
+    cuda_emulation::Fault fault;
+    StatusCode code;
+    const char* says;
+  };
+  for (const Case& c : {Case{cuda_emulation::Fault::kOutOfMemory, StatusCode::kResourceExhausted, "cudaMalloc"},
+                        Case{cuda_emulation::Fault::kGemmInvalid, StatusCode::kInternal, "CUBLAS_STATUS_INVALID_VALUE"}}) {
+    cuda_emulation::Reset();
+    auto backend = MakeEmulatedBackend();
+    ASSERT_NE(backend, nullptr);
+    const LayerWeights w = SmallLayer();
+    auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeSummed(w)));
+    ASSERT_TRUE(resident.ok());
+    // The first batch of this backend: its workspace is allocated now.
+    testing::OwnedSequence seq = RandomSequence(rng_, 48, 24, 24, false, true, -1);
+    const Sequence batch[] = {seq.View()};
+    cuda_emulation::InjectFault(c.fault);
+    const Status failed = backend->Forward(**resident, batch);
+    EXPECT_EQ(failed.code(), c.code) << failed.ToString();
+    EXPECT_THAT(failed.message(), HasSubstr(c.says));
+    EXPECT_THAT(failed.message(), ::testing::Not(HasSubstr("device is lost")));
+    EXPECT_TRUE(backend->Healthy()) << "a recoverable error must not take the device out of service";
+    EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess) << "the failed call's error was left for the next one";
+
+    std::fill(seq.output.begin(), seq.output.end(), std::nanf(""));
+    const Status again = backend->Forward(**resident, batch);
+    ASSERT_TRUE(again.ok()) << again.ToString();
+    EXPECT_LT(testing::RelativeL2(seq.output.data(), ReferenceForward(w, seq.View())), 1e-5);
+  }
+}
+
 }  // namespace
 }  // namespace attnserve

@@ -29,14 +29,42 @@ std::string CublasName(cublasStatus_t s) {
   }
 }
 
+// Errors after which the CUDA context is lost: every later call on the device fails with the
+// same error until the process restarts (CUDA runtime API, "sticky" errors). Only these take
+// the device out of service; anything else fails the batch and the device keeps serving.
+bool IsStickyError(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorAssert:
+    case cudaErrorUnknown:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Running out of device memory is the client's to retry (RESOURCE_EXHAUSTED, smaller or later);
+// anything else that fails a batch is INTERNAL.
 Status CudaCheck(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return OkStatus();
-  return InternalError(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
+  const std::string message = std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e);
+  if (e == cudaErrorMemoryAllocation) return ResourceExhaustedError(message + "; retry later or send less at once");
+  return InternalError(message);
 }
 
 Status CublasCheck(cublasStatus_t s, const char* what) {
   if (s == CUBLAS_STATUS_SUCCESS) return OkStatus();
-  return InternalError(std::string("cuBLAS error in ") + what + ": " + CublasName(s));
+  const std::string message = std::string("cuBLAS error in ") + what + ": " + CublasName(s);
+  if (s == CUBLAS_STATUS_ALLOC_FAILED) return ResourceExhaustedError(message + "; retry later or send less at once");
+  return InternalError(message);
 }
 
 #define CUDA_TRY(call) ATTNSERVE_RETURN_IF_ERROR(CudaCheck((call), #call))
@@ -396,8 +424,18 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // After a failed upload or batch: the device is out of service only when its context is
+  // lost, which every CUDA call then reports (a sticky error); a recoverable error (out of
+  // memory, an invalid value) fails this batch alone. Its leftover is cleared here so that it
+  // cannot fail the next, unrelated call on this thread.
   Status MarkFailed(Status st) {
-    healthy_.store(false);
+    const cudaError_t device = cudaDeviceSynchronize();
+    const cudaError_t leftover = cudaGetLastError();
+    const cudaError_t lost = IsStickyError(device) ? device : (IsStickyError(leftover) ? leftover : cudaSuccess);
+    if (lost != cudaSuccess) {
+      healthy_.store(false);
+      return InternalError(st.message() + " (the device is lost: " + cudaGetErrorString(lost) + ")");
+    }
     return st;
   }
 

@@ -29,10 +29,13 @@ int64_t LiveDeviceAllocations();
 void SetDeviceCount(int count);
 
 // The next operation of this kind fails as a device fault would: the call reports it and the
-// error stays (sticky), as after a fault on a real device, until Reset().
+// error stays (sticky), as after a fault on a real device, until Reset(); for the first three.
 // A process that cannot call this (a server that loaded the emulated plugin) sets
 // ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=K instead: its GEMM number K (0 the first) faults.
-enum class Fault { kKernel, kGemm, kCopy };
+// Recoverable errors, which a real device reports and keeps serving after (not sticky):
+// kOutOfMemory fails the next device cudaMalloc with cudaErrorMemoryAllocation, kGemmInvalid
+// the next cuBLAS GEMM with CUBLAS_STATUS_INVALID_VALUE.
+enum class Fault { kKernel, kGemm, kCopy, kOutOfMemory, kGemmInvalid };
 void InjectFault(Fault fault);
 
 // Clears sticky errors, pending faults and the device count; keeps allocations and counters.

@@ -18,6 +18,16 @@ enum cudaError_t {
   cudaErrorInvalidDevice = 101,
   cudaErrorIllegalAddress = 700,
   cudaErrorLaunchFailure = 719,
+  // Sticky errors the emulation never raises itself; the backend names them (IsStickyError).
+  cudaErrorECCUncorrectable = 214,
+  cudaErrorLaunchTimeout = 702,
+  cudaErrorAssert = 710,
+  cudaErrorHardwareStackError = 714,
+  cudaErrorIllegalInstruction = 715,
+  cudaErrorMisalignedAddress = 716,
+  cudaErrorInvalidAddressSpace = 717,
+  cudaErrorInvalidPc = 718,
+  cudaErrorUnknown = 999,
 };
 using cudaError = cudaError_t;
 
