@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: build the core-only tree with the CUDA backend, run the unit
 # tests with the CUDA backends required (a skip is a failure), benchmark both forms against a
-# cuBLAS SGEMM ceiling measured in the same run, and against PyTorch when python3 has torch.
+# cuBLAS SGEMM ceiling (random data) measured in the same run, and against PyTorch when python3
+# has torch; compute-sanitizer (memcheck, racecheck, synccheck) over the CUDA backend tests when
+# it is installed. A failing step is reported and the later ones still run; the exit status
+# says whether all passed.
 #
 #   scripts/gpu-check.sh --prepare   # here: copy Eigen's headers and GoogleTest's sources into
 #                                    # .gpu-carry/ for a machine without Debian's -dev packages
@@ -62,8 +65,30 @@ else
   log "unit tests, the CUDA backend emulated"
   ctest --test-dir build-gpu -L unit -j"$(nproc)" --output-on-failure > "$out/tests.txt" 2>&1 || status=1
 fi
-grep -E "tests passed|tests failed|Failed|\(Failed\)" "$out/tests.txt" | tee -a "$out/summary.txt"
+grep -E "tests passed|tests failed|Failed|\(Failed\)" "$out/tests.txt" | tee -a "$out/summary.txt" || true
 grep -E "worst relative" "$out/tests.txt" | tee -a "$out/summary.txt" || true
+
+# compute-sanitizer sees what the emulation cannot: out-of-bounds device accesses, races between
+# threads of a block, missing synchronisation. Over the CUDA instances of the backend tests at
+# their own (small) shapes, bounded in time; a report fails the check.
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+if ((gpu)) && [[ -n "$sanitizer" ]]; then
+  for tool in memcheck racecheck synccheck; do
+    log "compute-sanitizer --tool $tool (backend_test, the cuda instances)"
+    if ATTNSERVE_REQUIRE_BACKENDS=cuda timeout 150 "$sanitizer" --tool "$tool" --error-exitcode 86 \
+        build-gpu/tests/backend_test --gtest_filter='*/cuda:-*Randomized*:*LargeRagged*' \
+        > "$out/sanitizer-$tool.txt" 2>&1; then
+      tail -2 "$out/sanitizer-$tool.txt" | tee -a "$out/summary.txt"
+    else
+      rc=$?
+      log "compute-sanitizer $tool: exit $rc ($( ((rc == 124)) && echo 'timed out' || echo 'errors or failures'))"
+      grep -E "ERROR SUMMARY|Invalid|Race|FAILED" "$out/sanitizer-$tool.txt" | head -20 | tee -a "$out/summary.txt" || true
+      ((rc == 124)) || status=1
+    fi
+  done
+elif ((gpu)); then
+  log "compute-sanitizer not found: memcheck/racecheck/synccheck not run"
+fi
 
 # On a GPU every shape, the large one included. On the CPU the large one would take minutes, and
 # both sides use every core (the peer table pairs rows by shape, not by thread count).
@@ -71,14 +96,18 @@ device=cpu shapes=bert-base,gpt2-medium,small-request threads=(--threads "$(npro
 ((gpu)) && device=cuda shapes=bert-base,gpt2-medium,small-request,large threads=()
 log "benchmark fp32 ($device)"
 build-gpu/bench/forward_bench --device "$device" --shapes "$shapes" "${threads[@]}" --json "$out/$device.json" |
-  tee -a "$out/summary.txt"
+  tee -a "$out/summary.txt" || status=1
 if ((gpu)); then
   log "benchmark tf32"
   build-gpu/bench/forward_bench --device cuda --tf32 --shapes "$shapes" --json "$out/cuda-tf32.json" |
-    tee -a "$out/summary.txt"
+    tee -a "$out/summary.txt" || status=1
 fi
 
 peer=()
+if ! command -v "$python" >/dev/null; then
+  log "no $python: no PyTorch peer and no comparison table (the JSON files above hold the figures)"
+  exit $status
+fi
 if "$python" -c "import torch, sys; sys.exit(0 if '$device' == 'cpu' or torch.cuda.is_available() else 1)" 2>/dev/null; then
   log "PyTorch ($device)"
   "$python" bench/peers/torch_attention.py --device "$device" --shapes "$shapes" "${threads[@]}" \
@@ -89,5 +118,5 @@ else
   log "PyTorch ($device) not available to $python: no peer column"
 fi
 log "table (fp32, $device)"
-python3 bench/peers/compare.py "$out/$device.json" "${peer[@]}" | tee -a "$out/summary.txt"
+"$python" bench/peers/compare.py "$out/$device.json" "${peer[@]}" | tee -a "$out/summary.txt" || status=1
 exit $status
