@@ -193,7 +193,7 @@ TEST_P(BackendTest, SixtyFourTinyRequests) {
   CheckBothForms(w, seqs);
 }
 
-// A sequence gets the same result in a batch as alone (within fp32 rounding).
+// A sequence gets the same result in a batch as alone (within fp32 rounding, in any order).
 TEST_P(BackendTest, BatchedEqualsAlone) {
   std::mt19937_64 rng(5);
   const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 96, .heads = 6, .kv_heads = 3}), 15);
@@ -211,7 +211,12 @@ TEST_P(BackendTest, BatchedEqualsAlone) {
       const std::vector<float> batched = s.output;
       const Sequence alone[] = {s.View()};
       ASSERT_TRUE(backend_->Forward(*resident, alone).ok());
-      EXPECT_LT(RelativeL2(s.output.data(), batched.data(), batched.size()), Tolerance() / 10) << FormName(form);
+      // Each answer is within Tolerance() of the float64 one, so they differ by at most twice
+      // that: a real cuBLAS picks other kernels (and split-K) for other row counts, summing in
+      // another order, so bitwise or 1e-6 agreement is not owed. What the test is for, another
+      // sequence's rows leaking in, shows as an O(1) difference.
+      EXPECT_LT(RelativeL2(s.output.data(), ReferenceForward(w, s.View())), Tolerance()) << FormName(form);
+      EXPECT_LT(RelativeL2(s.output.data(), batched.data(), batched.size()), 2 * Tolerance()) << FormName(form);
     }
   }
 }
