@@ -34,6 +34,7 @@ class FakeBackend final : public Backend {
     return std::shared_ptr<const ResidentForm>(std::make_shared<FakeResident>(std::move(f)));
   }
   Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override {
+    ++entered;
     std::this_thread::sleep_for(delay);
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -47,6 +48,7 @@ class FakeBackend final : public Backend {
     }
     return OkStatus();
   }
+  std::atomic<int> entered{0};  // Forward calls begun: a test waits on this, not on a sleep
   std::mutex mu;
   std::vector<int> batch_sizes;
   std::vector<float> scales_seen;
@@ -147,7 +149,9 @@ TEST(BatchingExecutorTest, DeadlineAndCancelDropBeforeCompute) {
   BatchingExecutor executor(&backend, {.max_batch_requests = 1, .max_batch_tokens = 1000, .max_queue_delay = 1ms});
   OwnedJob blocker, late, cancelled;
   executor.Submit(blocker.Make(layer, 1, 0));  // occupies the worker for 50 ms
-  std::this_thread::sleep_for(10ms);
+  const auto give_up = Clock::now() + 10s;
+  while (backend.entered.load() == 0 && Clock::now() < give_up) std::this_thread::yield();
+  ASSERT_EQ(backend.entered.load(), 1) << "the worker never took the blocker";
   ForwardJob late_job = late.Make(layer, 1, 0);
   late_job.deadline = Clock::now() + 5ms;
   executor.Submit(std::move(late_job));
