@@ -106,6 +106,7 @@ cublasStatus_t Gemm(const GemmCall& g) {
   if (internal::StickyError() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
   if (const cublasStatus_t s = Validate(g); s != CUBLAS_STATUS_SUCCESS) return s;
   internal::CountGemm();
+  if (g.handle->stream == nullptr) internal::CountLegacyStreamWork();
   if (internal::TakeFault(Fault::kGemmInvalid)) {
     internal::Diagnose(std::string("injected CUBLAS_STATUS_INVALID_VALUE in ") + g.name);
     return CUBLAS_STATUS_INVALID_VALUE;

@@ -243,6 +243,12 @@ void CountGemm() {
   s.counters.gemm_calls++;
 }
 
+void CountLegacyStreamWork() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.counters.legacy_stream_work++;
+}
+
 }  // namespace internal
 
 Counters ReadCounters() {
@@ -320,6 +326,24 @@ const char* cudaGetErrorName(cudaError_t error) {
       return "cudaErrorIllegalAddress";
     case cudaErrorLaunchFailure:
       return "cudaErrorLaunchFailure";
+    case cudaErrorECCUncorrectable:
+      return "cudaErrorECCUncorrectable";
+    case cudaErrorLaunchTimeout:
+      return "cudaErrorLaunchTimeout";
+    case cudaErrorAssert:
+      return "cudaErrorAssert";
+    case cudaErrorHardwareStackError:
+      return "cudaErrorHardwareStackError";
+    case cudaErrorIllegalInstruction:
+      return "cudaErrorIllegalInstruction";
+    case cudaErrorMisalignedAddress:
+      return "cudaErrorMisalignedAddress";
+    case cudaErrorInvalidAddressSpace:
+      return "cudaErrorInvalidAddressSpace";
+    case cudaErrorInvalidPc:
+      return "cudaErrorInvalidPc";
+    case cudaErrorUnknown:
+      return "cudaErrorUnknown";
   }
   return "cudaErrorUnknown";
 }
@@ -346,6 +370,24 @@ const char* cudaGetErrorString(cudaError_t error) {
       return "an illegal memory access was encountered";
     case cudaErrorLaunchFailure:
       return "unspecified launch failure";
+    case cudaErrorECCUncorrectable:
+      return "uncorrectable ECC error encountered";
+    case cudaErrorLaunchTimeout:
+      return "the launch timed out and was terminated";
+    case cudaErrorAssert:
+      return "device-side assert triggered";
+    case cudaErrorHardwareStackError:
+      return "hardware stack error";
+    case cudaErrorIllegalInstruction:
+      return "an illegal instruction was encountered";
+    case cudaErrorMisalignedAddress:
+      return "misaligned address";
+    case cudaErrorInvalidAddressSpace:
+      return "operation not supported on global/shared address space";
+    case cudaErrorInvalidPc:
+      return "invalid program counter";
+    case cudaErrorUnknown:
+      return "unknown error";
   }
   return "unknown error";
 }
@@ -412,7 +454,8 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind 
   return cuda_emulation::Copy(dst, src, bytes, kind, /*async=*/false);
 }
 
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t) {
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream) {
+  if (stream == nullptr) cuda_emulation::internal::CountLegacyStreamWork();
   return cuda_emulation::Copy(dst, src, bytes, kind, /*async=*/true);
 }
 

@@ -34,9 +34,14 @@ float ShuffleXor(unsigned mask, float value, int lane_mask, int width);
 // launch errors (a bad configuration, an unreached barrier) go to cudaGetLastError.
 void RunKernel(dim3 grid, dim3 block, const std::function<void()>& body);
 
+namespace internal {
+void CountLegacyStreamWork();  // state.h
+}  // namespace internal
+
 // kernel<<<grid, block, 0, stream>>>(args...) is Launch(kernel, grid, block, stream)(args...).
 template <class... Params>
-auto Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t) {
+auto Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream) {
+  if (stream == nullptr) internal::CountLegacyStreamWork();
   return [=](auto&&... args) { RunKernel(grid, block, [&] { kernel(args...); }); };
 }
 

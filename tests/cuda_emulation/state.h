@@ -29,5 +29,7 @@ bool TakeFault(Fault fault);
 
 void CountKernelLaunch();
 void CountGemm();
+// Work issued on the legacy default stream (stream 0): Counters::legacy_stream_work.
+void CountLegacyStreamWork();
 
 }  // namespace cuda_emulation::internal

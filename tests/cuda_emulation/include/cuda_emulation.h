@@ -17,6 +17,11 @@ struct Counters {
   int64_t kernel_launches = 0;
   int64_t streams_created = 0;
   int64_t gemm_calls = 0;  // cuBLAS GEMM calls (a strided batch counts once)
+  // Kernel launches, GEMMs (through a handle whose stream was never set) and async copies on
+  // the legacy default stream: the backend's own non-blocking stream does not wait for that
+  // stream, so on a device such work races the rest of the batch. The emulation runs every call
+  // at once and cannot show the race; it counts it instead.
+  int64_t legacy_stream_work = 0;
 };
 Counters ReadCounters();
 void ResetCounters();
