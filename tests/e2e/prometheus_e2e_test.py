@@ -21,14 +21,11 @@ whole run is bounded by the timeouts below.
 """
 
 import base64
-import ctypes
 import json
 import math
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +34,9 @@ import unittest
 import urllib.error
 import urllib.parse
 import urllib.request
-import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from harness import bcrypt_hash, die_with_parent, free_port, read, stop, wait_for  # noqa: E402
 
 SRC = os.path.abspath(os.environ.get("ATTNSERVE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", "..")))
 ADMIN_TOKEN = "e2e-test-admin-token-0123456789"
@@ -55,62 +54,12 @@ START_TIMEOUT_S = 60
 SCRAPE_TIMEOUT_S = 45
 
 
-def die_with_parent():
-    """Runs in the child before exec: SIGTERM when this test process dies, however it dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read(path):
-    with open(path) as f:
-        return f.read()
-
-
 def http_get(url, timeout=5, auth=None):
     request = urllib.request.Request(url)
     if auth is not None:
         request.add_header("Authorization", "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode())
     with urllib.request.urlopen(request, timeout=timeout) as r:
         return r.status, r.headers.get("Content-Type", ""), r.read().decode()
-
-
-def bcrypt_hash(password):
-    """What `htpasswd -nBC 10` writes, through libxcrypt (Debian's Python still has crypt)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import crypt
-    return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=1 << 6))
-
-
-def stop(proc, timeout=15):
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=timeout)
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-            if last:
-                return last
-        except (OSError, urllib.error.URLError, ValueError) as e:
-            last = e
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
 
 
 class PrometheusE2E(unittest.TestCase):

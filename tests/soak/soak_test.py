@@ -47,7 +47,6 @@ Every process it starts dies with it (PR_SET_PDEATHSIG).
 
 import array
 import base64
-import ctypes
 import json
 import os
 import random
@@ -65,7 +64,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from harness import bcrypt_hash, die_with_parent, free_port, read, stop, wait_for  # noqa: E402
 
 SRC = os.path.abspath(os.environ.get("ATTNSERVE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", "..")))
 BINARY = (os.environ.get("ATTNSERVE_SOAK_BINARY") or os.environ.get("ATTNSERVE_BINARY")
@@ -115,31 +116,8 @@ START_TIMEOUT_S = 90
 QUIET_POINTS = 12
 
 
-def die_with_parent():
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read(path):
-    with open(path) as f:
-        return f.read()
-
-
 def log(msg):
     print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def bcrypt_hash(password):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        import crypt
-    return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=1 << 6))
 
 
 def basic_auth():
@@ -154,37 +132,13 @@ def http_get(url, timeout=10, auth=False):
         return r.read().decode()
 
 
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-            if last:
-                return last
-        except (OSError, urllib.error.URLError, ValueError) as e:
-            last = e
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
-
-
-def stop(proc, timeout=15):
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=timeout)
-
-
 # Kinds of Forward call (soak_client) that gRPC answers before the service's handler runs, so
 # attnserve_requests_total never counts them: a request that does not parse (invalid UTF-8 in
 # the layer name) gets UNIMPLEMENTED with an empty message from gRPC 1.51's callback API.
 NOT_COUNTED_KINDS = {"hostile.invalid_utf8"}
-# Codes clients may see that docs/service.md's table does not list (yet), with the reason.
-KNOWN_UNDOCUMENTED = {"UNIMPLEMENTED": "gRPC's answer to a Forward request that does not parse (hostile.invalid_utf8)"}
+# Codes clients may see that docs/service.md's table does not list, with the reason: none now
+# (UNIMPLEMENTED for a request that does not parse is listed there).
+KNOWN_UNDOCUMENTED = {}
 
 
 def documented_codes():
