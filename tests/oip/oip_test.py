@@ -24,7 +24,9 @@ try:
     from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
     from tritonclient.utils import InferenceServerException
 except ImportError as e:
-    if os.path.realpath(sys.executable) != os.path.realpath(VENV_PYTHON) and os.path.exists(VENV_PYTHON):
+    # The venv's python links to the same interpreter: tell them apart by the prefix.
+    venv_dir = os.path.dirname(os.path.dirname(VENV_PYTHON))
+    if os.path.realpath(sys.prefix) != os.path.realpath(venv_dir) and os.path.exists(VENV_PYTHON):
         os.execv(VENV_PYTHON, [VENV_PYTHON] + sys.argv)
     sys.exit(f"FAIL: {e}: the Open Inference Protocol test needs tritonclient[grpc] and numpy in {VENV_PYTHON}; "
              "run scripts/setup (or scripts/fetch-oip-clients)")
