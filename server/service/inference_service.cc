@@ -160,7 +160,9 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(grpc::CallbackServ
   response->set_platform(kPlatform);
   AddTensorMetadata(response->add_inputs(), kInferInputX, "FP32", {-1, -1, d});
   AddTensorMetadata(response->add_inputs(), kInferInputContext, "FP32", {-1, -1, d});
-  AddTensorMetadata(response->add_inputs(), kInferInputKeyLengths, "INT32", {-1});
+  // [batch, 1], as Triton reports the config's dims [1] (reshaped to one scalar per row); the
+  // batch dimension alone would leave clients that strip it (perf_analyzer) with no shape.
+  AddTensorMetadata(response->add_inputs(), kInferInputKeyLengths, "INT32", {-1, 1});
   AddTensorMetadata(response->add_outputs(), kInferOutputY, "FP32", {-1, -1, d});
   return Answer(context, OkStatus());
 }

@@ -287,7 +287,7 @@ class OpenInferenceProtocol(unittest.TestCase):
         self.assertEqual(meta["platform"], "attnserve")
         inputs = {t["name"]: (t["datatype"], [int(s) for s in t["shape"]]) for t in meta["inputs"]}
         self.assertEqual(inputs, {"x": ("FP32", [-1, -1, D]), "context": ("FP32", [-1, -1, D]),
-                                  "key_lengths": ("INT32", [-1])})
+                                  "key_lengths": ("INT32", [-1, 1])})
         outputs = {t["name"]: (t["datatype"], [int(s) for s in t["shape"]]) for t in meta["outputs"]}
         self.assertEqual(outputs, {"y": ("FP32", [-1, -1, D])})
         self.expect_error("NOT_FOUND", ["no-such-layer", "loaded: "],
