@@ -146,17 +146,18 @@ class Server:
         return read(self.log_path)
 
     def metric(self, name, **labels):
-        """The value of one series on /metrics (0 when absent)."""
+        """The sum of the series of `name` on /metrics that carry `labels` (0 when none)."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             text = r.read().decode()
+        total = 0.0
         for line in text.splitlines():
             m = re.match(r"^(\w+)\{(.*)\} (\S+)$", line)
             if not m or m.group(1) != name:
                 continue
             got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
             if all(got.get(k) == v for k, v in labels.items()):
-                return float(m.group(3))
-        return 0.0
+                total += float(m.group(3))
+        return total
 
     def stop(self):
         if self.proc.poll() is None:
@@ -515,6 +516,62 @@ class OpenInferenceProtocol(unittest.TestCase):
         stream = self.stub.ModelStreamInfer(iter([raw_request("small", [("x", "FP32", self.random(1, 2, D), "raw")])]),
                                             timeout=30)
         self.expect_error("UNIMPLEMENTED", ["ModelStreamInfer is not implemented", "ModelInfer"], lambda: list(stream))
+
+
+class PerfAnalyzer(unittest.TestCase):
+    """Triton's load generator against the real server, at concurrency 1 to 4 with the form as a
+    request parameter: it runs to completion, and the server counts its requests, all OK, all
+    under the summed form. Its exit status and throughput prove nothing on their own (it exits 0
+    while every request fails); the server's counts do."""
+
+    def test_runs_to_completion_and_every_request_is_counted(self):
+        venv = os.path.dirname(os.path.dirname(VENV_PYTHON))
+        perf_analyzer = os.path.join(venv, "bin", "perf_analyzer")
+        cudart = [os.path.join(p, "nvidia", "cuda_runtime", "lib") for p in sys.path if p.endswith("site-packages")]
+        cudart = [p for p in cudart if os.path.exists(os.path.join(p, "libcudart.so.12"))]
+        self.assertTrue(os.access(perf_analyzer, os.X_OK) and cudart,
+                        f"perf_analyzer or libcudart.so.12 missing in {venv}: run scripts/fetch-oip-clients")
+        server = Server()  # the built-in 'demo' layer: d_model 768, 12 heads
+        try:
+            d = 768
+            tmp = server.dir.name
+            # x only: perf_analyzer then leaves the optional inputs out of its requests (it still
+            # wants a shape for every input of dynamic shape, hence --shape context:1,768).
+            x = np.random.default_rng(SEED).standard_normal((16, d)).astype(np.float32)
+            data = os.path.join(tmp, "input.json")
+            with open(data, "w") as f:
+                json.dump({"data": [{"x": {"content": x.ravel().tolist(), "shape": [16, d]}}]}, f)
+            export = os.path.join(tmp, "profile.json")
+            labels = dict(layer="demo")
+            ok0 = server.metric("attnserve_requests_total", form="summed", code="OK", **labels)
+            factored0 = server.metric("attnserve_requests_total", form="factored", code="OK", **labels)
+            env = dict(os.environ, LD_LIBRARY_PATH=":".join(cudart + [os.environ.get("LD_LIBRARY_PATH", "")]))
+            # -s 1000: any three windows count as stable (this machine's load is not the point).
+            run = subprocess.run(
+                [perf_analyzer, "-i", "grpc", "-u", server.target, "-m", "demo", "--input-data", data, "--shape",
+                 f"context:1,{d}", "-b", "1", "--concurrency-range", "1:4", "--request-parameter",
+                 "form:summed:string", "--measurement-interval", "500", "-s", "1000", "--profile-export-file",
+                 export], capture_output=True, text=True, timeout=240, env=env)
+            self.assertEqual(run.returncode, 0, run.stdout + run.stderr)
+            reported = [int(n) for n in re.findall(r"Request count: (\d+)", run.stdout)]
+            self.assertEqual(len(reported), 4, f"one report per concurrency level:\n{run.stdout}")
+            self.assertTrue(all(n > 0 for n in reported), run.stdout)
+            with open(export) as f:
+                experiments = json.load(f)["experiments"]
+            sent = sum(len(e["requests"]) for e in experiments)
+            self.assertGreaterEqual(sent, sum(reported))
+            ok = server.metric("attnserve_requests_total", form="summed", code="OK", **labels) - ok0
+            # Every request perf_analyzer recorded was served OK by the summed form; beyond those,
+            # at most the requests still in flight when it moved to the next level (<= 4 each).
+            self.assertGreaterEqual(ok, sent)
+            self.assertLessEqual(ok, sent + 4 * len(experiments))
+            self.assertEqual(server.metric("attnserve_requests_total", form="factored", code="OK", **labels),
+                             factored0, "every request named the summed form (--request-parameter)")
+            every = server.metric("attnserve_requests_total", **labels)
+            self.assertEqual(every, server.metric("attnserve_requests_total", code="OK", **labels),
+                             "perf_analyzer's requests all answered OK")
+        finally:
+            server.stop()
 
 
 class Drain(unittest.TestCase):
