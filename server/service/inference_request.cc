@@ -158,8 +158,8 @@ Status ConvertInputs(const ModelInferRequest& request, InferForwardRequest* out)
       // DecodeForward checks the count against the batch and each length against m.
       wire.key_lengths = out->key_lengths;
     } else {
-      return InvalidArgumentError("inputs[" + std::to_string(i) + "].name: expected 'x', 'context' or 'key_lengths', got " +
-                                  QuoteUntrusted(name));
+      return InvalidArgumentError("inputs[" + std::to_string(i) +
+                                  "].name: expected 'x', 'context' or 'key_lengths', got " + QuoteUntrusted(name));
     }
   }
   return OkStatus();

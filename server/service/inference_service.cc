@@ -180,8 +180,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelConfig(grpc::CallbackServer
   c->set_backend(kPlatform);
   c->set_max_batch_size(kReportedMaxBatchSize);
   // dims without the batch dimension (max_batch_size > 0).
-  auto add_input = [&](const char* name, inference::DataType type, std::initializer_list<int64_t> dims,
-                       bool optional) {
+  auto add_input = [&](const char* name, inference::DataType type, std::initializer_list<int64_t> dims, bool optional) {
     inference::ModelInput* in = c->add_input();
     in->set_name(name);
     in->set_data_type(type);
@@ -237,13 +236,11 @@ InferenceServiceImpl::ModelStreamInfer(grpc::CallbackServerContext* /*context*/)
   return new UnimplementedStream();
 }
 
-#define ATTNSERVE_OIP_UNIMPLEMENTED(Method, instead)                                                            \
-  grpc::ServerUnaryReactor* InferenceServiceImpl::Method(grpc::CallbackServerContext* context,                  \
-                                                         const inference::Method##Request*,                     \
-                                                         inference::Method##Response*) {                        \
-    return Answer(context, Status(StatusCode::kUnimplemented,                                                   \
-                                  #Method " is not implemented by attnserve" instead                             \
-                                  " (docs/service.md, Open Inference Protocol)"));                               \
+#define ATTNSERVE_OIP_UNIMPLEMENTED(Method, instead)                                                                   \
+  grpc::ServerUnaryReactor* InferenceServiceImpl::Method(                                                              \
+      grpc::CallbackServerContext* context, const inference::Method##Request*, inference::Method##Response*) {         \
+    return Answer(context, Status(StatusCode::kUnimplemented, #Method " is not implemented by attnserve" instead       \
+                                                                      " (docs/service.md, Open Inference Protocol)")); \
   }
 ATTNSERVE_OIP_UNIMPLEMENTED(ModelStatistics, ": its metrics are on /metrics (docs/metrics.md)")
 ATTNSERVE_OIP_UNIMPLEMENTED(RepositoryIndex, ": attnserve.v1's ListLayers lists the models")

@@ -29,12 +29,14 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
   // `store` and `forward` outlive the service (main.cc); destroy it after the server's Shutdown.
   InferenceServiceImpl(LayerStore* store, AttentionServiceImpl* forward, InferenceServiceOptions options);
 
-  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context, const inference::ServerLiveRequest* request,
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
+                                       const inference::ServerLiveRequest* request,
                                        inference::ServerLiveResponse* response) override;
   grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context,
                                         const inference::ServerReadyRequest* request,
                                         inference::ServerReadyResponse* response) override;
-  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context, const inference::ModelReadyRequest* request,
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context,
+                                       const inference::ModelReadyRequest* request,
                                        inference::ModelReadyResponse* response) override;
   grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* context,
                                            const inference::ServerMetadataRequest* request,
@@ -42,15 +44,17 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
   grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context,
                                           const inference::ModelMetadataRequest* request,
                                           inference::ModelMetadataResponse* response) override;
-  grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* context, const inference::ModelConfigRequest* request,
+  grpc::ServerUnaryReactor* ModelConfig(grpc::CallbackServerContext* context,
+                                        const inference::ModelConfigRequest* request,
                                         inference::ModelConfigResponse* response) override;
-  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context, const inference::ModelInferRequest* request,
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
+                                       const inference::ModelInferRequest* request,
                                        inference::ModelInferResponse* response) override;
 
   // Triton's extensions attnserve does not implement: UNIMPLEMENTED, saying what to use instead.
   grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>* ModelStreamInfer(
       grpc::CallbackServerContext* context) override;
-#define ATTNSERVE_OIP_UNIMPLEMENTED(Method)                                                                   \
+#define ATTNSERVE_OIP_UNIMPLEMENTED(Method)                                                                 \
   grpc::ServerUnaryReactor* Method(grpc::CallbackServerContext* context, const inference::Method##Request*, \
                                    inference::Method##Response*) override;
   ATTNSERVE_OIP_UNIMPLEMENTED(ModelStatistics)

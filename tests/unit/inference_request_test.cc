@@ -3,6 +3,8 @@
 // to the same AttentionRequest whichever protocol carried it; raw and typed contents agree; the
 // protocol's own mistakes are refused naming the input or parameter, what was expected and what
 // came; every parameter attnserve does not use is ignored. Protobuf only, no gRPC.
+#include "server/service/inference_request.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -13,7 +15,6 @@
 #include <vector>
 
 #include "attnserve/v1/attention.pb.h"
-#include "server/service/inference_request.h"
 #include "server/service/wire_request.h"
 
 namespace attnserve {
@@ -204,47 +205,70 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         Refusal{"MixedRawAndTyped",
                 [](ModelInferRequest* r) { r->mutable_inputs(1)->mutable_contents()->add_fp32_contents(1.5f); },
-                StatusCode::kInvalidArgument, {"inputs[1] ('context').contents", "got both"}},
-        Refusal{"RawCount", [](ModelInferRequest* r) { r->mutable_raw_input_contents()->RemoveLast(); },
-                StatusCode::kInvalidArgument, {"raw_input_contents: expected one entry per input (3), got 2"}},
-        Refusal{"UnknownInput", [](ModelInferRequest* r) { r->mutable_inputs(1)->set_name("ctx"); },
-                StatusCode::kInvalidArgument, {"inputs[1].name: expected 'x', 'context' or 'key_lengths'", "'ctx'"}},
-        Refusal{"DuplicateInput", [](ModelInferRequest* r) { r->mutable_inputs(1)->set_name("x"); },
-                StatusCode::kInvalidArgument, {"expected 'x' once, got it twice"}},
-        Refusal{"Datatype", [](ModelInferRequest* r) { r->mutable_inputs(0)->set_datatype("FP64"); },
-                StatusCode::kInvalidArgument, {"x.datatype: expected FP32, FP16 or BF16, got 'FP64'"}},
-        Refusal{"KeyLengthsDatatype", [](ModelInferRequest* r) { r->mutable_inputs(2)->set_datatype("INT64"); },
-                StatusCode::kInvalidArgument, {"key_lengths.datatype: expected INT32, got 'INT64'"}},
+                StatusCode::kInvalidArgument,
+                {"inputs[1] ('context').contents", "got both"}},
+        Refusal{"RawCount",
+                [](ModelInferRequest* r) { r->mutable_raw_input_contents()->RemoveLast(); },
+                StatusCode::kInvalidArgument,
+                {"raw_input_contents: expected one entry per input (3), got 2"}},
+        Refusal{"UnknownInput",
+                [](ModelInferRequest* r) { r->mutable_inputs(1)->set_name("ctx"); },
+                StatusCode::kInvalidArgument,
+                {"inputs[1].name: expected 'x', 'context' or 'key_lengths'", "'ctx'"}},
+        Refusal{"DuplicateInput",
+                [](ModelInferRequest* r) { r->mutable_inputs(1)->set_name("x"); },
+                StatusCode::kInvalidArgument,
+                {"expected 'x' once, got it twice"}},
+        Refusal{"Datatype",
+                [](ModelInferRequest* r) { r->mutable_inputs(0)->set_datatype("FP64"); },
+                StatusCode::kInvalidArgument,
+                {"x.datatype: expected FP32, FP16 or BF16, got 'FP64'"}},
+        Refusal{"KeyLengthsDatatype",
+                [](ModelInferRequest* r) { r->mutable_inputs(2)->set_datatype("INT64"); },
+                StatusCode::kInvalidArgument,
+                {"key_lengths.datatype: expected INT32, got 'INT64'"}},
         Refusal{"KeyLengthsRank",
-                [](ModelInferRequest* r) {
-                  r->mutable_inputs(2)->add_shape(2);
-                },
-                StatusCode::kInvalidArgument, {"key_lengths.shape: expected [batch] or [batch, 1], got [2, 2]"}},
+                [](ModelInferRequest* r) { r->mutable_inputs(2)->add_shape(2); },
+                StatusCode::kInvalidArgument,
+                {"key_lengths.shape: expected [batch] or [batch, 1], got [2, 2]"}},
         Refusal{"KeyLengthsEmpty",
                 [](ModelInferRequest* r) {
                   r->mutable_inputs(2)->set_shape(0, 0);
                   r->set_raw_input_contents(2, "");
                 },
-                StatusCode::kInvalidArgument, {"key_lengths.shape[0]: expected the batch (>= 1), got 0"}},
-        Refusal{"KeyLengthsBytes", [](ModelInferRequest* r) { r->mutable_raw_input_contents(2)->append("\1"); },
-                StatusCode::kInvalidArgument, {"key_lengths: expected 2 4-byte INT32 values ([2]), got 9 bytes"}},
+                StatusCode::kInvalidArgument,
+                {"key_lengths.shape[0]: expected the batch (>= 1), got 0"}},
+        Refusal{"KeyLengthsBytes",
+                [](ModelInferRequest* r) { r->mutable_raw_input_contents(2)->append("\1"); },
+                StatusCode::kInvalidArgument,
+                {"key_lengths: expected 2 4-byte INT32 values ([2]), got 9 bytes"}},
         Refusal{"KeyLengthsHugeCount",
                 [](ModelInferRequest* r) { r->mutable_inputs(2)->set_shape(0, (int64_t{1} << 62) + 2); },
-                StatusCode::kInvalidArgument, {"key_lengths: expected 4611686018427387906 4-byte INT32 values"}},
-        Refusal{"Form", [](ModelInferRequest* r) { (*r->mutable_parameters())["form"].set_string_param("SUMMED"); },
-                StatusCode::kInvalidArgument, {"parameters['form']: expected 'factored', 'summed' or 'lowrank'",
-                                               "got 'SUMMED'"}},
-        Refusal{"FormType", [](ModelInferRequest* r) { (*r->mutable_parameters())["form"].set_int64_param(2); },
-                StatusCode::kInvalidArgument, {"parameters['form']: expected a string, got an int64"}},
+                StatusCode::kInvalidArgument,
+                {"key_lengths: expected 4611686018427387906 4-byte INT32 values"}},
+        Refusal{"Form",
+                [](ModelInferRequest* r) { (*r->mutable_parameters())["form"].set_string_param("SUMMED"); },
+                StatusCode::kInvalidArgument,
+                {"parameters['form']: expected 'factored', 'summed' or 'lowrank'", "got 'SUMMED'"}},
+        Refusal{"FormType",
+                [](ModelInferRequest* r) { (*r->mutable_parameters())["form"].set_int64_param(2); },
+                StatusCode::kInvalidArgument,
+                {"parameters['form']: expected a string, got an int64"}},
         Refusal{"CausalType",
                 [](ModelInferRequest* r) { (*r->mutable_parameters())["causal"].set_string_param("true"); },
-                StatusCode::kInvalidArgument, {"parameters['causal']: expected a bool, got a string"}},
+                StatusCode::kInvalidArgument,
+                {"parameters['causal']: expected a bool, got a string"}},
         Refusal{"OffsetType",
                 [](ModelInferRequest* r) { (*r->mutable_parameters())["position_offset"].set_double_param(1); },
-                StatusCode::kInvalidArgument, {"parameters['position_offset']: expected an int64, got a double"}},
-        Refusal{"Output", [](ModelInferRequest* r) { r->add_outputs()->set_name("attn"); },
-                StatusCode::kInvalidArgument, {"outputs[0].name: expected 'y', got 'attn'"}},
-        Refusal{"Version", [](ModelInferRequest* r) { r->set_model_version("3"); }, StatusCode::kNotFound,
+                StatusCode::kInvalidArgument,
+                {"parameters['position_offset']: expected an int64, got a double"}},
+        Refusal{"Output",
+                [](ModelInferRequest* r) { r->add_outputs()->set_name("attn"); },
+                StatusCode::kInvalidArgument,
+                {"outputs[0].name: expected 'y', got 'attn'"}},
+        Refusal{"Version",
+                [](ModelInferRequest* r) { r->set_model_version("3"); },
+                StatusCode::kNotFound,
                 {"model_version: expected \"1\" or empty", "got '3'"}}),
     [](const ::testing::TestParamInfo<Refusal>& info) { return std::string(info.param.name); });
 
