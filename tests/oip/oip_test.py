@@ -160,6 +160,7 @@ class Server:
         return total
 
     def stop(self):
+        """SIGTERM; the server must drain and exit 0 (a sanitizer report at exit would not)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -167,8 +168,11 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        log = self.read_log()
         self.log.close()
         self.dir.cleanup()
+        if self.proc.returncode != 0:
+            raise AssertionError(f"attnserve exited {self.proc.returncode}:\n{log[-4000:]}")
 
 
 def infer_input(name, array, datatype):
@@ -228,8 +232,8 @@ class OpenInferenceProtocol(unittest.TestCase):
     def tearDownClass(cls):
         cls.client.close()
         cls.channel.close()
-        cls.server.stop()
         cls.tmp.cleanup()
+        cls.server.stop()
 
     def random(self, *shape):
         a = self.rng.standard_normal(shape).astype(np.float32)
