@@ -122,7 +122,7 @@ def die_with_parent():
 class Server:
     """The attnserve binary on 127.0.0.1 with ephemeral gRPC and metrics ports."""
 
-    def __init__(self, *flags):
+    def __init__(self, *flags, env=None):
         self.dir = tempfile.TemporaryDirectory(prefix="attnserve-oip-")
         port_file = os.path.join(self.dir.name, "port")
         metrics_file = os.path.join(self.dir.name, "metrics_port")
@@ -131,7 +131,7 @@ class Server:
         self.proc = subprocess.Popen(
             [BINARY, "--listen", "127.0.0.1:0", "--port-file", port_file, "--metrics-listen", "127.0.0.1:0",
              "--metrics-port-file", metrics_file, *flags],
-            stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+            stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while not (os.path.exists(port_file) and os.path.exists(metrics_file)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -574,6 +574,37 @@ class PerfAnalyzer(unittest.TestCase):
             every = server.metric("attnserve_requests_total", **labels)
             self.assertEqual(every, server.metric("attnserve_requests_total", code="OK", **labels),
                              "perf_analyzer's requests all answered OK")
+        finally:
+            server.stop()
+
+
+class DeviceFault(unittest.TestCase):
+    """ServerReady and ModelReady follow the device's health as the health service does: a device
+    fault (the emulated GPU of tests/cuda_emulation, told to fail its first GEMM) fails the
+    request and takes the server out of rotation; ServerLive stays true."""
+
+    def test_not_ready_after_a_device_fault(self):
+        plugin = os.environ.get("ATTNSERVE_EMULATED_PLUGIN", "")
+        self.assertTrue(os.path.exists(plugin), f"the emulated CUDA plugin is missing: '{plugin}'")
+        server = Server("--device", "cuda", "--layer", f"small={SOURCE}",
+                        env=dict(os.environ, ATTNSERVE_CUDA_PLUGIN_PATH=plugin,
+                                 ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM="0"))
+        try:
+            client = triton.InferenceServerClient(server.target)
+            self.assertTrue(client.is_server_ready())
+            self.assertEqual(client.get_model_config("small").config.parameters["device"].string_value, "cuda:0")
+            x = np.random.default_rng(SEED).standard_normal((1, 3, D)).astype(np.float32)
+            with self.assertRaises(InferenceServerException) as caught:
+                client.infer("small", [infer_input("x", x, "FP32")])
+            self.assertEqual(caught.exception.status(), "StatusCode.INTERNAL")
+            self.assertIn("cuBLAS error", caught.exception.message())
+            deadline = time.monotonic() + 5  # the device watch polls every 250 ms
+            while client.is_server_ready() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self.assertFalse(client.is_server_ready())
+            self.assertFalse(client.is_model_ready("small"))
+            self.assertTrue(client.is_server_live())
+            client.close()
         finally:
             server.stop()
 
