@@ -175,6 +175,8 @@ void ConvertInferRequest(const ModelInferRequest& request, InferForwardRequest* 
   wire.key_lengths_field = kInferInputKeyLengths;
   // Sticky routing on the request id unless a request_key parameter says otherwise.
   wire.request_key = request.id();
+  // The response repeats both; its parameters and output metadata fit in the framing allowance.
+  wire.echoed_bytes = static_cast<int64_t>(request.id().size() + request.model_name().size());
   out->refused = [&]() -> Status {
     if (!request.model_version().empty() && request.model_version() != kInferModelVersion) {
       return NotFoundError("model_version: expected \"1\" or empty (every layer is version 1), got " +

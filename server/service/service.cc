@@ -163,9 +163,10 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// A response's bytes beyond its output tensor's: protobuf's tags and lengths, the shape, the
-// form, the timings and up to two divergences, about 120 bytes; rounded up.
-constexpr int64_t kResponseFraming = 256;
+// A response's bytes beyond its output tensor's and what it echoes of the request: protobuf's
+// tags and lengths, the shape, the form, the timings and up to two divergences, about 120 bytes
+// in attnserve.v1 and about 300 in the Open Inference Protocol (named parameters); rounded up.
+constexpr int64_t kResponseFraming = 384;
 
 // What one Forward call reports when it is answered: its outcome to the metrics, and, when it
 // was served well and sampled for a shadow, a mirror run of `mirror` to the shadow runner.
@@ -526,7 +527,8 @@ void AttentionServiceImpl::StartForward(grpc::CallbackServerContext* context, gr
     if (!decoded.ok()) return decoded.status();
 
     // A response gRPC would refuse to send is refused before it is computed.
-    const int64_t response_bytes = decoded->output_elements() * static_cast<int64_t>(sizeof(float)) + kResponseFraming;
+    const int64_t response_bytes =
+        decoded->output_elements() * static_cast<int64_t>(sizeof(float)) + kResponseFraming + request.echoed_bytes;
     if (response_bytes > options_.max_response_bytes) {
       return ResourceExhaustedError("output: [" + std::to_string(decoded->batch()) + ", " +
                                     std::to_string(decoded->n()) + ", " + std::to_string(decoded->d_model()) +

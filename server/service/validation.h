@@ -53,6 +53,9 @@ struct WireForwardRequest {
   int64_t position_offset = 0;
   std::string_view request_key;  // sticky routing; empty: none
   bool compare = false;          // also run the other held forms, report divergence
+  // Bytes of the request the protocol's response repeats (the OIP echoes the id and the model
+  // name): counted with the output against the largest response gRPC will send.
+  int64_t echoed_bytes = 0;
   // What errors call the tensors: the protocol's own names ("input" in attnserve.v1, "x" in the
   // Open Inference Protocol), so that a message names what the client sent.
   std::string_view input_field = "input";

@@ -578,6 +578,28 @@ class PerfAnalyzer(unittest.TestCase):
             server.stop()
 
 
+class ResponseLimit(unittest.TestCase):
+    """The largest response counts what the OIP echoes: the request id comes back in the answer,
+    so an id that pushes an answer past --max-message-mb is refused before compute, naming the
+    flag, rather than failing when gRPC sends it."""
+
+    def test_echoed_id_counts_against_the_largest_response(self):
+        server = Server("--layer", f"small={SOURCE}", "--max-message-mb", "1")
+        try:
+            client = triton.InferenceServerClient(server.target)
+            # FP16 in, FP32 out: 4000 x 64 x 4 = 1,024,000 bytes of output, under 1 MiB alone.
+            x = np.random.default_rng(SEED).standard_normal((1, 4000, D)).astype(np.float16)
+            y = client.infer("small", [infer_input("x", x, "FP16")], request_id="short").as_numpy("y")
+            self.assertEqual(y.shape, (1, 4000, D))
+            with self.assertRaises(InferenceServerException) as caught:
+                client.infer("small", [infer_input("x", x, "FP16")], request_id="r" * 30000)
+            self.assertEqual(caught.exception.status(), "StatusCode.RESOURCE_EXHAUSTED")
+            self.assertIn("--max-message-mb", caught.exception.message())
+            client.close()
+        finally:
+            server.stop()
+
+
 class DeviceFault(unittest.TestCase):
     """ServerReady and ModelReady follow the device's health as the health service does: a device
     fault (the emulated GPU of tests/cuda_emulation, told to fail its first GEMM) fails the

@@ -147,6 +147,7 @@ TEST(InferRequestTest, RequestIdIsTheRoutingKeyUnlessOneIsGiven) {
   ConvertInferRequest(request, &converted);
   ASSERT_TRUE(converted.refused.ok());
   EXPECT_EQ(converted.wire.request_key, "req-7");
+  EXPECT_EQ(converted.wire.echoed_bytes, 9);  // "req-7" and "demo" come back in the response
   EXPECT_EQ(converted.wire.form, static_cast<int>(WireForm::kUnspecified));  // the router decides
   EXPECT_FALSE(converted.wire.causal);
 }
