@@ -606,6 +606,8 @@ class DeviceFault(unittest.TestCase):
     request and takes the server out of rotation; ServerLive stays true."""
 
     def test_not_ready_after_a_device_fault(self):
+        if os.environ.get("ATTNSERVE_SERVER_LOADS_CUDA_PLUGIN", "1") != "1":
+            self.skipTest("this attnserve was built without the CUDA toolkit: --device cuda loads no plugin")
         plugin = os.environ.get("ATTNSERVE_EMULATED_PLUGIN", "")
         self.assertTrue(os.path.exists(plugin), f"the emulated CUDA plugin is missing: '{plugin}'")
         server = Server("--device", "cuda", "--layer", f"small={SOURCE}",
