@@ -28,6 +28,7 @@
 #include "server/routing/router.h"
 #include "server/routing/shadow.h"
 #include "server/server_options.h"
+#include "server/service/inference_service.h"
 #include "server/service/service.h"
 #include "server/store/layer_store.h"
 
@@ -176,7 +177,7 @@ StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const Serve
 // (docs/security.md): streams per connection, ping abuse, connection age, header size.
 std::unique_ptr<grpc::Server> BuildServer(const ServerOptions& options, const std::string& listen,
                                           const std::shared_ptr<grpc::ServerCredentials>& credentials,
-                                          grpc::Service* service, int* port) {
+                                          std::initializer_list<grpc::Service*> services, int* port) {
   grpc::ServerBuilder builder;
   builder.AddListeningPort(listen, credentials, port);
   // gRPC sets SO_REUSEPORT by default: a second server on a busy port would start and share
@@ -193,7 +194,9 @@ std::unique_ptr<grpc::Server> BuildServer(const ServerOptions& options, const st
     builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, options.max_connection_age_grace_s * 1000);
   }
   builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, options.max_metadata_kb * 1024);
-  builder.RegisterService(service);
+  for (grpc::Service* service : services) {
+    if (service != nullptr) builder.RegisterService(service);
+  }
   return builder.BuildAndStart();
 }
 
@@ -319,11 +322,19 @@ int Run(int argc, char** argv) {
         &store, &executor, service_options(options.admin_token.empty() ? AdminAccess::kOpen : AdminAccess::kToken));
   }
 
+  // The Open Inference Protocol on the public listener, next to attnserve.v1: its ModelInfer
+  // runs the same call path as Forward, so the drain and the device watch below cover it too.
+  InferenceServiceImpl inference_service(
+      &store, &service,
+      InferenceServiceOptions{.version = ATTNSERVE_VERSION,
+                              .device_healthy = [&backend] { return backend.Healthy(); },
+                              .max_queue_delay_us = options.max_queue_delay_us});
+
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   int port = 0;
   std::unique_ptr<grpc::Server> server =
-      BuildServer(options, options.listen, *credentials, &service, &port);
+      BuildServer(options, options.listen, *credentials, {&service, &inference_service}, &port);
   if (server == nullptr || port == 0) {
     spdlog::critical("cannot listen on {} (address in use or invalid?)", options.listen);
     return 1;
@@ -331,7 +342,7 @@ int Run(int argc, char** argv) {
   int admin_port = 0;
   std::unique_ptr<grpc::Server> admin_server;
   if (admin_service != nullptr) {
-    admin_server = BuildServer(options, options.admin_listen, *credentials, admin_service.get(), &admin_port);
+    admin_server = BuildServer(options, options.admin_listen, *credentials, {admin_service.get()}, &admin_port);
     if (admin_server == nullptr || admin_port == 0) {
       spdlog::critical("cannot listen on --admin-listen {} (address in use or invalid?)", options.admin_listen);
       server->Shutdown();
@@ -341,6 +352,7 @@ int Run(int argc, char** argv) {
                  options.admin_token.empty() ? "loopback, no token" : "admin token required");
   }
   server->GetHealthCheckService()->SetServingStatus("attnserve.v1.AttentionService", true);
+  server->GetHealthCheckService()->SetServingStatus("inference.GRPCInferenceService", true);
   const std::string bound = HostOf(options.listen) + ":" + std::to_string(port);
   std::cout << "listening on " << bound << std::endl;
   spdlog::info(

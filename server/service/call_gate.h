@@ -57,6 +57,12 @@ class CallGate {
     closed_ = true;
   }
 
+  // Whether Close has run (the server is draining): readiness answers false from then on.
+  bool closed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return closed_;
+  }
+
   // Waits until every accepted call has been answered, or until `until`; false when some are
   // still open then.
   bool WaitIdle(std::chrono::steady_clock::time_point until) {

@@ -163,9 +163,10 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// A response's bytes beyond its output tensor's: protobuf's tags and lengths, the shape, the
-// form, the timings and up to two divergences, about 120 bytes; rounded up.
-constexpr int64_t kResponseFraming = 256;
+// A response's bytes beyond its output tensor's and what it echoes of the request: protobuf's
+// tags and lengths, the shape, the form, the timings and up to two divergences, about 120 bytes
+// in attnserve.v1 and about 300 in the Open Inference Protocol (named parameters); rounded up.
+constexpr int64_t kResponseFraming = 384;
 
 // What one Forward call reports when it is answered: its outcome to the metrics, and, when it
 // was served well and sampled for a shadow, a mirror run of `mirror` to the shadow runner.
@@ -214,11 +215,11 @@ int64_t RequestFootprint(const Layer& layer, const AttentionRequest& r, std::spa
 // every job. Shared by the jobs' completions; the last one to finish answers the call.
 class ForwardCall {
  public:
-  ForwardCall(grpc::ServerUnaryReactor* reactor, v1::ForwardResponse* response, std::shared_ptr<const Layer> layer,
-              AttentionRequest decoded, CallReporting reporting, MemoryBudget::Reservation reservation,
-              CallGate::Ticket ticket)
+  ForwardCall(grpc::ServerUnaryReactor* reactor, std::unique_ptr<ForwardAnswer> answer,
+              std::shared_ptr<const Layer> layer, AttentionRequest decoded, CallReporting reporting,
+              MemoryBudget::Reservation reservation, CallGate::Ticket ticket)
       : reactor_(reactor),
-        response_(response),
+        answer_(std::move(answer)),
         layer_(std::move(layer)),
         decoded_(std::move(decoded)),
         reporting_(std::move(reporting)),
@@ -236,13 +237,10 @@ class ForwardCall {
       }
     }
     const int64_t elements = call->decoded_.output_elements();
-    v1::Tensor* out = call->response_->mutable_output();
-    out->set_dtype(v1::DATA_TYPE_FLOAT32);
-    out->add_shape(call->decoded_.batch());
-    out->add_shape(call->decoded_.n());
-    out->add_shape(call->decoded_.d_model());
-    std::string* bytes = out->mutable_data();
+    std::string* bytes =
+        call->answer_->OutputBytes(call->decoded_.batch(), call->decoded_.n(), call->decoded_.d_model());
     bytes->resize(elements * sizeof(float));
+    call->output_bytes_ = bytes;
     // The backend writes straight into the response's bytes; a string's heap buffer is
     // aligned for float, but check rather than assume.
     if (reinterpret_cast<uintptr_t>(bytes->data()) % alignof(float) == 0) {
@@ -311,9 +309,9 @@ class ForwardCall {
       return;
     }
     if (!fallback_output_.empty()) {
-      std::memcpy(response_->mutable_output()->mutable_data()->data(), fallback_output_.data(),
-                  elements * sizeof(float));
+      std::memcpy(output_bytes_->data(), fallback_output_.data(), elements * sizeof(float));
     }
+    std::vector<FormDivergence> divergences;
     for (size_t i = 1; i < forms_.size(); ++i) {
       const DivergenceStats d = MeasureDivergence(served, compare_outputs_[i - 1]);
       // The served output is finite, so an infinite divergence is a non-finite compare output:
@@ -321,15 +319,9 @@ class ForwardCall {
       if (std::isinf(d.max_abs) && reporting_.metrics != nullptr) {
         reporting_.metrics->CountNonFiniteOutput(layer_->name, forms_[i]);
       }
-      v1::Divergence* div = response_->add_divergence();
-      div->set_form(ToProtoForm(forms_[i]));
-      div->set_max_abs(d.max_abs);
-      div->set_rel_l2(d.rel_l2);
+      divergences.push_back({.form = forms_[i], .stats = d});
     }
-    response_->set_form(ToProtoForm(forms_[0]));
-    response_->set_queue_us(served_timings_.queue_us);
-    response_->set_compute_us(served_timings_.compute_us);
-    response_->set_batch_requests(served_timings_.batch_requests);
+    answer_->Served(forms_[0], served_timings_, divergences);
     OfferShadow(served);
     Answer(grpc::Status::OK);
   }
@@ -363,7 +355,8 @@ class ForwardCall {
   }
 
   grpc::ServerUnaryReactor* const reactor_;
-  v1::ForwardResponse* const response_;
+  const std::unique_ptr<ForwardAnswer> answer_;  // writes the protocol's response
+  std::string* output_bytes_ = nullptr;         // the served output in that response
   const std::shared_ptr<const Layer> layer_;  // keeps the weights alive for every job
   const AttentionRequest decoded_;  // may view the request message, which outlives the call
   const CallReporting reporting_;
@@ -437,51 +430,105 @@ bool AttentionServiceImpl::WaitForAdminCalls(std::chrono::steady_clock::time_poi
 
 void AttentionServiceImpl::AbandonAdminCalls() { admin_->AbandonAll(); }
 
+namespace {
+
+// attnserve.v1's answer: the output tensor and the timings as ForwardResponse's fields.
+class V1ForwardAnswer final : public ForwardAnswer {
+ public:
+  explicit V1ForwardAnswer(v1::ForwardResponse* response) : response_(response) {}
+
+  std::string* OutputBytes(int64_t batch, int64_t n, int64_t d_model) override {
+    v1::Tensor* out = response_->mutable_output();
+    out->set_dtype(v1::DATA_TYPE_FLOAT32);
+    out->add_shape(batch);
+    out->add_shape(n);
+    out->add_shape(d_model);
+    return out->mutable_data();
+  }
+
+  void Served(Form form, const JobTimings& timings, std::span<const FormDivergence> divergences) override {
+    for (const FormDivergence& d : divergences) {
+      v1::Divergence* div = response_->add_divergence();
+      div->set_form(ToProtoForm(d.form));
+      div->set_max_abs(d.stats.max_abs);
+      div->set_rel_l2(d.stats.rel_l2);
+    }
+    response_->set_form(ToProtoForm(form));
+    response_->set_queue_us(timings.queue_us);
+    response_->set_compute_us(timings.compute_us);
+    response_->set_batch_requests(timings.batch_requests);
+  }
+
+ private:
+  v1::ForwardResponse* const response_;
+};
+
+}  // namespace
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerContext* context,
                                                         const v1::ForwardRequest* request,
                                                         v1::ForwardResponse* response) {
   const auto arrived = std::chrono::steady_clock::now();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  std::unique_ptr<ForwardAnswer> answer;
+  Status made = Guarded("Forward", [&]() -> Status {
+    answer = std::make_unique<V1ForwardAnswer>(response);
+    return OkStatus();
+  });
+  if (!made.ok()) {
+    reactor->Finish(ToGrpc(made));
+    return reactor;
+  }
+  StartForward(context, reactor, WireRequestOf(*request), std::move(answer), arrived);
+  return reactor;
+}
+
+void AttentionServiceImpl::StartForward(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                                        const WireForwardRequest& request, std::unique_ptr<ForwardAnswer> answer,
+                                        std::chrono::steady_clock::time_point arrived, const Status& refused) {
   if (options_.metrics != nullptr) options_.metrics->RequestStarted();
   // What a refusal is counted under: a loaded layer's name only (a client-chosen name would
   // make a new series per typo), the form once known.
   std::shared_ptr<const Layer> counted_layer;
-  std::optional<Form> counted_form = FormFromWire(request->form());
-  // Released when this handler returns unless the call is started (then at its answer).
+  std::optional<Form> counted_form = FormFromWire(request.form);
+  // Released when this function returns unless the call is started (then at its answer).
   CallGate::Ticket ticket = forward_gate_.Enter();
   Status status = Guarded("Forward", [&]() -> Status {
     if (!ticket) {
       return UnavailableError("the server is draining (shutting down): send this request to another replica");
     }
-    ATTNSERVE_RETURN_IF_ERROR(CheckWireForm(request->form()));
-    if (request->layer().empty()) {
+    ATTNSERVE_RETURN_IF_ERROR(CheckWireForm(request.form));
+    if (request.layer.empty()) {
       return InvalidArgumentError("layer: expected a layer name, got an empty string (loaded: " + LoadedNames(*store_) +
                                   ")");
     }
-    std::shared_ptr<const Layer> layer = store_->Get(request->layer());
+    std::shared_ptr<const Layer> layer = store_->Get(request.layer);
     if (layer == nullptr) {
-      return NotFoundError("layer: no layer named " + QuoteUntrusted(request->layer()) +
+      return NotFoundError("layer: no layer named " + QuoteUntrusted(request.layer) +
                            " is loaded (loaded: " + LoadedNames(*store_) + ")");
     }
     counted_layer = layer;
+    // The protocol's own conversion refused the request: counted like a decode error.
+    if (!refused.ok()) return refused;
     // FORM_UNSPECIFIED: the router's split for this layer (sticky on the request key).
     Form held[std::size(kAllForms)];
     size_t held_count = 0;
     for (const auto& [f, _] : layer->forms) held[held_count++] = f;
     const std::span<const Form> held_forms(held, held_count);
-    StatusOr<Form> form = request->form() == v1::FORM_UNSPECIFIED && options_.router != nullptr
-                              ? StatusOr<Form>(options_.router->Choose(layer->name, held_forms, request->request_key()))
-                              : ChooseForm(request->form(), *layer);
+    StatusOr<Form> form =
+        request.form == static_cast<int>(WireForm::kUnspecified) && options_.router != nullptr
+            ? StatusOr<Form>(options_.router->Choose(layer->name, held_forms, request.request_key))
+            : ChooseForm(request.form, *layer);
     if (!form.ok()) return form.status();
     counted_form = *form;
 
-    const WireForwardRequest wire = WireRequestOf(*request);
     StatusOr<DecodedForward> decoded =
-        DecodeForward(layer->config, wire, ForwardLimits{.max_score_bytes = options_.max_score_bytes});
+        DecodeForward(layer->config, request, ForwardLimits{.max_score_bytes = options_.max_score_bytes});
     if (!decoded.ok()) return decoded.status();
 
     // A response gRPC would refuse to send is refused before it is computed.
-    const int64_t response_bytes = decoded->output_elements() * static_cast<int64_t>(sizeof(float)) + kResponseFraming;
+    const int64_t response_bytes =
+        decoded->output_elements() * static_cast<int64_t>(sizeof(float)) + kResponseFraming + request.echoed_bytes;
     if (response_bytes > options_.max_response_bytes) {
       return ResourceExhaustedError("output: [" + std::to_string(decoded->batch()) + ", " +
                                     std::to_string(decoded->n()) + ", " + std::to_string(decoded->d_model()) +
@@ -493,12 +540,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
     MemoryBudget::Reservation reservation;
     if (options_.memory != nullptr) {
       std::vector<Form> forms = {*form};
-      if (request->compare()) {
+      if (request.compare) {
         for (const auto& [f, _] : layer->forms) {
           if (f != *form) forms.push_back(f);
         }
       }
-      const int64_t wire_bytes = static_cast<int64_t>(request->input().data().size() + request->context().data().size());
+      const int64_t wire_bytes = static_cast<int64_t>(request.input.data.size() + request.context.data.size());
       StatusOr<MemoryBudget::Reservation> reserved = options_.memory->Reserve(
           RequestFootprint(*layer, *decoded, forms, wire_bytes, options_.backend), "this request");
       if (!reserved.ok()) return reserved.status();
@@ -511,24 +558,23 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
                             .arrived = arrived,
                             .backend = options_.backend};
     // `compare` already runs every other form; a shadow of it would measure nothing new.
-    if (options_.shadow != nullptr && options_.router != nullptr && !request->compare()) {
+    if (options_.shadow != nullptr && options_.router != nullptr && !request.compare) {
       reporting.mirror = options_.router->ShadowMirror(held_forms, *form);
     }
-    auto call = std::make_shared<ForwardCall>(reactor, response, layer, std::move(decoded).value(),
+    auto call = std::make_shared<ForwardCall>(reactor, std::move(answer), layer, std::move(decoded).value(),
                                               std::move(reporting), std::move(reservation), std::move(ticket));
-    ForwardCall::Start(std::move(call), *form, request->compare(), executor_, arrived, context);
+    ForwardCall::Start(std::move(call), *form, request.compare, executor_, arrived, context);
     return OkStatus();
   });
   // Once Start has run, the jobs' completions answer the call; only earlier errors end here.
   if (!status.ok()) {
-    spdlog::debug("Forward layer={}: {}", QuoteUntrusted(request->layer()), status.ToString());
+    spdlog::debug("Forward layer={}: {}", QuoteUntrusted(request.layer), status.ToString());
     if (options_.metrics != nullptr) {
       options_.metrics->RequestFinished(counted_layer ? std::string_view(counted_layer->name) : std::string_view(),
                                         counted_form, status.code(), SecondsSince(arrived));
     }
     reactor->Finish(ToGrpc(status));
   }
-  return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListLayers(grpc::CallbackServerContext* context,

@@ -10,9 +10,11 @@
 #include <string>
 
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/batching/divergence.h"
 #include "server/batching/executor.h"
 #include "server/batching/memory_budget.h"
 #include "server/service/call_gate.h"
+#include "server/service/validation.h"
 #include "server/store/layer_store.h"
 
 namespace attnserve {
@@ -51,6 +53,27 @@ struct ServiceOptions {
   int64_t max_response_bytes = int64_t{64} << 20;
 };
 
+// One compared form's divergence from the served output (`compare`).
+struct FormDivergence {
+  Form form;
+  DivergenceStats stats;
+};
+
+// Writes one inference call's answer into its protocol's response: attnserve.v1's
+// ForwardResponse (service.cc) or the Open Inference Protocol's ModelInferResponse
+// (inference_service.cc). The shared call path (StartForward) computes; this only places bytes.
+// Thread-safety: one call's; OutputBytes runs before any compute, Served after all of it.
+class ForwardAnswer {
+ public:
+  virtual ~ForwardAnswer() = default;
+  // Where the served form's [batch, n, d_model] float32 output goes: a string in the response,
+  // which the caller sizes and the backend writes into (no copy).
+  virtual std::string* OutputBytes(int64_t batch, int64_t n, int64_t d_model) = 0;
+  // Only for a call answered OK, just before the answer: the form that served it, its batch's
+  // timings and, with `compare`, every other held form's divergence.
+  virtual void Served(Form form, const JobTimings& timings, std::span<const FormDivergence> divergences) = 0;
+};
+
 class AdminWorker;  // runs slow admin calls (layer loads) off gRPC's threads; service.cc
 
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
@@ -72,6 +95,19 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // been answered, or `until`; false when some are still open then.
   void StopAcceptingForwardCalls() { forward_gate_.Close(); }
   bool WaitForForwardCalls(std::chrono::steady_clock::time_point until) { return forward_gate_.WaitIdle(until); }
+  // True once StopAcceptingForwardCalls has run: the Open Inference Protocol's readiness.
+  bool Draining() { return forward_gate_.closed(); }
+
+  // The one path of every inference call, whatever protocol it came in (Forward here, ModelInfer
+  // in inference_service.cc): the drain gate, the layer, the form (the router when unspecified),
+  // DecodeForward, the response-size and memory admission, the executor, and the metrics and
+  // shadows of its answer. `answer` writes the protocol's response. `refused`, the protocol's
+  // own conversion error, is answered where a decode error would be (counted under the layer).
+  // The call is finished on `reactor`, here or from the jobs' completions. `request` views
+  // bytes that must live until the call is finished (the request message's).
+  void StartForward(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                    const WireForwardRequest& request, std::unique_ptr<ForwardAnswer> answer,
+                    std::chrono::steady_clock::time_point arrived, const Status& refused = OkStatus());
 
   grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* context, const v1::ForwardRequest* request,
                                     v1::ForwardResponse* response) override;

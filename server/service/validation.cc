@@ -179,15 +179,17 @@ StatusOr<RequestTensor> DecodeTensor(std::string_view field, const WireTensor& w
 StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForwardRequest& request,
                                        const ForwardLimits& limits) {
   DecodedForward out;
+  const std::string input_field(request.input_field), context_field(request.context_field),
+      key_lengths_field(request.key_lengths_field);
   if (!request.input.present) {
-    return InvalidArgumentError("input: expected a [batch, n, d_model=" + std::to_string(config.d_model) +
+    return InvalidArgumentError(input_field + ": expected a [batch, n, d_model=" + std::to_string(config.d_model) +
                                 "] tensor, got none");
   }
-  StatusOr<RequestTensor> input = DecodeTensor("input", request.input, config.d_model);
+  StatusOr<RequestTensor> input = DecodeTensor(input_field, request.input, config.d_model);
   if (!input.ok()) return input.status();
   out.input = std::move(input).value();
   if (request.context.present) {
-    StatusOr<RequestTensor> context = DecodeTensor("context", request.context, config.d_model, out.input.batch);
+    StatusOr<RequestTensor> context = DecodeTensor(context_field, request.context, config.d_model, out.input.batch);
     if (!context.ok()) return context.status();
     out.context = std::move(context).value();
   }
@@ -204,7 +206,7 @@ StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForw
       const double mib = static_cast<double>(n) * static_cast<double>(m) * static_cast<double>(config.heads) * 4.0 /
                          static_cast<double>(1 << 20);
       return ResourceExhaustedError(
-          "input: a sequence of n=" + std::to_string(n) + " queries over m=" + std::to_string(m) + " keys with " +
+          input_field + ": a sequence of n=" + std::to_string(n) + " queries over m=" + std::to_string(m) + " keys with " +
           std::to_string(config.heads) + " heads needs " + std::to_string(static_cast<int64_t>(std::ceil(mib))) +
           " MiB of attention scores; this server allows " + std::to_string(limits.max_score_bytes >> 20) +
           " MiB per sequence (--max-scores-mb): send shorter sequences");
@@ -219,7 +221,7 @@ StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForw
   if (!request.key_lengths.empty()) {
     const int64_t m = out.context ? out.context->rows : out.input.rows;
     if (static_cast<int64_t>(request.key_lengths.size()) != out.input.batch) {
-      return InvalidArgumentError("key_lengths: expected " + std::to_string(out.input.batch) +
+      return InvalidArgumentError(key_lengths_field + ": expected " + std::to_string(out.input.batch) +
                                   " values (one per batch row) or none, got " +
                                   std::to_string(request.key_lengths.size()));
     }
@@ -227,8 +229,8 @@ StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForw
     for (size_t b = 0; b < request.key_lengths.size(); ++b) {
       const int64_t len = request.key_lengths[b];
       if (len < 1 || len > m) {
-        return InvalidArgumentError("key_lengths[" + std::to_string(b) + "]: expected a value in [1, " +
-                                    std::to_string(m) + "] (m = " + (out.context ? "context" : "input") +
+        return InvalidArgumentError(key_lengths_field + "[" + std::to_string(b) + "]: expected a value in [1, " +
+                                    std::to_string(m) + "] (m = " + (out.context ? context_field : input_field) +
                                     " rows), got " + std::to_string(len));
       }
       out.key_lengths.push_back(len);

@@ -40,13 +40,27 @@ struct WireTensor {
   std::string_view data;
 };
 
+// One inference request as either protocol carries it (attnserve.v1 Forward: wire_request.h;
+// the Open Inference Protocol's ModelInfer: inference_request.h). Every call runs the same
+// admission, decoding and compute on it (AttentionServiceImpl::StartForward).
 struct WireForwardRequest {
+  std::string_view layer;
   int form = 0;
   WireTensor input;
   WireTensor context;
   bool causal = false;
   std::span<const int32_t> key_lengths;
   int64_t position_offset = 0;
+  std::string_view request_key;  // sticky routing; empty: none
+  bool compare = false;          // also run the other held forms, report divergence
+  // Bytes of the request the protocol's response repeats (the OIP echoes the id and the model
+  // name): counted with the output against the largest response gRPC will send.
+  int64_t echoed_bytes = 0;
+  // What errors call the tensors: the protocol's own names ("input" in attnserve.v1, "x" in the
+  // Open Inference Protocol), so that a message names what the client sent.
+  std::string_view input_field = "input";
+  std::string_view context_field = "context";
+  std::string_view key_lengths_field = "key_lengths";
 };
 
 // INVALID_ARGUMENT when `wire_form` is no attnserve.v1.Form value.

@@ -23,12 +23,15 @@ inline WireTensor WireTensorOf(bool present, const v1::Tensor& t) {
 
 inline WireForwardRequest WireRequestOf(const v1::ForwardRequest& request) {
   WireForwardRequest wire;
+  wire.layer = request.layer();
   wire.form = request.form();
   wire.input = WireTensorOf(request.has_input(), request.input());
   wire.context = WireTensorOf(request.has_context(), request.context());
   wire.causal = request.causal();
   wire.key_lengths = std::span<const int32_t>(request.key_lengths().data(), request.key_lengths().size());
   wire.position_offset = request.position_offset();
+  wire.request_key = request.request_key();
+  wire.compare = request.compare();
   return wire;
 }
 

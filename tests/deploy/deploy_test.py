@@ -1645,5 +1645,61 @@ class ComposeTest(unittest.TestCase):
         check_admin_api(self, self.command(), self.command(), "ATTNSERVE_ADMIN_TOKEN", "deploy/compose.yaml")
 
 
+class KServeTest(unittest.TestCase):
+    """deploy/kserve: attnserve as a KServe serving runtime for the Open Inference Protocol over
+    gRPC (grpc-v2), and an InferenceService that uses it."""
+
+    @classmethod
+    def setUpClass(cls):
+        def load(name):
+            with open(os.path.join(DEPLOY, "kserve", name)) as f:
+                docs = [d for d in yaml.safe_load_all(f) if d is not None]
+            assert len(docs) == 1, f"deploy/kserve/{name}: expected one document, got {len(docs)}"
+            return docs[0]
+
+        cls.runtime = load("servingruntime.yaml")
+        cls.isvc = load("inferenceservice.yaml")
+        cls.container = cls.runtime["spec"]["containers"][0]
+        cls.args = cls.container.get("args", [])
+
+    def test_kinds_and_references(self):
+        self.assertEqual((self.runtime["apiVersion"], self.runtime["kind"]), ("serving.kserve.io/v1alpha1",
+                                                                              "ServingRuntime"))
+        self.assertEqual((self.isvc["apiVersion"], self.isvc["kind"]), ("serving.kserve.io/v1beta1",
+                                                                        "InferenceService"))
+        model = self.isvc["spec"]["predictor"]["model"]
+        self.assertEqual(model["runtime"], self.runtime["metadata"]["name"])
+        self.assertIn(model["modelFormat"]["name"], [f["name"] for f in self.runtime["spec"]["supportedModelFormats"]])
+        self.assertEqual(model["protocolVersion"], "grpc-v2")
+        self.assertEqual(self.runtime["spec"]["protocolVersions"], ["grpc-v2"])
+        self.assertEqual(self.container["name"], "kserve-container")
+
+    def test_h2c_port_is_the_grpc_listener_and_probes_use_grpc_health(self):
+        ports = {p["name"]: p["containerPort"] for p in self.container["ports"]}
+        self.assertEqual(list(ports), ["h2c"], "KServe routes gRPC to the one port named h2c")
+        self.assertEqual(ports["h2c"], port_of(flag_value(self.args, "--listen", "0.0.0.0:50051")))
+        readiness = self.container["readinessProbe"]["grpc"]
+        self.assertEqual(readiness["port"], ports["h2c"])
+        self.assertEqual(readiness.get("service"), "inference.GRPCInferenceService")
+        self.assertEqual(self.container["livenessProbe"]["grpc"]["port"], ports["h2c"])
+
+    def test_flags_exist_and_grace_exceeds_drain(self):
+        assert_flags_exist(self, self.args, BINARY, "deploy/kserve/servingruntime.yaml args")
+        drain = int(flag_value(self.args, "--drain-timeout-s", default_of("--drain-timeout-s")))
+        self.assertGreater(self.isvc["spec"]["predictor"]["terminationGracePeriodSeconds"], drain)
+
+    def test_security(self):
+        sc = self.container["securityContext"]
+        self.assertTrue(sc["runAsNonRoot"])
+        self.assertFalse(sc["allowPrivilegeEscalation"])
+        self.assertTrue(sc["readOnlyRootFilesystem"])
+        self.assertEqual(sc["capabilities"]["drop"], ["ALL"])
+
+    def test_args_start_a_server_whose_oip_service_is_serving(self):
+        with running_server(self, self.args, "deploy/kserve ServingRuntime") as target:
+            health = cli(target, "health", "inference.GRPCInferenceService")
+            self.assertEqual(health.stdout.strip(), "SERVING", health.stderr)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -1,0 +1,77 @@
+// libFuzzer target: bytes → the Open Inference Protocol's inference.ModelInferRequest → what
+// InferenceServiceImpl::ModelInfer (server/service/inference_service.cc) does with it: the
+// protocol's conversion (ConvertInferRequest, server/service/inference_request.h), then the same
+// ChooseForm and DecodeForward attnserve.v1's Forward runs, over forward_request's fixed layer,
+// then the CPU backend on what was accepted. Nothing may crash; a request the conversion and
+// DecodeForward accept must run on every held form (a refused one would fail its whole batch).
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include <google/protobuf/stubs/common.h>
+
+#include "inference/grpc_service.pb.h"
+#include "server/backend/cpu/cpu_backend.h"
+#include "server/service/inference_request.h"
+#include "server/service/validation.h"
+#include "server/store/layer_store.h"
+
+namespace {
+
+using namespace attnserve;
+
+// forward_request's layer (tests/fuzz/forward_request_fuzz.cc): every form, rotary, grouped.
+constexpr char kLayerSource[] = "random:d_model=8,heads=4,kv_heads=2,rope_theta=10000,seed=3,lowrank=budget:6";
+constexpr int64_t kMaxScoreBytes = int64_t{4} << 20;
+
+struct Fixture {
+  CpuBackend backend{CpuBackendOptions{.threads = 1}};
+  LayerStore store{&backend};
+  std::shared_ptr<const Layer> layer;
+
+  Fixture() {
+#if GOOGLE_PROTOBUF_VERSION < 4022000
+    // Protobuf logs every string field with invalid UTF-8 it refuses: millions of lines here.
+    google::protobuf::SetLogHandler(nullptr);
+#endif
+    auto loaded = store.Load("fuzz", kLayerSource);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "infer_request fuzz: cannot load %s: %s\n", kLayerSource, loaded.status().ToString().c_str());
+      std::abort();
+    }
+    layer = *loaded;
+  }
+};
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static Fixture* const fixture = new Fixture();  // never destroyed: no exit-time ordering
+  const Layer& layer = *fixture->layer;
+
+  inference::ModelInferRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
+
+  InferForwardRequest converted;
+  ConvertInferRequest(request, &converted);
+  if (!converted.refused.ok()) return 0;
+
+  StatusOr<Form> form = ChooseForm(converted.wire.form, layer);
+  if (!form.ok()) return 0;
+  auto decoded = DecodeForward(layer.config, converted.wire, ForwardLimits{.max_score_bytes = kMaxScoreBytes});
+  if (!decoded.ok()) return 0;
+
+  std::vector<float> output(decoded->output_elements());
+  const std::vector<Sequence> sequences = decoded->Sequences(output.data());
+  for (const auto& [f, resident] : layer.forms) {
+    const Status status = fixture->backend.Forward(*resident, sequences);
+    if (!status.ok()) {
+      std::fprintf(stderr, "infer_request fuzz: the conversion and DecodeForward accepted a request the %s form "
+                   "refused: %s\n", std::string(FormName(f)).c_str(), status.ToString().c_str());
+      std::abort();
+    }
+  }
+  return 0;
+}
