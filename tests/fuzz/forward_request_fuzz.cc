@@ -18,43 +18,20 @@
 #include "server/service/validation.h"
 #include "server/service/wire_request.h"
 #include "server/store/layer_store.h"
+#include "tests/fuzz/request_fuzz_layer.h"
 
 namespace {
 
 namespace v1 = attnserve::v1;
 using namespace attnserve;
 
-// A small grouped-query layer with rotary embedding (position_offset matters) holding every
-// form, so each decoded request runs through the factored, summed and low-rank paths.
-constexpr char kLayerSource[] = "random:d_model=8,heads=4,kv_heads=2,rope_theta=10000,seed=3,lowrank=budget:6";
-// Small enough that a request near it still runs in milliseconds; the server's default is
-// 2 GiB, which inputs of libFuzzer's sizes never approach.
-constexpr int64_t kMaxScoreBytes = int64_t{4} << 20;
-
-struct Fixture {
-  CpuBackend backend{CpuBackendOptions{.threads = 1}};
-  LayerStore store{&backend};
-  std::shared_ptr<const Layer> layer;
-
-  Fixture() {
-#if GOOGLE_PROTOBUF_VERSION < 4022000
-    // Protobuf logs every string field with invalid UTF-8 it refuses: millions of lines here.
-    google::protobuf::SetLogHandler(nullptr);
-#endif
-    auto loaded = store.Load("fuzz", kLayerSource);
-    if (!loaded.ok()) {
-      std::fprintf(stderr, "forward_request fuzz: cannot load %s: %s\n", kLayerSource,
-                   loaded.status().ToString().c_str());
-      std::abort();
-    }
-    layer = *loaded;
-  }
-};
+using fuzz::kMaxScoreBytes;
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static Fixture* const fixture = new Fixture();  // never destroyed: no exit-time ordering
+  // Never destroyed: no exit-time ordering.
+  static fuzz::RequestFuzzLayer* const fixture = new fuzz::RequestFuzzLayer("forward_request");
   const Layer& layer = *fixture->layer;
 
   v1::ForwardRequest request;
