@@ -1,10 +1,15 @@
 // forward_bench: both forms of the CPU backend at reference shapes, reported as GFLOP/s and as
-// a ratio to a large Eigen SGEMM of the same build measured in the same run (the machine is
-// shared and noisy, so only ratios measured together mean much).
+// a ratio to the best SGEMM this machine has, measured in the same run (the machine is shared
+// and noisy, so only ratios measured together mean much).
 //
 //   forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]
-//                 [--json FILE] [--shapes a,b]
-// On a GPU the ceiling is a cuBLAS SGEMM and the times include the host-device copies.
+//                 [--json FILE] [--shapes a,b] [--gemm auto,eigen,onednn]
+// --gemm runs the CPU backend with each GEMM library in turn (gemm.h), against one ceiling.
+// The CPU ceiling is the fastest of every SGEMM library the build found (Eigen always; oneDNN
+// and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
+// own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
+// library and shape. On a GPU the ceiling is a cuBLAS SGEMM and the times include the
+// host-device copies.
 #include <omp.h>
 
 #include <Eigen/Core>
@@ -21,10 +26,17 @@
 #include <vector>
 
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/cpu/gemm.h"
 #include "server/core/forms.h"
 #include "server/core/layer.h"
 #ifdef ATTNSERVE_HAVE_CUDA
 #include "server/backend/cuda/cuda_backend.h"
+#endif
+#ifdef ATTNSERVE_HAVE_ONEDNN
+#include <oneapi/dnnl/dnnl.h>
+#endif
+#ifdef ATTNSERVE_HAVE_BLIS
+#include <blis.h>
 #endif
 
 namespace attnserve {
@@ -46,6 +58,7 @@ struct Record {
   std::string shape, form, device;
   int threads;
   double ms, gflops, ceiling_gflops;
+  std::string ceiling_source, gemm;  // gemm: the backend's GEMM library (cublas on a GPU)
 };
 
 struct Options {
@@ -54,6 +67,7 @@ struct Options {
   std::string json;
   std::vector<std::string> shapes;
   std::string device = "cpu";
+  std::vector<std::string> gemms = {"auto"};  // the CPU backend's GEMM libraries to run, in turn
   bool tf32 = false;
 };
 
@@ -79,24 +93,99 @@ double MedianSeconds(Fn fn, double min_time_s) {
   return times[times.size() / 2];
 }
 
-// The GEMM ceiling: a large square SGEMM through the same Eigen build and thread count.
-double GemmCeilingGflops(int threads, double min_time_s) {
-  // Eigen's own threading for a large square GEMM (where it does well), then back off: the
-  // backend splits its GEMMs itself and expects Eigen single-threaded.
-  struct RestoreThreads {
-    int previous = Eigen::nbThreads();
-    ~RestoreThreads() { Eigen::setNbThreads(previous); }
-  } restore;
+using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// One SGEMM library on its own threading: c[m, n] = a[m, k] · b[k, n], row-major.
+struct GemmLibraryUnderTest {
+  std::string name;
+  void (*multiply)(const RowMatrix& a, const RowMatrix& b, RowMatrix& c, int threads);
+};
+
+void EigenMultiply(const RowMatrix& a, const RowMatrix& b, RowMatrix& c, int threads) {
+  // Eigen's own threading (it does well on large GEMMs), then back off: the backend splits its
+  // GEMMs itself and expects Eigen single-threaded.
+  const int previous = Eigen::nbThreads();
   Eigen::setNbThreads(threads);
-  const int64_t k = 2048;
-  using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  RowMatrix a = RowMatrix::Random(k, k), b = RowMatrix::Random(k, k), c(k, k);
-  const double s = MedianSeconds([&] { c.noalias() = a * b; }, min_time_s);
-  return 2.0 * k * k * k / s * 1e-9;
+  c.noalias() = a * b;
+  Eigen::setNbThreads(previous);
 }
 
-StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int threads) {
-  if (opt.device == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(CpuBackendOptions{.threads = threads}));
+#ifdef ATTNSERVE_HAVE_ONEDNN
+void OneDnnMultiply(const RowMatrix& a, const RowMatrix& b, RowMatrix& c, int threads) {
+  const int previous = omp_get_max_threads();
+  omp_set_num_threads(threads);  // oneDNN's OpenMP threading reads the caller's setting
+  dnnl_sgemm('N', 'N', a.rows(), b.cols(), a.cols(), 1.0f, a.data(), a.cols(), b.data(), b.cols(), 0.0f, c.data(),
+             c.cols());
+  omp_set_num_threads(previous);
+}
+#endif
+
+#ifdef ATTNSERVE_HAVE_BLIS
+void BlisMultiply(const RowMatrix& a, const RowMatrix& b, RowMatrix& c, int threads) {
+  rntm_t rntm = BLIS_RNTM_INITIALIZER;
+  bli_rntm_set_num_threads(threads, &rntm);
+  float one = 1.0f, zero = 0.0f;
+  bli_sgemm_ex(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, a.rows(), b.cols(), a.cols(), &one, const_cast<float*>(a.data()),
+               a.cols(), 1, const_cast<float*>(b.data()), b.cols(), 1, &zero, c.data(), c.cols(), 1, nullptr, &rntm);
+}
+#endif
+
+std::vector<GemmLibraryUnderTest> CeilingLibraries() {
+  std::vector<GemmLibraryUnderTest> out = {{"eigen", EigenMultiply}};
+#ifdef ATTNSERVE_HAVE_ONEDNN
+  out.push_back({"onednn", OneDnnMultiply});
+#endif
+#ifdef ATTNSERVE_HAVE_BLIS
+  out.push_back({"blis", BlisMultiply});
+#endif
+  return out;
+}
+
+struct GemmShape {
+  int64_t m, k, n;
+  std::string Label() const { return std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n); }
+};
+
+struct Ceiling {
+  double gflops = 0;
+  std::string source;  // "onednn 2048x2048x2048"
+  GemmShape shape;
+  const GemmLibraryUnderTest* library = nullptr;
+};
+
+double GemmGflops(const GemmLibraryUnderTest& library, const GemmShape& shape, int threads, double min_time_s) {
+  // Random operands: zeros would draw less power and flatter the figure.
+  const RowMatrix a = RowMatrix::Random(shape.m, shape.k), b = RowMatrix::Random(shape.k, shape.n);
+  RowMatrix c(shape.m, shape.n);
+  const double s = MedianSeconds([&] { library.multiply(a, b, c, threads); }, min_time_s);
+  return 2.0 * shape.m * shape.k * shape.n / s * 1e-9;
+}
+
+// The fastest of every library at every shape, printed as a table as it goes.
+Ceiling BestGemm(const std::vector<GemmLibraryUnderTest>& libraries, const std::vector<GemmShape>& shapes, int threads,
+                 double min_time_s) {
+  Ceiling best;
+  std::printf("SGEMM ceiling candidates, %d thread(s), GFLOP/s:\n  %-16s", threads, "M x K x N");
+  for (const auto& library : libraries) std::printf(" %9s", library.name.c_str());
+  std::printf("\n");
+  for (const GemmShape& shape : shapes) {
+    std::printf("  %-16s", shape.Label().c_str());
+    for (const auto& library : libraries) {
+      const double gflops = GemmGflops(library, shape, threads, min_time_s);
+      std::printf(" %9.1f", gflops);
+      if (gflops > best.gflops) best = {gflops, library.name + " " + shape.Label(), shape, &library};
+    }
+    std::printf("\n");
+  }
+  std::fflush(stdout);
+  return best;
+}
+
+StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int threads, const std::string& gemm) {
+  if (opt.device == "cpu") {
+    ATTNSERVE_ASSIGN_OR_RETURN(const GemmLibrary library, ParseGemmLibrary(gemm));
+    return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(CpuBackendOptions{.threads = threads, .gemm = library}));
+  }
 #ifdef ATTNSERVE_HAVE_CUDA
   if (opt.device.rfind("cuda", 0) == 0) {
     const int device = opt.device.size() > 5 ? std::atoi(opt.device.c_str() + 5) : 0;
@@ -106,12 +195,18 @@ StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int thre
   return InvalidArgumentError("--device: expected cpu or cuda[:N] (when built with CUDA), got " + opt.device);
 }
 
-StatusOr<double> CeilingGflops(const Options& opt, int threads) {
-  if (opt.device == "cpu") return GemmCeilingGflops(threads, opt.min_time_s);
+// The ceiling for `threads`: on the CPU the best library at 2048³ and at the projection shapes
+// of the benchmarked layers; on a GPU a cuBLAS SGEMM.
+StatusOr<Ceiling> MeasureCeiling(const Options& opt, int threads, const std::vector<GemmLibraryUnderTest>& libraries,
+                                 const std::vector<GemmShape>& shapes) {
+  if (opt.device == "cpu") return BestGemm(libraries, shapes, threads, opt.min_time_s);
 #ifdef ATTNSERVE_HAVE_CUDA
   const int device = opt.device.size() > 5 ? std::atoi(opt.device.c_str() + 5) : 0;
-  return CudaSgemmGflops({.device = device, .tf32 = opt.tf32}, 8192);
+  auto gflops = CudaSgemmGflops({.device = device, .tf32 = opt.tf32}, 8192);
+  if (!gflops.ok()) return gflops.status();
+  return Ceiling{*gflops, opt.tf32 ? "cublas-tf32 8192x8192x8192" : "cublas 8192x8192x8192", {8192, 8192, 8192}, nullptr};
 #else
+  (void)threads, (void)libraries, (void)shapes;
   return InvalidArgumentError("no CUDA in this build");
 #endif
 }
@@ -152,7 +247,7 @@ std::vector<Record> RunShape(const BenchShape& shape, Backend& backend, int thre
         },
         min_time_s);
     const double gflops = ForwardFlops(*f, shapes) / s * 1e-9;
-    records.push_back({shape.name, std::string(FormName(form)), backend.DeviceName(), threads, s * 1e3, gflops, ceiling});
+    records.push_back({shape.name, std::string(FormName(form)), backend.DeviceName(), threads, s * 1e3, gflops, ceiling, "", ""});
   }
   return records;
 }
@@ -167,17 +262,18 @@ std::string ShapeLabel(const std::string& name) {
   return name;
 }
 
-void WriteJson(const std::string& path, const std::vector<Record>& records) {
+void WriteJson(const std::string& path, const std::vector<Record>& records, const std::string& isa) {
   std::ofstream out(path);
   out << "[\n";
   for (size_t i = 0; i < records.size(); ++i) {
     const Record& r = records[i];
-    char line[512];
+    char line[768];
     std::snprintf(line, sizeof line,
                   "  {\"shape\": \"%s\", \"form\": \"%s\", \"device\": \"%s\", \"threads\": %d, \"ms\": %.4f, "
-                  "\"gflops\": %.2f, \"ceiling_gflops\": %.2f, \"ratio_to_ceiling\": %.4f}%s\n",
+                  "\"gflops\": %.2f, \"ceiling_gflops\": %.2f, \"ratio_to_ceiling\": %.4f, \"ceiling_source\": \"%s\", "
+                  "\"isa\": \"%s\", \"gemm\": \"%s\"}%s\n",
                   r.shape.c_str(), r.form.c_str(), r.device.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops,
-                  r.gflops / r.ceiling_gflops, i + 1 < records.size() ? "," : "");
+                  r.gflops / r.ceiling_gflops, r.ceiling_source.c_str(), isa.c_str(), r.gemm.c_str(), i + 1 < records.size() ? "," : "");
     out << line;
   }
   out << "]\n";
@@ -186,7 +282,8 @@ void WriteJson(const std::string& path, const std::vector<Record>& records) {
 int Usage(const char* why) {
   std::cerr << "forward_bench: " << why << "\n"
             << "usage: forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]\n"
-               "                     [--json FILE] [--shapes bert-base,gpt2-medium,small-request,large]\n";
+               "                     [--json FILE] [--shapes bert-base,gpt2-medium,small-request,large]\n"
+               "                     [--gemm auto,eigen,onednn]   (the CPU backend's GEMM libraries, in turn)\n";
   return 2;
 }
 
@@ -215,49 +312,75 @@ int Main(int argc, char** argv) {
       opt.device = value;
     } else if (arg == "--shapes") {
       opt.shapes = Split(value);
+    } else if (arg == "--gemm") {
+      opt.gemms = Split(value);
     } else {
       return Usage(("unknown flag " + arg).c_str());
     }
   }
-  std::vector<Record> records;
-  std::printf("%-38s %-9s %7s %9s %9s %9s %7s\n", "shape", "form", "threads", "ms", "GFLOP/s", "ceiling", "ratio");
   const bool on_cpu = opt.device == "cpu";
   if (!on_cpu) opt.threads = {1};  // host threads do not matter to a GPU
+  std::vector<const BenchShape*> chosen;
+  for (const auto& shape : kShapes) {
+    const bool asked = std::find(opt.shapes.begin(), opt.shapes.end(), shape.name) != opt.shapes.end();
+    const bool by_default = shape.name != "large" || !on_cpu;
+    if (opt.shapes.empty() ? by_default : asked) chosen.push_back(&shape);
+  }
+  // The ceiling's shapes: 2048³ and each chosen layer's projections over all its tokens.
+  std::vector<GemmShape> gemm_shapes = {{2048, 2048, 2048}};
+  for (const BenchShape* shape : chosen) {
+    const int64_t tokens = shape->batch * shape->n, d = shape->d_model;
+    gemm_shapes.push_back({tokens, d, 3 * d});
+    gemm_shapes.push_back({tokens, d, d});
+  }
+  const std::vector<GemmLibraryUnderTest> libraries = CeilingLibraries();
+  const std::string isa(on_cpu ? CpuIsa() : "gpu");
+  std::vector<Record> records;
+  if (!on_cpu) opt.gemms = {"cublas"};
   for (int threads : opt.threads) {
-    auto backend = MakeBenchBackend(opt, threads);
-    if (!backend.ok()) {
-      std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
-      return 1;
-    }
-    // The ceiling is taken before and after the cases; the larger is used, so drift in the
-    // machine's load cannot flatter the ratios.
-    auto before = CeilingGflops(opt, threads);
+    // The ceiling is taken before the cases (every candidate) and after them (the winner again);
+    // the larger is used, so drift in the machine's load cannot flatter the ratios.
+    auto before = MeasureCeiling(opt, threads, libraries, gemm_shapes);
     if (!before.ok()) {
       std::cerr << "forward_bench: ceiling: " << before.status().ToString() << "\n";
       return 1;
     }
     std::vector<Record> group;
-    for (const auto& shape : kShapes) {
-      const bool asked = std::find(opt.shapes.begin(), opt.shapes.end(), shape.name) != opt.shapes.end();
-      const bool by_default = shape.name != "large" || !on_cpu;
-      if (opt.shapes.empty() ? !by_default : !asked) continue;
-      for (auto& r : RunShape(shape, **backend, threads, *before, opt.min_time_s)) group.push_back(r);
+    for (const std::string& gemm : opt.gemms) {
+      auto backend = MakeBenchBackend(opt, threads, gemm);
+      if (!backend.ok()) {
+        std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
+        return 1;
+      }
+      const std::string library = on_cpu ? std::string(GemmLibraryName(static_cast<CpuBackend&>(**backend).gemm())) : gemm;
+      for (const BenchShape* shape : chosen) {
+        for (auto& r : RunShape(*shape, **backend, threads, before->gflops, opt.min_time_s)) {
+          r.gemm = library;
+          group.push_back(r);
+        }
+      }
     }
-    const auto after = CeilingGflops(opt, threads);
-    const double ceiling = std::max(*before, after.ok() ? *after : 0.0);
+    Ceiling ceiling = *before;
+    if (ceiling.library != nullptr) {
+      ceiling.gflops = std::max(ceiling.gflops, GemmGflops(*ceiling.library, ceiling.shape, threads, opt.min_time_s));
+    }
+    std::printf("\n%-38s %-9s %-7s %7s %9s %9s %9s %7s   (ceiling: %s; CPU kernels: %s)\n", "shape", "form", "gemm",
+                "threads", "ms", "GFLOP/s", "ceiling", "ratio", ceiling.source.c_str(), isa.c_str());
     for (auto& r : group) {
-      r.ceiling_gflops = ceiling;
-      std::printf("%-38s %-9s %7d %9.3f %9.1f %9.1f %7.3f\n", ShapeLabel(r.shape).c_str(), r.form.c_str(), r.threads,
-                  r.ms, r.gflops, r.ceiling_gflops, r.gflops / r.ceiling_gflops);
+      r.ceiling_gflops = ceiling.gflops;
+      r.ceiling_source = ceiling.source;
+      std::printf("%-38s %-9s %-7s %7d %9.3f %9.1f %9.1f %7.3f\n", ShapeLabel(r.shape).c_str(), r.form.c_str(),
+                  r.gemm.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops, r.gflops / r.ceiling_gflops);
       records.push_back(r);
     }
+    std::printf("\n");
   }
   std::printf("\nsummed / factored time:\n");
   for (size_t i = 0; i + 1 < records.size(); i += 2) {
-    std::printf("  %-14s threads=%d  %.2fx\n", records[i].shape.c_str(), records[i].threads,
-                records[i + 1].ms / records[i].ms);
+    std::printf("  %-14s %-7s threads=%d  %.2fx\n", records[i].shape.c_str(), records[i].gemm.c_str(),
+                records[i].threads, records[i + 1].ms / records[i].ms);
   }
-  if (!opt.json.empty()) WriteJson(opt.json, records);
+  if (!opt.json.empty()) WriteJson(opt.json, records, isa);
   return 0;
 }
 

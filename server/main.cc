@@ -237,7 +237,10 @@ int Run(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   StatusOr<ChosenBackend> chosen = ChooseBackend(
-      DeviceChoice{.device = options.device, .cpu_threads = options.threads, .tf32 = options.gpu_math == "tf32"});
+      DeviceChoice{.device = options.device,
+                   .cpu_threads = options.threads,
+                   .cpu_gemm = options.cpu_gemm,
+                   .tf32 = options.gpu_math == "tf32"});
   if (!chosen.ok()) {
     spdlog::critical("cannot use the device: {}", chosen.status().message());
     return 1;
@@ -245,8 +248,7 @@ int Run(int argc, char** argv) {
   spdlog::info("backend {}", chosen->why);
   Backend& backend = *chosen->backend;
   Metrics metrics;
-  metrics.SetBuildInfo(ATTNSERVE_VERSION, backend.DeviceName(),
-                       backend.DeviceName() == "cpu" ? "eigen" : (options.gpu_math == "tf32" ? "cublas-tf32" : "cublas"));
+  metrics.SetBuildInfo(ATTNSERVE_VERSION, backend.DeviceName(), chosen->blas);
   LayerStore store(&backend, LayerStoreOptions{.max_layers = options.max_layers,
                                                 .max_total_bytes = int64_t{options.max_layer_mb} << 20,
                                                 .model_dirs = options.model_dirs});

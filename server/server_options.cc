@@ -66,6 +66,11 @@ Status CheckDevice(const std::string& what, const std::string& device) {
   return st.ok() ? st : InvalidArgumentError(what + ": " + st.message());
 }
 
+Status CheckCpuGemm(const std::string& what, const std::string& gemm) {
+  Status st = ValidateCpuGemm(gemm);
+  return st.ok() ? st : InvalidArgumentError(what + ": " + st.message());
+}
+
 Status CheckGpuMath(const std::string& what, const std::string& mode) {
   if (mode == "fp32" || mode == "tf32") return OkStatus();
   return InvalidArgumentError(what + ": expected fp32 or tf32, got '" + mode + "'");
@@ -158,6 +163,8 @@ const Setting kSettings[] = {
     {"--gpu-math", "gpu_math", "MODE", &O::gpu_math, 0, 0, CheckGpuMath, nullptr,
      "fp32 or tf32 (TF32 tensor-core GEMMs on the GPU)"},
     {"--threads", "threads", "N", &O::threads, 0, 1024, nullptr, nullptr, "CPU backend threads per Forward (0: every core)"},
+    {"--cpu-gemm", "cpu_gemm", "LIB", &O::cpu_gemm, 0, 0, CheckCpuGemm, nullptr,
+     "auto, eigen or onednn: the CPU backend's GEMM library (auto: oneDNN when the build has it, else Eigen)"},
     {"--workers", "workers", "N", &O::workers, 1, 256, nullptr, nullptr, "batches computed side by side"},
     {"--max-batch-requests", "max_batch_requests", "N", &O::max_batch_requests, 1, 4096, nullptr, nullptr,
      "requests in one batch at most (1: no batching)"},

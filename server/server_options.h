@@ -26,6 +26,7 @@ struct ServerOptions {
   int drain_timeout_s = 30;       // on SIGTERM: how long accepted requests get to finish
   // The backend (docs/architecture.md): auto takes a usable GPU when there is one, else the CPU.
   std::string device = "auto";
+  std::string cpu_gemm = "auto";  // auto, eigen or onednn: the CPU backend's GEMM library
   std::string gpu_math = "fp32";  // fp32, or tf32 for TF32 tensor-core GEMMs on the GPU
   int max_message_mb = 64;   // receive and send limit
   int max_scores_mb = 2048;  // attention scores of one sequence (n · m · heads · 4 bytes)

@@ -24,9 +24,11 @@ int CudaIndex(const std::string& device) {
 }
 
 StatusOr<ChosenBackend> Cpu(const DeviceChoice& choice, std::string why) {
-  auto cpu = std::make_unique<CpuBackend>(CpuBackendOptions{.threads = choice.cpu_threads});
-  why += " (" + std::to_string(cpu->threads()) + " threads)";
-  return ChosenBackend{std::move(cpu), std::move(why)};
+  ATTNSERVE_ASSIGN_OR_RETURN(const GemmLibrary gemm, ParseGemmLibrary(choice.cpu_gemm));
+  auto cpu = std::make_unique<CpuBackend>(CpuBackendOptions{.threads = choice.cpu_threads, .gemm = gemm});
+  const std::string blas(GemmLibraryName(gemm));
+  why += " (" + std::to_string(cpu->threads()) + " threads, " + blas + " GEMMs, " + std::string(CpuIsa()) + ")";
+  return ChosenBackend{std::move(cpu), std::move(why), blas};
 }
 
 #ifdef ATTNSERVE_CUDA_PLUGIN
@@ -84,6 +86,8 @@ Status ValidateDevice(const std::string& device) {
   return InvalidArgumentError("device: expected auto, cpu, cuda or cuda:N, got '" + device + "'");
 }
 
+Status ValidateCpuGemm(const std::string& gemm) { return ParseGemmLibrary(gemm).status(); }
+
 StatusOr<ChosenBackend> ChooseBackend(const DeviceChoice& choice) {
   ATTNSERVE_RETURN_IF_ERROR(ValidateDevice(choice.device));
   if (choice.device == "cpu") return Cpu(choice, "cpu: asked for");
@@ -94,7 +98,8 @@ StatusOr<ChosenBackend> ChooseBackend(const DeviceChoice& choice) {
     return ChosenBackend{std::move(gpu).value(),
                          "cuda:" + std::to_string(index) + ": " +
                              (choice.device == "auto" ? "a usable GPU is present" : "asked for") +
-                             (choice.tf32 ? ", TF32 GEMMs" : ", fp32 GEMMs")};
+                             (choice.tf32 ? ", TF32 GEMMs" : ", fp32 GEMMs"),
+                         choice.tf32 ? "cublas-tf32" : "cublas"};
   }
   if (choice.device != "auto") return UnavailableError("--device " + choice.device + ": " + gpu.status().message());
   return Cpu(choice, "cpu: " + gpu.status().message());

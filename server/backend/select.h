@@ -12,16 +12,21 @@ namespace attnserve {
 struct DeviceChoice {
   std::string device = "auto";  // auto: a usable GPU when there is one, else the CPU
   int cpu_threads = 0;          // the CPU backend's threads (0: every core)
+  std::string cpu_gemm = "auto";  // the CPU backend's GEMM library: auto, eigen or onednn
   bool tf32 = false;            // GPU GEMMs on TF32 tensor cores
 };
 
 struct ChosenBackend {
   std::unique_ptr<Backend> backend;
-  std::string why;  // one line for the log: what was chosen and why
+  std::string why;   // one line for the log: what was chosen and why
+  std::string blas;  // what computes its GEMMs: onednn, eigen, cublas or cublas-tf32
 };
 
 // Checks the device string without touching any device: "auto", "cpu", "cuda" or "cuda:N".
 Status ValidateDevice(const std::string& device);
+
+// Checks the CPU GEMM library's name: "auto", "eigen" or "onednn" (when this build has oneDNN).
+Status ValidateCpuGemm(const std::string& gemm);
 
 // An explicit cuda with no usable GPU (or a build without CUDA) fails with UNAVAILABLE saying
 // why; auto falls back to the CPU and says why in `why`.

@@ -102,3 +102,14 @@ class [[nodiscard]] StatusOr {
     ::attnserve::Status _st = (expr);              \
     if (!_st.ok()) return _st;                     \
   } while (0)
+
+// `ATTNSERVE_ASSIGN_OR_RETURN(const T x, StatusOrExpr);` declares x from the value, or returns
+// the error from the enclosing function.
+#define ATTNSERVE_STATUS_CONCAT_INNER(a, b) a##b
+#define ATTNSERVE_STATUS_CONCAT(a, b) ATTNSERVE_STATUS_CONCAT_INNER(a, b)
+#define ATTNSERVE_ASSIGN_OR_RETURN(decl, expr) \
+  ATTNSERVE_ASSIGN_OR_RETURN_IMPL(ATTNSERVE_STATUS_CONCAT(_status_or_, __LINE__), decl, expr)
+#define ATTNSERVE_ASSIGN_OR_RETURN_IMPL(tmp, decl, expr) \
+  auto tmp = (expr);                                     \
+  if (!tmp.ok()) return tmp.status();                    \
+  decl = std::move(tmp).value()

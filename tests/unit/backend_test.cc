@@ -397,18 +397,8 @@ TEST_P(BackendTest, LowRankForm) {
   }
 }
 
-#ifdef ATTNSERVE_CUDA_EMULATED
-// cuda_emulated_test: the CUDA backend's sources over the host emulation (tests/cuda_emulation).
-#define ATTNSERVE_BACKENDS_UNDER_TEST "cuda", "cuda-tf32"
-#else
-#define ATTNSERVE_BACKENDS_UNDER_TEST "cpu", "cuda", "cuda-tf32"
-#endif
 INSTANTIATE_TEST_SUITE_P(Backends, BackendTest, ::testing::Values(ATTNSERVE_BACKENDS_UNDER_TEST),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+                         [](const auto& info) { return testing::BackendTestName(info.param); });
 
 }  // namespace
 }  // namespace attnserve

@@ -377,17 +377,8 @@ TEST_P(HfOracleTest, TorchLayoutsCausalCrossAttentionAndScaleMatchSdpa) {
   }
 }
 
-#ifdef ATTNSERVE_CUDA_EMULATED
-#define ATTNSERVE_BACKENDS_UNDER_TEST "cuda", "cuda-tf32"
-#else
-#define ATTNSERVE_BACKENDS_UNDER_TEST "cpu", "cuda", "cuda-tf32"
-#endif
 INSTANTIATE_TEST_SUITE_P(Backends, HfOracleTest, ::testing::Values(ATTNSERVE_BACKENDS_UNDER_TEST),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+                         [](const auto& info) { return testing::BackendTestName(info.param); });
 
 }  // namespace
 }  // namespace attnserve

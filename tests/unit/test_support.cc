@@ -1,5 +1,6 @@
 #include "tests/unit/test_support.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -64,6 +65,7 @@ OwnedSequence RandomSequence(std::mt19937_64& rng, int64_t d_model, int64_t n, i
 
 std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why) {
   if (name == "cpu") return std::make_unique<CpuBackend>();
+  if (name == "cpu-eigen") return std::make_unique<CpuBackend>(CpuBackendOptions{.gemm = GemmLibrary::kEigen});
 #if defined(ATTNSERVE_CUDA_EMULATED) || defined(ATTNSERVE_CUDA_PLUGIN_FILE)
   if (name == "cuda" || name == "cuda-tf32") {
 #ifdef ATTNSERVE_CUDA_EMULATED
@@ -80,6 +82,12 @@ std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why) 
 #endif
   *why = "backend '" + name + "' is not compiled into this build";
   return nullptr;
+}
+
+std::string BackendTestName(const std::string& backend) {
+  std::string name = backend;
+  std::replace(name.begin(), name.end(), '-', '_');
+  return name;
 }
 
 bool BackendRequired(const std::string& name) {

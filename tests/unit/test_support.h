@@ -35,9 +35,20 @@ struct OwnedSequence {
 OwnedSequence RandomSequence(std::mt19937_64& rng, int64_t d_model, int64_t n, int64_t m, bool cross,
                              bool causal, int64_t key_length);
 
-// The backends this build can run: "cpu" always, "cuda" when compiled in. Returns nullptr and
-// sets `why` when the backend cannot run here (the test then skips, saying why).
+// The backends this build can run: "cpu" (its default GEMM library: oneDNN when built with it)
+// and "cpu-eigen" always, "cuda" and "cuda-tf32" when compiled in. Returns nullptr and sets `why`
+// when the backend cannot run here (the test then skips, saying why).
 std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why);
+
+// What a suite parameterised over backends instantiates with, and its test-name suffix ("cpu-eigen"
+// becomes cpu_eigen). The emulated CUDA binary runs only the CUDA backends: the plain one runs
+// the CPU's.
+#ifdef ATTNSERVE_CUDA_EMULATED
+#define ATTNSERVE_BACKENDS_UNDER_TEST "cuda", "cuda-tf32"
+#else
+#define ATTNSERVE_BACKENDS_UNDER_TEST "cpu", "cpu-eigen", "cuda", "cuda-tf32"
+#endif
+std::string BackendTestName(const std::string& backend);
 
 // True when ATTNSERVE_REQUIRE_BACKENDS (a comma list, e.g. "cuda,cuda-tf32") names it: the
 // test then fails instead of skipping when the backend cannot run.

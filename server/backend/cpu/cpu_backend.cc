@@ -8,6 +8,7 @@
 #include <limits>
 #include <vector>
 
+#include "server/backend/cpu/gemm.h"
 #include "server/backend/cpu/skinny_gemm.h"
 #include "server/core/rope.h"
 
@@ -32,33 +33,46 @@ class CpuResidentForm final : public ResidentForm {
   std::shared_ptr<const FormWeights> w_;
 };
 
+// Where the backend's own SkinnyGemm beats the GEMM library for a block of x's rows × `cols`
+// columns of w (docs/benchmarks.md, "The GEMM library"): against Eigen from 2 to 16 rows, against
+// oneDNN only at 2–4 rows (from 8 rows oneDNN is up to 1.7× faster).
+// How a forward computes: which GEMM library, on how many threads.
+struct Compute {
+  GemmLibrary gemm;
+  int threads;
+};
+
+bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols) {
+  constexpr int64_t kMaxRowsAgainstOneDnn = 4;
+  return SkinnyGemmPays(rows, cols) && (library == GemmLibrary::kEigen || rows <= kMaxRowsAgainstOneDnn);
+}
+
 // y = x · w (+ bias) with the threads splitting w's columns: each thread streams its own share
-// of the weights once. (Eigen's own split is by rows of y, which for a batch of few tokens
-// makes every thread pack the whole weight matrix: 2 threads were 3x slower than 1 there.)
-void Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, int threads) {
+// of the weights once. (A split by rows of y, Eigen's own, makes every thread pack the whole
+// weight matrix when the batch has few tokens: 2 threads were 3x slower than 1 there.)
+void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y) {
   constexpr int64_t kColumnAlign = 64;  // whole cache lines and register blocks per thread
-  const int64_t chunks = std::min<int64_t>(threads, (w.cols + kColumnAlign - 1) / kColumnAlign);
+  const int64_t chunks = std::min<int64_t>(run.threads, (w.cols + kColumnAlign - 1) / kColumnAlign);
   const int64_t chunk_cols = ((w.cols + chunks - 1) / chunks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
-#pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
+#pragma omp parallel for num_threads(run.threads) schedule(static) if (chunks > 1)
   for (int64_t t = 0; t < chunks; ++t) {
     const int64_t c0 = t * chunk_cols, count = std::min(chunk_cols, w.cols - c0);
     if (count <= 0) continue;
-    auto out = AsEigen(y.ColBlock(c0, count));
-    if (SkinnyGemmPays(x.rows, count)) {
+    if (UseSkinnyGemm(run.gemm, x.rows, count)) {
       SkinnyGemm(x, w.ColBlock(c0, count), y.ColBlock(c0, count));
     } else {
-      out.noalias() = AsEigen(x) * AsEigen(w.ColBlock(c0, count));
+      GemmOnThisThread(run.gemm, x, w.ColBlock(c0, count), /*transpose_w=*/false, 1.0f, y.ColBlock(c0, count));
     }
-    if (bias != nullptr) out.rowwise() += BiasMap(bias + c0, count);
+    if (bias != nullptr) AsEigen(y.ColBlock(c0, count)).rowwise() += BiasMap(bias + c0, count);
   }
 }
 
 // y = x · W_in[:, cols] + b_in[cols] for the column range [col0, col0 + count) of W_in.
-void ProjectColumns(const FormWeights& f, ConstMatrixView x, int64_t col0, int64_t count, MatrixView y,
-                    int threads) {
+void ProjectColumns(Compute run, const FormWeights& f, ConstMatrixView x, int64_t col0, int64_t count,
+                    MatrixView y) {
   const ConstMatrixView w_in(f.w_in.data() + col0, f.config.d_model, count, f.in_cols());
   const bool has_bias = static_cast<int64_t>(f.b_in.size()) >= col0 + count;
-  Gemm(x, w_in, has_bias ? f.b_in.data() + col0 : nullptr, y, threads);
+  Gemm(run, x, w_in, has_bias ? f.b_in.data() + col0 : nullptr, y);
 }
 
 // The stacked rows of several blocks as one view: the block itself when there is one, else a
@@ -87,7 +101,7 @@ struct Projection {
   std::vector<int64_t> x_row, c_row;  // first row of each sequence in q and in k / val
 };
 
-Projection Project(const FormWeights& f, std::span<const Sequence> batch, int threads) {
+Projection Project(Compute run, const FormWeights& f, std::span<const Sequence> batch) {
   Projection p;
   std::vector<ConstMatrixView> xs, cs;
   int64_t tx = 0, tc = 0;
@@ -107,15 +121,15 @@ Projection Project(const FormWeights& f, std::span<const Sequence> batch, int th
     // Self-attention: Q and K come from the same rows, so one GEMM makes both.
     p.q_storage.resize(tx * (f.q_cols + f.k_cols));
     MatrixView qk(p.q_storage.data(), tx, f.q_cols + f.k_cols);
-    ProjectColumns(f, x, 0, f.q_cols + f.k_cols, qk, threads);
+    ProjectColumns(run, f, x, 0, f.q_cols + f.k_cols, qk);
     p.q = qk.ColBlock(0, f.q_cols);
     p.k = qk.ColBlock(f.q_cols, f.k_cols);
   } else {
     p.q_storage.resize(tx * f.q_cols);
     p.k_storage.resize(tc * f.k_cols);
     MatrixView q(p.q_storage.data(), tx, f.q_cols), k(p.k_storage.data(), tc, f.k_cols);
-    ProjectColumns(f, x, 0, f.q_cols, q, threads);
-    ProjectColumns(f, c, f.q_cols, f.k_cols, k, threads);
+    ProjectColumns(run, f, x, 0, f.q_cols, q);
+    ProjectColumns(run, f, c, f.q_cols, f.k_cols, k);
     p.q = q;
     p.k = k;
   }
@@ -130,7 +144,7 @@ Projection Project(const FormWeights& f, std::span<const Sequence> batch, int th
   }
   p.val_storage.resize(tc * f.value_cols);
   MatrixView val(p.val_storage.data(), tc, f.value_cols);
-  ProjectColumns(f, c, f.q_cols + f.k_cols, f.value_cols, val, threads);
+  ProjectColumns(run, f, c, f.q_cols + f.k_cols, f.value_cols, val);
   p.val = val;
   return p;
 }
@@ -165,16 +179,14 @@ void SoftmaxRowInFloat64(const QRow& q, const KRows& k, double scale, ARow&& out
 }
 
 // A = softmax(scale · Q_i K_g(i)^T + mask) over the sequence's visible keys, into `a` [n, L].
-void HeadScores(const FormWeights& f, const Projection& p, const Sequence& s, size_t r, int64_t head,
-                RowMatrix& a) {
+void HeadScores(GemmLibrary gemm, const FormWeights& f, const Projection& p, const Sequence& s, size_t r,
+                int64_t head, RowMatrix& a) {
   const LayerConfig& c = f.config;
   const int64_t n = s.n(), keys = s.visible_keys(), dh = c.d_head;
-  const auto q = AsEigen(ConstMatrixView(p.q.RowBlock(p.x_row[r], n).ColBlock(head * dh, dh)));
-  const auto k = AsEigen(ConstMatrixView(p.k.RowBlock(p.c_row[r], keys).ColBlock(c.KvHeadOf(head) * dh, dh)));
+  const ConstMatrixView q = p.q.RowBlock(p.x_row[r], n).ColBlock(head * dh, dh);
+  const ConstMatrixView k = p.k.RowBlock(p.c_row[r], keys).ColBlock(c.KvHeadOf(head) * dh, dh);
   a.resize(n, keys);
-  // The scale on the left: Eigen folds it into the GEMM's alpha. On the right it evaluated the
-  // product into a temporary of its own first, an [n, L] matrix per thread for nothing.
-  a.noalias() = c.SoftmaxScale() * q * k.transpose();
+  GemmOnThisThread(gemm, q, k, /*transpose_w=*/true, c.SoftmaxScale(), MatrixView(a.data(), n, keys));
   for (int64_t row = 0; row < n; ++row) {
     const int64_t visible = VisibleKeys(s, row);
     auto v = a.row(row).head(visible).array();
@@ -182,19 +194,19 @@ void HeadScores(const FormWeights& f, const Projection& p, const Sequence& s, si
       v = (v - v.maxCoeff()).exp();
       v /= v.sum();
     } else {
-      SoftmaxRowInFloat64(q.row(row), k.topRows(visible), c.SoftmaxScale(), a.row(row).head(visible));
+      SoftmaxRowInFloat64(AsEigen(q).row(row), AsEigen(k).topRows(visible), c.SoftmaxScale(), a.row(row).head(visible));
     }
     a.row(row).tail(keys - visible).setZero();
   }
 }
 
 // Factored and low-rank forms: O_i = A_i Val_i into O's columns of head i, then Y = O W_out + b.
-void MixProjected(const FormWeights& f, const Projection& p, std::span<const Sequence> batch, int threads) {
+void MixProjected(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch) {
   const int64_t heads = f.config.heads, tasks = static_cast<int64_t>(batch.size()) * heads;
   const int64_t tx = p.q.rows, d = f.config.d_model;
   std::vector<float> o_storage(tx * f.out_rows);
   MatrixView o(o_storage.data(), tx, f.out_rows);
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(run.threads)
   {
     RowMatrix a;
 #pragma omp for schedule(dynamic)
@@ -202,9 +214,10 @@ void MixProjected(const FormWeights& f, const Projection& p, std::span<const Seq
       const size_t r = t / heads;
       const int64_t i = t % heads;
       const Sequence& s = batch[r];
-      HeadScores(f, p, s, r, i, a);
-      const auto val = AsEigen(p.val.RowBlock(p.c_row[r], a.cols()).ColBlock(f.value_offset[i], f.value_width[i]));
-      AsEigen(o.RowBlock(p.x_row[r], s.n()).ColBlock(f.mix_offset[i], f.value_width[i])).noalias() = a * val;
+      HeadScores(run.gemm, f, p, s, r, i, a);
+      GemmOnThisThread(run.gemm, ConstMatrixView(a.data(), a.rows(), a.cols()),
+                       p.val.RowBlock(p.c_row[r], a.cols()).ColBlock(f.value_offset[i], f.value_width[i]),
+                       /*transpose_w=*/false, 1.0f, o.RowBlock(p.x_row[r], s.n()).ColBlock(f.mix_offset[i], f.value_width[i]));
     }
   }
   const ConstMatrixView w_out(f.w_out.data(), f.out_rows, d);
@@ -215,7 +228,7 @@ void MixProjected(const FormWeights& f, const Projection& p, std::span<const Seq
     y_storage.resize(tx * d);
     y = MatrixView(y_storage.data(), tx, d);
   }
-  Gemm(o, w_out, f.b_out.empty() ? nullptr : f.b_out.data(), y, threads);
+  Gemm(run, o, w_out, f.b_out.empty() ? nullptr : f.b_out.data(), y);
   if (!y_storage.empty()) {
     for (size_t r = 0; r < batch.size(); ++r) {
       AsEigen(batch[r].output) = AsEigen(ConstMatrixView(y.RowBlock(p.x_row[r], batch[r].n())));
@@ -227,21 +240,21 @@ void MixProjected(const FormWeights& f, const Projection& p, std::span<const Seq
 // contiguous, so a sequence's first L rows are also the [L·h, d] matrix [M_1; …; M_h] with
 // rows ordered (key, head); A_cat puts A_i[q, j] at column j·h + i to match, and the head sum
 // is then one GEMM per sequence: Y = A_cat · Val + b_eff.
-void MixSummed(const FormWeights& f, const Projection& p, std::span<const Sequence> batch, size_t first,
-               size_t last, int threads) {
+void MixSummed(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
+               size_t first, size_t last) {
   const int64_t heads = f.config.heads, d = f.config.d_model;
   const size_t count = last - first;
   std::vector<std::vector<float>> a_cat(count);
   for (size_t r = first; r < last; ++r) a_cat[r - first].assign(batch[r].n() * batch[r].visible_keys() * heads, 0.0f);
   const int64_t tasks = static_cast<int64_t>(count) * heads;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(run.threads)
   {
     RowMatrix a;
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < tasks; ++t) {
       const size_t r = first + t / heads;
       const int64_t i = t % heads;
-      HeadScores(f, p, batch[r], r, i, a);
+      HeadScores(run.gemm, f, p, batch[r], r, i, a);
       float* dst = a_cat[r - first].data();
       const int64_t keys = a.cols();
       for (int64_t q = 0; q < a.rows(); ++q) {
@@ -255,13 +268,13 @@ void MixSummed(const FormWeights& f, const Projection& p, std::span<const Sequen
     const int64_t keys = s.visible_keys();
     const ConstMatrixView a(a_cat[r - first].data(), s.n(), keys * heads);
     const ConstMatrixView m(p.val.row(p.c_row[r]), keys * heads, d);
-    Gemm(a, m, bias, s.output, gemm_threads);
+    Gemm({run.gemm, gemm_threads}, a, m, bias, s.output);
   };
   if (count == 1) {
-    head_sum(first, threads);  // one sequence: its GEMM's columns across the threads
+    head_sum(first, run.threads);  // one sequence: its GEMM's columns across the threads
     return;
   }
-#pragma omp parallel for schedule(dynamic) num_threads(threads)
+#pragma omp parallel for schedule(dynamic) num_threads(run.threads)
   for (size_t r = first; r < last; ++r) head_sum(r, 1);  // many: a sequence per thread
 }
 
@@ -269,6 +282,7 @@ void MixSummed(const FormWeights& f, const Projection& p, std::span<const Sequen
 
 CpuBackend::CpuBackend(CpuBackendOptions options)
     : threads_(options.threads > 0 ? options.threads : omp_get_max_threads()),
+      gemm_(options.gemm),
       max_score_scratch_bytes_(options.max_score_scratch_bytes) {
   // Every GEMM here splits its own work across threads (Gemm above); Eigen's own split by
   // output rows is pathological for few rows (16 tokens × 9216 columns: 4× slower on 2 threads
@@ -285,9 +299,10 @@ Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequenc
   const FormWeights& f = resident.weights();
   if (batch.empty()) return OkStatus();
   ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(f.config, batch));
-  const Projection p = Project(f, batch, threads_);
+  const Compute run{gemm_, threads_};
+  const Projection p = Project(run, f, batch);
   if (f.has_output_projection()) {
-    MixProjected(f, p, batch, threads_);
+    MixProjected(run, f, p, batch);
     return OkStatus();
   }
   // The summed form's A_cat is n·L·h floats per sequence: run in chunks under the bound.
@@ -301,7 +316,7 @@ Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequenc
     } while (last < batch.size() &&
              bytes + batch[last].n() * batch[last].visible_keys() * f.config.heads * int64_t{sizeof(float)} <=
                  max_score_scratch_bytes_);
-    MixSummed(f, p, batch, first, last, threads_);
+    MixSummed(run, f, p, batch, first, last);
     first = last;
   }
   return OkStatus();

@@ -1,5 +1,7 @@
 #include "server/backend/cpu/skinny_gemm.h"
 
+#include "server/backend/cpu/gemm.h"
+
 // The kernel is compiled for AVX-512 whatever the build's own flags, and used only when the CPU
 // running it has AVX-512 (checked once): a portable build (ATTNSERVE_NATIVE=OFF, the container
 // images) still gets it on the hosts that can run it.
@@ -85,7 +87,8 @@ void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
 #pragma GCC pop_options
 
 bool SkinnyGemmAvailable() {
-  static const bool available = __builtin_cpu_supports("avx512f");
+  // CpuIsaAllowsAvx512: the CPU has AVX-512 and ATTNSERVE_CPU_ISA does not cap it (gemm.h).
+  static const bool available = CpuIsaAllowsAvx512();
   return available;
 }
 

@@ -1,0 +1,45 @@
+// The CPU backend's one GEMM primitive, on the calling thread: y = alpha · x · w (or · wᵀ).
+//
+// Every product of the CPU backend goes through here: the projections (split by columns across
+// threads in cpu_backend.cc), the scores and the mix. Which library computes it is a choice made
+// once per backend, from measurement (docs/benchmarks.md, "The GEMM library"):
+//   - oneDNN (Debian's libdnnl, JIT kernels dispatched at run time for AVX2 or AVX-512): 1.3–1.4×
+//     Eigen at the projection shapes on one thread, up to 2× at few rows. The default when the
+//     build found it (ATTNSERVE_ONEDNN=AUTO).
+//   - Eigen: the portable fallback, compiled for the build's -march.
+// A request of 2–4 rows keeps the backend's own SkinnyGemm (AVX-512), which streams the
+// weights without packing them: 1.1–1.4× oneDNN there. From 8 rows oneDNN wins (up to 1.7×).
+// Thread-safety: the functions are reentrant; CpuIsaCap is read once, at first use.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "server/core/status.h"
+#include "server/core/tensor.h"
+
+namespace attnserve {
+
+enum class GemmLibrary { kEigen, kOneDnn };
+
+std::string_view GemmLibraryName(GemmLibrary library);  // "eigen", "onednn"
+
+// "auto" (oneDNN when this build has it, else Eigen), "eigen" or "onednn". INVALID_ARGUMENT
+// names the value and what is accepted, and says so when oneDNN was asked of a build without it.
+StatusOr<GemmLibrary> ParseGemmLibrary(std::string_view name);
+
+bool BuiltWithOneDnn();
+
+// The widest vector ISA the CPU kernels may use: the CPU's own, or AVX2 when the environment
+// sets ATTNSERVE_CPU_ISA=avx2 (how the tests run the AVX2 paths on an AVX-512 machine; it also
+// caps oneDNN's dispatch). "avx512" or "avx2" (or "generic" below AVX2). Eigen's code is chosen
+// at compile time (-march) and is not capped.
+std::string_view CpuIsa();
+bool CpuIsaAllowsAvx512();
+
+// y = alpha · x · w, with x [r, k], w [k, c] (or wᵀ when transpose_w: w is [c, k]), y [r, c];
+// every view with its own row stride. Single-threaded: callers split the work themselves.
+void GemmOnThisThread(GemmLibrary library, ConstMatrixView x, ConstMatrixView w, bool transpose_w, float alpha,
+                      MatrixView y);
+
+}  // namespace attnserve
