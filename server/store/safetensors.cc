@@ -387,13 +387,20 @@ const TensorInfo* SafetensorsFile::Find(std::string_view name) const {
   return it != tensors_.end() && it->name == name ? &*it : nullptr;
 }
 
-StatusOr<FloatTensor> SafetensorsFile::ReadFloat(std::string_view name) const {
+StatusOr<const TensorInfo*> SafetensorsFile::FindFloat(std::string_view name) const {
   const TensorInfo* info = Find(name);
   if (info == nullptr) return NotFoundError(TensorPrefix(path_, name) + "no such tensor in the file");
   if (!IsFloatDtype(info->dtype)) {
     return InvalidArgumentError(TensorPrefix(path_, name) + "dtype " + std::string(DtypeName(info->dtype)) +
                                 " is not a floating type (expected F32, F16, BF16 or F64)");
   }
+  return info;
+}
+
+StatusOr<FloatTensor> SafetensorsFile::ReadFloat(std::string_view name) const {
+  auto found = FindFloat(name);
+  if (!found.ok()) return found.status();
+  const TensorInfo* info = *found;
   try {
     FloatTensor out;
     out.shape = info->shape;

@@ -62,6 +62,9 @@ class SafetensorsFile {
   // nullptr when the file has no tensor of that name.
   const TensorInfo* Find(std::string_view name) const;
   bool Has(std::string_view name) const { return Find(name) != nullptr; }
+  // The tensor, if it is there and of a floating dtype: what ReadFloat can read. NOT_FOUND or
+  // INVALID_ARGUMENT naming the file and the tensor otherwise.
+  StatusOr<const TensorInfo*> FindFloat(std::string_view name) const;
 
   // The tensor converted to float32. NOT_FOUND when absent; INVALID_ARGUMENT when its dtype
   // is not a floating one; DATA_LOSS when the file shrank or cannot be read since it opened.

@@ -1,14 +1,16 @@
 // Layer sources: the SOURCE strings of the server's `--layer NAME=SOURCE` flag and of the
 // LoadLayer RPC, and how each becomes validated LayerWeights (docs/sources.md):
 //   random:d_model=D,heads=H[,kv_heads=K][,d_head=E][,bias=B][,seed=S][,COMMON...]
-//   safetensors:PATH[,arch=torch-mha|gpt2|bert|llama][,index=I][,prefix=P][,heads=H][,kv_heads=K][,COMMON...]
+//   safetensors:PATH[,arch=NAME][,index=I][,prefix=P][,heads=H][,kv_heads=K][,COMMON...]
 //   COMMON: summed=B, rope_theta=T, lowrank=energy:E|budget:R, spectrum=B
+// NAME is a checkpoint layout registered in server/store/arch/arch.cc.
 // Parsing (ParseSource) does no I/O, so the grammar is checked before any file is touched.
 // Thread-safety: free functions over values; call from any thread.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <string_view>
 
@@ -20,10 +22,36 @@ namespace attnserve {
 
 enum class SourceKind { kRandom, kSafetensors };
 
-// The checkpoint layouts a safetensors source may hold; kAuto: detect from tensor names.
-enum class CheckpointArch { kAuto, kTorchMha, kGpt2, kBert, kLlama };
-// "auto", "torch-mha", "gpt2", "bert", "llama"
+// A checkpoint layout a safetensors source may hold, by the name arch= gives it; kAuto: detect
+// it from the tensor names. The layouts themselves are data in server/store/arch/ (arch.h
+// lists them), so a new one needs no change here: its name comes from the registry.
+class CheckpointArch {
+ public:
+  constexpr CheckpointArch() = default;
+  // `name` must outlive the value: a layout's own static name.
+  constexpr explicit CheckpointArch(std::string_view name) : name_(name) {}
+  constexpr std::string_view name() const { return name_; }
+  friend constexpr bool operator==(CheckpointArch a, CheckpointArch b) { return a.name_ == b.name_; }
+  friend std::ostream& operator<<(std::ostream& os, CheckpointArch a) { return os << a.name_; }
+
+  // kAuto, and the built-in layouts by name for callers that compare against one.
+  static const CheckpointArch kAuto, kTorchMha, kGpt2, kBert, kLlama;
+
+ private:
+  std::string_view name_ = "auto";
+};
+inline constexpr CheckpointArch CheckpointArch::kAuto{};
+inline constexpr CheckpointArch CheckpointArch::kTorchMha{"torch-mha"};
+inline constexpr CheckpointArch CheckpointArch::kGpt2{"gpt2"};
+inline constexpr CheckpointArch CheckpointArch::kBert{"bert"};
+inline constexpr CheckpointArch CheckpointArch::kLlama{"llama"};
+
+// "auto", "torch-mha", "gpt2", "bert", "llama", ...
 std::string_view CheckpointArchName(CheckpointArch arch);
+
+// Largest rope_theta accepted, from a source or a config.json: real models use 1e4 to 1e6; far
+// beyond that the angles are all zero and the value is surely a typo.
+inline constexpr double kMaxRopeTheta = 1e12;
 
 // The low-rank form a source asks for: lowrank=energy:E or lowrank=budget:R.
 struct LowRankSpec {
@@ -53,7 +81,7 @@ struct SourceSpec {
   // file of the source is opened beneath it (server/store/checkpoint_file.h). Empty: as given.
   std::string model_dir;
   CheckpointArch arch = CheckpointArch::kAuto;
-  std::optional<int64_t> index;        // gpt2, bert: the block number; default 0
+  std::optional<int64_t> index;        // layouts with block numbers (gpt2, ...): which; default 0
   std::optional<std::string> prefix;   // prepended to every tensor name; default: detected
   int64_t heads = 0;                   // 0: from config.json beside the file
   int64_t kv_heads = 0;                // 0: inferred from the K/V tensor widths

@@ -21,6 +21,7 @@
 
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/core/reference.h"
+#include "server/store/arch/arch.h"
 #include "server/store/layer_store.h"
 #include "server/store/safetensors.h"
 #include "server/store/source.h"
@@ -942,6 +943,32 @@ TEST(SourceGrammar, BadSourcesNameTheKey) {
     if (!spec.ok()) {
       EXPECT_NE(spec.status().message().find("source '" + source + "'"), std::string::npos) << spec.status().message();
     }
+  }
+}
+
+// The registry of checkpoint layouts (server/store/arch) holds exactly the known ones, in the
+// order messages list them, and arch= names them or is refused with the list.
+TEST(SourceGrammar, ArchRegistryListsTheKnownLayouts) {
+  std::vector<std::string> names;
+  for (const ArchLayout* layout : ArchLayouts()) names.emplace_back(layout->name);
+  EXPECT_EQ(names, (std::vector<std::string>{"torch-mha", "gpt2", "bert", "llama"}));
+  EXPECT_EQ(ArchLayoutChoices(), "torch-mha, gpt2, bert or llama");
+  for (const CheckpointArch arch :
+       {CheckpointArch::kTorchMha, CheckpointArch::kGpt2, CheckpointArch::kBert, CheckpointArch::kLlama}) {
+    ASSERT_NE(FindArchLayout(arch.name()), nullptr) << arch;
+    auto spec = ParseSource("safetensors:m.safetensors,arch=" + std::string(arch.name()));
+    ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+    EXPECT_EQ(spec->arch, arch);
+  }
+  EXPECT_EQ(FindArchLayout("auto"), nullptr);
+  for (const char* unknown : {"gpt3", "auto", "LLAMA", ""}) {
+    const std::string source = std::string("safetensors:m.safetensors,arch=") + unknown;
+    auto spec = ParseSource(source);
+    ASSERT_FALSE(spec.ok()) << source;
+    EXPECT_EQ(spec.status().code(), StatusCode::kInvalidArgument);
+    if (*unknown == '\0') continue;  // an empty value is "no value", said before the name is looked up
+    EXPECT_EQ(spec.status().message(), "source '" + source + "': option 'arch': expected torch-mha, gpt2, bert or llama, got '" +
+                                           unknown + "'");
   }
 }
 
