@@ -139,9 +139,10 @@ int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape>
     const int64_t chunk_cap = max_score_scratch_bytes / static_cast<int64_t>(sizeof(float));
     floats += std::min(a_cat_total, std::max(chunk_cap, a_cat_largest));  // A_cat of one chunk
   }
-  // Eigen's GEMM packs its operands into blocks sized to the caches, per thread (measured:
-  // 1-2 MiB each at these widths; tests/unit/memory_footprint_test.cc).
-  const int64_t packing = static_cast<int64_t>(std::max(threads, 1)) * (int64_t{2} << 20);
+  // The GEMM library packs its operands into blocks sized to the caches, per thread (measured
+  // by tests/unit/memory_footprint_test.cc at these widths: Eigen 1-2 MiB each, oneDNN 2.6 about
+  // 4 MiB, its first call included).
+  const int64_t packing = static_cast<int64_t>(std::max(threads, 1)) * (int64_t{4} << 20);
   return floats * static_cast<int64_t>(sizeof(float)) + packing;
 }
 

@@ -12,6 +12,8 @@
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cpu/gemm.h"
 #include "server/backend/cpu/skinny_gemm.h"
+#include "server/core/forms.h"
+#include "server/core/reference.h"
 #include "tests/unit/test_support.h"
 
 namespace attnserve {
@@ -141,6 +143,59 @@ TEST(CpuIsaTest, TheAvx2CapHoldsTheKernelsToAvx2) {
   EXPECT_FALSE(CpuIsaAllowsAvx512());
   EXPECT_FALSE(SkinnyGemmAvailable());
   EXPECT_EQ(CpuIsa(), __builtin_cpu_supports("avx2") ? "avx2" : "generic");
+}
+
+// The backend keeps a forward's scratch for the next call, without zeroing it. A reused scratch
+// holds the previous batch's values: a larger non-causal batch first, then causal ones that see
+// fewer keys per row block (the summed form must zero what its blocks skip). Each answer must
+// match float64 and be bit-identical to a fresh backend's.
+TEST(CpuScratchTest, AReusedScratchGivesTheAnswersOfAFreshOne) {
+  std::mt19937_64 rng(testing::TestSeed());
+  const LayerConfig config = *CompleteConfig({.d_model = 48, .heads = 4});
+  const LayerWeights w = RandomLayerWeights(config, rng());
+  for (const FormWeights& form : {MaterializeFactored(w), MaterializeSummed(w)}) {
+    SCOPED_TRACE(std::string(FormName(form.form)));
+    auto shared = std::make_shared<const FormWeights>(form);
+    CpuBackend reused(CpuBackendOptions{.threads = 2});
+    auto resident = *reused.Upload(shared);
+    std::vector<testing::OwnedSequence> big = {testing::RandomSequence(rng, 48, 70, 70, false, false, 70),
+                                                 testing::RandomSequence(rng, 48, 50, 90, true, false, 90)};
+    std::vector<Sequence> big_batch;
+    for (auto& s : big) big_batch.push_back(s.View());
+    ASSERT_TRUE(reused.Forward(*resident, big_batch).ok());
+    EXPECT_GT(reused.RetainedScratchBytes(), 0);
+
+    std::vector<testing::OwnedSequence> causal = {testing::RandomSequence(rng, 48, 37, 37, false, true, 37),
+                                                    testing::RandomSequence(rng, 48, 21, 45, true, true, 30)};
+    std::vector<Sequence> causal_batch;
+    for (auto& s : causal) causal_batch.push_back(s.View());
+    ASSERT_TRUE(reused.Forward(*resident, causal_batch).ok());
+
+    std::vector<testing::OwnedSequence> fresh_copy = causal;
+    std::vector<Sequence> fresh_batch;
+    for (auto& s : fresh_copy) fresh_batch.push_back(s.View());
+    CpuBackend fresh(CpuBackendOptions{.threads = 2});
+    ASSERT_TRUE(fresh.Forward(**fresh.Upload(shared), fresh_batch).ok());
+    for (size_t r = 0; r < causal.size(); ++r) {
+      EXPECT_LT(testing::RelativeL2(causal[r].output.data(), ReferenceForward(w, causal[r].View())), 1e-5) << r;
+      EXPECT_EQ(causal[r].output, fresh_copy[r].output) << "sequence " << r << ": the reused scratch changed the answer";
+    }
+  }
+}
+
+TEST(CpuScratchTest, AScratchAboveTheRetentionBoundIsFreed) {
+  std::mt19937_64 rng(testing::TestSeed());
+  const LayerConfig config = *CompleteConfig({.d_model = 32, .heads = 2});
+  auto form = std::make_shared<const FormWeights>(MaterializeSummed(RandomLayerWeights(config, rng())));
+  testing::OwnedSequence s = testing::RandomSequence(rng, 32, 40, 40, false, false, 40);
+  const Sequence batch[] = {s.View()};
+  CpuBackend keeps(CpuBackendOptions{.threads = 1});
+  ASSERT_TRUE(keeps.Forward(**keeps.Upload(form), batch).ok());
+  // At least Q, K and the value block: 40 tokens × (2·32 + 2·32) floats.
+  EXPECT_GE(keeps.RetainedScratchBytes(), 40 * (2 * 32 + 2 * 32) * 4);
+  CpuBackend frees(CpuBackendOptions{.threads = 1, .max_retained_scratch_bytes = 1024});
+  ASSERT_TRUE(frees.Forward(**frees.Upload(form), batch).ok());
+  EXPECT_EQ(frees.RetainedScratchBytes(), 0);
 }
 
 }  // namespace

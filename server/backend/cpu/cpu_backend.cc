@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #include "server/backend/cpu/gemm.h"
@@ -13,6 +14,21 @@
 #include "server/core/rope.h"
 
 namespace attnserve {
+
+// The memory one forward works in, kept for the next: the stacked inputs and contexts, Q, K,
+// the value block, O, Y and the summed form's A_cat. Freed and allocated per call, the value
+// block alone (40 MB at bert-base, summed) was paged in and zeroed by the kernel every time:
+// 20% of the summed form's time there (perf: clear_page_erms, exc_page_fault).
+struct ForwardScratch {
+  std::vector<float> x, c, q, k, val, o, y, a_cat;
+
+  int64_t Bytes() const {
+    size_t floats = 0;
+    for (const auto* v : {&x, &c, &q, &k, &val, &o, &y, &a_cat}) floats += v->capacity();
+    return static_cast<int64_t>(floats * sizeof(float));
+  }
+};
+
 namespace {
 
 using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -75,6 +91,13 @@ void ProjectColumns(Compute run, const FormWeights& f, ConstMatrixView x, int64_
   Gemm(run, x, w_in, has_bias ? f.b_in.data() + col0 : nullptr, y);
 }
 
+// `buffer` grown to at least `count` floats, as a [rows, cols] view. Buffers only grow: one that
+// is reused is neither paged in by the kernel nor zeroed again (see ForwardScratch).
+MatrixView Reserve(std::vector<float>& buffer, int64_t rows, int64_t cols) {
+  if (static_cast<int64_t>(buffer.size()) < rows * cols) buffer.resize(rows * cols);
+  return MatrixView(buffer.data(), rows, cols);
+}
+
 // The stacked rows of several blocks as one view: the block itself when there is one, else a
 // copy into `storage`.
 ConstMatrixView StackRows(const std::vector<ConstMatrixView>& blocks, std::vector<float>& storage) {
@@ -82,8 +105,7 @@ ConstMatrixView StackRows(const std::vector<ConstMatrixView>& blocks, std::vecto
   int64_t rows = 0;
   for (const auto& b : blocks) rows += b.rows;
   const int64_t cols = blocks[0].cols;
-  storage.resize(rows * cols);
-  MatrixView out(storage.data(), rows, cols);
+  MatrixView out = Reserve(storage, rows, cols);
   int64_t r0 = 0;
   for (const auto& b : blocks) {
     AsEigen(out.RowBlock(r0, b.rows)) = AsEigen(b);
@@ -95,13 +117,12 @@ ConstMatrixView StackRows(const std::vector<ConstMatrixView>& blocks, std::vecto
 // The projections of a whole batch: Q of every query token, K and the value block of every
 // context token, stacked in sequence order.
 struct Projection {
-  std::vector<float> q_storage, k_storage, val_storage, x_storage, c_storage;
   MatrixView q, k;       // [Tx, q_cols], [Tc, k_cols] (may share storage, with ld = their sum)
   ConstMatrixView val;   // [Tc, value_cols], contiguous: the summed form reads it as [m·h, d]
   std::vector<int64_t> x_row, c_row;  // first row of each sequence in q and in k / val
 };
 
-Projection Project(Compute run, const FormWeights& f, std::span<const Sequence> batch) {
+Projection Project(Compute run, const FormWeights& f, std::span<const Sequence> batch, ForwardScratch& scratch) {
   Projection p;
   std::vector<ConstMatrixView> xs, cs;
   int64_t tx = 0, tc = 0;
@@ -115,26 +136,23 @@ Projection Project(Compute run, const FormWeights& f, std::span<const Sequence> 
     cs.push_back(s.keys_source());
     all_self = all_self && s.self_attention();
   }
-  const ConstMatrixView x = StackRows(xs, p.x_storage);
-  const ConstMatrixView c = all_self ? x : StackRows(cs, p.c_storage);
+  const ConstMatrixView x = StackRows(xs, scratch.x);
+  const ConstMatrixView c = all_self ? x : StackRows(cs, scratch.c);
   if (all_self) {
     // Self-attention: Q and K come from the same rows, so one GEMM makes both.
-    p.q_storage.resize(tx * (f.q_cols + f.k_cols));
-    MatrixView qk(p.q_storage.data(), tx, f.q_cols + f.k_cols);
+    const MatrixView qk = Reserve(scratch.q, tx, f.q_cols + f.k_cols);
     ProjectColumns(run, f, x, 0, f.q_cols + f.k_cols, qk);
     p.q = qk.ColBlock(0, f.q_cols);
     p.k = qk.ColBlock(f.q_cols, f.k_cols);
   } else {
-    p.q_storage.resize(tx * f.q_cols);
-    p.k_storage.resize(tc * f.k_cols);
-    MatrixView q(p.q_storage.data(), tx, f.q_cols), k(p.k_storage.data(), tc, f.k_cols);
+    const MatrixView q = Reserve(scratch.q, tx, f.q_cols), k = Reserve(scratch.k, tc, f.k_cols);
     ProjectColumns(run, f, x, 0, f.q_cols, q);
     ProjectColumns(run, f, c, f.q_cols, f.k_cols, k);
     p.q = q;
     p.k = k;
   }
   if (f.config.rope_theta > 0) {
-    // Q and K live in storage this function owns; rotate each sequence's rows in place.
+    // Q and K live in this forward's scratch; rotate each sequence's rows in place.
     const int64_t dh = f.config.d_head;
     for (size_t r = 0; r < batch.size(); ++r) {
       const Sequence& s = batch[r];
@@ -142,8 +160,7 @@ Projection Project(Compute run, const FormWeights& f, std::span<const Sequence> 
       ApplyRope(p.k.RowBlock(p.c_row[r], s.m()), f.config.kv_heads, dh, f.config.rope_theta, s.key_position_offset());
     }
   }
-  p.val_storage.resize(tc * f.value_cols);
-  MatrixView val(p.val_storage.data(), tc, f.value_cols);
+  const MatrixView val = Reserve(scratch.val, tc, f.value_cols);
   ProjectColumns(run, f, c, f.q_cols + f.k_cols, f.value_cols, val);
   p.val = val;
   return p;
@@ -178,17 +195,19 @@ void SoftmaxRowInFloat64(const QRow& q, const KRows& k, double scale, ARow&& out
   for (int64_t j = 0; j < visible; ++j) out(j) = static_cast<float>(e[j] / sum);
 }
 
-// A = softmax(scale · Q_i K_g(i)^T + mask) over the sequence's visible keys, into `a` [n, L].
+// A = softmax(scale · Q_i K_g(i)^T + mask) for the query rows [row0, row0 + rows) of the
+// sequence, into `a` [rows, keys]. `keys` are those the block's last row sees: a causal block
+// skips the keys none of its rows sees, and within the block a key a row does not see is 0.
 void HeadScores(GemmLibrary gemm, const FormWeights& f, const Projection& p, const Sequence& s, size_t r,
-                int64_t head, RowMatrix& a) {
+                int64_t head, int64_t row0, int64_t rows, RowMatrix& a) {
   const LayerConfig& c = f.config;
-  const int64_t n = s.n(), keys = s.visible_keys(), dh = c.d_head;
-  const ConstMatrixView q = p.q.RowBlock(p.x_row[r], n).ColBlock(head * dh, dh);
+  const int64_t keys = VisibleKeys(s, row0 + rows - 1), dh = c.d_head;
+  const ConstMatrixView q = p.q.RowBlock(p.x_row[r] + row0, rows).ColBlock(head * dh, dh);
   const ConstMatrixView k = p.k.RowBlock(p.c_row[r], keys).ColBlock(c.KvHeadOf(head) * dh, dh);
-  a.resize(n, keys);
-  GemmOnThisThread(gemm, q, k, /*transpose_w=*/true, c.SoftmaxScale(), MatrixView(a.data(), n, keys));
-  for (int64_t row = 0; row < n; ++row) {
-    const int64_t visible = VisibleKeys(s, row);
+  a.resize(rows, keys);
+  GemmOnThisThread(gemm, q, k, /*transpose_w=*/true, c.SoftmaxScale(), MatrixView(a.data(), rows, keys));
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t visible = VisibleKeys(s, row0 + row);
     auto v = a.row(row).head(visible).array();
     if (v.allFinite()) {
       v = (v - v.maxCoeff()).exp();
@@ -201,11 +220,11 @@ void HeadScores(GemmLibrary gemm, const FormWeights& f, const Projection& p, con
 }
 
 // Factored and low-rank forms: O_i = A_i Val_i into O's columns of head i, then Y = O W_out + b.
-void MixProjected(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch) {
+void MixProjected(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
+                  ForwardScratch& scratch) {
   const int64_t heads = f.config.heads, tasks = static_cast<int64_t>(batch.size()) * heads;
   const int64_t tx = p.q.rows, d = f.config.d_model;
-  std::vector<float> o_storage(tx * f.out_rows);
-  MatrixView o(o_storage.data(), tx, f.out_rows);
+  const MatrixView o = Reserve(scratch.o, tx, f.out_rows);
 #pragma omp parallel num_threads(run.threads)
   {
     RowMatrix a;
@@ -214,7 +233,7 @@ void MixProjected(Compute run, const FormWeights& f, const Projection& p, std::s
       const size_t r = t / heads;
       const int64_t i = t % heads;
       const Sequence& s = batch[r];
-      HeadScores(run.gemm, f, p, s, r, i, a);
+      HeadScores(run.gemm, f, p, s, r, i, 0, s.n(), a);
       GemmOnThisThread(run.gemm, ConstMatrixView(a.data(), a.rows(), a.cols()),
                        p.val.RowBlock(p.c_row[r], a.cols()).ColBlock(f.value_offset[i], f.value_width[i]),
                        /*transpose_w=*/false, 1.0f, o.RowBlock(p.x_row[r], s.n()).ColBlock(f.mix_offset[i], f.value_width[i]));
@@ -222,55 +241,79 @@ void MixProjected(Compute run, const FormWeights& f, const Projection& p, std::s
   }
   const ConstMatrixView w_out(f.w_out.data(), f.out_rows, d);
   // One sequence with a dense output: the GEMM writes straight into it.
-  std::vector<float> y_storage;
-  MatrixView y = batch.size() == 1 ? batch[0].output : MatrixView();
-  if (y.empty()) {
-    y_storage.resize(tx * d);
-    y = MatrixView(y_storage.data(), tx, d);
-  }
+  const bool in_place = batch.size() == 1 && !batch[0].output.empty();
+  const MatrixView y = in_place ? batch[0].output : Reserve(scratch.y, tx, d);
   Gemm(run, o, w_out, f.b_out.empty() ? nullptr : f.b_out.data(), y);
-  if (!y_storage.empty()) {
+  if (!in_place) {
     for (size_t r = 0; r < batch.size(); ++r) {
       AsEigen(batch[r].output) = AsEigen(ConstMatrixView(y.RowBlock(p.x_row[r], batch[r].n())));
     }
   }
 }
 
+// The query rows one task of the summed form's score loop takes: enough tasks for every thread
+// (4 each, for balance), few enough that each runs a GEMM of some size.
+int64_t RowsPerTask(int64_t rows, int threads) {
+  constexpr int64_t kMinRows = 4, kMaxRows = 64, kTasksPerThread = 4;
+  return std::clamp<int64_t>(rows / (int64_t{threads} * kTasksPerThread), kMinRows, kMaxRows);
+}
+
 // Summed form, for the sequences [first, last) of the batch. Val's rows are [h·d] wide and
 // contiguous, so a sequence's first L rows are also the [L·h, d] matrix [M_1; …; M_h] with
 // rows ordered (key, head); A_cat puts A_i[q, j] at column j·h + i to match, and the head sum
 // is then one GEMM per sequence: Y = A_cat · Val + b_eff.
+// A task is a block of one sequence's query rows with every head: the heads of a row interleave
+// in A_cat, so tasks split by head would write the same cache lines from different threads.
 void MixSummed(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
-               size_t first, size_t last) {
+               size_t first, size_t last, ForwardScratch& scratch) {
   const int64_t heads = f.config.heads, d = f.config.d_model;
-  const size_t count = last - first;
-  std::vector<std::vector<float>> a_cat(count);
-  for (size_t r = first; r < last; ++r) a_cat[r - first].assign(batch[r].n() * batch[r].visible_keys() * heads, 0.0f);
-  const int64_t tasks = static_cast<int64_t>(count) * heads;
+  struct Task {
+    size_t r;
+    int64_t row0, rows;
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> a_offset;  // where each sequence's A_cat starts in the scratch
+  int64_t total_rows = 0, a_floats = 0;
+  for (size_t r = first; r < last; ++r) total_rows += batch[r].n();
+  const int64_t block = RowsPerTask(total_rows, run.threads);
+  for (size_t r = first; r < last; ++r) {
+    a_offset.push_back(a_floats);
+    a_floats += batch[r].n() * batch[r].visible_keys() * heads;
+    for (int64_t row0 = 0; row0 < batch[r].n(); row0 += block) {
+      tasks.push_back({r, row0, std::min(block, batch[r].n() - row0)});
+    }
+  }
+  float* const a_cat = Reserve(scratch.a_cat, a_floats, 1).data;
 #pragma omp parallel num_threads(run.threads)
   {
     RowMatrix a;
 #pragma omp for schedule(dynamic)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const size_t r = first + t / heads;
-      const int64_t i = t % heads;
-      HeadScores(run.gemm, f, p, batch[r], r, i, a);
-      float* dst = a_cat[r - first].data();
-      const int64_t keys = a.cols();
-      for (int64_t q = 0; q < a.rows(); ++q) {
-        for (int64_t j = 0; j < keys; ++j) dst[(q * keys + j) * heads + i] = a(q, j);
+    for (size_t t = 0; t < tasks.size(); ++t) {
+      const auto [r, row0, rows] = tasks[t];
+      const int64_t width = batch[r].visible_keys() * heads;  // A_cat's row
+      float* const block_rows = a_cat + a_offset[r - first] + row0 * width;
+      int64_t seen = 0;  // the keys this block's rows see (all heads alike)
+      for (int64_t i = 0; i < heads; ++i) {
+        HeadScores(run.gemm, f, p, batch[r], r, i, row0, rows, a);
+        seen = a.cols();
+        for (int64_t q = 0; q < rows; ++q) {
+          float* dst = block_rows + q * width + i;
+          for (int64_t j = 0; j < seen; ++j) dst[j * heads] = a(q, j);
+        }
       }
+      // Keys beyond what the block sees (a causal block): zero, as A_cat's scratch is reused.
+      for (int64_t q = 0; q < rows; ++q) std::fill(block_rows + q * width + seen * heads, block_rows + (q + 1) * width, 0.0f);
     }
   }
   const float* bias = f.b_out.empty() ? nullptr : f.b_out.data();
   auto head_sum = [&](size_t r, int gemm_threads) {
     const Sequence& s = batch[r];
     const int64_t keys = s.visible_keys();
-    const ConstMatrixView a(a_cat[r - first].data(), s.n(), keys * heads);
+    const ConstMatrixView a(a_cat + a_offset[r - first], s.n(), keys * heads);
     const ConstMatrixView m(p.val.row(p.c_row[r]), keys * heads, d);
     Gemm({run.gemm, gemm_threads}, a, m, bias, s.output);
   };
-  if (count == 1) {
+  if (last - first == 1) {
     head_sum(first, run.threads);  // one sequence: its GEMM's columns across the threads
     return;
   }
@@ -283,11 +326,35 @@ void MixSummed(Compute run, const FormWeights& f, const Projection& p, std::span
 CpuBackend::CpuBackend(CpuBackendOptions options)
     : threads_(options.threads > 0 ? options.threads : omp_get_max_threads()),
       gemm_(options.gemm),
-      max_score_scratch_bytes_(options.max_score_scratch_bytes) {
+      max_score_scratch_bytes_(options.max_score_scratch_bytes),
+      max_retained_scratch_bytes_(options.max_retained_scratch_bytes) {
   // Every GEMM here splits its own work across threads (Gemm above); Eigen's own split by
   // output rows is pathological for few rows (16 tokens × 9216 columns: 4× slower on 2 threads
   // than on 1), so it stays off.
   Eigen::setNbThreads(1);
+}
+
+CpuBackend::~CpuBackend() = default;
+
+std::unique_ptr<ForwardScratch> CpuBackend::TakeScratch() {
+  std::lock_guard lock(scratch_mu_);
+  if (free_scratch_.empty()) return std::make_unique<ForwardScratch>();
+  std::unique_ptr<ForwardScratch> scratch = std::move(free_scratch_.back());
+  free_scratch_.pop_back();
+  return scratch;
+}
+
+void CpuBackend::ReturnScratch(std::unique_ptr<ForwardScratch> scratch) {
+  if (scratch->Bytes() > max_retained_scratch_bytes_) return;  // a rare large batch: not kept
+  std::lock_guard lock(scratch_mu_);
+  free_scratch_.push_back(std::move(scratch));
+}
+
+int64_t CpuBackend::RetainedScratchBytes() const {
+  std::lock_guard lock(scratch_mu_);
+  int64_t bytes = 0;
+  for (const auto& s : free_scratch_) bytes += s->Bytes();
+  return bytes;
 }
 
 StatusOr<std::shared_ptr<const ResidentForm>> CpuBackend::Upload(std::shared_ptr<const FormWeights> form) {
@@ -300,9 +367,16 @@ Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequenc
   if (batch.empty()) return OkStatus();
   ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(f.config, batch));
   const Compute run{gemm_, threads_};
-  const Projection p = Project(run, f, batch);
+  // Returned to the pool however the forward ends.
+  std::unique_ptr<ForwardScratch> scratch = TakeScratch();
+  struct Return {
+    CpuBackend* backend;
+    std::unique_ptr<ForwardScratch>& scratch;
+    ~Return() { backend->ReturnScratch(std::move(scratch)); }
+  } give_back{this, scratch};
+  const Projection p = Project(run, f, batch, *scratch);
   if (f.has_output_projection()) {
-    MixProjected(run, f, p, batch);
+    MixProjected(run, f, p, batch, *scratch);
     return OkStatus();
   }
   // The summed form's A_cat is n·L·h floats per sequence: run in chunks under the bound.
@@ -316,7 +390,7 @@ Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequenc
     } while (last < batch.size() &&
              bytes + batch[last].n() * batch[last].visible_keys() * f.config.heads * int64_t{sizeof(float)} <=
                  max_score_scratch_bytes_);
-    MixSummed(run, f, p, batch, first, last);
+    MixSummed(run, f, p, batch, first, last, *scratch);
     first = last;
   }
   return OkStatus();

@@ -1,10 +1,14 @@
 // The CPU backend: GEMMs (oneDNN or Eigen, gemm.h) for the projections (one per batch over all
 // stacked tokens) and an OpenMP loop over (sequence, head) for the scores and the mix.
-// Thread-safety: Forward is reentrant (each call owns its scratch). Construction turns Eigen's
-// own (process-wide) GEMM threading off: the backend splits GEMMs across its threads itself.
+// Thread-safety: Forward is reentrant: each call takes a scratch of its own from a pool (guarded
+// by a mutex) and gives it back at the end, so concurrent calls never share one. Construction
+// turns Eigen's own (process-wide) GEMM threading off: the backend splits GEMMs across its
+// threads itself.
 #pragma once
 
 #include <memory>
+#include <mutex>
+#include <vector>
 
 #include "server/backend/backend.h"
 #include "server/backend/cpu/gemm.h"
@@ -19,11 +23,18 @@ struct CpuBackendOptions {
   // sequence); larger batches run in chunks so memory stays bounded. A single sequence larger
   // than the bound still runs whole: the service's size limits bound that case.
   int64_t max_score_scratch_bytes = int64_t{256} << 20;
+  // A forward's scratch (projections, A_cat) is kept for the next call, one per concurrent
+  // caller, unless it grew beyond this: then it is freed, so one large batch does not hold its
+  // memory for good. The memory budget counts scratch only while a batch runs (ScratchBytes).
+  int64_t max_retained_scratch_bytes = int64_t{256} << 20;
 };
+
+struct ForwardScratch;
 
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(CpuBackendOptions options = {});
+  ~CpuBackend() override;
 
   std::string DeviceName() const override { return "cpu"; }
   StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override;
@@ -35,11 +46,19 @@ class CpuBackend final : public Backend {
 
   int threads() const { return threads_; }
   GemmLibrary gemm() const { return gemm_; }
+  // The scratch kept between calls, in bytes (for tests).
+  int64_t RetainedScratchBytes() const;
 
  private:
+  std::unique_ptr<ForwardScratch> TakeScratch();
+  void ReturnScratch(std::unique_ptr<ForwardScratch> scratch);
+
   int threads_;
   GemmLibrary gemm_;
   int64_t max_score_scratch_bytes_;
+  int64_t max_retained_scratch_bytes_;
+  mutable std::mutex scratch_mu_;
+  std::vector<std::unique_ptr<ForwardScratch>> free_scratch_;  // guarded by scratch_mu_
 };
 
 }  // namespace attnserve
