@@ -110,7 +110,13 @@ void GemmOnThisThread(GemmLibrary library, ConstMatrixView x, ConstMatrixView w,
   Cap();  // the ISA cap is set before oneDNN's first kernel
   // oneDNN refuses only malformed arguments (a stride below a row), which the views rule out;
   // should it ever refuse, Eigen computes the same product.
-  if (library == GemmLibrary::kOneDnn && OneDnnGemm(x, w, transpose_w, alpha, y)) return;
+  // oneDNN's fixed cost per call (checks, dispatch: 2–6 µs measured for a 16×64·64×16 score
+  // block, which Eigen multiplies in 0.5 µs) outweighs its speed below about 64K multiply-adds.
+  constexpr int64_t kOneDnnMinMultiplyAdds = int64_t{1} << 16;
+  if (library == GemmLibrary::kOneDnn && y.rows * y.cols * x.cols >= kOneDnnMinMultiplyAdds &&
+      OneDnnGemm(x, w, transpose_w, alpha, y)) {
+    return;
+  }
 #else
   (void)library;
 #endif

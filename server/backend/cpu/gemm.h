@@ -7,6 +7,8 @@
 //     Eigen at the projection shapes on one thread, up to 2× at few rows. The default when the
 //     build found it (ATTNSERVE_ONEDNN=AUTO).
 //   - Eigen: the portable fallback, compiled for the build's -march.
+// Below 64K multiply-adds (a small request's per-head score blocks) Eigen computes the product
+// whichever library was asked: oneDNN's fixed cost per call is larger than the product there.
 // A request of 2–4 rows keeps the backend's own SkinnyGemm (AVX-512), which streams the
 // weights without packing them: 1.1–1.4× oneDNN there. From 8 rows oneDNN wins (up to 1.7×).
 // Thread-safety: the functions are reentrant; CpuIsaCap is read once, at first use.
