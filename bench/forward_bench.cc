@@ -4,7 +4,9 @@
 //
 //   forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]
 //                 [--json FILE] [--shapes a,b] [--gemm auto,eigen,onednn]
-// --gemm runs the CPU backend with each GEMM library in turn (gemm.h), against one ceiling.
+// --gemm runs the CPU backend with each GEMM library in turn (gemm.h), against one ceiling;
+// --summed-order auto,project-first the summed form in both association orders (the cross-*
+// shapes sweep n/m). GFLOP/s count what the backend ran (Backend::Flops).
 // The CPU ceiling is the fastest of every SGEMM library the build found (Eigen always; oneDNN
 // and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
 // own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
@@ -45,13 +47,22 @@ namespace {
 struct BenchShape {
   std::string name;
   int64_t batch, n, d_model, heads;
+  int64_t m = 0;  // keys of a separate context (cross-attention); 0: self-attention over the n
+  bool by_default = true;
 };
 
 const BenchShape kShapes[] = {
     {"bert-base", 8, 128, 768, 12},
     {"gpt2-medium", 4, 256, 1024, 16},
     {"small-request", 1, 16, 768, 12},
-    {"large", 32, 512, 1024, 16},  // GPU-sized; run on the CPU only when asked by --shapes
+    {"large", 32, 512, 1024, 16, 0, false},  // GPU-sized; on the CPU only when asked by --shapes
+    // The summed form's association order against n/m (cross-attention over 512 keys): asked by
+    // --shapes, with --summed-order auto,project-first.
+    {"cross-8x512", 1, 8, 768, 12, 512, false},
+    {"cross-64x512", 1, 64, 768, 12, 512, false},
+    {"cross-256x512", 1, 256, 768, 12, 512, false},
+    {"cross-448x512", 1, 448, 768, 12, 512, false},
+    {"cross-512x512", 1, 512, 768, 12, 512, false},
 };
 
 struct Record {
@@ -68,6 +79,7 @@ struct Options {
   std::vector<std::string> shapes;
   std::string device = "cpu";
   std::vector<std::string> gemms = {"auto"};  // the CPU backend's GEMM libraries to run, in turn
+  std::vector<std::string> summed_orders = {"auto"};  // auto, project-first: in turn
   bool tf32 = false;
 };
 
@@ -181,10 +193,15 @@ Ceiling BestGemm(const std::vector<GemmLibraryUnderTest>& libraries, const std::
   return best;
 }
 
-StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int threads, const std::string& gemm) {
+StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int threads, const std::string& gemm,
+                                                    const std::string& summed_order) {
   if (opt.device == "cpu") {
     ATTNSERVE_ASSIGN_OR_RETURN(const GemmLibrary library, ParseGemmLibrary(gemm));
-    return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(CpuBackendOptions{.threads = threads, .gemm = library}));
+    if (summed_order != "auto" && summed_order != "project-first") {
+      return InvalidArgumentError("--summed-order: expected auto or project-first, got " + summed_order);
+    }
+    return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(CpuBackendOptions{
+        .threads = threads, .gemm = library, .summed_mix_first = summed_order == "auto"}));
   }
 #ifdef ATTNSERVE_HAVE_CUDA
   if (opt.device.rfind("cuda", 0) == 0) {
@@ -218,15 +235,18 @@ std::vector<Record> RunShape(const BenchShape& shape, Backend& backend, int thre
   std::mt19937_64 rng(2);
   std::normal_distribution<float> normal;
   std::vector<float> input(shape.batch * shape.n * shape.d_model), output(input.size());
+  std::vector<float> context(shape.batch * shape.m * shape.d_model);
   for (float& x : input) x = normal(rng);
+  for (float& x : context) x = normal(rng);
   std::vector<Sequence> batch;
   std::vector<SequenceShape> shapes;
   for (int64_t r = 0; r < shape.batch; ++r) {
     Sequence s;
     s.input = ConstMatrixView(input.data() + r * shape.n * shape.d_model, shape.n, shape.d_model);
+    if (shape.m > 0) s.context = ConstMatrixView(context.data() + r * shape.m * shape.d_model, shape.m, shape.d_model);
     s.output = MatrixView(output.data() + r * shape.n * shape.d_model, shape.n, shape.d_model);
     batch.push_back(s);
-    shapes.push_back({.n = shape.n, .m = shape.n});
+    shapes.push_back({.n = shape.n, .m = shape.m > 0 ? shape.m : shape.n});
   }
   std::vector<Record> records;
   for (Form form : {Form::kFactored, Form::kSummed}) {
@@ -246,7 +266,7 @@ std::vector<Record> RunShape(const BenchShape& shape, Backend& backend, int thre
           }
         },
         min_time_s);
-    const double gflops = ForwardFlops(*f, shapes) / s * 1e-9;
+    const double gflops = backend.Flops(*f, shapes) / s * 1e-9;  // what this backend ran
     records.push_back({shape.name, std::string(FormName(form)), backend.DeviceName(), threads, s * 1e3, gflops, ceiling, "", ""});
   }
   return records;
@@ -255,7 +275,8 @@ std::vector<Record> RunShape(const BenchShape& shape, Backend& backend, int thre
 std::string ShapeLabel(const std::string& name) {
   for (const auto& s : kShapes) {
     if (s.name == name) {
-      return name + " (" + std::to_string(s.batch) + "x" + std::to_string(s.n) + ", d=" + std::to_string(s.d_model) +
+      return name + " (" + std::to_string(s.batch) + "x" + std::to_string(s.n) +
+             (s.m > 0 ? " over " + std::to_string(s.m) : "") + ", d=" + std::to_string(s.d_model) +
              ", h=" + std::to_string(s.heads) + ")";
     }
   }
@@ -283,7 +304,8 @@ int Usage(const char* why) {
   std::cerr << "forward_bench: " << why << "\n"
             << "usage: forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]\n"
                "                     [--json FILE] [--shapes bert-base,gpt2-medium,small-request,large]\n"
-               "                     [--gemm auto,eigen,onednn]   (the CPU backend's GEMM libraries, in turn)\n";
+               "                     [--gemm auto,eigen,onednn]   (the CPU backend's GEMM libraries, in turn)\n"
+               "                     [--summed-order auto,project-first]   (the summed form's association order)\n";
   return 2;
 }
 
@@ -314,6 +336,8 @@ int Main(int argc, char** argv) {
       opt.shapes = Split(value);
     } else if (arg == "--gemm") {
       opt.gemms = Split(value);
+    } else if (arg == "--summed-order") {
+      opt.summed_orders = Split(value);
     } else {
       return Usage(("unknown flag " + arg).c_str());
     }
@@ -323,7 +347,7 @@ int Main(int argc, char** argv) {
   std::vector<const BenchShape*> chosen;
   for (const auto& shape : kShapes) {
     const bool asked = std::find(opt.shapes.begin(), opt.shapes.end(), shape.name) != opt.shapes.end();
-    const bool by_default = shape.name != "large" || !on_cpu;
+    const bool by_default = shape.by_default || (!on_cpu && shape.name == "large");
     if (opt.shapes.empty() ? by_default : asked) chosen.push_back(&shape);
   }
   // The ceiling's shapes: 2048³ and each chosen layer's projections over all its tokens.
@@ -347,16 +371,19 @@ int Main(int argc, char** argv) {
     }
     std::vector<Record> group;
     for (const std::string& gemm : opt.gemms) {
-      auto backend = MakeBenchBackend(opt, threads, gemm);
-      if (!backend.ok()) {
-        std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
-        return 1;
-      }
-      const std::string library = on_cpu ? std::string(GemmLibraryName(static_cast<CpuBackend&>(**backend).gemm())) : gemm;
-      for (const BenchShape* shape : chosen) {
-        for (auto& r : RunShape(*shape, **backend, threads, before->gflops, opt.min_time_s)) {
-          r.gemm = library;
-          group.push_back(r);
+      for (const std::string& order : opt.summed_orders) {
+        auto backend = MakeBenchBackend(opt, threads, gemm, order);
+        if (!backend.ok()) {
+          std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
+          return 1;
+        }
+        std::string library = on_cpu ? std::string(GemmLibraryName(static_cast<CpuBackend&>(**backend).gemm())) : gemm;
+        if (order != "auto") library += "/" + order;
+        for (const BenchShape* shape : chosen) {
+          for (auto& r : RunShape(*shape, **backend, threads, before->gflops, opt.min_time_s)) {
+            r.gemm = library;
+            group.push_back(r);
+          }
         }
       }
     }
@@ -364,12 +391,12 @@ int Main(int argc, char** argv) {
     if (ceiling.library != nullptr) {
       ceiling.gflops = std::max(ceiling.gflops, GemmGflops(*ceiling.library, ceiling.shape, threads, opt.min_time_s));
     }
-    std::printf("\n%-38s %-9s %-7s %7s %9s %9s %9s %7s   (ceiling: %s; CPU kernels: %s)\n", "shape", "form", "gemm",
+    std::printf("\n%-38s %-9s %-20s %7s %9s %9s %9s %7s   (ceiling: %s; CPU kernels: %s)\n", "shape", "form", "gemm",
                 "threads", "ms", "GFLOP/s", "ceiling", "ratio", ceiling.source.c_str(), isa.c_str());
     for (auto& r : group) {
       r.ceiling_gflops = ceiling.gflops;
       r.ceiling_source = ceiling.source;
-      std::printf("%-38s %-9s %-7s %7d %9.3f %9.1f %9.1f %7.3f\n", ShapeLabel(r.shape).c_str(), r.form.c_str(),
+      std::printf("%-38s %-9s %-20s %7d %9.3f %9.1f %9.1f %7.3f\n", ShapeLabel(r.shape).c_str(), r.form.c_str(),
                   r.gemm.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops, r.gflops / r.ceiling_gflops);
       records.push_back(r);
     }

@@ -49,6 +49,11 @@ class Backend {
                                bool self_attention) const {
     return ForwardScratchBytes(form, batch, self_attention, 1, INT64_MAX);
   }
+
+  // FLOPs one Forward of `batch` does, as this backend computes it (the metrics' count).
+  virtual double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const {
+    return ForwardFlops(form, batch);
+  }
 };
 
 // Checks every sequence of a batch against the form's layer; the error names the sequence.

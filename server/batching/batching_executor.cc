@@ -108,7 +108,7 @@ void BatchingExecutor::RunBatch(BatchItems batch) {
     report.device = device;
     report.requests = static_cast<int32_t>(batch.size());
     for (const SequenceShape& s : shapes) report.tokens += s.n;
-    report.flops = status.ok() ? ForwardFlops(form.weights(), shapes) : 0.0;
+    report.flops = status.ok() ? backend_->Flops(form.weights(), shapes) : 0.0;
     report.compute_seconds = Seconds(end - start);
     report.code = status.code();
     observer_->BatchDone(report);

@@ -114,23 +114,28 @@ FormWeights MaterializeSummed(const LayerWeights& w) {
 FormWeights MaterializeQueryKeyOnly(Form form, const LayerWeights& w) { return StartForm(form, w, 0); }
 
 int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape> batch, bool self_attention,
-                            int threads, int64_t max_score_scratch_bytes) {
+                            int threads, int64_t max_score_scratch_bytes, bool summed_mix_first) {
   if (batch.empty()) return 0;
   const int64_t d = f.config.d_model, heads = f.config.heads;
-  int64_t tx = 0, tc = 0, max_scores = 0, a_cat_total = 0, a_cat_largest = 0;
+  // The summed form's per-sequence work: A_cat [n, L·h] when it projects first, the heads' mixes
+  // [n, h·d] when it mixes first (and then no value rows of its own).
+  int64_t tx = 0, tc = 0, value_rows = 0, max_scores = 0, a_cat_total = 0, a_cat_largest = 0;
   for (const SequenceShape& s : batch) {
     const int64_t keys = s.keys < 0 ? s.m : s.keys;
+    const bool mix_first = summed_mix_first && f.form == Form::kSummed && SummedMixesFirst(s);
     tx += s.n;
     tc += s.m;
+    value_rows += mix_first ? 0 : s.m;
     max_scores = std::max(max_scores, s.n * keys);
-    a_cat_total += s.n * keys * heads;
-    a_cat_largest = std::max(a_cat_largest, s.n * keys * heads);
+    const int64_t work = mix_first ? s.n * f.value_cols : s.n * keys * heads;
+    a_cat_total += work;
+    a_cat_largest = std::max(a_cat_largest, work);
   }
   const bool stacked = batch.size() > 1;
   int64_t floats = 0;
   if (stacked) floats += tx * d + (self_attention ? 0 : tc * d);          // StackRows copies
   floats += self_attention ? tx * (f.q_cols + f.k_cols) : tx * f.q_cols + tc * f.k_cols;  // Q, K
-  floats += tc * f.value_cols;                                            // the value block
+  floats += value_rows * f.value_cols;                                    // the value block
   floats += static_cast<int64_t>(std::max(threads, 1)) * max_scores;      // a score matrix per thread
   if (f.has_output_projection()) {
     floats += tx * f.out_rows;                                            // heads' outputs
@@ -146,7 +151,7 @@ int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape>
   return floats * static_cast<int64_t>(sizeof(float)) + packing;
 }
 
-double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch) {
+double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch, bool summed_mix_first) {
   const double d = static_cast<double>(f.config.d_model);
   double mix_width = 0;
   for (int64_t w : f.value_width) mix_width += static_cast<double>(w);
@@ -156,7 +161,10 @@ double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch) 
     const double n = static_cast<double>(s.n), m = static_cast<double>(s.m);
     const double keys = static_cast<double>(s.keys < 0 ? s.m : s.keys);
     flops += 2 * n * d * static_cast<double>(f.q_cols);                   // Q projection
-    flops += 2 * m * d * static_cast<double>(f.k_cols + f.value_cols);    // K and value projections
+    // The value projection runs over the queries' mixes instead of the keys when mixing first.
+    const bool mix_first = summed_mix_first && f.form == Form::kSummed && SummedMixesFirst(s);
+    flops += 2 * m * d * static_cast<double>(f.k_cols);                   // K projection
+    flops += 2 * (mix_first ? n : m) * d * static_cast<double>(f.value_cols);  // value projection
     flops += 2 * n * keys * score_width;                                  // scores, all heads
     flops += 2 * n * keys * mix_width;                                    // A_i · Val_i, all heads
     flops += 2 * n * static_cast<double>(f.out_rows) * d;                 // output projection

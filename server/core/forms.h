@@ -77,10 +77,20 @@ struct SequenceShape {
   int64_t keys = -1;  // keys the scores and mix use (key_length); -1: all m
 };
 
+// The summed form's two association orders for one sequence (docs/architecture.md, §1):
+//   project first: M = C [W_M_1 | … | W_M_h], Y = Σ_i A_i M_i   2·m·d·h·d + 2·n·L·h·d
+//   mix first:     Y = Σ_i (A_i C) W_M_i                        2·n·L·d·h + 2·n·h·d·d
+// They differ in the projection term only, m against n: mixing first wins by m/n when a
+// sequence has fewer queries than keys (cross-attention to a long context, a few new tokens
+// over a long prefix), and is never cheaper otherwise.
+inline bool SummedMixesFirst(const SequenceShape& s) { return s.n < s.m; }
+
 // FLOPs (multiply and add counted as 2) that a forward of these sequences does in this form:
 // the projections, the scores, the mix and the output projection. Masked scores are counted
-// as computed where the backend computes them (it skips keys beyond key_length only).
-double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batch);
+// as computed where the backend computes them (it skips keys beyond key_length only). With
+// `summed_mix_first`, a summed sequence that SummedMixesFirst is counted in that order (what the
+// CPU backend runs; the CUDA backend projects first).
+double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batch, bool summed_mix_first = false);
 
 // Bytes of host scratch the CPU backend allocates for one Forward of `batch` in this form
 // (server/backend/cpu/cpu_backend.cc, whose allocations this follows line by line): the stacked
@@ -91,6 +101,6 @@ double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batc
 // whether the context is the input.
 // The memory budget admits requests by this figure (docs/reliability.md compares it with RSS).
 int64_t ForwardScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch, bool self_attention,
-                            int threads, int64_t max_score_scratch_bytes);
+                            int threads, int64_t max_score_scratch_bytes, bool summed_mix_first = false);
 
 }  // namespace attnserve

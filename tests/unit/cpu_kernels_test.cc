@@ -183,6 +183,55 @@ TEST(CpuScratchTest, AReusedScratchGivesTheAnswersOfAFreshOne) {
   }
 }
 
+// The summed form's two association orders (SummedMixesFirst): a sequence with fewer queries
+// than keys mixes its keys first, Y = Σ_i (A_i C) W_M_i; the others project first. Both against
+// float64, alone and mixed in one batch, with grouped-query heads, biases, causal masks and key
+// lengths; and the mixing-first sequence really skips its value projection: the flops the
+// backend reports drop by exactly 2·(m − n)·d·h·d, and its scratch holds no value block.
+TEST(SummedAssociationOrderTest, BothOrdersMatchFloat64AndTheCheaperOneRuns) {
+  std::mt19937_64 rng(testing::TestSeed());
+  const int64_t d = 40;
+  const LayerConfig config = *CompleteConfig({.d_model = d, .heads = 4, .kv_heads = 2});
+  const LayerWeights w = RandomLayerWeights(config, rng());
+  auto form = std::make_shared<const FormWeights>(MaterializeSummed(w));
+  std::vector<testing::OwnedSequence> seqs = {
+      testing::RandomSequence(rng, d, 5, 37, true, true, 30),    // mixes first, causal, key length
+      testing::RandomSequence(rng, d, 20, 12, true, false, 12),  // projects first (n > m)
+      testing::RandomSequence(rng, d, 9, 9, false, true, 9),     // projects first (self)
+      testing::RandomSequence(rng, d, 3, 64, true, false, 64),   // mixes first
+  };
+  for (int threads : {1, 2}) {
+    CpuBackend cpu(CpuBackendOptions{.threads = threads});
+    auto resident = *cpu.Upload(form);
+    std::vector<Sequence> batch;
+    for (auto& s : seqs) batch.push_back(s.View());
+    ASSERT_TRUE(cpu.Forward(*resident, batch).ok());
+    for (size_t r = 0; r < seqs.size(); ++r) {
+      EXPECT_LT(testing::RelativeL2(seqs[r].output.data(), ReferenceForward(w, seqs[r].View())), 1e-5)
+          << "sequence " << r << " (n " << seqs[r].n << ", m " << seqs[r].m << ") on " << threads << " threads";
+    }
+    for (size_t r : {size_t{0}, size_t{3}}) {  // alone: the head sum's GEMM split across the threads
+      testing::OwnedSequence alone = seqs[r];
+      const Sequence one[] = {alone.View()};
+      ASSERT_TRUE(cpu.Forward(*resident, one).ok());
+      EXPECT_LT(testing::RelativeL2(alone.output.data(), ReferenceForward(w, alone.View())), 1e-5) << r;
+    }
+  }
+  // 2·(m − n)·d·(h·d) fewer FLOPs for a sequence of 5 queries over 37 keys: 2·32·40·160.
+  const SequenceShape few_queries{.n = 5, .m = 37};
+  EXPECT_DOUBLE_EQ(ForwardFlops(*form, {&few_queries, 1}) - CpuBackend().Flops(*form, {&few_queries, 1}),
+                   2.0 * 32 * 40 * 160);
+  const SequenceShape many_queries{.n = 20, .m = 12};
+  EXPECT_DOUBLE_EQ(CpuBackend().Flops(*form, {&many_queries, 1}), ForwardFlops(*form, {&many_queries, 1}));
+  // No value block in the scratch: Q [3, 40], K [64, 20], the mixes [3, 160] and a score block,
+  // far below the value block alone, [64, 160] floats.
+  testing::OwnedSequence wide = testing::RandomSequence(rng, d, 3, 64, true, false, 64);
+  const Sequence one[] = {wide.View()};
+  CpuBackend cpu(CpuBackendOptions{.threads = 1});
+  ASSERT_TRUE(cpu.Forward(**cpu.Upload(form), one).ok());
+  EXPECT_LT(cpu.RetainedScratchBytes(), 64 * 160 * 4);
+}
+
 TEST(CpuScratchTest, AScratchAboveTheRetentionBoundIsFreed) {
   std::mt19937_64 rng(testing::TestSeed());
   const LayerConfig config = *CompleteConfig({.d_model = 32, .heads = 2});

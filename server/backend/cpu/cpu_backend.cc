@@ -20,11 +20,11 @@ namespace attnserve {
 // block alone (40 MB at bert-base, summed) was paged in and zeroed by the kernel every time:
 // 20% of the summed form's time there (perf: clear_page_erms, exc_page_fault).
 struct ForwardScratch {
-  std::vector<float> x, c, q, k, val, o, y, a_cat;
+  std::vector<float> x, c, q, k, val, o, y, a_cat, mixes;
 
   int64_t Bytes() const {
     size_t floats = 0;
-    for (const auto* v : {&x, &c, &q, &k, &val, &o, &y, &a_cat}) floats += v->capacity();
+    for (const auto* v : {&x, &c, &q, &k, &val, &o, &y, &a_cat, &mixes}) floats += v->capacity();
     return static_cast<int64_t>(floats * sizeof(float));
   }
 };
@@ -56,6 +56,7 @@ class CpuResidentForm final : public ResidentForm {
 struct Compute {
   GemmLibrary gemm;
   int threads;
+  bool summed_mix_first = true;  // the summed form may mix first where that is cheaper
 };
 
 bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols) {
@@ -66,7 +67,8 @@ bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols) {
 // y = x · w (+ bias) with the threads splitting w's columns: each thread streams its own share
 // of the weights once. (A split by rows of y, Eigen's own, makes every thread pack the whole
 // weight matrix when the batch has few tokens: 2 threads were 3x slower than 1 there.)
-void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y) {
+// With `accumulate`, y += x · w instead.
+void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate = false) {
   constexpr int64_t kColumnAlign = 64;  // whole cache lines and register blocks per thread
   const int64_t chunks = std::min<int64_t>(run.threads, (w.cols + kColumnAlign - 1) / kColumnAlign);
   const int64_t chunk_cols = ((w.cols + chunks - 1) / chunks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
@@ -74,10 +76,11 @@ void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, const float* bias, 
   for (int64_t t = 0; t < chunks; ++t) {
     const int64_t c0 = t * chunk_cols, count = std::min(chunk_cols, w.cols - c0);
     if (count <= 0) continue;
-    if (UseSkinnyGemm(run.gemm, x.rows, count)) {
+    if (!accumulate && UseSkinnyGemm(run.gemm, x.rows, count)) {
       SkinnyGemm(x, w.ColBlock(c0, count), y.ColBlock(c0, count));
     } else {
-      GemmOnThisThread(run.gemm, x, w.ColBlock(c0, count), /*transpose_w=*/false, 1.0f, y.ColBlock(c0, count));
+      GemmOnThisThread(run.gemm, x, w.ColBlock(c0, count), /*transpose_w=*/false, 1.0f, y.ColBlock(c0, count),
+                       accumulate);
     }
     if (bias != nullptr) AsEigen(y.ColBlock(c0, count)).rowwise() += BiasMap(bias + c0, count);
   }
@@ -114,12 +117,22 @@ ConstMatrixView StackRows(const std::vector<ConstMatrixView>& blocks, std::vecto
   return out;
 }
 
+// Whether the summed form mixes this sequence's keys before projecting them (SummedMixesFirst):
+// only where the value block carries no bias of its own (the summed form folds it into b_eff;
+// a bias per value row would not commute with the mix).
+bool MixesFirst(Compute run, const FormWeights& f, const Sequence& s) {
+  return run.summed_mix_first && f.form == Form::kSummed && SummedMixesFirst({.n = s.n(), .m = s.m()}) &&
+         static_cast<int64_t>(f.b_in.size()) <= f.q_cols + f.k_cols;
+}
+
 // The projections of a whole batch: Q of every query token, K and the value block of every
 // context token, stacked in sequence order.
 struct Projection {
   MatrixView q, k;       // [Tx, q_cols], [Tc, k_cols] (may share storage, with ld = their sum)
-  ConstMatrixView val;   // [Tc, value_cols], contiguous: the summed form reads it as [m·h, d]
-  std::vector<int64_t> x_row, c_row;  // first row of each sequence in q and in k / val
+  ConstMatrixView c;     // [Tc, d_model]: the stacked contexts (the inputs, in self-attention)
+  ConstMatrixView val;   // the value block of the sequences that project first, contiguous: the
+                         // summed form reads a sequence's rows as [m·h, d]
+  std::vector<int64_t> x_row, c_row, val_row;  // first row of each sequence in q, k (and c), val
 };
 
 Projection Project(Compute run, const FormWeights& f, std::span<const Sequence> batch, ForwardScratch& scratch) {
@@ -160,8 +173,24 @@ Projection Project(Compute run, const FormWeights& f, std::span<const Sequence> 
       ApplyRope(p.k.RowBlock(p.c_row[r], s.m()), f.config.kv_heads, dh, f.config.rope_theta, s.key_position_offset());
     }
   }
-  const MatrixView val = Reserve(scratch.val, tc, f.value_cols);
-  ProjectColumns(run, f, c, f.q_cols + f.k_cols, f.value_cols, val);
+  p.c = c;
+  // The value block, for the sequences that project first: one GEMM over every context row when
+  // all do, else one per such sequence (a summed sequence that mixes first needs none).
+  int64_t val_rows = 0;
+  for (size_t r = 0; r < batch.size(); ++r) {
+    p.val_row.push_back(val_rows);
+    if (!MixesFirst(run, f, batch[r])) val_rows += batch[r].m();
+  }
+  const MatrixView val = Reserve(scratch.val, val_rows, f.value_cols);
+  if (val_rows == tc) {
+    ProjectColumns(run, f, c, f.q_cols + f.k_cols, f.value_cols, val);
+  } else {
+    for (size_t r = 0; r < batch.size(); ++r) {
+      if (MixesFirst(run, f, batch[r])) continue;
+      ProjectColumns(run, f, c.RowBlock(p.c_row[r], batch[r].m()), f.q_cols + f.k_cols, f.value_cols,
+                     val.RowBlock(p.val_row[r], batch[r].m()));
+    }
+  }
   p.val = val;
   return p;
 }
@@ -235,7 +264,7 @@ void MixProjected(Compute run, const FormWeights& f, const Projection& p, std::s
       const Sequence& s = batch[r];
       HeadScores(run.gemm, f, p, s, r, i, 0, s.n(), a);
       GemmOnThisThread(run.gemm, ConstMatrixView(a.data(), a.rows(), a.cols()),
-                       p.val.RowBlock(p.c_row[r], a.cols()).ColBlock(f.value_offset[i], f.value_width[i]),
+                       p.val.RowBlock(p.val_row[r], a.cols()).ColBlock(f.value_offset[i], f.value_width[i]),
                        /*transpose_w=*/false, 1.0f, o.RowBlock(p.x_row[r], s.n()).ColBlock(f.mix_offset[i], f.value_width[i]));
     }
   }
@@ -258,10 +287,19 @@ int64_t RowsPerTask(int64_t rows, int threads) {
   return std::clamp<int64_t>(rows / (int64_t{threads} * kTasksPerThread), kMinRows, kMaxRows);
 }
 
-// Summed form, for the sequences [first, last) of the batch. Val's rows are [h·d] wide and
-// contiguous, so a sequence's first L rows are also the [L·h, d] matrix [M_1; …; M_h] with
-// rows ordered (key, head); A_cat puts A_i[q, j] at column j·h + i to match, and the head sum
-// is then one GEMM per sequence: Y = A_cat · Val + b_eff.
+// The summed form's scratch per sequence: A_cat [n, L·h] when it projects first, its heads'
+// mixes [n, h·d] when it mixes first (MixesFirst).
+int64_t SummedScratchFloats(Compute run, const FormWeights& f, const Sequence& s) {
+  return MixesFirst(run, f, s) ? s.n() * f.value_cols : s.n() * s.visible_keys() * f.config.heads;
+}
+
+// Summed form, for the sequences [first, last) of the batch, in each sequence's association
+// order (SummedMixesFirst, server/core/forms.h):
+//   - Project first. Val's rows are [h·d] wide and contiguous, so a sequence's first L rows are
+//     also the [L·h, d] matrix [M_1; …; M_h] with rows ordered (key, head); A_cat puts A_i[q, j]
+//     at column j·h + i to match, and the head sum is one GEMM: Y = A_cat · Val + b_eff.
+//   - Mix first. Head i's mix A_i C[:L] goes into columns i·d of `mixes` [n, h·d], and
+//     Y = Σ_i mixes_i W_M_i + b_eff reads W_M_i straight from the value block of W_in.
 // A task is a block of one sequence's query rows with every head: the heads of a row interleave
 // in A_cat, so tasks split by head would write the same cache lines from different threads.
 void MixSummed(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
@@ -272,29 +310,40 @@ void MixSummed(Compute run, const FormWeights& f, const Projection& p, std::span
     int64_t row0, rows;
   };
   std::vector<Task> tasks;
-  std::vector<int64_t> a_offset;  // where each sequence's A_cat starts in the scratch
-  int64_t total_rows = 0, a_floats = 0;
+  std::vector<int64_t> offset;  // where each sequence's A_cat or mixes start in the scratch
+  int64_t total_rows = 0, floats = 0;
   for (size_t r = first; r < last; ++r) total_rows += batch[r].n();
   const int64_t block = RowsPerTask(total_rows, run.threads);
   for (size_t r = first; r < last; ++r) {
-    a_offset.push_back(a_floats);
-    a_floats += batch[r].n() * batch[r].visible_keys() * heads;
+    offset.push_back(floats);
+    floats += SummedScratchFloats(run, f, batch[r]);
     for (int64_t row0 = 0; row0 < batch[r].n(); row0 += block) {
       tasks.push_back({r, row0, std::min(block, batch[r].n() - row0)});
     }
   }
-  float* const a_cat = Reserve(scratch.a_cat, a_floats, 1).data;
+  float* const work = Reserve(scratch.a_cat, floats, 1).data;
 #pragma omp parallel num_threads(run.threads)
   {
     RowMatrix a;
 #pragma omp for schedule(dynamic)
     for (size_t t = 0; t < tasks.size(); ++t) {
       const auto [r, row0, rows] = tasks[t];
-      const int64_t width = batch[r].visible_keys() * heads;  // A_cat's row
-      float* const block_rows = a_cat + a_offset[r - first] + row0 * width;
+      const Sequence& s = batch[r];
+      if (MixesFirst(run, f, s)) {
+        const MatrixView mixes(work + offset[r - first], s.n(), f.value_cols);
+        for (int64_t i = 0; i < heads; ++i) {
+          HeadScores(run.gemm, f, p, s, r, i, row0, rows, a);
+          GemmOnThisThread(run.gemm, ConstMatrixView(a.data(), rows, a.cols()), p.c.RowBlock(p.c_row[r], a.cols()),
+                           /*transpose_w=*/false, 1.0f,
+                           mixes.RowBlock(row0, rows).ColBlock(f.value_offset[i], f.value_width[i]));
+        }
+        continue;
+      }
+      const int64_t width = s.visible_keys() * heads;  // A_cat's row
+      float* const block_rows = work + offset[r - first] + row0 * width;
       int64_t seen = 0;  // the keys this block's rows see (all heads alike)
       for (int64_t i = 0; i < heads; ++i) {
-        HeadScores(run.gemm, f, p, batch[r], r, i, row0, rows, a);
+        HeadScores(run.gemm, f, p, s, r, i, row0, rows, a);
         seen = a.cols();
         for (int64_t q = 0; q < rows; ++q) {
           float* dst = block_rows + q * width + i;
@@ -308,10 +357,22 @@ void MixSummed(Compute run, const FormWeights& f, const Projection& p, std::span
   const float* bias = f.b_out.empty() ? nullptr : f.b_out.data();
   auto head_sum = [&](size_t r, int gemm_threads) {
     const Sequence& s = batch[r];
+    const Compute on{run.gemm, gemm_threads, run.summed_mix_first};
+    if (MixesFirst(run, f, s)) {
+      const ConstMatrixView mixes(work + offset[r - first], s.n(), f.value_cols);
+      for (int64_t i = 0; i < heads; ++i) {
+        const ConstMatrixView w_m(f.w_in.data() + f.q_cols + f.k_cols + f.value_offset[i], d, f.value_width[i],
+                                  f.in_cols());
+        // The first head's product (with the bias) sets Y; the others add to it.
+        Gemm(on, mixes.ColBlock(f.value_offset[i], f.value_width[i]), w_m, i == 0 ? bias : nullptr, s.output,
+             /*accumulate=*/i > 0);
+      }
+      return;
+    }
     const int64_t keys = s.visible_keys();
-    const ConstMatrixView a(a_cat + a_offset[r - first], s.n(), keys * heads);
-    const ConstMatrixView m(p.val.row(p.c_row[r]), keys * heads, d);
-    Gemm({run.gemm, gemm_threads}, a, m, bias, s.output);
+    const ConstMatrixView a(work + offset[r - first], s.n(), keys * heads);
+    const ConstMatrixView m(p.val.row(p.val_row[r]), keys * heads, d);
+    Gemm(on, a, m, bias, s.output);
   };
   if (last - first == 1) {
     head_sum(first, run.threads);  // one sequence: its GEMM's columns across the threads
@@ -327,7 +388,8 @@ CpuBackend::CpuBackend(CpuBackendOptions options)
     : threads_(options.threads > 0 ? options.threads : omp_get_max_threads()),
       gemm_(options.gemm),
       max_score_scratch_bytes_(options.max_score_scratch_bytes),
-      max_retained_scratch_bytes_(options.max_retained_scratch_bytes) {
+      max_retained_scratch_bytes_(options.max_retained_scratch_bytes),
+      summed_mix_first_(options.summed_mix_first) {
   // Every GEMM here splits its own work across threads (Gemm above); Eigen's own split by
   // output rows is pathological for few rows (16 tokens × 9216 columns: 4× slower on 2 threads
   // than on 1), so it stays off.
@@ -366,7 +428,7 @@ Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequenc
   const FormWeights& f = resident.weights();
   if (batch.empty()) return OkStatus();
   ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(f.config, batch));
-  const Compute run{gemm_, threads_};
+  const Compute run{gemm_, threads_, summed_mix_first_};
   // Returned to the pool however the forward ends.
   std::unique_ptr<ForwardScratch> scratch = TakeScratch();
   struct Return {
@@ -379,17 +441,17 @@ Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequenc
     MixProjected(run, f, p, batch, *scratch);
     return OkStatus();
   }
-  // The summed form's A_cat is n·L·h floats per sequence: run in chunks under the bound.
+  // The summed form's A_cat is n·L·h floats per sequence (its mixes n·h·d when it mixes
+  // first): run in chunks under the bound.
   size_t first = 0;
   while (first < batch.size()) {
     size_t last = first;
     int64_t bytes = 0;
     do {
-      bytes += batch[last].n() * batch[last].visible_keys() * f.config.heads * int64_t{sizeof(float)};
+      bytes += SummedScratchFloats(run, f, batch[last]) * int64_t{sizeof(float)};
       ++last;
     } while (last < batch.size() &&
-             bytes + batch[last].n() * batch[last].visible_keys() * f.config.heads * int64_t{sizeof(float)} <=
-                 max_score_scratch_bytes_);
+             bytes + SummedScratchFloats(run, f, batch[last]) * int64_t{sizeof(float)} <= max_score_scratch_bytes_);
     MixSummed(run, f, p, batch, first, last, *scratch);
     first = last;
   }

@@ -27,6 +27,9 @@ struct CpuBackendOptions {
   // caller, unless it grew beyond this: then it is freed, so one large batch does not hold its
   // memory for good. The memory budget counts scratch only while a batch runs (ScratchBytes).
   int64_t max_retained_scratch_bytes = int64_t{256} << 20;
+  // The summed form mixes a sequence's keys before projecting them where it has fewer queries
+  // than keys (SummedMixesFirst); false projects first always (for comparisons).
+  bool summed_mix_first = true;
 };
 
 struct ForwardScratch;
@@ -41,7 +44,12 @@ class CpuBackend final : public Backend {
   Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override;
   int64_t ScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch,
                        bool self_attention) const override {
-    return ForwardScratchBytes(form, batch, self_attention, threads_, max_score_scratch_bytes_);
+    return ForwardScratchBytes(form, batch, self_attention, threads_, max_score_scratch_bytes_,
+                               summed_mix_first_);
+  }
+  // The summed form mixes first where that is cheaper (SummedMixesFirst).
+  double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const override {
+    return ForwardFlops(form, batch, summed_mix_first_);
   }
 
   int threads() const { return threads_; }
@@ -57,6 +65,7 @@ class CpuBackend final : public Backend {
   GemmLibrary gemm_;
   int64_t max_score_scratch_bytes_;
   int64_t max_retained_scratch_bytes_;
+  bool summed_mix_first_;
   mutable std::mutex scratch_mu_;
   std::vector<std::unique_ptr<ForwardScratch>> free_scratch_;  // guarded by scratch_mu_
 };

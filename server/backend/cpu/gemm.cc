@@ -21,13 +21,18 @@ using MutableMap = Eigen::Map<RowMatrix, 0, Stride>;
 ConstMap AsEigen(ConstMatrixView v) { return ConstMap(v.data, v.rows, v.cols, Stride(v.ld)); }
 MutableMap AsEigen(MatrixView v) { return MutableMap(v.data, v.rows, v.cols, Stride(v.ld)); }
 
-void EigenGemm(ConstMatrixView x, ConstMatrixView w, bool transpose_w, float alpha, MatrixView y) {
+void EigenGemm(ConstMatrixView x, ConstMatrixView w, bool transpose_w, float alpha, MatrixView y, bool accumulate) {
   // The scale on the left: Eigen folds it into the GEMM's alpha (on the right it evaluates the
   // product into a temporary of its own first).
-  if (transpose_w) {
-    AsEigen(y).noalias() = alpha * AsEigen(x) * AsEigen(w).transpose();
+  auto out = AsEigen(y);
+  if (transpose_w && accumulate) {
+    out.noalias() += alpha * AsEigen(x) * AsEigen(w).transpose();
+  } else if (transpose_w) {
+    out.noalias() = alpha * AsEigen(x) * AsEigen(w).transpose();
+  } else if (accumulate) {
+    out.noalias() += alpha * AsEigen(x) * AsEigen(w);
   } else {
-    AsEigen(y).noalias() = alpha * AsEigen(x) * AsEigen(w);
+    out.noalias() = alpha * AsEigen(x) * AsEigen(w);
   }
 }
 
@@ -61,11 +66,11 @@ const IsaCap& Cap() {
 // oneDNN runs its GEMM on as many OpenMP threads as the calling thread's ICV allows when it is
 // not inside an active parallel region. Callers here split the work themselves, so the call is
 // held to this thread.
-bool OneDnnGemm(ConstMatrixView x, ConstMatrixView w, bool transpose_w, float alpha, MatrixView y) {
+bool OneDnnGemm(ConstMatrixView x, ConstMatrixView w, bool transpose_w, float alpha, MatrixView y, bool accumulate) {
   const int outer = omp_in_parallel() ? 0 : omp_get_max_threads();
   if (outer > 1) omp_set_num_threads(1);
   const dnnl_status_t status = dnnl_sgemm('N', transpose_w ? 'T' : 'N', y.rows, y.cols, x.cols, alpha, x.data,
-                                          x.ld, w.data, w.ld, 0.0f, y.data, y.ld);
+                                          x.ld, w.data, w.ld, accumulate ? 1.0f : 0.0f, y.data, y.ld);
   if (outer > 1) omp_set_num_threads(outer);
   return status == dnnl_success;
 }
@@ -100,10 +105,10 @@ std::string_view CpuIsa() { return Cap().name; }
 bool CpuIsaAllowsAvx512() { return Cap().avx512; }
 
 void GemmOnThisThread(GemmLibrary library, ConstMatrixView x, ConstMatrixView w, bool transpose_w, float alpha,
-                      MatrixView y) {
+                      MatrixView y, bool accumulate) {
   if (y.rows == 0 || y.cols == 0) return;
   if (x.cols == 0) {
-    AsEigen(y).setZero();
+    if (!accumulate) AsEigen(y).setZero();
     return;
   }
 #ifdef ATTNSERVE_HAVE_ONEDNN
@@ -114,13 +119,13 @@ void GemmOnThisThread(GemmLibrary library, ConstMatrixView x, ConstMatrixView w,
   // block, which Eigen multiplies in 0.5 µs) outweighs its speed below about 64K multiply-adds.
   constexpr int64_t kOneDnnMinMultiplyAdds = int64_t{1} << 16;
   if (library == GemmLibrary::kOneDnn && y.rows * y.cols * x.cols >= kOneDnnMinMultiplyAdds &&
-      OneDnnGemm(x, w, transpose_w, alpha, y)) {
+      OneDnnGemm(x, w, transpose_w, alpha, y, accumulate)) {
     return;
   }
 #else
   (void)library;
 #endif
-  EigenGemm(x, w, transpose_w, alpha, y);
+  EigenGemm(x, w, transpose_w, alpha, y, accumulate);
 }
 
 }  // namespace attnserve

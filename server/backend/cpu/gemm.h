@@ -40,8 +40,9 @@ std::string_view CpuIsa();
 bool CpuIsaAllowsAvx512();
 
 // y = alpha · x · w, with x [r, k], w [k, c] (or wᵀ when transpose_w: w is [c, k]), y [r, c];
-// every view with its own row stride. Single-threaded: callers split the work themselves.
+// every view with its own row stride; with `accumulate`, y += alpha · x · w. Single-threaded:
+// callers split the work themselves.
 void GemmOnThisThread(GemmLibrary library, ConstMatrixView x, ConstMatrixView w, bool transpose_w, float alpha,
-                      MatrixView y);
+                      MatrixView y, bool accumulate = false);
 
 }  // namespace attnserve
