@@ -24,10 +24,11 @@ Status DeadItemStatus(const BatchItem& item, Clock::time_point now) {
   // gRPC's timer and our steady-clock copy of the deadline differ by a little; a call found
   // cancelled within kDeadlineSlack of its deadline expired.
   if (now >= item.deadline || (item.deadline - now <= kDeadlineSlack && item.Cancelled())) {
-    return Status(StatusCode::kDeadlineExceeded,
-                  "deadline passed while queued (" +
-                      std::to_string(std::chrono::duration_cast<std::chrono::microseconds>(now - item.enqueued).count()) +
-                      " us in queue); the request was not run");
+    return Status(
+        StatusCode::kDeadlineExceeded,
+        "deadline passed while queued (" +
+            std::to_string(std::chrono::duration_cast<std::chrono::microseconds>(now - item.enqueued).count()) +
+            " us in queue); the request was not run");
   }
   if (item.Cancelled()) return Status(StatusCode::kCancelled, "request cancelled by the client while queued");
   return OkStatus();

@@ -110,11 +110,11 @@ class Batcher {
   const QueueName name_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  Queues queues_;          // guarded by mu_
-  int depth_ = 0;          // guarded by mu_
-  bool draining_ = false;  // guarded by mu_
+  Queues queues_;                                                // guarded by mu_
+  int depth_ = 0;                                                // guarded by mu_
+  bool draining_ = false;                                        // guarded by mu_
   Clock::time_point drain_deadline_ = Clock::time_point::max();  // guarded by mu_
-  bool joined_ = false;    // guarded by drain_mu_
+  bool joined_ = false;                                          // guarded by drain_mu_
   std::mutex drain_mu_;
   std::vector<std::thread> workers_;
 };

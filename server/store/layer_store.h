@@ -1,11 +1,11 @@
 // LayerStore: the layers this server holds, by name, each in every form it keeps.
-// A Layer (server/layer/loaded_layer.h) is immutable once published; readers take a shared_ptr and keep it for the whole
-// request, so an unload or replace never frees weights a batch is using.
+// A Layer (server/layer/loaded_layer.h) is immutable once published; readers take a shared_ptr
+// and keep it for the whole request, so an unload or replace never frees weights a batch is using.
 // Thread-safety: every method may be called from any thread.
 #pragma once
 
-#include <cstddef>
 #include <climits>
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>

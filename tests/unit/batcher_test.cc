@@ -92,7 +92,7 @@ TEST(BatcherTest, TokenBudgetSplitsBatches) {
   Log log;
   std::promise<void> open;
   TestBatcher batcher({.max_batch_requests = 100, .max_batch_tokens = 10, .max_queue_delay = 10s},
-                  Recorder(&log, open.get_future().share()));
+                      Recorder(&log, open.get_future().share()));
   // 4 + 4 fit in 10 tokens, the third does not: the first batch is full and goes.
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(i, &log, 4)).ok());
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(3, &log, 50)).ok());  // bigger than a batch: alone
@@ -133,14 +133,14 @@ TEST(BatcherTest, FailingBatchFailsItsItemsAndWorkerGoesOn) {
   std::atomic<int> calls{0};
   std::vector<int> first_batch;  // written by the worker's first call, read after WaitEnded
   TestBatcher batcher({.max_batch_requests = 2, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
-                  [&](const std::string&, TestItems batch) {
-                    if (calls++ == 0) {
-                      for (auto& item : batch) first_batch.push_back(item->id);
-                      for (auto& item : batch) item->Fail(InternalError("device fault in batch"));
-                      return;
-                    }
-                    Recorder(&log)("q", std::move(batch));
-                  });
+                      [&](const std::string&, TestItems batch) {
+                        if (calls++ == 0) {
+                          for (auto& item : batch) first_batch.push_back(item->id);
+                          for (auto& item : batch) item->Fail(InternalError("device fault in batch"));
+                          return;
+                        }
+                        Recorder(&log)("q", std::move(batch));
+                      });
   // Items 0 and 1 share the first batch or not (a 1 ms delay on a loaded machine): either way
   // the first batch's items fail with its reason, and every later item runs.
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
@@ -166,7 +166,7 @@ TEST(BatcherTest, ExpiredAndCancelledItemsNeverRun) {
   Log log;
   std::promise<void> open;
   TestBatcher batcher({.max_batch_requests = 10, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
-                  Recorder(&log, open.get_future().share()));
+                      Recorder(&log, open.get_future().share()));
   // A first batch holds the worker while the others wait in the queue.
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
   log.WaitStarted(1);  // the worker holds item 0
@@ -196,7 +196,7 @@ TEST(BatcherTest, AnExpiredItemThatAlsoReadsCancelledIsADeadline) {
   Log log;
   std::promise<void> open;
   TestBatcher batcher({.max_batch_requests = 10, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
-                  Recorder(&log, open.get_future().share()));
+                      Recorder(&log, open.get_future().share()));
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
   log.WaitStarted(1);  // the worker holds item 0
   auto expired = std::make_unique<TestItem>(1, &log);
@@ -216,8 +216,9 @@ TEST(BatcherTest, AnExpiredItemThatAlsoReadsCancelledIsADeadline) {
 TEST(BatcherTest, FullQueueRefusesAtOnceAndAcceptedStillComplete) {
   Log log;
   std::promise<void> open;
-  TestBatcher batcher({.max_batch_requests = 1, .max_batch_tokens = 1000, .max_queue_delay = 1ms, .max_queue_requests = 2},
-                  Recorder(&log, open.get_future().share()));
+  TestBatcher batcher(
+      {.max_batch_requests = 1, .max_batch_tokens = 1000, .max_queue_delay = 1ms, .max_queue_requests = 2},
+      Recorder(&log, open.get_future().share()));
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
   log.WaitStarted(1);  // the worker holds item 0
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(1, &log)).ok());
@@ -238,10 +239,10 @@ TEST(BatcherTest, FullQueueRefusesAtOnceAndAcceptedStillComplete) {
 TEST(BatcherTest, DrainRunsWhatWasAcceptedThenRefuses) {
   Log log;
   TestBatcher batcher({.max_batch_requests = 3, .max_batch_tokens = 1000, .max_queue_delay = 10s, .workers = 2},
-                  [&](const std::string& q, TestItems batch) {
-                    std::this_thread::sleep_for(2ms);
-                    Recorder(&log)(q, std::move(batch));
-                  });
+                      [&](const std::string& q, TestItems batch) {
+                        std::this_thread::sleep_for(2ms);
+                        Recorder(&log)(q, std::move(batch));
+                      });
   constexpr int kSent = 50;
   std::vector<std::thread> senders;
   std::atomic<int> refused{0};
@@ -267,7 +268,7 @@ TEST(BatcherTest, DrainTimeoutFailsWhatCouldNotRun) {
   Log log;
   std::promise<void> open;
   TestBatcher batcher({.max_batch_requests = 1, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
-                  Recorder(&log, open.get_future().share()));
+                      Recorder(&log, open.get_future().share()));
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(i, &log)).ok());
   log.WaitStarted(1);  // item 0 is running (held by the gate)
   // The gate opens once the drain has failed the two it could not run, never before.
