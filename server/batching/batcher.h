@@ -69,7 +69,8 @@ class Batcher {
   using Items = std::vector<std::unique_ptr<Item>>;
   // Runs one batch: every item of one queue; ends each item (the batcher does not look again).
   using RunBatch = std::function<void(const Key& queue, Items batch)>;
-  // How a queue is named in messages (e.g. "layer/form/device#serial").
+  // How a queue is named in messages (e.g. "layer/form/device#serial"). Runs under the
+  // batcher's lock, like BatchItem::OnQueued: cheap, and no call back into the batcher.
   using QueueName = std::function<std::string(const Key& queue)>;
 
   // `name` may be left empty when Key is a std::string.
