@@ -219,9 +219,9 @@ StatusOr<Ceiling> MeasureCeiling(const Options& opt, int threads, const std::vec
   if (opt.device == "cpu") return BestGemm(libraries, shapes, threads, opt.min_time_s);
 #ifdef ATTNSERVE_HAVE_CUDA
   const int device = opt.device.size() > 5 ? std::atoi(opt.device.c_str() + 5) : 0;
-  auto gflops = CudaSgemmGflops({.device = device, .tf32 = opt.tf32}, 8192);
-  if (!gflops.ok()) return gflops.status();
-  return Ceiling{*gflops, opt.tf32 ? "cublas-tf32 8192x8192x8192" : "cublas 8192x8192x8192", {8192, 8192, 8192}, nullptr};
+  ATTNSERVE_ASSIGN_OR_RETURN(auto gflops, CudaSgemmGflops({.device = device, .tf32 = opt.tf32}, 8192));
+  return Ceiling{
+      gflops, opt.tf32 ? "cublas-tf32 8192x8192x8192" : "cublas 8192x8192x8192", {8192, 8192, 8192}, nullptr};
 #else
   (void)threads, (void)libraries, (void)shapes;
   return InvalidArgumentError("no CUDA in this build");

@@ -159,15 +159,11 @@ StatusOr<std::string> ReadPem(const std::string& what, const std::string& path) 
 StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const ServerOptions& options) {
   if (options.tls_cert.empty()) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions ssl;
-  auto cert = ReadPem("--tls-cert", options.tls_cert);
-  if (!cert.ok()) return cert.status();
-  auto key = ReadPem("--tls-key", options.tls_key);
-  if (!key.ok()) return key.status();
-  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  ATTNSERVE_ASSIGN_OR_RETURN(auto cert, ReadPem("--tls-cert", options.tls_cert));
+  ATTNSERVE_ASSIGN_OR_RETURN(auto key, ReadPem("--tls-key", options.tls_key));
+  ssl.pem_key_cert_pairs.push_back({key, cert});
   if (!options.tls_client_ca.empty()) {
-    auto ca = ReadPem("--tls-client-ca", options.tls_client_ca);
-    if (!ca.ok()) return ca.status();
-    ssl.pem_root_certs = *ca;
+    ATTNSERVE_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadPem("--tls-client-ca", options.tls_client_ca));
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(ssl);

@@ -93,8 +93,7 @@ Status AddRoute(const std::string& what, const std::string& value, ServerOptions
     Status name = ValidateLayerName(layer);
     if (!name.ok()) return InvalidArgumentError(what + ": " + name.message());
   }
-  StatusOr<RouteSplit> split = ParseRouteSpec(spec, what + " " + layer);
-  if (!split.ok()) return split.status();
+  ATTNSERVE_ASSIGN_OR_RETURN(RouteSplit split, ParseRouteSpec(spec, what + " " + layer));
   for (auto& r : o->routes) {
     if (r.first == layer) {
       r.second = spec;

@@ -2,11 +2,16 @@
 // FIFO queue per key, and worker threads take batches from them under a policy (requests,
 // tokens, queue delay) and hand each batch to a function. Expired and cancelled items are
 // dropped before a batch is formed, so they never take a slot.
+// Batcher<Key, Item>: Key is ordered (operator<) and names its queue in messages through the
+// constructor's QueueName (a std::string key names itself); Item derives from BatchItem, and
+// the batch function receives the items as that type.
 // Thread-safety: Enqueue, QueueDepth and Drain may be called from any thread; the batch
 // function runs on the batcher's worker threads; Drain must not be called from it.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
+#include <concepts>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -16,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "server/core/status.h"
@@ -50,55 +56,234 @@ class BatchItem {
   Clock::time_point deadline = Clock::time_point::max();
 };
 
-using BatchItems = std::vector<std::unique_ptr<BatchItem>>;
+// The batcher's statuses, shared by every instantiation (batcher.cc).
+Status QueueFullError(const std::string& queue, size_t waiting, int limit);
+Status DrainingError();
+Status DrainTimeoutError(std::chrono::milliseconds timeout);
+// Why a queued item must not run at `now` (deadline passed, cancelled), or OK.
+Status DeadItemStatus(const BatchItem& item, Clock::time_point now);
 
+template <typename Key, std::derived_from<BatchItem> Item>
 class Batcher {
  public:
+  using Items = std::vector<std::unique_ptr<Item>>;
   // Runs one batch: every item of one queue; ends each item (the batcher does not look again).
-  using RunBatch = std::function<void(const std::string& queue, BatchItems batch)>;
+  using RunBatch = std::function<void(const Key& queue, Items batch)>;
+  // How a queue is named in messages (e.g. "layer/form/device#serial"). Runs under the
+  // batcher's lock, like BatchItem::OnQueued: cheap, and no call back into the batcher.
+  using QueueName = std::function<std::string(const Key& queue)>;
 
-  Batcher(BatchPolicy policy, RunBatch run);
-  ~Batcher();  // Drain(0)
+  // `name` may be left empty when Key is a std::string.
+  Batcher(BatchPolicy policy, RunBatch run, QueueName name = {});
+  ~Batcher() { Drain(std::chrono::milliseconds(0)); }
   Batcher(const Batcher&) = delete;
   Batcher& operator=(const Batcher&) = delete;
 
-  // Queues the item under `queue` (e.g. "layer/form/device"). On refusal (queue full,
-  // draining) the item is failed here with the returned status, so every item ends exactly
-  // once: through Fail or through the batch function.
-  Status Enqueue(const std::string& queue, std::unique_ptr<BatchItem> item);
+  // Queues the item under `queue`. On refusal (queue full, draining) the item is failed here
+  // with the returned status, so every item ends exactly once: through Fail or through the
+  // batch function.
+  Status Enqueue(const Key& queue, std::unique_ptr<Item> item);
 
   // Stops accepting (UNAVAILABLE), runs what is queued until `timeout` has passed, fails what
   // is left with UNAVAILABLE, joins the workers. Idempotent. Returns the number of items
   // failed because the timeout passed.
   int Drain(std::chrono::milliseconds timeout);
 
-  int QueueDepth(const std::string& queue) const;
+  int QueueDepth(const Key& queue) const;
   int TotalDepth() const;
 
  private:
   struct Queue {
-    std::deque<std::unique_ptr<BatchItem>> items;
+    std::deque<std::unique_ptr<Item>> items;
   };
+  using Queues = std::map<Key, Queue>;
   void Work();
-  // Under mu_: the queue whose head has waited longest, or nullptr.
-  std::map<std::string, Queue>::iterator OldestQueue();
+  // Under mu_: the queue whose head has waited longest, or end().
+  typename Queues::iterator OldestQueue();
   // Under mu_: removes expired or cancelled items from the front part that would be batched.
-  void DropDead(Queue& q, std::vector<std::pair<std::unique_ptr<BatchItem>, Status>>& dead);
+  void DropDead(Queue& q, std::vector<std::pair<std::unique_ptr<Item>, Status>>& dead);
   // Under mu_: true when the queue's head batch should go now.
   bool Ready(const Queue& q, Clock::time_point now) const;
-  BatchItems TakeBatch(Queue& q);
+  Items TakeBatch(Queue& q);
 
   const BatchPolicy policy_;
   const RunBatch run_;
+  const QueueName name_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::map<std::string, Queue> queues_;  // guarded by mu_
-  int depth_ = 0;                        // guarded by mu_
-  bool draining_ = false;                // guarded by mu_
+  Queues queues_;                                                // guarded by mu_
+  int depth_ = 0;                                                // guarded by mu_
+  bool draining_ = false;                                        // guarded by mu_
   Clock::time_point drain_deadline_ = Clock::time_point::max();  // guarded by mu_
-  bool joined_ = false;                  // guarded by drain_mu_
+  bool joined_ = false;                                          // guarded by drain_mu_
   std::mutex drain_mu_;
   std::vector<std::thread> workers_;
 };
+
+// ---- Implementation (a template: every user instantiates it) ----
+
+template <typename Key, std::derived_from<BatchItem> Item>
+Batcher<Key, Item>::Batcher(BatchPolicy policy, RunBatch run, QueueName name)
+    : policy_(policy), run_(std::move(run)), name_([&name]() -> QueueName {
+        if constexpr (std::convertible_to<const Key&, std::string>) {
+          if (!name) return [](const Key& key) { return std::string(key); };
+        }
+        return std::move(name);
+      }()) {
+  for (int i = 0; i < std::max(1, policy_.workers); ++i) workers_.emplace_back([this] { Work(); });
+}
+
+template <typename Key, std::derived_from<BatchItem> Item>
+Status Batcher<Key, Item>::Enqueue(const Key& queue, std::unique_ptr<Item> item) {
+  Status refusal;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (draining_) {
+      refusal = DrainingError();
+    } else {
+      Queue& q = queues_[queue];
+      if (static_cast<int>(q.items.size()) >= policy_.max_queue_requests) {
+        refusal = QueueFullError(name_(queue), q.items.size(), policy_.max_queue_requests);
+        if (q.items.empty()) queues_.erase(queue);
+      } else {
+        q.items.push_back(std::move(item));
+        q.items.back()->OnQueued();
+        ++depth_;
+        cv_.notify_all();
+        return OkStatus();
+      }
+    }
+  }
+  item->Fail(refusal);
+  return refusal;
+}
+
+template <typename Key, std::derived_from<BatchItem> Item>
+int Batcher<Key, Item>::QueueDepth(const Key& queue) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = queues_.find(queue);
+  return it == queues_.end() ? 0 : static_cast<int>(it->second.items.size());
+}
+
+template <typename Key, std::derived_from<BatchItem> Item>
+int Batcher<Key, Item>::TotalDepth() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return depth_;
+}
+
+template <typename Key, std::derived_from<BatchItem> Item>
+typename Batcher<Key, Item>::Queues::iterator Batcher<Key, Item>::OldestQueue() {
+  auto oldest = queues_.end();
+  for (auto it = queues_.begin(); it != queues_.end(); ++it) {
+    if (it->second.items.empty()) continue;
+    if (oldest == queues_.end() || it->second.items.front()->enqueued < oldest->second.items.front()->enqueued) {
+      oldest = it;
+    }
+  }
+  return oldest;
+}
+
+template <typename Key, std::derived_from<BatchItem> Item>
+void Batcher<Key, Item>::DropDead(Queue& q, std::vector<std::pair<std::unique_ptr<Item>, Status>>& dead) {
+  const Clock::time_point now = Clock::now();
+  for (auto it = q.items.begin(); it != q.items.end();) {
+    Status why = DeadItemStatus(**it, now);
+    if (why.ok()) {
+      ++it;
+      continue;
+    }
+    dead.emplace_back(std::move(*it), std::move(why));
+    it = q.items.erase(it);
+    --depth_;
+  }
+}
+
+template <typename Key, std::derived_from<BatchItem> Item>
+bool Batcher<Key, Item>::Ready(const Queue& q, Clock::time_point now) const {
+  int count = 0;
+  int64_t tokens = 0;
+  for (const auto& item : q.items) {
+    if (count == policy_.max_batch_requests) return true;
+    if (count > 0 && tokens + item->tokens > policy_.max_batch_tokens) return true;
+    ++count;
+    tokens += item->tokens;
+  }
+  return count >= policy_.max_batch_requests || tokens >= policy_.max_batch_tokens ||
+         now - q.items.front()->enqueued >= policy_.max_queue_delay;
+}
+
+template <typename Key, std::derived_from<BatchItem> Item>
+typename Batcher<Key, Item>::Items Batcher<Key, Item>::TakeBatch(Queue& q) {
+  Items batch;
+  int64_t tokens = 0;
+  while (!q.items.empty() && static_cast<int>(batch.size()) < policy_.max_batch_requests) {
+    if (!batch.empty() && tokens + q.items.front()->tokens > policy_.max_batch_tokens) break;
+    tokens += q.items.front()->tokens;
+    batch.push_back(std::move(q.items.front()));
+    q.items.pop_front();
+  }
+  depth_ -= static_cast<int>(batch.size());
+  return batch;
+}
+
+template <typename Key, std::derived_from<BatchItem> Item>
+void Batcher<Key, Item>::Work() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    auto it = OldestQueue();
+    if (it == queues_.end()) {
+      if (draining_) return;  // nothing left to run
+      cv_.wait(lock);
+      continue;
+    }
+    std::vector<std::pair<std::unique_ptr<Item>, Status>> dead;
+    DropDead(it->second, dead);
+    if (!dead.empty()) {
+      if (it->second.items.empty()) queues_.erase(it);
+      cv_.notify_all();  // depth changed: a drain may be waiting for it
+      lock.unlock();
+      for (auto& [item, why] : dead) item->Fail(why);
+      lock.lock();
+      continue;
+    }
+    const Clock::time_point now = Clock::now();
+    if (!draining_ && !Ready(it->second, now)) {
+      // Wait for the oldest item's delay to run out, or for news (a new item, a drain).
+      cv_.wait_until(lock, it->second.items.front()->enqueued + policy_.max_queue_delay);
+      continue;
+    }
+    const Key key = it->first;
+    Items batch = TakeBatch(it->second);
+    if (it->second.items.empty()) queues_.erase(it);
+    cv_.notify_all();
+    lock.unlock();
+    run_(key, std::move(batch));
+    lock.lock();
+  }
+}
+
+template <typename Key, std::derived_from<BatchItem> Item>
+int Batcher<Key, Item>::Drain(std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> drain_lock(drain_mu_);
+  if (joined_) return 0;
+  Items left;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    draining_ = true;
+    drain_deadline_ = Clock::now() + timeout;
+    cv_.notify_all();
+    cv_.wait_until(lock, drain_deadline_, [this] { return depth_ == 0; });
+    for (auto& [key, q] : queues_) {
+      for (auto& item : q.items) left.push_back(std::move(item));
+    }
+    queues_.clear();
+    depth_ = 0;
+    cv_.notify_all();
+  }
+  for (auto& item : left) item->Fail(DrainTimeoutError(timeout));
+  for (auto& w : workers_) w.join();
+  joined_ = true;
+  return static_cast<int>(left.size());
+}
 
 }  // namespace attnserve

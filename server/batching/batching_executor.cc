@@ -13,51 +13,50 @@ int64_t Micros(Clock::duration d) { return std::chrono::duration_cast<std::chron
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-class ForwardItem final : public BatchItem {
- public:
-  ForwardItem(ForwardJob job, BatchObserver* observer) : job_(std::move(job)), observer_(observer) {
-    enqueued = job_.enqueued;
-    deadline = job_.deadline;
-    tokens = 0;
-    for (const Sequence& s : job_.sequences) tokens += s.n() + (s.self_attention() ? 0 : s.m());
-  }
-  bool Cancelled() const override { return job_.cancelled && job_.cancelled(); }
-  void OnQueued() override {
-    queued_ = true;
-    if (observer_ != nullptr) observer_->JobQueued(job_.layer->name, job_.form);
-  }
-  // Leaves the queue into a batch at `when`.
-  void Dequeue(Clock::time_point when) {
-    if (queued_ && observer_ != nullptr) observer_->JobDequeued(job_.layer->name, job_.form, Seconds(when - enqueued));
-    queued_ = false;
-  }
-  void Fail(Status status) override {
-    const Clock::time_point now = Clock::now();
-    Dequeue(now);
-    JobTimings timings;
-    timings.queue_us = Micros(now - enqueued);
-    job_.done(std::move(status), timings);
-  }
-  ForwardJob& job() { return job_; }
-
- private:
-  ForwardJob job_;
-  BatchObserver* observer_;
-  bool queued_ = false;  // touched under the batcher's lock or by the one thread that owns the item
-};
-
 }  // namespace
+
+ForwardItem::ForwardItem(ForwardJob job, BatchObserver* observer) : job_(std::move(job)), observer_(observer) {
+  enqueued = job_.enqueued;
+  deadline = job_.deadline;
+  tokens = 0;
+  for (const Sequence& s : job_.sequences) tokens += s.n() + (s.self_attention() ? 0 : s.m());
+}
+
+bool ForwardItem::Cancelled() const { return job_.cancelled && job_.cancelled(); }
+
+void ForwardItem::OnQueued() {
+  queued_ = true;
+  if (observer_ != nullptr) observer_->JobQueued(job_.layer->name, job_.form);
+}
+
+void ForwardItem::Dequeue(Clock::time_point when) {
+  if (queued_ && observer_ != nullptr) observer_->JobDequeued(job_.layer->name, job_.form, Seconds(when - enqueued));
+  queued_ = false;
+}
+
+void ForwardItem::Fail(Status status) {
+  const Clock::time_point now = Clock::now();
+  Dequeue(now);
+  JobTimings timings;
+  timings.queue_us = Micros(now - enqueued);
+  job_.done(std::move(status), timings);
+}
 
 BatchingExecutor::BatchingExecutor(Backend* backend, BatchPolicy policy, BatchObserver* observer)
     : backend_(backend),
       observer_(observer),
-      batcher_(policy, [this](const std::string&, BatchItems batch) { RunBatch(std::move(batch)); }) {}
+      batcher_(
+          policy,
+          [this](const ForwardQueue& queue, std::vector<std::unique_ptr<ForwardItem>> batch) {
+            RunBatch(queue, std::move(batch));
+          },
+          [this](const ForwardQueue& queue) { return QueueName(queue); }) {}
 
-std::string BatchingExecutor::QueueName(const Layer& layer, Form form) const {
-  // The load's serial number keeps a replaced layer's jobs apart from its successor's: a batch
-  // runs on exactly one set of weights. (Not its address: queue names reach error messages.)
-  return layer.name + "/" + std::string(FormName(form)) + "/" + backend_->DeviceName() + "#" +
-         std::to_string(layer.serial);
+std::string BatchingExecutor::QueueName(const ForwardQueue& queue) const {
+  // Queue names reach error messages: the load's serial number tells a replaced layer's queue
+  // from its successor's, where an address would say nothing.
+  return queue.layer->name + "/" + std::string(FormName(queue.form)) + "/" + backend_->DeviceName() + "#" +
+         std::to_string(queue.layer->serial);
 }
 
 void BatchingExecutor::Submit(ForwardJob job) {
@@ -67,25 +66,24 @@ void BatchingExecutor::Submit(ForwardJob job) {
              JobTimings{});
     return;
   }
-  const std::string queue = QueueName(*job.layer, job.form);
+  const ForwardQueue queue{job.layer.get(), job.form};
   // Enqueue ends the item itself when it refuses (full queue, draining): nothing more to do.
   (void)batcher_.Enqueue(queue, std::make_unique<ForwardItem>(std::move(job), observer_));
 }
 
-void BatchingExecutor::RunBatch(BatchItems batch) {
+void BatchingExecutor::RunBatch(const ForwardQueue& queue, std::vector<std::unique_ptr<ForwardItem>> batch) {
   std::vector<Sequence> sequences;
   std::vector<SequenceShape> shapes;
   for (auto& item : batch) {
-    for (const Sequence& s : static_cast<ForwardItem&>(*item).job().sequences) {
+    for (const Sequence& s : item->job().sequences) {
       sequences.push_back(s);
       shapes.push_back({.n = s.n(), .m = s.m(), .keys = s.visible_keys()});
     }
   }
-  ForwardJob& first = static_cast<ForwardItem&>(*batch.front()).job();
-  const Layer& layer = *first.layer;
-  const ResidentForm& form = *layer.Find(first.form);
+  const Layer& layer = *queue.layer;
+  const ResidentForm& form = *layer.Find(queue.form);
   const Clock::time_point start = Clock::now();
-  for (auto& item : batch) static_cast<ForwardItem&>(*item).Dequeue(start);
+  for (auto& item : batch) item->Dequeue(start);
   Status status;
   // No exception may escape a worker thread; the backend's only expected one is bad_alloc.
   try {
@@ -104,7 +102,7 @@ void BatchingExecutor::RunBatch(BatchItems batch) {
     const std::string device = backend_->DeviceName();
     BatchReport report;
     report.layer = layer.name;
-    report.form = first.form;
+    report.form = queue.form;
     report.device = device;
     report.requests = static_cast<int32_t>(batch.size());
     for (const SequenceShape& s : shapes) report.tokens += s.n;
@@ -114,7 +112,7 @@ void BatchingExecutor::RunBatch(BatchItems batch) {
     observer_->BatchDone(report);
   }
   for (auto& item : batch) {
-    ForwardJob& job = static_cast<ForwardItem&>(*item).job();
+    ForwardJob& job = item->job();
     JobTimings timings;
     timings.queue_us = Micros(start - job.enqueued);
     timings.compute_us = Micros(end - start);

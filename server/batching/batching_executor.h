@@ -7,6 +7,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -16,6 +17,36 @@
 #include "server/batching/executor.h"
 
 namespace attnserve {
+
+// A batch runs on exactly one set of weights: jobs queue per loaded Layer (a replaced layer and
+// its successor are different objects) and form. The layer outlives its queue: every queued
+// job holds it, and a queue is removed once empty.
+struct ForwardQueue {
+  const Layer* layer = nullptr;
+  Form form = Form::kFactored;
+
+  friend bool operator<(const ForwardQueue& a, const ForwardQueue& b) {
+    if (a.layer != b.layer) return std::less<const Layer*>()(a.layer, b.layer);
+    return a.form < b.form;
+  }
+};
+
+// A Forward job in the batcher's queue.
+class ForwardItem final : public BatchItem {
+ public:
+  ForwardItem(ForwardJob job, BatchObserver* observer);
+  bool Cancelled() const override;
+  void OnQueued() override;
+  void Fail(Status status) override;
+  // Leaves the queue into a batch at `when`.
+  void Dequeue(Clock::time_point when);
+  ForwardJob& job() { return job_; }
+
+ private:
+  ForwardJob job_;
+  BatchObserver* observer_;
+  bool queued_ = false;  // touched under the batcher's lock or by the one thread that owns the item
+};
 
 class BatchingExecutor final : public Executor {
  public:
@@ -28,15 +59,15 @@ class BatchingExecutor final : public Executor {
   int Drain(std::chrono::milliseconds timeout) { return batcher_.Drain(timeout); }
 
   int QueueDepth() const { return batcher_.TotalDepth(); }
-  int QueueDepth(const Layer& layer, Form form) const { return batcher_.QueueDepth(QueueName(layer, form)); }
+  int QueueDepth(const Layer& layer, Form form) const { return batcher_.QueueDepth({&layer, form}); }
 
  private:
-  std::string QueueName(const Layer& layer, Form form) const;
-  void RunBatch(BatchItems batch);
+  std::string QueueName(const ForwardQueue& queue) const;
+  void RunBatch(const ForwardQueue& queue, std::vector<std::unique_ptr<ForwardItem>> batch);
 
   Backend* const backend_;
   BatchObserver* const observer_;
-  Batcher batcher_;  // last: its workers use the members above
+  Batcher<ForwardQueue, ForwardItem> batcher_;  // last: its workers use the members above
 };
 
 }  // namespace attnserve

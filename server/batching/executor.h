@@ -15,7 +15,7 @@
 #include "server/core/forms.h"
 #include "server/core/sequence.h"
 #include "server/core/status.h"
-#include "server/store/layer_store.h"
+#include "server/layer/loaded_layer.h"
 
 namespace attnserve {
 

@@ -95,10 +95,9 @@ StatusOr<LayerConfig> CompleteConfig(LayerConfig c) {
 }
 
 Status ValidateWeights(const LayerWeights& w) {
-  auto complete = CompleteConfig(w.config);
-  if (!complete.ok()) return complete.status();
+  ATTNSERVE_ASSIGN_OR_RETURN(auto complete, CompleteConfig(w.config));
   const LayerConfig& c = w.config;
-  if (c.kv_heads != complete->kv_heads || c.d_head != complete->d_head) {
+  if (c.kv_heads != complete.kv_heads || c.d_head != complete.d_head) {
     return InvalidArgumentError("layer weights: config is not complete (" + c.ToString() + ")");
   }
   const int64_t d = c.d_model, q = c.heads * c.d_head, kv = c.kv_heads * c.d_head;

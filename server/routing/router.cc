@@ -122,9 +122,8 @@ StatusOr<std::pair<std::string, RouteSplit>> ParseRouteFlag(std::string_view fla
                                 "'*=factored:90,summed:10', got '" + Str(flag) + "'");
   }
   const std::string layer = Str(Trim(flag.substr(0, eq)));
-  StatusOr<RouteSplit> split = ParseRouteSpec(flag.substr(eq + 1), Str(what) + " " + layer);
-  if (!split.ok()) return split.status();
-  return std::make_pair(layer, std::move(split).value());
+  ATTNSERVE_ASSIGN_OR_RETURN(RouteSplit split, ParseRouteSpec(flag.substr(eq + 1), Str(what) + " " + layer));
+  return std::make_pair(layer, std::move(split));
 }
 
 uint64_t Fnv1a64(std::string_view bytes) {

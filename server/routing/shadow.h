@@ -24,8 +24,8 @@
 #include "server/batching/memory_budget.h"
 #include "server/core/forms.h"
 #include "server/core/request.h"
+#include "server/layer/loaded_layer.h"
 #include "server/routing/routing_observer.h"
-#include "server/store/layer_store.h"
 
 namespace attnserve {
 

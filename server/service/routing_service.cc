@@ -82,13 +82,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::SetRouting(grpc::CallbackServerC
         return InvalidArgumentError("layer: expected the layer these " + std::to_string(request->weights_size()) +
                                     " weights are for, got an empty string");
       }
-      StatusOr<RouteSplit> split = SplitOf(*request);
-      if (!split.ok()) return split.status();
+      ATTNSERVE_ASSIGN_OR_RETURN(RouteSplit split, SplitOf(*request));
       // Everything is checked before anything changes: a refused call changes nothing.
       if (!request->layer().empty()) {
-        ATTNSERVE_RETURN_IF_ERROR(options_.router->SetRoute(request->layer(), *split));
-        spdlog::info("route {}: {}", request->layer(),
-                     split->empty() ? std::string("removed") : FormatRouteSpec(*split));
+        ATTNSERVE_RETURN_IF_ERROR(options_.router->SetRoute(request->layer(), split));
+        spdlog::info("route {}: {}", request->layer(), split.empty() ? std::string("removed") : FormatRouteSpec(split));
       }
       if (request->has_shadow_rate()) {
         ATTNSERVE_RETURN_IF_ERROR(options_.router->SetShadowRate(request->shadow_rate()));

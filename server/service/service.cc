@@ -515,41 +515,39 @@ void AttentionServiceImpl::StartForward(grpc::CallbackServerContext* context, gr
     size_t held_count = 0;
     for (const auto& [f, _] : layer->forms) held[held_count++] = f;
     const std::span<const Form> held_forms(held, held_count);
-    StatusOr<Form> form =
-        request.form == static_cast<int>(WireForm::kUnspecified) && options_.router != nullptr
-            ? StatusOr<Form>(options_.router->Choose(layer->name, held_forms, request.request_key))
-            : ChooseForm(request.form, *layer);
-    if (!form.ok()) return form.status();
-    counted_form = *form;
+    ATTNSERVE_ASSIGN_OR_RETURN(
+        const Form form, request.form == static_cast<int>(WireForm::kUnspecified) && options_.router != nullptr
+                             ? StatusOr<Form>(options_.router->Choose(layer->name, held_forms, request.request_key))
+                             : ChooseForm(request.form, *layer));
+    counted_form = form;
 
-    StatusOr<DecodedForward> decoded =
-        DecodeForward(layer->config, request, ForwardLimits{.max_score_bytes = options_.max_score_bytes});
-    if (!decoded.ok()) return decoded.status();
+    ATTNSERVE_ASSIGN_OR_RETURN(
+        DecodedForward decoded,
+        DecodeForward(layer->config, request, ForwardLimits{.max_score_bytes = options_.max_score_bytes}));
 
     // A response gRPC would refuse to send is refused before it is computed.
     const int64_t response_bytes =
-        decoded->output_elements() * static_cast<int64_t>(sizeof(float)) + kResponseFraming + request.echoed_bytes;
+        decoded.output_elements() * static_cast<int64_t>(sizeof(float)) + kResponseFraming + request.echoed_bytes;
     if (response_bytes > options_.max_response_bytes) {
-      return ResourceExhaustedError("output: [" + std::to_string(decoded->batch()) + ", " +
-                                    std::to_string(decoded->n()) + ", " + std::to_string(decoded->d_model()) +
-                                    "] float32 takes " + std::to_string(response_bytes) +
+      return ResourceExhaustedError("output: [" + std::to_string(decoded.batch()) + ", " + std::to_string(decoded.n()) +
+                                    ", " + std::to_string(decoded.d_model()) + "] float32 takes " +
+                                    std::to_string(response_bytes) +
                                     " bytes, more than the largest response (--max-message-mb, " +
                                     std::to_string(options_.max_response_bytes) + " bytes); send fewer rows");
     }
     // Admission: the call's whole footprint, or a refusal now (nothing allocated yet).
     MemoryBudget::Reservation reservation;
     if (options_.memory != nullptr) {
-      std::vector<Form> forms = {*form};
+      std::vector<Form> forms = {form};
       if (request.compare) {
         for (const auto& [f, _] : layer->forms) {
-          if (f != *form) forms.push_back(f);
+          if (f != form) forms.push_back(f);
         }
       }
       const int64_t wire_bytes = static_cast<int64_t>(request.input.data.size() + request.context.data.size());
-      StatusOr<MemoryBudget::Reservation> reserved = options_.memory->Reserve(
-          RequestFootprint(*layer, *decoded, forms, wire_bytes, options_.backend), "this request");
-      if (!reserved.ok()) return reserved.status();
-      reservation = std::move(reserved).value();
+      ATTNSERVE_ASSIGN_OR_RETURN(
+          reservation, options_.memory->Reserve(RequestFootprint(*layer, decoded, forms, wire_bytes, options_.backend),
+                                                "this request"));
     }
 
     CallReporting reporting{.metrics = options_.metrics,
@@ -559,11 +557,11 @@ void AttentionServiceImpl::StartForward(grpc::CallbackServerContext* context, gr
                             .backend = options_.backend};
     // `compare` already runs every other form; a shadow of it would measure nothing new.
     if (options_.shadow != nullptr && options_.router != nullptr && !request.compare) {
-      reporting.mirror = options_.router->ShadowMirror(held_forms, *form);
+      reporting.mirror = options_.router->ShadowMirror(held_forms, form);
     }
-    auto call = std::make_shared<ForwardCall>(reactor, std::move(answer), layer, std::move(decoded).value(),
+    auto call = std::make_shared<ForwardCall>(reactor, std::move(answer), layer, std::move(decoded),
                                               std::move(reporting), std::move(reservation), std::move(ticket));
-    ForwardCall::Start(std::move(call), *form, request.compare, executor_, arrived, context);
+    ForwardCall::Start(std::move(call), form, request.compare, executor_, arrived, context);
     return OkStatus();
   });
   // Once Start has run, the jobs' completions answer the call; only earlier errors end here.
@@ -629,10 +627,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
     task.run = [this, reactor, response, answered, name = request->name(), source = request->source()] {
       v1::LayerInfo info;
       Status st = Guarded("LoadLayer", [&]() -> Status {
-        StatusOr<std::shared_ptr<const Layer>> layer = store_->Load(name, source, LoadOrigin::kApi);
-        if (!layer.ok()) return layer.status();
-        if (options_.metrics != nullptr) ReportLayerMetrics(**layer, *options_.metrics);
-        FillLayerInfo(**layer, &info);
+        ATTNSERVE_ASSIGN_OR_RETURN(std::shared_ptr<const Layer> layer, store_->Load(name, source, LoadOrigin::kApi));
+        if (options_.metrics != nullptr) ReportLayerMetrics(*layer, *options_.metrics);
+        FillLayerInfo(*layer, &info);
         return OkStatus();
       });
       if (st.ok()) {

@@ -7,7 +7,7 @@
 
 #include "attnserve/v1/attention.pb.h"
 #include "server/core/spectrum.h"
-#include "server/store/layer_store.h"
+#include "server/layer/loaded_layer.h"
 
 namespace attnserve {
 

@@ -185,13 +185,10 @@ StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForw
     return InvalidArgumentError(input_field + ": expected a [batch, n, d_model=" + std::to_string(config.d_model) +
                                 "] tensor, got none");
   }
-  StatusOr<RequestTensor> input = DecodeTensor(input_field, request.input, config.d_model);
-  if (!input.ok()) return input.status();
-  out.input = std::move(input).value();
+  ATTNSERVE_ASSIGN_OR_RETURN(out.input, DecodeTensor(input_field, request.input, config.d_model));
   if (request.context.present) {
-    StatusOr<RequestTensor> context = DecodeTensor(context_field, request.context, config.d_model, out.input.batch);
-    if (!context.ok()) return context.status();
-    out.context = std::move(context).value();
+    ATTNSERVE_ASSIGN_OR_RETURN(out.context,
+                               DecodeTensor(context_field, request.context, config.d_model, out.input.batch));
   }
   // The input's size is bounded by the message limit, but its scores grow with n · m: bound
   // them before the backend allocates them.

@@ -1,11 +1,11 @@
 // LayerStore: the layers this server holds, by name, each in every form it keeps.
-// A Layer is immutable once published; readers take a shared_ptr and keep it for the whole
-// request, so an unload or replace never frees weights a batch is using.
+// A Layer (server/layer/loaded_layer.h) is immutable once published; readers take a shared_ptr
+// and keep it for the whole request, so an unload or replace never frees weights a batch is using.
 // Thread-safety: every method may be called from any thread.
 #pragma once
 
-#include <cstddef>
 #include <climits>
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -19,37 +19,9 @@
 #include "server/core/layer.h"
 #include "server/core/spectrum.h"
 #include "server/core/status.h"
+#include "server/layer/loaded_layer.h"
 
 namespace attnserve {
-
-struct Layer {
-  std::string name;
-  // Unique per load in this process (a replaced layer and its successor differ), so that work
-  // queued for one set of weights never runs on another.
-  uint64_t serial = 0;
-  // The SOURCE string it was loaded from (docs/sources.md), with a checkpoint's path shown
-  // relative to its model dir, or as its file name alone: no server path leaves the server.
-  std::string source;
-  LayerConfig config;  // complete
-  std::string device;  // the backend's DeviceName()
-  // The forms held, resident on the backend. The factored form is always held.
-  std::map<Form, std::shared_ptr<const ResidentForm>> forms;
-  // Per-head OV and QK spectra, computed once at load (server/core/spectrum.h); null when the
-  // source said spectrum=false.
-  std::shared_ptr<const LayerSpectrum> spectrum;
-  // The low-rank form's selection as the source gave it ("energy:0.99", "budget:256"), the
-  // rank r_i it chose per query head, and the share of Σ_i ‖W_M_i‖_F² those ranks keep.
-  // Empty / 0 when the layer does not hold the low-rank form.
-  std::string lowrank_selection;
-  std::vector<int64_t> lowrank_ranks;
-  double lowrank_kept_energy = 0;
-
-  // nullptr when the layer does not hold that form.
-  const ResidentForm* Find(Form form) const {
-    auto it = forms.find(form);
-    return it == forms.end() ? nullptr : it->second.get();
-  }
-};
 
 // The share of the OV energy Σ_i Σ_{j<r_i} σ_ij² / Σ_i Σ_j σ_ij² that per-head ranks keep
 // (1 for a layer whose OV products are all zero).

@@ -398,9 +398,7 @@ StatusOr<const TensorInfo*> SafetensorsFile::FindFloat(std::string_view name) co
 }
 
 StatusOr<FloatTensor> SafetensorsFile::ReadFloat(std::string_view name) const {
-  auto found = FindFloat(name);
-  if (!found.ok()) return found.status();
-  const TensorInfo* info = *found;
+  ATTNSERVE_ASSIGN_OR_RETURN(const TensorInfo* info, FindFloat(name));
   try {
     FloatTensor out;
     out.shape = info->shape;
@@ -421,9 +419,8 @@ StatusOr<FloatTensor> SafetensorsFile::ReadFloat(std::string_view name) const {
 
 StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path, const std::string& beneath) {
   const std::string at = FilePrefix(path);
-  StatusOr<FileDescriptor> opened = OpenCheckpointFile(beneath, path);
-  if (!opened.ok()) return opened.status();
-  auto fd = std::make_shared<const SafetensorsFile::Fd>(opened->release());
+  ATTNSERVE_ASSIGN_OR_RETURN(FileDescriptor opened, OpenCheckpointFile(beneath, path));
+  auto fd = std::make_shared<const SafetensorsFile::Fd>(opened.release());
   struct stat st {};
   if (::fstat(fd->fd, &st) != 0) return OpenError(path, errno);
   const int64_t file_size = st.st_size;

@@ -192,9 +192,7 @@ Status ParseCommon(const Options& o, SourceSpec* spec) {
   ATTNSERVE_RETURN_IF_ERROR(o.Bool("spectrum", &spec->compute_spectrum));
   ATTNSERVE_RETURN_IF_ERROR(o.Double("rope_theta", 0.0, kMaxRopeTheta, &spec->rope_theta));
   if (o.Has("lowrank")) {
-    auto lowrank = ParseLowRank(o.Get("lowrank"));
-    if (!lowrank.ok()) return lowrank.status();
-    spec->lowrank = std::move(*lowrank);
+    ATTNSERVE_ASSIGN_OR_RETURN(spec->lowrank, ParseLowRank(o.Get("lowrank")));
     if (!spec->compute_spectrum) {
       return InvalidArgumentError("option 'lowrank' needs the layer's spectrum, but spectrum=false: drop one of them");
     }
@@ -203,9 +201,9 @@ Status ParseCommon(const Options& o, SourceSpec* spec) {
 }
 
 Status ParseRandom(const std::vector<std::string_view>& items, SourceSpec* spec) {
-  auto parsed = Options::Parse(items, "random", WithCommon({"d_model", "heads", "kv_heads", "d_head", "bias", "seed"}), {});
-  if (!parsed.ok()) return parsed.status();
-  const Options& o = *parsed;
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      const Options o,
+      Options::Parse(items, "random", WithCommon({"d_model", "heads", "kv_heads", "d_head", "bias", "seed"}), {}));
   for (const char* required : {"d_model", "heads"}) {
     if (!o.Has(required)) {
       return InvalidArgumentError(std::string("missing option '") + required +
@@ -221,9 +219,7 @@ Status ParseRandom(const std::vector<std::string_view>& items, SourceSpec* spec)
   ATTNSERVE_RETURN_IF_ERROR(o.Uint("seed", &spec->seed));
   ATTNSERVE_RETURN_IF_ERROR(ParseCommon(o, spec));
   c.rope_theta = spec->rope_theta.value_or(0.0);
-  auto complete = CompleteConfig(c);
-  if (!complete.ok()) return complete.status();
-  spec->config = *complete;
+  ATTNSERVE_ASSIGN_OR_RETURN(spec->config, CompleteConfig(c));
   return OkStatus();
 }
 
@@ -233,10 +229,9 @@ Status ParseSafetensors(const std::vector<std::string_view>& items, SourceSpec* 
     return InvalidArgumentError("missing the file path (expected safetensors:PATH[,key=value...])");
   }
   // An empty prefix is meaningful: "no prefix", which also turns detection off.
-  auto parsed = Options::Parse({items.begin() + 1, items.end()}, "safetensors",
-                               WithCommon({"arch", "index", "prefix", "heads", "kv_heads"}), {"prefix"});
-  if (!parsed.ok()) return parsed.status();
-  const Options& o = *parsed;
+  ATTNSERVE_ASSIGN_OR_RETURN(const Options o,
+                             Options::Parse({items.begin() + 1, items.end()}, "safetensors",
+                                            WithCommon({"arch", "index", "prefix", "heads", "kv_heads"}), {"prefix"}));
   const ArchLayout* layout = nullptr;
   if (o.Has("arch")) {
     layout = FindArchLayout(o.Get("arch"));
@@ -376,9 +371,8 @@ StatusOr<PickedLayout> PickLayout(const SafetensorsFile& file, const SourceSpec&
     return InvalidArgumentError(FileAt(file) + "holds tensors of several layouts (" + archs + "); give arch=");
   }
   const auto& [layout, anchors] = candidates[0];
-  auto prefix = OnePrefix(file, *layout, anchors);
-  if (!prefix.ok()) return prefix.status();
-  PickedLayout picked{layout, {*prefix, spec.index.value_or(0)}};
+  ATTNSERVE_ASSIGN_OR_RETURN(auto prefix, OnePrefix(file, *layout, anchors));
+  PickedLayout picked{layout, {prefix, spec.index.value_or(0)}};
   ATTNSERVE_RETURN_IF_ERROR(CheckIndexPresent(file, *layout, anchors, picked.at));
   return picked;
 }
@@ -462,24 +456,20 @@ LayerSource WithOptionsOf(const SourceSpec& spec) {
 // Open the file, pick the layout, let it check the shapes and read its config, then size the
 // forms before any weight is read, and let the layout fill the weights.
 StatusOr<LayerSource> LoadSafetensors(const SourceSpec& spec, int64_t max_form_bytes) {
-  auto file = ReadSafetensors(spec.path, spec.model_dir);
-  if (!file.ok()) return file.status();
-  auto picked = PickLayout(*file, spec);
-  if (!picked.ok()) return picked.status();
-  const ArchLayout& layout = *picked->layout;
-  auto widths = layout.check_shapes(*file, picked->at);
-  if (!widths.ok()) return widths.status();
+  ATTNSERVE_ASSIGN_OR_RETURN(auto file, ReadSafetensors(spec.path, spec.model_dir));
+  ATTNSERVE_ASSIGN_OR_RETURN(auto picked, PickLayout(file, spec));
+  const ArchLayout& layout = *picked.layout;
+  ATTNSERVE_ASSIGN_OR_RETURN(auto widths, layout.check_shapes(file, picked.at));
   const std::string at = "safetensors file '" + spec.path + "': ";
   auto heads = layout.read_config(spec);
   if (!heads.ok()) return Prefixed(at, heads.status());
-  auto config = ConfigFromWidths(*widths, *heads, spec, at);
-  if (!config.ok()) return config.status();
-  ATTNSERVE_RETURN_IF_ERROR(CheckFormSizes(*config, spec.hold_summed, max_form_bytes));
+  ATTNSERVE_ASSIGN_OR_RETURN(const LayerConfig config, ConfigFromWidths(widths, *heads, spec, at));
+  ATTNSERVE_RETURN_IF_ERROR(CheckFormSizes(config, spec.hold_summed, max_form_bytes));
 
   LayerSource out = WithOptionsOf(spec);
   out.arch = CheckpointArch(layout.name);
-  out.weights.config = *config;
-  ATTNSERVE_RETURN_IF_ERROR(layout.fill(*file, picked->at, *widths, &out.weights));
+  out.weights.config = config;
+  ATTNSERVE_RETURN_IF_ERROR(layout.fill(file, picked.at, widths, &out.weights));
   Status valid = ValidateWeights(out.weights);
   if (!valid.ok()) return Prefixed(at, valid);
   return out;
@@ -534,11 +524,10 @@ StatusOr<SourceSpec> ParseSource(std::string_view source) {
 StatusOr<LayerSource> LoadSource(const SourceSpec& spec, int64_t max_form_bytes) {
   try {
     if (spec.kind == SourceKind::kSafetensors) return LoadSafetensors(spec, max_form_bytes);
-    auto config = CompleteConfig(spec.config);
-    if (!config.ok()) return config.status();
-    ATTNSERVE_RETURN_IF_ERROR(CheckFormSizes(*config, spec.hold_summed, max_form_bytes));
+    ATTNSERVE_ASSIGN_OR_RETURN(auto config, CompleteConfig(spec.config));
+    ATTNSERVE_RETURN_IF_ERROR(CheckFormSizes(config, spec.hold_summed, max_form_bytes));
     LayerSource out = WithOptionsOf(spec);
-    out.weights = RandomLayerWeights(*config, spec.seed);
+    out.weights = RandomLayerWeights(config, spec.seed);
     ATTNSERVE_RETURN_IF_ERROR(ValidateWeights(out.weights));
     return out;
   } catch (const std::bad_alloc&) {
@@ -549,9 +538,8 @@ StatusOr<LayerSource> LoadSource(const SourceSpec& spec, int64_t max_form_bytes)
 }
 
 StatusOr<LayerSource> LoadSource(std::string_view source, int64_t max_form_bytes) {
-  auto spec = ParseSource(source);
-  if (!spec.ok()) return spec.status();
-  auto loaded = LoadSource(*spec, max_form_bytes);
+  ATTNSERVE_ASSIGN_OR_RETURN(auto spec, ParseSource(source));
+  auto loaded = LoadSource(spec, max_form_bytes);
   if (!loaded.ok()) return Prefixed("source " + QuoteUntrusted(source, 256) + ": ", loaded.status());
   return loaded;
 }

@@ -57,9 +57,12 @@ class TestItem : public BatchItem {
   Log* log_;
 };
 
+using TestBatcher = Batcher<std::string, TestItem>;
+using TestItems = TestBatcher::Items;
+
 // A batch function that records the ids (optionally after a gate opens).
-Batcher::RunBatch Recorder(Log* log, std::shared_future<void> gate = {}) {
-  return [log, gate](const std::string&, BatchItems batch) {
+TestBatcher::RunBatch Recorder(Log* log, std::shared_future<void> gate = {}) {
+  return [log, gate](const std::string&, TestItems batch) {
     {
       std::lock_guard<std::mutex> lock(log->mu);
       ++log->started;
@@ -67,7 +70,7 @@ Batcher::RunBatch Recorder(Log* log, std::shared_future<void> gate = {}) {
     }
     if (gate.valid()) gate.wait();
     std::vector<int> ids;
-    for (auto& item : batch) ids.push_back(static_cast<TestItem&>(*item).id);
+    for (auto& item : batch) ids.push_back(item->id);
     std::lock_guard<std::mutex> lock(log->mu);
     log->batches.push_back(ids);
     log->ended += static_cast<int>(ids.size());
@@ -77,7 +80,7 @@ Batcher::RunBatch Recorder(Log* log, std::shared_future<void> gate = {}) {
 
 TEST(BatcherTest, FullBatchGoesAtOnce) {
   Log log;
-  Batcher batcher({.max_batch_requests = 4, .max_batch_tokens = 1000, .max_queue_delay = 10s}, Recorder(&log));
+  TestBatcher batcher({.max_batch_requests = 4, .max_batch_tokens = 1000, .max_queue_delay = 10s}, Recorder(&log));
   const auto start = Clock::now();
   for (int i = 0; i < 4; ++i) ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(i, &log)).ok());
   log.WaitEnded(4);
@@ -88,8 +91,8 @@ TEST(BatcherTest, FullBatchGoesAtOnce) {
 TEST(BatcherTest, TokenBudgetSplitsBatches) {
   Log log;
   std::promise<void> open;
-  Batcher batcher({.max_batch_requests = 100, .max_batch_tokens = 10, .max_queue_delay = 10s},
-                  Recorder(&log, open.get_future().share()));
+  TestBatcher batcher({.max_batch_requests = 100, .max_batch_tokens = 10, .max_queue_delay = 10s},
+                      Recorder(&log, open.get_future().share()));
   // 4 + 4 fit in 10 tokens, the third does not: the first batch is full and goes.
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(i, &log, 4)).ok());
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(3, &log, 50)).ok());  // bigger than a batch: alone
@@ -105,7 +108,7 @@ TEST(BatcherTest, TokenBudgetSplitsBatches) {
 
 TEST(BatcherTest, DelayTriggerAndFifoOrder) {
   Log log;
-  Batcher batcher({.max_batch_requests = 100, .max_batch_tokens = 1000, .max_queue_delay = 30ms}, Recorder(&log));
+  TestBatcher batcher({.max_batch_requests = 100, .max_batch_tokens = 1000, .max_queue_delay = 30ms}, Recorder(&log));
   const auto start = Clock::now();
   for (int i = 0; i < 5; ++i) ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(i, &log)).ok());
   log.WaitEnded(5);
@@ -117,7 +120,7 @@ TEST(BatcherTest, DelayTriggerAndFifoOrder) {
 
 TEST(BatcherTest, QueuesAreSeparate) {
   Log log;
-  Batcher batcher({.max_batch_requests = 2, .max_batch_tokens = 1000, .max_queue_delay = 20ms}, Recorder(&log));
+  TestBatcher batcher({.max_batch_requests = 2, .max_batch_tokens = 1000, .max_queue_delay = 20ms}, Recorder(&log));
   ASSERT_TRUE(batcher.Enqueue("a", std::make_unique<TestItem>(1, &log)).ok());
   ASSERT_TRUE(batcher.Enqueue("b", std::make_unique<TestItem>(2, &log)).ok());
   log.WaitEnded(2);
@@ -129,15 +132,15 @@ TEST(BatcherTest, FailingBatchFailsItsItemsAndWorkerGoesOn) {
   Log log;
   std::atomic<int> calls{0};
   std::vector<int> first_batch;  // written by the worker's first call, read after WaitEnded
-  Batcher batcher({.max_batch_requests = 2, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
-                  [&](const std::string&, BatchItems batch) {
-                    if (calls++ == 0) {
-                      for (auto& item : batch) first_batch.push_back(static_cast<TestItem&>(*item).id);
-                      for (auto& item : batch) item->Fail(InternalError("device fault in batch"));
-                      return;
-                    }
-                    Recorder(&log)("q", std::move(batch));
-                  });
+  TestBatcher batcher({.max_batch_requests = 2, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
+                      [&](const std::string&, TestItems batch) {
+                        if (calls++ == 0) {
+                          for (auto& item : batch) first_batch.push_back(item->id);
+                          for (auto& item : batch) item->Fail(InternalError("device fault in batch"));
+                          return;
+                        }
+                        Recorder(&log)("q", std::move(batch));
+                      });
   // Items 0 and 1 share the first batch or not (a 1 ms delay on a loaded machine): either way
   // the first batch's items fail with its reason, and every later item runs.
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
@@ -162,8 +165,8 @@ TEST(BatcherTest, FailingBatchFailsItsItemsAndWorkerGoesOn) {
 TEST(BatcherTest, ExpiredAndCancelledItemsNeverRun) {
   Log log;
   std::promise<void> open;
-  Batcher batcher({.max_batch_requests = 10, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
-                  Recorder(&log, open.get_future().share()));
+  TestBatcher batcher({.max_batch_requests = 10, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
+                      Recorder(&log, open.get_future().share()));
   // A first batch holds the worker while the others wait in the queue.
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
   log.WaitStarted(1);  // the worker holds item 0
@@ -192,8 +195,8 @@ TEST(BatcherTest, ExpiredAndCancelledItemsNeverRun) {
 TEST(BatcherTest, AnExpiredItemThatAlsoReadsCancelledIsADeadline) {
   Log log;
   std::promise<void> open;
-  Batcher batcher({.max_batch_requests = 10, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
-                  Recorder(&log, open.get_future().share()));
+  TestBatcher batcher({.max_batch_requests = 10, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
+                      Recorder(&log, open.get_future().share()));
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
   log.WaitStarted(1);  // the worker holds item 0
   auto expired = std::make_unique<TestItem>(1, &log);
@@ -213,8 +216,9 @@ TEST(BatcherTest, AnExpiredItemThatAlsoReadsCancelledIsADeadline) {
 TEST(BatcherTest, FullQueueRefusesAtOnceAndAcceptedStillComplete) {
   Log log;
   std::promise<void> open;
-  Batcher batcher({.max_batch_requests = 1, .max_batch_tokens = 1000, .max_queue_delay = 1ms, .max_queue_requests = 2},
-                  Recorder(&log, open.get_future().share()));
+  TestBatcher batcher(
+      {.max_batch_requests = 1, .max_batch_tokens = 1000, .max_queue_delay = 1ms, .max_queue_requests = 2},
+      Recorder(&log, open.get_future().share()));
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
   log.WaitStarted(1);  // the worker holds item 0
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(1, &log)).ok());
@@ -234,11 +238,11 @@ TEST(BatcherTest, FullQueueRefusesAtOnceAndAcceptedStillComplete) {
 // Everything sent ends as run or as an explicit error; after a drain nothing is accepted.
 TEST(BatcherTest, DrainRunsWhatWasAcceptedThenRefuses) {
   Log log;
-  Batcher batcher({.max_batch_requests = 3, .max_batch_tokens = 1000, .max_queue_delay = 10s, .workers = 2},
-                  [&](const std::string& q, BatchItems batch) {
-                    std::this_thread::sleep_for(2ms);
-                    Recorder(&log)(q, std::move(batch));
-                  });
+  TestBatcher batcher({.max_batch_requests = 3, .max_batch_tokens = 1000, .max_queue_delay = 10s, .workers = 2},
+                      [&](const std::string& q, TestItems batch) {
+                        std::this_thread::sleep_for(2ms);
+                        Recorder(&log)(q, std::move(batch));
+                      });
   constexpr int kSent = 50;
   std::vector<std::thread> senders;
   std::atomic<int> refused{0};
@@ -263,8 +267,8 @@ TEST(BatcherTest, DrainRunsWhatWasAcceptedThenRefuses) {
 TEST(BatcherTest, DrainTimeoutFailsWhatCouldNotRun) {
   Log log;
   std::promise<void> open;
-  Batcher batcher({.max_batch_requests = 1, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
-                  Recorder(&log, open.get_future().share()));
+  TestBatcher batcher({.max_batch_requests = 1, .max_batch_tokens = 1000, .max_queue_delay = 1ms},
+                      Recorder(&log, open.get_future().share()));
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(i, &log)).ok());
   log.WaitStarted(1);  // item 0 is running (held by the gate)
   // The gate opens once the drain has failed the two it could not run, never before.

@@ -396,9 +396,8 @@ class CudaBackend final : public Backend {
 
   // One lane up front, so that a device that cannot be used fails here, at start-up.
   Status Init() {
-    auto lane = NewLane();
-    if (!lane.ok()) return lane.status();
-    idle_.push_back(std::move(lane).value());
+    ATTNSERVE_ASSIGN_OR_RETURN(auto lane, NewLane());
+    idle_.push_back(std::move(lane));
     return OkStatus();
   }
 
@@ -458,9 +457,7 @@ class CudaBackend final : public Backend {
       }
     }
     if (!lane) {
-      auto made = NewLane();
-      if (!made.ok()) return made.status();
-      lane = std::move(made).value();
+      ATTNSERVE_ASSIGN_OR_RETURN(lane, NewLane());
     }
     const Status st = work(*lane);
     std::lock_guard<std::mutex> lock(mu_);
@@ -502,8 +499,7 @@ StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& opt
 }
 
 StatusOr<double> CudaSgemmGflops(const CudaBackendOptions& options, int64_t size) {
-  auto backend = MakeCudaBackend(options);
-  if (!backend.ok()) return backend.status();
+  ATTNSERVE_ASSIGN_OR_RETURN(auto backend, MakeCudaBackend(options));
   DeviceArray a, b, c;
   const size_t count = size * size;
   ATTNSERVE_RETURN_IF_ERROR(a.Reserve(count));

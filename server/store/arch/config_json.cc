@@ -22,16 +22,14 @@ std::string ConfigJsonFile(const std::string& checkpoint) {
 StatusOr<int64_t> HeadsFromConfigJson(const std::string& checkpoint, const std::string& beneath) {
   const std::string where = ConfigJsonPath(checkpoint);
   const std::string ask = "; give the number of heads in the source with heads=H";
-  auto j = ReadConfigJson(checkpoint, beneath, ask);
-  if (!j.ok()) return j.status();
-  if (!*j) {
+  ATTNSERVE_ASSIGN_OR_RETURN(auto j, ReadConfigJson(checkpoint, beneath, ask));
+  if (!j) {
     return InvalidArgumentError("the source does not say how many heads the layer has and there is no " + where +
                                 " beside '" + checkpoint + "'" + ask);
   }
   for (const char* key : {"num_attention_heads", "n_head"}) {
-    auto heads = JsonPositive(**j, key, where);
-    if (!heads.ok()) return heads.status();
-    if (*heads > 0) return *heads;
+    ATTNSERVE_ASSIGN_OR_RETURN(auto heads, JsonPositive(*j, key, where));
+    if (heads > 0) return heads;
   }
   return InvalidArgumentError(where + " has neither 'num_attention_heads' nor 'n_head'" + ask);
 }
@@ -94,9 +92,7 @@ StatusOr<HeadSettings> HeadsFromSourceOrConfigJson(const SourceSpec& spec) {
   s.heads = spec.heads;
   s.rope_theta = spec.rope_theta.value_or(0.0);
   if (s.heads == 0) {
-    auto heads = HeadsFromConfigJson(spec.path, spec.model_dir);
-    if (!heads.ok()) return heads.status();
-    s.heads = *heads;
+    ATTNSERVE_ASSIGN_OR_RETURN(s.heads, HeadsFromConfigJson(spec.path, spec.model_dir));
   }
   return s;
 }

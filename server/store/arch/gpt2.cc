@@ -16,11 +16,10 @@ PackedNames NamesAt(const LayerAt& at) {
 
 StatusOr<LayerWidths> CheckShapes(const SafetensorsFile& file, const LayerAt& at) {
   const PackedNames n = NamesAt(at);
-  auto w = RequirePacked(file, n);
-  if (!w.ok()) return w.status();
+  ATTNSERVE_ASSIGN_OR_RETURN(auto w, RequirePacked(file, n));
   // Conv1D: c_attn.weight [d_model, q + 2·kv], c_proj.weight [q, d_model].
-  const int64_t d_model = w->in->shape[0], packed = w->in->shape[1], q = w->out->shape[0];
-  ATTNSERVE_RETURN_IF_ERROR(ExpectShape(file, *w->out, {q, d_model}, "Conv1D [heads·d_head, d_model]"));
+  const int64_t d_model = w.in->shape[0], packed = w.in->shape[1], q = w.out->shape[0];
+  ATTNSERVE_RETURN_IF_ERROR(ExpectShape(file, *w.out, {q, d_model}, "Conv1D [heads·d_head, d_model]"));
   return PackedWidths(file, n, d_model, packed, q);
 }
 

@@ -64,36 +64,27 @@ Status ReadRopeParameters(const nlohmann::json& json, const std::string& where, 
   }
   const auto theta = it->find("rope_theta");
   if (theta == it->end()) return OkStatus();
-  auto value = RopeTheta(*theta, "rope_parameters.rope_theta", where);
-  if (!value.ok()) return value.status();
-  if (out->rope_theta && *out->rope_theta != *value) {
+  ATTNSERVE_ASSIGN_OR_RETURN(auto value, RopeTheta(*theta, "rope_parameters.rope_theta", where));
+  if (out->rope_theta && *out->rope_theta != value) {
     return InvalidArgumentError(where + ": 'rope_theta' (" + FormatDouble(*out->rope_theta) +
-                                ") and 'rope_parameters.rope_theta' (" + FormatDouble(*value) + ") disagree");
+                                ") and 'rope_parameters.rope_theta' (" + FormatDouble(value) + ") disagree");
   }
-  out->rope_theta = *value;
+  out->rope_theta = value;
   return OkStatus();
 }
 
 StatusOr<std::optional<LlamaJson>> LlamaConfigFromJson(const std::string& checkpoint, const std::string& beneath) {
   const std::string where = ConfigJsonPath(checkpoint);
-  auto j = ReadConfigJson(checkpoint, beneath, "; give heads=H and rope_theta=T in the source instead");
-  if (!j.ok()) return j.status();
-  if (!*j) return std::optional<LlamaJson>();
-  const nlohmann::json& json = **j;
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      auto j, ReadConfigJson(checkpoint, beneath, "; give heads=H and rope_theta=T in the source instead"));
+  if (!j) return std::optional<LlamaJson>();
+  const nlohmann::json& json = *j;
   LlamaJson out;
-  auto heads = JsonPositive(json, "num_attention_heads", where);
-  if (!heads.ok()) return heads.status();
-  out.heads = *heads;
-  auto kv = JsonPositive(json, "num_key_value_heads", where);
-  if (!kv.ok()) return kv.status();
-  out.kv_heads = *kv;
-  auto head_dim = HeadDim(json, where);
-  if (!head_dim.ok()) return head_dim.status();
-  out.head_dim = *head_dim;
+  ATTNSERVE_ASSIGN_OR_RETURN(out.heads, JsonPositive(json, "num_attention_heads", where));
+  ATTNSERVE_ASSIGN_OR_RETURN(out.kv_heads, JsonPositive(json, "num_key_value_heads", where));
+  ATTNSERVE_ASSIGN_OR_RETURN(out.head_dim, HeadDim(json, where));
   if (const auto it = json.find("rope_theta"); it != json.end()) {
-    auto theta = RopeTheta(*it, "rope_theta", where);
-    if (!theta.ok()) return theta.status();
-    out.rope_theta = *theta;
+    ATTNSERVE_ASSIGN_OR_RETURN(out.rope_theta, RopeTheta(*it, "rope_theta", where));
   }
   ATTNSERVE_RETURN_IF_ERROR(ReadRopeParameters(json, where, &out));
   // Scaled RoPE (linear, dynamic, yarn, llama3) changes the frequencies: computing plain RoPE
@@ -108,9 +99,7 @@ StatusOr<std::optional<LlamaJson>> LlamaConfigFromJson(const std::string& checkp
 // Heads, kv heads and rope_theta from config.json; the source's options win over it, and
 // config.json's head counts are then no longer checks.
 StatusOr<HeadSettings> ReadConfig(const SourceSpec& spec) {
-  auto from_json = LlamaConfigFromJson(spec.path, spec.model_dir);
-  if (!from_json.ok()) return from_json.status();
-  const std::optional<LlamaJson>& llama = *from_json;
+  ATTNSERVE_ASSIGN_OR_RETURN(const std::optional<LlamaJson> llama, LlamaConfigFromJson(spec.path, spec.model_dir));
   const std::string where = ConfigJsonPath(spec.path);
   if (!llama && (spec.heads == 0 || !spec.rope_theta)) {
     return InvalidArgumentError("arch=llama needs the number of heads and rope_theta, and there is no " + where +

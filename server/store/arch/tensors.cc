@@ -45,10 +45,9 @@ Status ExpectShape(const SafetensorsFile& file, const TensorInfo& t, const std::
 }
 
 StatusOr<std::vector<float>> ReadValues(const SafetensorsFile& file, const std::string& name) {
-  auto t = file.ReadFloat(name);
-  if (!t.ok()) return t.status();
-  ATTNSERVE_RETURN_IF_ERROR(CheckFinite(file, name, t->values));
-  return std::move(t->values);
+  ATTNSERVE_ASSIGN_OR_RETURN(auto t, file.ReadFloat(name));
+  ATTNSERVE_RETURN_IF_ERROR(CheckFinite(file, name, t.values));
+  return std::move(t.values);
 }
 
 std::vector<float> TransposedRows(const std::vector<float>& src, int64_t cols, int64_t row0, int64_t rows) {
@@ -78,21 +77,18 @@ Status CheckBiases(const SafetensorsFile& file, const std::vector<std::pair<std:
   widths->bias = !present.empty();
   if (!widths->bias) return OkStatus();
   for (const auto& [name, size] : sized) {
-    auto t = file.FindFloat(name);
-    if (!t.ok()) return t.status();
-    ATTNSERVE_RETURN_IF_ERROR(ExpectShape(file, **t, {size}, "a bias of its weight's output width"));
+    ATTNSERVE_ASSIGN_OR_RETURN(auto t, file.FindFloat(name));
+    ATTNSERVE_RETURN_IF_ERROR(ExpectShape(file, *t, {size}, "a bias of its weight's output width"));
   }
   return OkStatus();
 }
 
 StatusOr<PackedWeights> RequirePacked(const SafetensorsFile& file, const PackedNames& n) {
-  auto in = file.FindFloat(n.w_in);
-  if (!in.ok()) return in.status();
-  auto out = file.FindFloat(n.w_out);
-  if (!out.ok()) return out.status();
-  ATTNSERVE_RETURN_IF_ERROR(ExpectRank2(file, **in));
-  ATTNSERVE_RETURN_IF_ERROR(ExpectRank2(file, **out));
-  return PackedWeights{*in, *out};
+  ATTNSERVE_ASSIGN_OR_RETURN(auto in, file.FindFloat(n.w_in));
+  ATTNSERVE_ASSIGN_OR_RETURN(auto out, file.FindFloat(n.w_out));
+  ATTNSERVE_RETURN_IF_ERROR(ExpectRank2(file, *in));
+  ATTNSERVE_RETURN_IF_ERROR(ExpectRank2(file, *out));
+  return PackedWeights{in, out};
 }
 
 StatusOr<LayerWidths> PackedWidths(const SafetensorsFile& file, const PackedNames& n, int64_t d_model, int64_t packed,
@@ -114,20 +110,15 @@ StatusOr<LayerWidths> PackedWidths(const SafetensorsFile& file, const PackedName
 
 Status FillPacked(const SafetensorsFile& file, const PackedNames& n, const LayerWidths& w, PackedSplit split,
                   LayerWeights* out) {
-  auto in = ReadValues(file, n.w_in);
-  if (!in.ok()) return in.status();
-  auto o = ReadValues(file, n.w_out);
-  if (!o.ok()) return o.status();
-  split(*in, std::move(*o), w, out);
+  ATTNSERVE_ASSIGN_OR_RETURN(auto in, ReadValues(file, n.w_in));
+  ATTNSERVE_ASSIGN_OR_RETURN(auto o, ReadValues(file, n.w_out));
+  split(in, std::move(o), w, out);
   if (!w.bias) return OkStatus();
-  auto b = ReadValues(file, n.b_in);
-  if (!b.ok()) return b.status();
-  out->b_q = Slice(*b, 0, w.q);
-  out->b_k = Slice(*b, w.q, w.kv);
-  out->b_v = Slice(*b, w.q + w.kv, w.kv);
-  auto bo = ReadValues(file, n.b_out);
-  if (!bo.ok()) return bo.status();
-  out->b_o = std::move(*bo);
+  ATTNSERVE_ASSIGN_OR_RETURN(auto b, ReadValues(file, n.b_in));
+  out->b_q = Slice(b, 0, w.q);
+  out->b_k = Slice(b, w.q, w.kv);
+  out->b_v = Slice(b, w.q + w.kv, w.kv);
+  ATTNSERVE_ASSIGN_OR_RETURN(out->b_o, ReadValues(file, n.b_out));
   return OkStatus();
 }
 
@@ -146,9 +137,7 @@ StatusOr<LayerWidths> CheckSeparateShapes(const SafetensorsFile& file, const Sep
   const TensorInfo* t[4];
   const std::string* names[] = {&n.w_q, &n.w_k, &n.w_v, &n.w_o};
   for (int i = 0; i < 4; ++i) {
-    auto found = file.FindFloat(*names[i]);
-    if (!found.ok()) return found.status();
-    t[i] = *found;
+    ATTNSERVE_ASSIGN_OR_RETURN(t[i], file.FindFloat(*names[i]));
   }
   const TensorInfo &wq = *t[0], &wk = *t[1], &wv = *t[2], &wo = *t[3];
   ATTNSERVE_RETURN_IF_ERROR(ExpectRank2(file, wq));
@@ -173,18 +162,15 @@ Status FillSeparate(const SafetensorsFile& file, const SeparateNames& n, const L
       {&n.w_q, &out->w_q}, {&n.w_k, &out->w_k}, {&n.w_v, &out->w_v}, {&n.w_o, &out->w_o}};
   const int64_t in_cols[] = {w.d_model, w.d_model, w.d_model, w.q};
   for (int k = 0; k < 4; ++k) {
-    auto m = ReadValues(file, *weights[k].first);
-    if (!m.ok()) return m.status();
-    const int64_t rows = static_cast<int64_t>(m->size()) / in_cols[k];
-    *weights[k].second = TransposedRows(*m, in_cols[k], 0, rows);
+    ATTNSERVE_ASSIGN_OR_RETURN(auto m, ReadValues(file, *weights[k].first));
+    const int64_t rows = static_cast<int64_t>(m.size()) / in_cols[k];
+    *weights[k].second = TransposedRows(m, in_cols[k], 0, rows);
   }
   if (!w.bias) return OkStatus();
   const std::pair<const std::string*, std::vector<float>*> biases[] = {
       {&n.b_q, &out->b_q}, {&n.b_k, &out->b_k}, {&n.b_v, &out->b_v}, {&n.b_o, &out->b_o}};
   for (const auto& [name, dst] : biases) {
-    auto b = ReadValues(file, *name);
-    if (!b.ok()) return b.status();
-    *dst = std::move(*b);
+    ATTNSERVE_ASSIGN_OR_RETURN(*dst, ReadValues(file, *name));
   }
   return OkStatus();
 }

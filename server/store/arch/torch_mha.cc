@@ -28,11 +28,10 @@ Status RefuseUnsupportedModules(const SafetensorsFile& file, const std::string& 
 
 StatusOr<LayerWidths> CheckShapes(const SafetensorsFile& file, const LayerAt& at) {
   const PackedNames n = NamesAt(at);
-  auto w = RequirePacked(file, n);
-  if (!w.ok()) return w.status();
+  ATTNSERVE_ASSIGN_OR_RETURN(auto w, RequirePacked(file, n));
   // Linear: in_proj_weight [q + 2·kv, d_model], out_proj.weight [d_model, q].
-  const int64_t packed = w->in->shape[0], d_model = w->in->shape[1], q = w->out->shape[1];
-  ATTNSERVE_RETURN_IF_ERROR(ExpectShape(file, *w->out, {d_model, q}, "Linear [d_model, heads·d_head]"));
+  const int64_t packed = w.in->shape[0], d_model = w.in->shape[1], q = w.out->shape[1];
+  ATTNSERVE_RETURN_IF_ERROR(ExpectShape(file, *w.out, {d_model, q}, "Linear [d_model, heads·d_head]"));
   ATTNSERVE_RETURN_IF_ERROR(RefuseUnsupportedModules(file, at.prefix));
   return PackedWidths(file, n, d_model, packed, q);
 }
