@@ -12,6 +12,7 @@
 #include "server/core/forms.h"
 #include "server/core/layer.h"
 #include "server/core/request.h"
+#include "server/core/spectrum.h"
 #include "server/core/status.h"
 #include "tests/unit/test_support.h"
 
@@ -143,22 +144,37 @@ TEST(FormsTest, ParameterCounts) {
   EXPECT_EQ(MaterializeSummed(w).Bytes(), 4 * (qk + h * d * d + d));
 }
 
-// FLOPs against the formulas of ARCHITECTURE §1 (QK part added: 2·n·d·h·d_h + 2·m·d·h_kv·d_h + 2·h·n·m·d_h).
+// FLOPs against docs/architecture.md §1 (Costs), worked out by hand for one small shape:
+// d = 16, h = 4, h_kv = 2, d_h = 4, n = 5 queries, m = 7 context rows, and L = 3 visible keys
+// (key_length < m: the scores and the mix run over L keys, the projections over all m rows).
+//   QK:  2·n·d·h·d_h    = 2·5·16·4·4 = 2560   (Q projection)
+//        2·m·d·h_kv·d_h = 2·7·16·2·4 = 1792   (K projection)
+//        2·h·n·L·d_h    = 2·4·5·3·4  =  480   (scores)                      QK = 4832
+//   factored OV: 2·m·d·h_kv·d_h = 1792, 2·h·n·L·d_h = 480, 2·n·h·d_h·d = 2·5·4·4·16 = 2560
+//                                                         = 4832, with QK  9664
+//   summed OV:   2·m·d·h·d = 2·7·16·4·16 = 14336, 2·n·h·L·d = 2·5·4·3·16 = 1920
+//                                                         = 16256, with QK 21088
+//   low rank, ranks {4, 0, 2, 1} (the factored path with value widths r_i, R = Σ r_i = 7):
+//                2·m·d·R = 2·7·16·7 = 1568, 2·n·L·R = 2·5·3·7 = 210, 2·n·R·d = 2·5·7·16 = 1120
+//                                                         = 2898, with QK  7730
+// With all m = 7 keys visible the scores and the mix grow by 7/3: 2·h·n·m·d_h = 2·4·5·7·4 = 1120,
+// so factored = 2560 + 1792 + 1120 + 1792 + 1120 + 2560 = 10944.
 TEST(FormsTest, FlopCountsFollowTheFormulas) {
-  auto c = CompleteConfig({.d_model = 64, .heads = 8, .kv_heads = 4, .d_head = 16});
-  ASSERT_TRUE(c.ok());
-  const LayerWeights w = RandomLayerWeights(*c, 9);
-  const double d = 64, h = 8, hkv = 4, dh = 16, n = 10, m = 30;
-  const double qk = 2 * n * d * h * dh + 2 * m * d * hkv * dh + 2 * h * n * m * dh;
-  const double factored_ov = 2 * m * d * (hkv * dh) + 2 * h * n * m * dh + 2 * n * (h * dh) * d;
-  const double summed_ov = 2 * m * d * (h * d) + 2 * n * (h * m) * d;
-  const SequenceShape shape{.n = 10, .m = 30};
-  EXPECT_DOUBLE_EQ(ForwardFlops(MaterializeFactored(w), {&shape, 1}), qk + factored_ov);
-  EXPECT_DOUBLE_EQ(ForwardFlops(MaterializeSummed(w), {&shape, 1}), qk + summed_ov);
-  // Two sequences cost the sum of each.
-  const SequenceShape two[] = {shape, {.n = 3, .m = 3}};
-  const double second = ForwardFlops(MaterializeSummed(w), {&two[1], 1});
-  EXPECT_DOUBLE_EQ(ForwardFlops(MaterializeSummed(w), two), qk + summed_ov + second);
+  std::mt19937_64 rng(testing::TestSeed());
+  const LayerWeights w =
+      RandomLayerWeights(*CompleteConfig({.d_model = 16, .heads = 4, .kv_heads = 2, .d_head = 4}), rng());
+  const SequenceShape masked{.n = 5, .m = 7, .keys = 3};
+  EXPECT_EQ(ForwardFlops(MaterializeFactored(w), {&masked, 1}), 9664);
+  EXPECT_EQ(ForwardFlops(MaterializeSummed(w), {&masked, 1}), 21088);
+  auto lowrank = MaterializeLowRank(w, {4, 0, 2, 1});
+  ASSERT_TRUE(lowrank.ok()) << lowrank.status().ToString();
+  EXPECT_EQ(ForwardFlops(*lowrank, {&masked, 1}), 7730);
+
+  const SequenceShape all_keys{.n = 5, .m = 7};
+  EXPECT_EQ(ForwardFlops(MaterializeFactored(w), {&all_keys, 1}), 10944);
+  // Two sequences cost the sum of each: 9664 + 10944 = 20608.
+  const SequenceShape two[] = {masked, all_keys};
+  EXPECT_EQ(ForwardFlops(MaterializeFactored(w), two), 20608);
 }
 
 TEST(StatusTest, CodesHaveGrpcNamesAndValues) {

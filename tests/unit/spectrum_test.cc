@@ -73,8 +73,8 @@ TEST(SpectrumTest, MatchesDirectSvdOnRandomLayers) {
 // A head whose value projection has rank 2 has an OV spectrum of rank 2, whatever d_h is.
 TEST(SpectrumTest, ConstructedLowRankHead) {
   const LayerConfig c = *CompleteConfig({.d_model = 24, .heads = 2, .d_head = 8});
-  LayerWeights w = RandomLayerWeights(c, 22);
-  std::mt19937_64 rng(3);
+  std::mt19937_64 rng(testing::TestSeed() + 3);
+  LayerWeights w = RandomLayerWeights(c, rng());
   const auto u1 = testing::RandomVector(rng, 24), u2 = testing::RandomVector(rng, 24);
   const auto v1 = testing::RandomVector(rng, 8), v2 = testing::RandomVector(rng, 8);
   for (int64_t r = 0; r < 24; ++r)
@@ -88,7 +88,6 @@ TEST(SpectrumTest, ConstructedLowRankHead) {
   EXPECT_LT(h.effective_rank, 2.0);
   EXPECT_GE(h.effective_rank, 1.0);
   EXPECT_NEAR(h.stable_rank, 1 + std::pow(h.singular_values[1] / h.singular_values[0], 2), 1e-9);
-  EXPECT_EQ(s.ov[0].rank_999, RankForEnergy(s.ov[0].singular_values, 0.999));
   EXPECT_GT(s.ov[0].rank_999, 2);  // the random head uses most of its directions
 }
 
@@ -101,8 +100,65 @@ TEST(SpectrumTest, RankForEnergy) {
   EXPECT_EQ(RankForEnergy({0, 0}, 0.9), 0);
 }
 
+// Spectra known by construction (testing::KnownSpectra: orthonormal bases times chosen σ):
+// the singular values, the energy ranks and every rank selection against the values worked
+// out by hand, on both the OV and the QK side (the QK side reads the heads in another order).
+TEST(SpectrumTest, KnownSpectraGiveTheirEnergyRanks) {
+  const testing::KnownSpectra known;
+  std::vector<std::vector<double>> qk_sigma;
+  std::vector<int64_t> qk_rank_90, qk_rank_99, qk_rank_999;
+  for (size_t i = 0; i < 6; ++i) {
+    const size_t j = (i + 2) % 6;
+    qk_sigma.push_back(known.sigma[j]);
+    qk_rank_90.push_back(known.rank_90[j]);
+    qk_rank_99.push_back(known.rank_99[j]);
+    qk_rank_999.push_back(known.rank_999[j]);
+  }
+  std::mt19937_64 rng(testing::TestSeed() + 4);
+  for (LayerConfig config : {LayerConfig{.d_model = 24, .heads = 6, .kv_heads = 3, .d_head = 8},
+                             LayerConfig{.d_model = 8, .heads = 6, .d_head = 8, .bias = false}}) {
+    SCOPED_TRACE(config.ToString());
+    const LayerWeights w = testing::LayerWithSpectra(*CompleteConfig(config), known.sigma, qk_sigma, rng);
+    const LayerSpectrum s = ComputeSpectrum(w);
+    ASSERT_EQ(s.ov.size(), 6u);
+    ASSERT_EQ(s.qk.size(), 6u);
+    for (size_t i = 0; i < 6; ++i) {
+      SCOPED_TRACE("head " + std::to_string(i));
+      ASSERT_EQ(s.ov[i].singular_values.size(), 8u);
+      ASSERT_EQ(s.qk[i].singular_values.size(), 8u);
+      double energy = 0;
+      for (size_t t = 0; t < 8; ++t) {
+        EXPECT_NEAR(s.ov[i].singular_values[t], known.sigma[i][t], 1e-6 * known.sigma[i][0]) << "ov sigma " << t;
+        EXPECT_NEAR(s.qk[i].singular_values[t], qk_sigma[i][t], 1e-6 * qk_sigma[i][0]) << "qk sigma " << t;
+        energy += known.sigma[i][t] * known.sigma[i][t];
+      }
+      EXPECT_NEAR(s.ov[i].frobenius, std::sqrt(energy), 1e-6 * std::sqrt(energy));
+      EXPECT_NEAR(s.ov[i].stable_rank, energy / (known.sigma[i][0] * known.sigma[i][0]), 1e-5);
+      EXPECT_EQ(s.ov[i].rank_90, known.rank_90[i]);
+      EXPECT_EQ(s.ov[i].rank_99, known.rank_99[i]);
+      EXPECT_EQ(s.ov[i].rank_999, known.rank_999[i]);
+      EXPECT_EQ(s.qk[i].rank_90, qk_rank_90[i]);
+      EXPECT_EQ(s.qk[i].rank_99, qk_rank_99[i]);
+      EXPECT_EQ(s.qk[i].rank_999, qk_rank_999[i]);
+    }
+    auto select = [&](RankSelection::Kind kind, double energy, int64_t budget) {
+      auto ranks = SelectRanks(s, {.kind = kind, .energy = energy, .budget = budget, .ranks = {}});
+      EXPECT_TRUE(ranks.ok()) << ranks.status().ToString();
+      return ranks.ok() ? *ranks : std::vector<int64_t>{};
+    };
+    EXPECT_EQ(select(RankSelection::Kind::kEnergy, 0.9, 0), known.rank_90);
+    EXPECT_EQ(select(RankSelection::Kind::kEnergy, 0.99, 0), known.rank_99);
+    EXPECT_EQ(select(RankSelection::Kind::kEnergy, 0.999, 0), known.rank_999);
+    EXPECT_EQ(select(RankSelection::Kind::kEnergy, 1.0, 0), std::vector<int64_t>(6, 8));
+    EXPECT_EQ(select(RankSelection::Kind::kBudget, 0, 13), known.budget_13);
+    EXPECT_EQ(select(RankSelection::Kind::kBudget, 0, 20), known.budget_20);
+    EXPECT_EQ(select(RankSelection::Kind::kBudget, 0, 48), std::vector<int64_t>(6, 8));
+  }
+}
+
 TEST(SpectrumTest, BudgetTakesTheLargestSingularValuesAcrossHeads) {
-  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 32, .heads = 4, .d_head = 8}), 23);
+  std::mt19937_64 rng(testing::TestSeed() + 5);
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 32, .heads = 4, .d_head = 8}), rng());
   const LayerSpectrum s = ComputeSpectrum(w);
   auto ranks = SelectRanks(s, {.kind = RankSelection::Kind::kBudget, .energy = 0, .budget = 13, .ranks = {}});
   ASSERT_TRUE(ranks.ok()) << ranks.status().ToString();
@@ -128,33 +184,46 @@ TEST(SpectrumTest, BudgetTakesTheLargestSingularValuesAcrossHeads) {
 }
 
 // Output of the low-rank form: exact with full ranks; with truncated ranks the weight error is
-// the discarded energy (Eckart–Young) and the output error stays under the bound it implies.
+// the discarded energy (Eckart–Young) and the output error stays under the bound it implies. The
+// layer's OV spectra are chosen (testing::LayerWithSpectra): head i has σ_t = a_i · 0.8^t, so
+// the energy a rank-r head drops is Σ_{t≥r} σ_t², known without an SVD.
 TEST(SpectrumTest, LowRankFormErrorFollowsDiscardedEnergy) {
   const LayerConfig c = *CompleteConfig({.d_model = 48, .heads = 4, .kv_heads = 2, .d_head = 16});
-  const LayerWeights w = RandomLayerWeights(c, 24);
-  const LayerSpectrum s = ComputeSpectrum(w);
-  std::mt19937_64 rng(5);
+  const double scales[] = {3.0, 2.0, 1.5, 1.0};
+  std::vector<std::vector<double>> sigma(4);
+  for (int64_t i = 0; i < 4; ++i)
+    for (int64_t t = 0; t < 16; ++t) sigma[i].push_back(scales[i] * std::pow(0.8, t));
+  std::mt19937_64 rng(testing::TestSeed() + 6);
+  const LayerWeights w = testing::LayerWithSpectra(c, sigma, sigma, rng);
   auto seq = testing::RandomSequence(rng, 48, 20, 20, false, true, -1);
   const std::vector<double> want = ReferenceForward(w, seq.View());
   CpuBackend backend;
+  // FLOPs by hand (docs/architecture.md §1; n = m = 20, d = 48, h = 4, h_kv = 2, d_h = 16, value
+  // block and output projection of width R = Σ r_i = 4r):
+  //   QK = 2·n·d·h·d_h + 2·m·d·h_kv·d_h + 2·h·n·m·d_h = 122880 + 61440 + 51200 = 235520
+  //   OV = 2·m·d·R + 2·n·m·R + 2·n·R·d = (1920 + 800 + 1920)·R = 4640·R
+  // so r = 16 (R = 64): 235520 + 296960 = 532480; r = 12: 458240; r = 8: 384000; r = 4: 309760;
+  // r = 1: 254080.
+  const std::pair<int64_t, double> rank_and_flops[] = {
+      {16, 532480}, {12, 458240}, {8, 384000}, {4, 309760}, {1, 254080}};
   double previous_error = INFINITY;
-  for (int64_t r : {16, 12, 8, 4, 1}) {
+  for (const auto& [r, flops] : rank_and_flops) {
     const std::vector<int64_t> ranks(4, r);
     auto form = MaterializeLowRank(w, ranks);
     ASSERT_TRUE(form.ok()) << form.status().ToString();
-    // FLOPs shrink as the formula says: value block and output projection of width R = Σ r_i.
     const SequenceShape shape{.n = 20, .m = 20};
-    const double qk = 2.0 * 20 * 48 * (4 + 2) * 16 + 2.0 * 4 * 20 * 20 * 16;
-    const double ov = 2.0 * 20 * 48 * (4 * r) + 2.0 * 20 * 20 * (4 * r) + 2.0 * 20 * (4 * r) * 48;
-    EXPECT_DOUBLE_EQ(ForwardFlops(*form, {&shape, 1}), qk + ov);
+    EXPECT_EQ(ForwardFlops(*form, {&shape, 1}), flops) << "rank " << r;
     // Weight error of head 0 = the energy its dropped directions carried.
     Eigen::MatrixXd approx = Eigen::MatrixXd::Zero(48, 48);
     for (int64_t a = 0; a < 48; ++a)
       for (int64_t b = 0; b < 48; ++b)
         for (int64_t t = 0; t < r; ++t) approx(a, b) += double{form->w_in[a * form->in_cols() + form->q_cols + form->k_cols + t]} * form->w_out[t * 48 + b];
-    double dropped = 0;
-    for (size_t t = r; t < s.ov[0].singular_values.size(); ++t) dropped += std::pow(s.ov[0].singular_values[t], 2);
-    EXPECT_NEAR((approx - DirectOv(w, 0)).squaredNorm(), dropped, 1e-5 * s.ov[0].frobenius * s.ov[0].frobenius);
+    double dropped = 0, total = 0;
+    for (int64_t t = 0; t < 16; ++t) {
+      total += sigma[0][t] * sigma[0][t];
+      if (t >= r) dropped += sigma[0][t] * sigma[0][t];
+    }
+    EXPECT_NEAR((approx - DirectOv(w, 0)).squaredNorm(), dropped, 1e-5 * total) << "rank " << r;
 
     auto resident = backend.Upload(std::make_shared<const FormWeights>(*std::move(form)));
     const Sequence batch[] = {seq.View()};
@@ -167,7 +236,7 @@ TEST(SpectrumTest, LowRankFormErrorFollowsDiscardedEnergy) {
       double input_norm = 0, want_norm = 0, bound = 0;
       for (float x : seq.input) input_norm += double{x} * x;
       for (double y : want) want_norm += y * y;
-      for (const auto& h : s.ov) bound += std::sqrt(20.0) * std::sqrt(input_norm) * h.singular_values[r];
+      for (int64_t i = 0; i < 4; ++i) bound += std::sqrt(20.0) * std::sqrt(input_norm) * sigma[i][r];
       EXPECT_LT(err * std::sqrt(want_norm), bound) << "rank " << r;
       EXPECT_GT(err, 1e-5) << "a truncated form must differ, rank " << r;
       EXPECT_LT(previous_error, INFINITY);

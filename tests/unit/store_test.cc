@@ -17,6 +17,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "server/backend/cpu/cpu_backend.h"
@@ -710,22 +711,46 @@ TEST(Llama, ConfigJsonAndOptions) {
 
 // ---- The spectrum and the low-rank form -----------------------------------------------------------
 
+// A LLaMA checkpoint of a layer whose OV spectra are known by construction
+// (testing::KnownSpectra), so the ranks and kept energies the store reports are checked against
+// values worked out by hand, not against the spectrum code.
 TEST(LowRank, StoreHoldsTheSpectrumAndTheLowRankForm) {
   LayerStore store(&Cpu());
   std::mt19937_64 rng(testing::TestSeed() + 2);
-  const std::string base = "random:d_model=48,heads=6,kv_heads=3,d_head=8,seed=4";
-  const LayerWeights w = MustLoad(base);
+  const testing::KnownSpectra known;
+  const LayerConfig config =
+      *CompleteConfig({.d_model = 48, .heads = 6, .kv_heads = 3, .d_head = 8, .bias = false, .rope_theta = 10000.0});
+  const LayerWeights w = testing::LayerWithSpectra(config, known.sigma, known.sigma, rng);
+  TempDir dir;
+  const auto transposed = [](const std::vector<float>& v, int64_t rows, int64_t cols) {
+    Tensor t{{cols, rows}, std::vector<float>(v.size())};
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) t.values[c * rows + r] = v[r * cols + c];
+    return t;
+  };
+  const std::string p = "model.layers.0.self_attn.";
+  WriteSafetensors(dir.File("model.safetensors"), {{p + "q_proj.weight", transposed(w.w_q, 48, 48)},
+                                                   {p + "k_proj.weight", transposed(w.w_k, 48, 24)},
+                                                   {p + "v_proj.weight", transposed(w.w_v, 48, 24)},
+                                                   {p + "o_proj.weight", transposed(w.w_o, 48, 48)}});
+  WriteText(dir.File("config.json"), R"({"model_type": "llama", "hidden_size": 48, "num_attention_heads": 6,
+                                         "num_key_value_heads": 3, "rope_theta": 10000.0})");
+  const std::string base = "safetensors:" + dir.File("model.safetensors");
+  ExpectSameWeights(MustLoad(base), w, "the constructed layer");
 
-  // Every layer carries its spectrum, computed once at load.
+  // Every layer carries its spectrum, computed once at load: the constructed singular values.
   auto plain = store.Load("plain", base);
   ASSERT_TRUE(plain.ok()) << plain.status().ToString();
   ASSERT_NE((*plain)->spectrum, nullptr);
-  const LayerSpectrum want = ComputeSpectrum(w);
   ASSERT_EQ((*plain)->spectrum->ov.size(), 6u);
   ASSERT_EQ((*plain)->spectrum->qk.size(), 6u);
   for (size_t i = 0; i < 6; ++i) {
-    EXPECT_EQ((*plain)->spectrum->ov[i].singular_values, want.ov[i].singular_values);
-    EXPECT_EQ((*plain)->spectrum->qk[i].singular_values, want.qk[i].singular_values);
+    ASSERT_EQ((*plain)->spectrum->ov[i].singular_values.size(), 8u);
+    ASSERT_EQ((*plain)->spectrum->qk[i].singular_values.size(), 8u);
+    for (size_t t = 0; t < 8; ++t) {
+      EXPECT_NEAR((*plain)->spectrum->ov[i].singular_values[t], known.sigma[i][t], 1e-6 * known.sigma[i][0]) << i;
+      EXPECT_NEAR((*plain)->spectrum->qk[i].singular_values[t], known.sigma[i][t], 1e-6 * known.sigma[i][0]) << i;
+    }
   }
   EXPECT_EQ((*plain)->Find(Form::kLowRank), nullptr);
   EXPECT_TRUE((*plain)->lowrank_ranks.empty());
@@ -752,25 +777,25 @@ TEST(LowRank, StoreHoldsTheSpectrumAndTheLowRankForm) {
   }
 
   // A budget: Σ r_i is the budget, filled by the largest singular values of all heads.
-  auto budget = store.Load("budget", base + ",lowrank=budget:20");
-  ASSERT_TRUE(budget.ok()) << budget.status().ToString();
-  int64_t total = 0;
-  for (int64_t r : (*budget)->lowrank_ranks) total += r;
-  EXPECT_EQ(total, 20);
-  EXPECT_EQ((*budget)->lowrank_selection, "budget:20");
-  RankSelection twenty;
-  twenty.kind = RankSelection::Kind::kBudget;
-  twenty.budget = 20;
-  EXPECT_EQ((*budget)->lowrank_ranks, *SelectRanks(want, twenty));
-  EXPECT_LT((*budget)->lowrank_kept_energy, 1.0);
-  EXPECT_GT((*budget)->lowrank_kept_energy, 20.0 / 48.0);  // the largest directions first
-  EXPECT_EQ((*budget)->Find(Form::kLowRank)->weights().value_cols, 20);
+  for (const auto& [budget, ranks, kept] :
+       {std::tuple{13, known.budget_13, known.kept_budget_13}, std::tuple{20, known.budget_20, known.kept_budget_20}}) {
+    const std::string selection = "budget:" + std::to_string(budget);
+    auto layer = store.Load("budget" + std::to_string(budget), base + ",lowrank=" + selection);
+    ASSERT_TRUE(layer.ok()) << layer.status().ToString();
+    EXPECT_EQ((*layer)->lowrank_selection, selection);
+    EXPECT_EQ((*layer)->lowrank_ranks, ranks);
+    EXPECT_NEAR((*layer)->lowrank_kept_energy, kept, 1e-6) << selection;
+    EXPECT_EQ((*layer)->Find(Form::kLowRank)->weights().value_cols, budget);
+  }
 
   // An energy level: each head keeps the fewest directions holding that share.
   auto energy = store.Load("energy", base + ",lowrank=energy:0.9");
   ASSERT_TRUE(energy.ok()) << energy.status().ToString();
-  for (size_t i = 0; i < 6; ++i) EXPECT_EQ((*energy)->lowrank_ranks[i], want.ov[i].rank_90) << i;
-  EXPECT_GE((*energy)->lowrank_kept_energy, 0.9 - 1e-12);
+  EXPECT_EQ((*energy)->lowrank_ranks, known.rank_90);
+  EXPECT_NEAR((*energy)->lowrank_kept_energy, known.kept_energy_90, 1e-6);
+  auto energy_99 = store.Load("energy99", base + ",lowrank=energy:0.99");
+  ASSERT_TRUE(energy_99.ok()) << energy_99.status().ToString();
+  EXPECT_EQ((*energy_99)->lowrank_ranks, known.rank_99);
 
   // A budget beyond Σ min(d_model, d_head) names the limit.
   ExpectError(store.Load("big", base + ",lowrank=budget:49").status(), StatusCode::kInvalidArgument,

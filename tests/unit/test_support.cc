@@ -1,5 +1,6 @@
 #include "tests/unit/test_support.h"
 
+#include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -104,6 +105,43 @@ bool BackendRequired(const std::string& name) {
 int RandomCases(int fallback) {
   const char* v = std::getenv("ATTNSERVE_RANDOM_CASES");
   return v ? std::max(1, std::atoi(v)) : fallback;
+}
+
+namespace {
+
+// [rows, cols] with orthonormal columns (rows ≥ cols): Q of the QR of a Gaussian matrix.
+Eigen::MatrixXd RandomOrthonormal(std::mt19937_64& rng, int64_t rows, int64_t cols) {
+  std::normal_distribution<double> normal(0.0, 1.0);
+  Eigen::MatrixXd g(rows, cols);
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = 0; r < rows; ++r) g(r, c) = normal(rng);
+  return Eigen::HouseholderQR<Eigen::MatrixXd>(g).householderQ() * Eigen::MatrixXd::Identity(rows, cols);
+}
+
+}  // namespace
+
+LayerWeights LayerWithSpectra(const LayerConfig& c, const std::vector<std::vector<double>>& ov_sigma,
+                              const std::vector<std::vector<double>>& qk_sigma, std::mt19937_64& rng) {
+  LayerWeights w = RandomLayerWeights(c, rng());
+  const int64_t d = c.d_model, dh = c.d_head, qc = c.heads * dh, kvc = c.kv_heads * dh;
+  for (int64_t g = 0; g < c.kv_heads; ++g) {
+    const Eigen::MatrixXd v = RandomOrthonormal(rng, d, dh), k = RandomOrthonormal(rng, d, dh);
+    for (int64_t r = 0; r < d; ++r) {
+      for (int64_t t = 0; t < dh; ++t) {
+        w.w_v[r * kvc + g * dh + t] = static_cast<float>(v(r, t));
+        w.w_k[r * kvc + g * dh + t] = static_cast<float>(k(r, t));
+      }
+    }
+  }
+  for (int64_t i = 0; i < c.heads; ++i) {
+    const Eigen::MatrixXd right = RandomOrthonormal(rng, d, dh), left = RandomOrthonormal(rng, d, dh);
+    for (int64_t t = 0; t < dh; ++t) {
+      for (int64_t col = 0; col < d; ++col)
+        w.w_o[(i * dh + t) * d + col] = static_cast<float>(ov_sigma[i][t] * right(col, t));
+      for (int64_t r = 0; r < d; ++r) w.w_q[r * qc + i * dh + t] = static_cast<float>(left(r, t) * qk_sigma[i][t]);
+    }
+  }
+  return w;
 }
 
 uint64_t TestSeed() {
