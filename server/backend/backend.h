@@ -50,6 +50,10 @@ class Backend {
     return ForwardScratchBytes(form, batch, self_attention, 1, INT64_MAX);
   }
 
+  // Host memory the backend keeps between calls (scratch it reuses), in bytes: not part of the
+  // memory budget, which counts what a running batch needs; exported as a gauge.
+  virtual int64_t RetainedScratchBytes() const { return 0; }
+
   // FLOPs one Forward of `batch` does, as this backend computes it (the metrics' count).
   virtual double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const {
     return ForwardFlops(form, batch);

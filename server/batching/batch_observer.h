@@ -25,6 +25,7 @@ struct BatchReport {
   double flops = 0;            // ForwardFlops of the call's sequences
   double compute_seconds = 0;  // the backend call's wall time
   StatusCode code = StatusCode::kOk;
+  int64_t backend_retained_bytes = 0;  // Backend::RetainedScratchBytes after the call
 };
 
 class BatchObserver {

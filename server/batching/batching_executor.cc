@@ -109,6 +109,7 @@ void BatchingExecutor::RunBatch(const ForwardQueue& queue, std::vector<std::uniq
     report.flops = status.ok() ? backend_->Flops(form.weights(), shapes) : 0.0;
     report.compute_seconds = Seconds(end - start);
     report.code = status.code();
+    report.backend_retained_bytes = backend_->RetainedScratchBytes();
     observer_->BatchDone(report);
   }
   for (auto& item : batch) {

@@ -84,6 +84,8 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
       {"attnserve_memory_reserved_bytes", "gauge", {},
        "Bytes admitted requests and shadow runs hold now under the memory budget (--max-memory-mb)."},
       {"attnserve_memory_budget_bytes", "gauge", {}, "The memory budget of admitted requests (--max-memory-mb)."},
+      {"attnserve_backend_retained_bytes", "gauge", {},
+       "Host memory the backend keeps between calls for reuse (the CPU backend's scratch), outside the budget."},
       {"attnserve_shadow_divergence", "histogram", {"layer", "form"},
        "Relative L2 distance ||mirror - served|| / ||served|| of shadow runs, by the mirror's form."},
       {"attnserve_shadow_divergence_max_abs", "histogram", {"layer", "form"},
@@ -174,6 +176,7 @@ struct Metrics::Impl {
   prometheus::Gauge& inflight = inflight_family.Add({});
   prometheus::Gauge& memory_reserved = Gauge(*registry, "attnserve_memory_reserved_bytes").Add({});
   prometheus::Gauge& memory_budget = Gauge(*registry, "attnserve_memory_budget_bytes").Add({});
+  prometheus::Gauge& backend_retained = Gauge(*registry, "attnserve_backend_retained_bytes").Add({});
 
   std::shared_mutex mu;
   std::map<std::string, std::unique_ptr<LayerSeries>, std::less<>> layers;  // guarded by mu; never erased
@@ -310,6 +313,7 @@ void Metrics::JobDequeued(std::string_view layer, Form form, double queue_second
 }
 
 void Metrics::BatchDone(const BatchReport& report) {
+  impl_->backend_retained.Set(static_cast<double>(report.backend_retained_bytes));
   if (report.code == StatusCode::kInternal) CountDeviceError(report.device);
   if (report.code != StatusCode::kOk) return;  // nothing was computed, or not all of it
   const size_t slot = FormSlot(report.form);

@@ -110,8 +110,8 @@ STALLED_CALLS = 4           # Forward calls on one connection whose answers are 
 STALLED_SHAPE = (1, 1024, 256)  # 1 MiB each way
 START_TIMEOUT_S = 90
 # Quiet points: this many times during the load, evenly spaced, every client pauses until the
-# server is idle, and the server's RSS then, less its layers' weights, is what it retains: the
-# leak signal. (Under load the RSS swings by up to ~250 MiB with what is in flight, and the admin
+# server is idle, and the server's RSS then, less its layers' weights and the scratch its backend
+# keeps by design (attnserve_backend_retained_bytes), is what it retains: the leak signal. (Under load the RSS swings by up to ~250 MiB with what is in flight, and the admin
 # client's 80 MB layer comes and goes.) The slope is fitted to the quiet points of the second half.
 QUIET_POINTS = 12
 
@@ -623,23 +623,28 @@ class Soak:
                       scrape_max, window, slowloris, stalled, idle_closed, drain_rc, drain_s)
 
     def server_idle(self):
-        """The bytes of the layers' weights when the server has answered every call and holds no
-        memory reservation (shadows included), from its own /metrics; None while it is busy."""
+        """What the server holds by design when it has answered every call and holds no memory
+        reservation (shadows included), in MiB, from its own /metrics: the layers' weights and
+        the scratch the backend keeps for reuse (attnserve_backend_retained_bytes, which grows
+        in steps as larger batches come); None while it is busy."""
         values = {}
+        retained = 0.0
         for line in self.scrape().splitlines():
+            if line.startswith("attnserve_backend_retained_bytes "):
+                retained = float(line.rsplit(" ", 1)[1])
             for name in ("attnserve_inflight_requests", "attnserve_memory_reserved_bytes", "attnserve_layer_bytes"):
                 if line.startswith(name + " ") or line.startswith(name + "{"):
                     values[name] = values.get(name, 0) + float(line.rsplit(" ", 1)[1])
         if len(values) < 3 or values["attnserve_inflight_requests"] or values["attnserve_memory_reserved_bytes"]:
             return None
-        return values["attnserve_layer_bytes"] / (1 << 20)
+        return (values["attnserve_layer_bytes"] + retained) / (1 << 20)
 
     def quiet_points(self, clients, load_start):
         """QUIET_POINTS times during the load: pauses every client (SIGUSR1: no new calls, those
         in flight end and are read; each acknowledges in its pause file once none is in flight,
         the admin client between two admin calls), waits until the server is idle (shadows),
         records its RSS (what it retains), and resumes the clients (SIGUSR2)."""
-        self.quiet = []  # (seconds into the load, RSS MiB, weights MiB, seconds the pause took)
+        self.quiet = []  # (seconds into the load, RSS MiB, held by design MiB, seconds the pause took)
         every = SECONDS / (QUIET_POINTS + 1)
         for k in range(1, QUIET_POINTS + 1):
             time.sleep(max(0.0, load_start + k * every - time.monotonic()))

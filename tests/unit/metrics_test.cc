@@ -132,6 +132,7 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
       {"attnserve_shadow_divergence_max_abs", {"histogram", {"layer", "form"}}},
       {"attnserve_device_errors_total", {"counter", {"device"}}},
       {"attnserve_nonfinite_outputs_total", {"counter", {"layer", "form"}}},
+      {"attnserve_backend_retained_bytes", {"gauge", {}}},
   };
   std::map<std::string, std::pair<std::string, std::vector<std::string_view>>> got;
   for (const MetricFamilySpec& f : MetricFamilies()) got[std::string(f.name)] = {std::string(f.type), f.labels};
@@ -206,10 +207,12 @@ TEST(MetricsTest, BatchesRecordQueueComputeSizesAndFlops) {
                 .tokens = 300,
                 .flops = 1.5e9,
                 .compute_seconds = 0.03,
-                .code = StatusCode::kOk};
+                .code = StatusCode::kOk,
+                .backend_retained_bytes = 5 << 20};
   m.BatchDone(r);
   m.BatchDone(r);
   r.code = StatusCode::kResourceExhausted;  // computed nothing: no flops, no compute time
+  r.backend_retained_bytes = 7 << 20;       // what the backend keeps now, whatever the call did
   m.BatchDone(r);
   const Samples s = Parse(m.Scrape());
   const std::map<std::string, std::string> lf = {{"layer", "demo"}, {"form", "summed"}};
@@ -233,6 +236,7 @@ TEST(MetricsTest, BatchesRecordQueueComputeSizesAndFlops) {
   EXPECT_EQ(Sample(s, "attnserve_batch_tokens_bucket", with({{"le", "1024"}})), 2);
   EXPECT_EQ(Sample(s, "attnserve_batch_tokens_sum", lf), 600);
   EXPECT_FALSE(Has(s, "attnserve_device_errors_total", {{"device", "cpu"}}));
+  EXPECT_EQ(Sample(s, "attnserve_backend_retained_bytes", {}), 7 << 20);
 }
 
 TEST(MetricsTest, InternalBatchFailureCountsADeviceError) {

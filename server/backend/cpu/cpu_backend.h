@@ -54,8 +54,8 @@ class CpuBackend final : public Backend {
 
   int threads() const { return threads_; }
   GemmLibrary gemm() const { return gemm_; }
-  // The scratch kept between calls, in bytes (for tests).
-  int64_t RetainedScratchBytes() const;
+  // The scratch kept between calls, in bytes.
+  int64_t RetainedScratchBytes() const override;
 
  private:
   std::unique_ptr<ForwardScratch> TakeScratch();
