@@ -113,6 +113,11 @@ FormWeights MaterializeSummed(const LayerWeights& w) {
 
 FormWeights MaterializeQueryKeyOnly(Form form, const LayerWeights& w) { return StartForm(form, w, 0); }
 
+bool SummedMixesFirst(const FormWeights& f, const SequenceShape& s, bool allowed) {
+  return allowed && f.form == Form::kSummed && s.n < s.m &&
+         static_cast<int64_t>(f.b_in.size()) <= f.q_cols + f.k_cols;
+}
+
 int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape> batch, bool self_attention,
                             int threads, int64_t max_score_scratch_bytes, bool summed_mix_first) {
   if (batch.empty()) return 0;
@@ -122,7 +127,7 @@ int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape>
   int64_t tx = 0, tc = 0, value_rows = 0, max_scores = 0, a_cat_total = 0, a_cat_largest = 0;
   for (const SequenceShape& s : batch) {
     const int64_t keys = s.keys < 0 ? s.m : s.keys;
-    const bool mix_first = summed_mix_first && f.form == Form::kSummed && SummedMixesFirst(s);
+    const bool mix_first = SummedMixesFirst(f, s, summed_mix_first);
     tx += s.n;
     tc += s.m;
     value_rows += mix_first ? 0 : s.m;
@@ -162,7 +167,7 @@ double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch, 
     const double keys = static_cast<double>(s.keys < 0 ? s.m : s.keys);
     flops += 2 * n * d * static_cast<double>(f.q_cols);                   // Q projection
     // The value projection runs over the queries' mixes instead of the keys when mixing first.
-    const bool mix_first = summed_mix_first && f.form == Form::kSummed && SummedMixesFirst(s);
+    const bool mix_first = SummedMixesFirst(f, s, summed_mix_first);
     flops += 2 * m * d * static_cast<double>(f.k_cols);                   // K projection
     flops += 2 * (mix_first ? n : m) * d * static_cast<double>(f.value_cols);  // value projection
     flops += 2 * n * keys * score_width;                                  // scores, all heads

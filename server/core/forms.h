@@ -82,8 +82,11 @@ struct SequenceShape {
 //   mix first:     Y = Σ_i (A_i C) W_M_i                        2·n·L·d·h + 2·n·h·d·d
 // They differ in the projection term only, m against n: mixing first wins by m/n when a
 // sequence has fewer queries than keys (cross-attention to a long context, a few new tokens
-// over a long prefix), and is never cheaper otherwise.
-inline bool SummedMixesFirst(const SequenceShape& s) { return s.n < s.m; }
+// over a long prefix), and is never cheaper otherwise. True when a forward that may (`allowed`)
+// runs this sequence of `form` mixing first: the summed form, fewer queries than keys, and no
+// bias on the value block (the summed form folds it into b_eff; a bias per value row would not
+// commute with the mix). The one rule for the CPU backend, its FLOPs and its memory formula.
+bool SummedMixesFirst(const FormWeights& form, const SequenceShape& s, bool allowed);
 
 // FLOPs (multiply and add counted as 2) that a forward of these sequences does in this form:
 // the projections, the scores, the mix and the output projection. Masked scores are counted

@@ -117,12 +117,9 @@ ConstMatrixView StackRows(const std::vector<ConstMatrixView>& blocks, std::vecto
   return out;
 }
 
-// Whether the summed form mixes this sequence's keys before projecting them (SummedMixesFirst):
-// only where the value block carries no bias of its own (the summed form folds it into b_eff;
-// a bias per value row would not commute with the mix).
+// Whether this forward runs the sequence mixing its keys first (SummedMixesFirst, the core's rule).
 bool MixesFirst(Compute run, const FormWeights& f, const Sequence& s) {
-  return run.summed_mix_first && f.form == Form::kSummed && SummedMixesFirst({.n = s.n(), .m = s.m()}) &&
-         static_cast<int64_t>(f.b_in.size()) <= f.q_cols + f.k_cols;
+  return SummedMixesFirst(f, {.n = s.n(), .m = s.m()}, run.summed_mix_first);
 }
 
 // The projections of a whole batch: Q of every query token, K and the value block of every
