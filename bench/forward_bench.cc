@@ -12,6 +12,13 @@
 // own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
 // library and shape. On a GPU the ceiling is a cuBLAS SGEMM and the times include the
 // host-device copies.
+//
+//   forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]
+// The long-sequence sweep: n = L for a BERT-base-width layer and a LLaMA-like one (d 2048, 16
+// heads, 4 KV heads, causal, RoPE), both forms: time, GFLOP/s (the visible scores only, for a
+// causal layer) and the peak RSS growth of one call, measured around a fresh backend's first
+// call (the memory the tiled attention needs, against n · L · heads scores it never holds).
+#include <malloc.h>
 #include <omp.h>
 
 #include <Eigen/Core>
@@ -19,6 +26,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -81,6 +89,8 @@ struct Options {
   std::vector<std::string> gemms = {"auto"};  // the CPU backend's GEMM libraries to run, in turn
   std::vector<std::string> summed_orders = {"auto"};  // auto, project-first: in turn
   bool tf32 = false;
+  std::string sweep;                                     // "long": the long-sequence sweep
+  std::vector<int64_t> lengths = {512, 2048, 8192, 16384};  // its n = L
 };
 
 std::vector<std::string> Split(const std::string& s) {
@@ -300,12 +310,144 @@ void WriteJson(const std::string& path, const std::vector<Record>& records, cons
   out << "]\n";
 }
 
+// A line "NAME:   N kB" of /proc/self/status, in MiB.
+double StatusMb(const char* name) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(name, 0) == 0) return std::stod(line.substr(std::strlen(name) + 1)) / 1024.0;
+  }
+  return -1;
+}
+
+struct LongLayer {
+  std::string name;
+  LayerConfig config;
+  bool causal;
+};
+
+const LongLayer kLongLayers[] = {
+    {"d768-h12", {.d_model = 768, .heads = 12}, false},
+    {"llama-d2048-h16-kv4", {.d_model = 2048, .heads = 16, .kv_heads = 4, .bias = false, .rope_theta = 10000.0}, true},
+};
+
+struct LongRecord {
+  std::string layer, form;
+  int64_t n;
+  int threads;
+  double ms, gflops, ceiling_gflops, rss_growth_mb, all_scores_mb;
+};
+
+// FLOPs of one call on the visible scores: a causal layer's masked half is not work done (the
+// tiled backend skips the tiles above the diagonal), so it is not counted either.
+double UsefulFlops(const Backend& backend, const FormWeights& f, int64_t n, bool causal) {
+  const SequenceShape all{.n = n, .m = n}, none{.n = n, .m = n, .keys = 0};
+  const double without = backend.Flops(f, {&none, 1}), attention = backend.Flops(f, {&all, 1}) - without;
+  return without + (causal ? attention * static_cast<double>(n + 1) / (2.0 * static_cast<double>(n)) : attention);
+}
+
+// One (layer, n, form) point: a fresh backend (no scratch kept from an earlier point), the peak
+// RSS growth of its first call, then the time of the calls after it.
+LongRecord RunLongPoint(const Options& opt, int threads, const LongLayer& layer, const LayerWeights& weights,
+                        int64_t n, Form form) {
+  auto backend = MakeBenchBackend(opt, threads, opt.gemms[0], "auto");
+  if (!backend.ok()) {
+    std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
+    std::exit(1);
+  }
+  auto f = std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(weights)
+                                                                       : MaterializeSummed(weights));
+  auto resident = (*backend)->Upload(f);
+  const int64_t d = layer.config.d_model;
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> normal;
+  std::vector<float> input(n * d), output(n * d, 0.5f);  // touched now: not counted as growth
+  for (float& x : input) x = normal(rng);
+  Sequence s;
+  s.input = ConstMatrixView(input.data(), n, d);
+  s.output = MatrixView(output.data(), n, d);
+  s.causal = layer.causal;
+  const auto call = [&] {
+    Status st = (*backend)->Forward(**resident, {&s, 1});
+    if (!st.ok()) {
+      std::cerr << st.ToString() << "\n";
+      std::exit(1);
+    }
+  };
+  std::ofstream("/proc/self/clear_refs") << "5";  // the peak (VmHWM) restarts from the current RSS
+  const double before = StatusMb("VmRSS:");
+  call();
+  const double growth = StatusMb("VmHWM:") - before;
+  // Long points take seconds a call: time one more; short ones as everywhere else.
+  double seconds = 0;
+  if (n > 2048) {
+    const auto t0 = std::chrono::steady_clock::now();
+    call();
+    seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  } else {
+    seconds = MedianSeconds(call, opt.min_time_s);
+  }
+  const double scores_mb = static_cast<double>(n) * static_cast<double>(n) * layer.config.heads * 4 / 1048576.0;
+  return {layer.name, std::string(FormName(form)), n, threads, seconds * 1e3,
+          UsefulFlops(**backend, *f, n, layer.causal) / seconds * 1e-9, 0, growth, scores_mb};
+}
+
+int RunLongSweep(const Options& opt) {
+  // Large blocks from mmap and back to the system at free: a point's peak is its own, not memory
+  // an earlier point left in the allocator.
+  mallopt(M_MMAP_THRESHOLD, 64 * 1024);
+  mallopt(M_TRIM_THRESHOLD, 64 * 1024);
+  const std::vector<GemmLibraryUnderTest> libraries = CeilingLibraries();
+  const std::string isa(CpuIsa());
+  std::vector<LongRecord> records;
+  for (int threads : opt.threads) {
+    auto ceiling = MeasureCeiling(opt, threads, libraries, {{2048, 2048, 2048}});
+    if (!ceiling.ok()) return 1;
+    std::printf("\n%-22s %-9s %6s %7s %10s %9s %7s %12s %14s %12s   (ceiling %.1f GFLOP/s: %s; CPU kernels: %s)\n",
+                "layer", "form", "n", "threads", "ms", "GFLOP/s", "ratio", "RSS growth", "MiB per 1k tok",
+                "n·L·h scores", ceiling->gflops, ceiling->source.c_str(), isa.c_str());
+    for (const LongLayer& layer : kLongLayers) {
+      const LayerConfig config = *CompleteConfig(layer.config);
+      const LayerWeights weights = RandomLayerWeights(config, 1);
+      for (int64_t n : opt.lengths) {
+        for (Form form : {Form::kFactored, Form::kSummed}) {
+          LongRecord r = RunLongPoint(opt, threads, {layer.name, config, layer.causal}, weights, n, form);
+          r.ceiling_gflops = ceiling->gflops;
+          std::printf("%-22s %-9s %6lld %7d %10.1f %9.1f %7.3f %8.1f MiB %14.2f %8.0f MiB\n", r.layer.c_str(),
+                      r.form.c_str(), static_cast<long long>(r.n), r.threads, r.ms, r.gflops, r.gflops / r.ceiling_gflops,
+                      r.rss_growth_mb, r.rss_growth_mb / (static_cast<double>(n) / 1024.0), r.all_scores_mb);
+          std::fflush(stdout);
+          records.push_back(r);
+        }
+      }
+    }
+  }
+  if (!opt.json.empty()) {
+    std::ofstream out(opt.json);
+    out << "[\n";
+    for (size_t i = 0; i < records.size(); ++i) {
+      const LongRecord& r = records[i];
+      char line[640];
+      std::snprintf(line, sizeof line,
+                    "  {\"sweep\": \"long\", \"layer\": \"%s\", \"form\": \"%s\", \"n\": %lld, \"threads\": %d, "
+                    "\"ms\": %.3f, \"gflops\": %.2f, \"ceiling_gflops\": %.2f, \"rss_growth_mb\": %.1f, "
+                    "\"all_scores_mb\": %.1f, \"isa\": \"%s\"}%s\n",
+                    r.layer.c_str(), r.form.c_str(), static_cast<long long>(r.n), r.threads, r.ms, r.gflops,
+                    r.ceiling_gflops, r.rss_growth_mb, r.all_scores_mb, isa.c_str(), i + 1 < records.size() ? "," : "");
+      out << line;
+    }
+    out << "]\n";
+  }
+  return 0;
+}
+
 int Usage(const char* why) {
   std::cerr << "forward_bench: " << why << "\n"
             << "usage: forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]\n"
                "                     [--json FILE] [--shapes bert-base,gpt2-medium,small-request,large]\n"
                "                     [--gemm auto,eigen,onednn]   (the CPU backend's GEMM libraries, in turn)\n"
-               "                     [--summed-order auto,project-first]   (the summed form's association order)\n";
+               "                     [--summed-order auto,project-first]   (the summed form's association order)\n"
+               "       forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]\n";
   return 2;
 }
 
@@ -338,11 +480,24 @@ int Main(int argc, char** argv) {
       opt.gemms = Split(value);
     } else if (arg == "--summed-order") {
       opt.summed_orders = Split(value);
+    } else if (arg == "--sweep") {
+      if (value != "long") return Usage(("--sweep: expected long, got " + value).c_str());
+      opt.sweep = value;
+    } else if (arg == "--lengths") {
+      opt.lengths.clear();
+      for (const auto& n : Split(value)) opt.lengths.push_back(std::atoll(n.c_str()));
+      if (std::any_of(opt.lengths.begin(), opt.lengths.end(), [](int64_t n) { return n < 1; })) {
+        return Usage("--lengths: expected positive integers, e.g. 512,2048");
+      }
     } else {
       return Usage(("unknown flag " + arg).c_str());
     }
   }
   const bool on_cpu = opt.device == "cpu";
+  if (opt.sweep == "long") {
+    if (!on_cpu) return Usage("--sweep long: the CPU backend only (it measures the process's RSS)");
+    return RunLongSweep(opt);
+  }
   if (!on_cpu) opt.threads = {1};  // host threads do not matter to a GPU
   std::vector<const BenchShape*> chosen;
   for (const auto& shape : kShapes) {

@@ -302,7 +302,7 @@ int Run(int argc, char** argv) {
     return ServiceOptions{.admin_access = access,
                           .admin_token = options.admin_token,
                           .admin_queue = options.admin_queue,
-                          .max_score_bytes = int64_t{options.max_scores_mb} << 20,
+                          .max_request_scores = int64_t{options.max_scores_m} * 1000000,
                           .metrics = &metrics,
                           .router = &router,
                           .shadow = &shadow,

@@ -177,8 +177,9 @@ const Setting kSettings[] = {
      "on SIGTERM/SIGINT: NOT_SERVING, refuse new calls, give accepted ones N seconds, then exit 0"},
     {"--max-message-mb", "max_message_mb", "N", &O::max_message_mb, 1, 2047, nullptr, nullptr,
      "largest request and response in MiB"},
-    {"--max-scores-mb", "max_scores_mb", "N", &O::max_scores_mb, 1, 1048576, nullptr, nullptr,
-     "largest attention scores one sequence may need, n*m*heads*4 bytes, in MiB; beyond: RESOURCE_EXHAUSTED"},
+    {"--max-scores-m", "max_scores_m", "N", &O::max_scores_m, 1, 1 << 30, nullptr, nullptr,
+     "attention scores one request may ask for, in millions: the sum over its sequences of n*m*heads (its work; "
+     "memory is linear in the sequence length); beyond: RESOURCE_EXHAUSTED"},
     {"--max-memory-mb", "max_memory_mb", "N", &O::max_memory_mb, 0, 1 << 30, nullptr, nullptr,
      "memory every admitted request may hold at once (input, output, compare and shadow copies, backend scratch), "
      "in MiB; 0: half the container's memory limit, else half the machine's; beyond: RESOURCE_EXHAUSTED, or "
@@ -355,6 +356,31 @@ StatusOr<std::pair<std::string, std::string>> ParseLayerFlag(const std::string& 
   return std::make_pair(value.substr(0, eq), value.substr(eq + 1));
 }
 
+// Settings that existed once, with what replaces them: a deployment that still sets one learns
+// why it went rather than that it is unknown.
+struct RemovedSetting {
+  std::string_view flag, key, why;
+};
+constexpr RemovedSetting kRemovedSettings[] = {
+    {"--max-scores-mb", "max_scores_mb",
+     "removed: attention no longer holds a sequence's n*m scores (memory is linear in the sequence length); bound "
+     "a request's work with --max-scores-m (max_scores_m), in millions of scores"},
+};
+
+std::string UnknownSetting(const std::string& flag) {
+  for (const RemovedSetting& r : kRemovedSettings) {
+    if (r.flag == flag) return flag + ": " + std::string(r.why);
+  }
+  return "unknown flag '" + flag + "' (see --help)";
+}
+
+std::string UnknownKey(const std::string& key) {
+  for (const RemovedSetting& r : kRemovedSettings) {
+    if (r.key == key) return std::string(r.why);
+  }
+  return "unknown key (expected " + KnownKeys() + ")";
+}
+
 Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, ServerOptions* o) {
   try {
     const YAML::Node root = YAML::Load(yaml_text);
@@ -366,7 +392,7 @@ Status ApplyYamlConfig(const std::string& yaml_text, const std::string& origin, 
       const std::string what = origin + ": " + key;
       const Setting* setting = FindKey(key);
       // A misspelt key silently ignored would leave a setting at its default.
-      if (setting == nullptr) return InvalidArgumentError(what + ": unknown key (expected " + KnownKeys() + ")");
+      if (setting == nullptr) return InvalidArgumentError(what + ": " + UnknownKey(key));
       if (setting->add != nullptr && v.IsMap()) {
         // layers {NAME: SOURCE}, routes {LAYER: SPEC}
         for (const auto& entry : v) {
@@ -405,7 +431,7 @@ StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv) {
     const std::string name = arg.substr(0, eq);
     Flag f{FindFlag(name), eq == std::string::npos ? "" : arg.substr(eq + 1), eq != std::string::npos};
     // Only the name: a misspelt --admin-token=SECRET must not print the secret.
-    if (f.setting == nullptr) return InvalidArgumentError("unknown flag '" + name + "' (see --help)");
+    if (f.setting == nullptr) return InvalidArgumentError(UnknownSetting(name));
     const bool is_bool = f.setting->metavar.empty();
     if (!is_bool && !f.has_value) {
       if (i + 1 >= argc) return InvalidArgumentError(name + ": expected a value after it");

@@ -29,7 +29,11 @@ struct ServerOptions {
   std::string cpu_gemm = "auto";  // auto, eigen or onednn: the CPU backend's GEMM library
   std::string gpu_math = "fp32";  // fp32, or tf32 for TF32 tensor-core GEMMs on the GPU
   int max_message_mb = 64;   // receive and send limit
-  int max_scores_mb = 2048;  // attention scores of one sequence (n · m · heads · 4 bytes)
+  // Attention scores one request may ask for, in millions: Σ over its sequences of n · m · heads.
+  // A bound on its work (the scores and the mix grow with it), not on its memory: the backends
+  // tile the attention, so memory grows linearly with the sequence length. 4096 admits one
+  // 16384-token sequence of 12 heads (3221 M).
+  int max_scores_m = 4096;
   // What admitted requests may hold at once (inputs, outputs, copies, backend scratch), MiB;
   // 0: half the container's memory limit, else half the machine's memory.
   int max_memory_mb = 0;

@@ -113,41 +113,62 @@ FormWeights MaterializeSummed(const LayerWeights& w) {
 
 FormWeights MaterializeQueryKeyOnly(Form form, const LayerWeights& w) { return StartForm(form, w, 0); }
 
-bool SummedMixesFirst(const FormWeights& f, const SequenceShape& s, bool allowed) {
-  return allowed && f.form == Form::kSummed && s.n < s.m &&
-         static_cast<int64_t>(f.b_in.size()) <= f.q_cols + f.k_cols;
+bool SummedMixesFirst(const FormWeights& f, const SequenceShape& s, bool allowed, int64_t max_a_cat_bytes) {
+  if (!allowed || f.form != Form::kSummed || static_cast<int64_t>(f.b_in.size()) > f.q_cols + f.k_cols) return false;
+  if (s.n < s.m) return true;
+  const double a_cat_bytes = static_cast<double>(s.n) * static_cast<double>(s.keys < 0 ? s.m : s.keys) *
+                             static_cast<double>(f.config.heads) * sizeof(float);
+  return a_cat_bytes > static_cast<double>(max_a_cat_bytes);
+}
+
+int64_t StackedHeads(const FormWeights& f) { return f.form == Form::kLowRank ? 1 : f.config.group_size(); }
+
+int64_t SummedRowsPerPart(const FormWeights& f, int64_t max_score_scratch_bytes) {
+  const int64_t row_bytes = f.value_cols * static_cast<int64_t>(sizeof(float));
+  return std::max<int64_t>(1, max_score_scratch_bytes / row_bytes);
 }
 
 int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape> batch, bool self_attention,
                             int threads, int64_t max_score_scratch_bytes, bool summed_mix_first) {
   if (batch.empty()) return 0;
-  const int64_t d = f.config.d_model, heads = f.config.heads;
-  // The summed form's per-sequence work: A_cat [n, L·h] when it projects first, the heads' mixes
-  // [n, h·d] when it mixes first (and then no value rows of its own).
-  int64_t tx = 0, tc = 0, value_rows = 0, max_scores = 0, a_cat_total = 0, a_cat_largest = 0;
+  const int64_t d = f.config.d_model, heads = f.config.heads, dh = f.config.d_head;
+  // The summed form's per-part work: A_cat [n, L·h] of a sequence that projects first, the
+  // heads' mixes [rows, h·d] of a part of at most SummedRowsPerPart rows when it mixes first
+  // (and then no value rows of its own).
+  int64_t tx = 0, tc = 0, value_rows = 0, max_block_scores = 0, work_total = 0, work_largest = 0;
   for (const SequenceShape& s : batch) {
     const int64_t keys = s.keys < 0 ? s.m : s.keys;
-    const bool mix_first = SummedMixesFirst(f, s, summed_mix_first);
+    const bool mix_first = SummedMixesFirst(f, s, summed_mix_first, max_score_scratch_bytes);
     tx += s.n;
     tc += s.m;
     value_rows += mix_first ? 0 : s.m;
-    max_scores = std::max(max_scores, s.n * keys);
-    const int64_t work = mix_first ? s.n * f.value_cols : s.n * keys * heads;
-    a_cat_total += work;
-    a_cat_largest = std::max(a_cat_largest, work);
+    if (f.form == Form::kSummed && !mix_first) {
+      max_block_scores = std::max(max_block_scores, kSummedBlockRows * keys);  // HeadScores' block
+      work_total += s.n * keys * heads;
+      work_largest = std::max(work_largest, s.n * keys * heads);
+    } else if (f.form == Form::kSummed) {
+      work_total += s.n * f.value_cols;
+      work_largest = std::max(work_largest, std::min(s.n, SummedRowsPerPart(f, max_score_scratch_bytes)) * f.value_cols);
+    }
   }
-  const bool stacked = batch.size() > 1;
+  int64_t widest_values = 0;
+  for (int64_t w : f.value_width) widest_values = std::max(widest_values, w);
+  // A tiled task's scores, its stacked queries and its running output (stacked heads only).
+  const int64_t stacked = StackedHeads(f);
+  const int64_t tile = kQueryTile * (kKeyTile + (stacked > 1 ? dh + widest_values : 0));
+  const int64_t per_thread = std::max(tile, max_block_scores);
+  const bool many = batch.size() > 1;
   int64_t floats = 0;
-  if (stacked) floats += tx * d + (self_attention ? 0 : tc * d);          // StackRows copies
+  if (many) floats += tx * d + (self_attention ? 0 : tc * d);             // StackRows copies
   floats += self_attention ? tx * (f.q_cols + f.k_cols) : tx * f.q_cols + tc * f.k_cols;  // Q, K
   floats += value_rows * f.value_cols;                                    // the value block
-  floats += static_cast<int64_t>(std::max(threads, 1)) * max_scores;      // a score matrix per thread
+  floats += static_cast<int64_t>(std::max(threads, 1)) * per_thread;      // a score tile per thread
   if (f.has_output_projection()) {
     floats += tx * f.out_rows;                                            // heads' outputs
-    if (stacked) floats += tx * d;                                        // the stacked output
+    if (many) floats += tx * d;                                           // the stacked output
   } else {
     const int64_t chunk_cap = max_score_scratch_bytes / static_cast<int64_t>(sizeof(float));
-    floats += std::min(a_cat_total, std::max(chunk_cap, a_cat_largest));  // A_cat of one chunk
+    floats += std::min(work_total, std::max(chunk_cap, work_largest));    // one chunk's A_cat or mixes
   }
   // The GEMM library packs its operands into blocks sized to the caches, per thread (measured
   // by tests/unit/memory_footprint_test.cc at these widths: Eigen 1-2 MiB each, oneDNN 2.6 about
@@ -156,7 +177,8 @@ int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape>
   return floats * static_cast<int64_t>(sizeof(float)) + packing;
 }
 
-double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch, bool summed_mix_first) {
+double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch, bool summed_mix_first,
+                    int64_t max_a_cat_bytes) {
   const double d = static_cast<double>(f.config.d_model);
   double mix_width = 0;
   for (int64_t w : f.value_width) mix_width += static_cast<double>(w);
@@ -167,7 +189,7 @@ double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch, 
     const double keys = static_cast<double>(s.keys < 0 ? s.m : s.keys);
     flops += 2 * n * d * static_cast<double>(f.q_cols);                   // Q projection
     // The value projection runs over the queries' mixes instead of the keys when mixing first.
-    const bool mix_first = SummedMixesFirst(f, s, summed_mix_first);
+    const bool mix_first = SummedMixesFirst(f, s, summed_mix_first, max_a_cat_bytes);
     flops += 2 * m * d * static_cast<double>(f.k_cols);                   // K projection
     flops += 2 * (mix_first ? n : m) * d * static_cast<double>(f.value_cols);  // value projection
     flops += 2 * n * keys * score_width;                                  // scores, all heads

@@ -82,26 +82,55 @@ struct SequenceShape {
 //   mix first:     Y = Σ_i (A_i C) W_M_i                        2·n·L·d·h + 2·n·h·d·d
 // They differ in the projection term only, m against n: mixing first wins by m/n when a
 // sequence has fewer queries than keys (cross-attention to a long context, a few new tokens
-// over a long prefix), and is never cheaper otherwise. True when a forward that may (`allowed`)
-// runs this sequence of `form` mixing first: the summed form, fewer queries than keys, and no
-// bias on the value block (the summed form folds it into b_eff; a bias per value row would not
-// commute with the mix). The one rule for the CPU backend, its FLOPs and its memory formula.
-bool SummedMixesFirst(const FormWeights& form, const SequenceShape& s, bool allowed);
+// over a long prefix), and costs the same when n = m. Mixing first is also the summed form's
+// tiled order (docs/architecture.md, "Long sequences"): each head's mix A_i C is an attention
+// with the context as its values, so it runs tile by tile with an online softmax in memory
+// linear in n, where projecting first holds the whole A_cat [n, L·h]. True when a forward that
+// may (`allowed`) runs this sequence of `form` mixing first: the summed form, no bias on the
+// value block (the summed form folds it into b_eff; a bias per value row would not commute with
+// the mix), and either fewer queries than keys or an A_cat larger than `max_a_cat_bytes`.
+// The one rule for the CPU backend, its FLOPs and its memory formula.
+bool SummedMixesFirst(const FormWeights& form, const SequenceShape& s, bool allowed,
+                      int64_t max_a_cat_bytes = INT64_MAX);
+
+// The CPU backend's attention tiles (docs/architecture.md, "Long sequences"): a task holds the
+// scores of at most kQueryTile query rows — of all the heads it stacks together — against
+// kKeyTile keys at a time, with a running max and sum per row (the online softmax), so no
+// n × L matrix exists. 128 × 512 floats (256 KiB) stay in a core's L2 between the two GEMMs.
+inline constexpr int64_t kQueryTile = 128;
+inline constexpr int64_t kKeyTile = 512;
+
+// How many query heads one attention task stacks into one GEMM: the heads of a group share their
+// keys and their values (factored; summed mixing first, whose values are the context), so they
+// share the K and V tile; a low-rank head mixes value columns of its own.
+int64_t StackedHeads(const FormWeights& form);
+
+// The most query rows one task of the summed form's project-first score loop takes: it holds a
+// block of rows × L scores (L stays short there: a long sequence mixes first).
+inline constexpr int64_t kSummedBlockRows = 64;
+
+// The query rows of one part of a summed sequence that mixes first: the part's mixes
+// [rows, h·d] fit in `max_score_scratch_bytes` (at least 1 row), so a long sequence runs in
+// parts and its working memory stays bounded.
+int64_t SummedRowsPerPart(const FormWeights& form, int64_t max_score_scratch_bytes);
 
 // FLOPs (multiply and add counted as 2) that a forward of these sequences does in this form:
 // the projections, the scores, the mix and the output projection. Masked scores are counted
 // as computed where the backend computes them (it skips keys beyond key_length only). With
-// `summed_mix_first`, a summed sequence that SummedMixesFirst is counted in that order (what the
-// CPU backend runs; the CUDA backend projects first).
-double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batch, bool summed_mix_first = false);
+// `summed_mix_first`, a summed sequence that SummedMixesFirst (with `max_a_cat_bytes`) is counted
+// in that order (what the CPU backend runs; the CUDA backend projects first).
+double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batch, bool summed_mix_first = false,
+                    int64_t max_a_cat_bytes = INT64_MAX);
 
 // Bytes of host scratch the CPU backend allocates for one Forward of `batch` in this form
 // (server/backend/cpu/cpu_backend.cc, whose allocations this follows line by line): the stacked
-// inputs, Q and K, the value block (m · h · d_model floats in the summed form), the heads'
-// outputs and the stacked output (factored, low rank), a score matrix per thread, and the
-// summed form's A_cat chunk (which holds at most `max_score_scratch_bytes` or one sequence's
-// n · L · h floats, whichever is more), and the GEMMs' packing blocks. `self_attention` says
-// whether the context is the input.
+// inputs, Q and K, the value block (m · h · d_model floats in the summed form, for the sequences
+// that project first), the heads' outputs and the stacked output (factored, low rank), a score
+// tile per thread (kQueryTile × kKeyTile, with its stacked queries and running output; a summed
+// sequence that projects first holds a block of rows × L instead), and the summed form's chunk
+// of A_cat or mixes (at most `max_score_scratch_bytes`, or one sequence's n · L · h A_cat when
+// mixing first is not allowed), and the GEMMs' packing blocks. Linear in the sequence lengths
+// wherever mixing first is allowed. `self_attention` says whether the context is the input.
 // The memory budget admits requests by this figure (docs/reliability.md compares it with RSS).
 int64_t ForwardScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch, bool self_attention,
                             int threads, int64_t max_score_scratch_bytes, bool summed_mix_first = false);

@@ -14,7 +14,7 @@ namespace {
 using inference::InferParameter;
 
 // The largest batch ModelConfig reports. attnserve bounds a request by its bytes (--max-message-mb),
-// its scores (--max-scores-mb) and the memory budget, not by rows; Triton's clients want a
+// its scores (--max-scores-m) and the memory budget, not by rows; Triton's clients want a
 // number > 0 to send batched shapes at all, and one that large requests never meet first.
 constexpr int32_t kReportedMaxBatchSize = 1 << 16;
 

@@ -523,7 +523,7 @@ void AttentionServiceImpl::StartForward(grpc::CallbackServerContext* context, gr
 
     ATTNSERVE_ASSIGN_OR_RETURN(
         DecodedForward decoded,
-        DecodeForward(layer->config, request, ForwardLimits{.max_score_bytes = options_.max_score_bytes}));
+        DecodeForward(layer->config, request, ForwardLimits{.max_request_scores = options_.max_request_scores}));
 
     // A response gRPC would refuse to send is refused before it is computed.
     const int64_t response_bytes =

@@ -38,8 +38,8 @@ struct ServiceOptions {
   AdminAccess admin_access = AdminAccess::kClosed;
   std::string admin_token;  // kToken: the token callers must send
   int admin_queue = 8;      // admin calls waiting at most; beyond: RESOURCE_EXHAUSTED
-  // Attention scores one sequence may need (n · m · heads · 4 bytes); beyond: RESOURCE_EXHAUSTED.
-  int64_t max_score_bytes = int64_t{2048} << 20;
+  // Attention scores one request may ask for (Σ n · m · heads); beyond: RESOURCE_EXHAUSTED.
+  int64_t max_request_scores = int64_t{4096} * 1000000;
   // Not owned; they outlive the service. Null: nothing is recorded; FORM_UNSPECIFIED is the
   // factored form and SetRouting answers FAILED_PRECONDITION; nothing is mirrored.
   Metrics* metrics = nullptr;

@@ -190,23 +190,23 @@ StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForw
     ATTNSERVE_ASSIGN_OR_RETURN(out.context,
                                DecodeTensor(context_field, request.context, config.d_model, out.input.batch));
   }
-  // The input's size is bounded by the message limit, but its scores grow with n · m: bound
-  // them before the backend allocates them.
+  // The input's size is bounded by the message limit, but its work grows with n · m: bound it
+  // before anything is queued.
   {
-    const int64_t n = out.input.rows;
+    const int64_t batch = out.input.batch, n = out.input.rows;
     const int64_t m = out.context ? out.context->rows : n;
-    int64_t score_bytes = 0;
-    const bool overflow = __builtin_mul_overflow(n, m, &score_bytes) ||
-                          __builtin_mul_overflow(score_bytes, config.heads, &score_bytes) ||
-                          __builtin_mul_overflow(score_bytes, int64_t{sizeof(float)}, &score_bytes);
-    if (overflow || score_bytes > limits.max_score_bytes) {
-      const double mib = static_cast<double>(n) * static_cast<double>(m) * static_cast<double>(config.heads) * 4.0 /
-                         static_cast<double>(1 << 20);
+    int64_t scores = 0;
+    const bool overflow = __builtin_mul_overflow(n, m, &scores) || __builtin_mul_overflow(scores, config.heads, &scores) ||
+                          __builtin_mul_overflow(scores, batch, &scores);
+    if (overflow || scores > limits.max_request_scores) {
+      const double millions = static_cast<double>(batch) * static_cast<double>(n) * static_cast<double>(m) *
+                              static_cast<double>(config.heads) / 1e6;
       return ResourceExhaustedError(
-          input_field + ": a sequence of n=" + std::to_string(n) + " queries over m=" + std::to_string(m) + " keys with " +
-          std::to_string(config.heads) + " heads needs " + std::to_string(static_cast<int64_t>(std::ceil(mib))) +
-          " MiB of attention scores; this server allows " + std::to_string(limits.max_score_bytes >> 20) +
-          " MiB per sequence (--max-scores-mb): send shorter sequences");
+          input_field + ": " + std::to_string(batch) + " sequence(s) of n=" + std::to_string(n) + " queries over m=" +
+          std::to_string(m) + " keys with " + std::to_string(config.heads) + " heads ask for " +
+          std::to_string(static_cast<int64_t>(std::ceil(millions))) + " M attention scores; this server allows " +
+          std::to_string(limits.max_request_scores / 1000000) +
+          " M per request (--max-scores-m): send shorter sequences or fewer per request");
     }
   }
   out.causal = request.causal;

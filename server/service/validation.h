@@ -84,10 +84,10 @@ using DecodedForward = AttentionRequest;
 
 // Bounds on what one request may make the server compute, beyond the message size.
 struct ForwardLimits {
-  // The attention scores of one sequence, n · m · heads · 4 bytes: what the summed form holds
-  // at once for it (the factored form holds one head's share per thread). A message well under
-  // the size limit can still ask for a [n, n] matrix per head of many GiB.
-  int64_t max_score_bytes = int64_t{2048} << 20;
+  // The attention scores of the whole request, Σ over its sequences of n · m · heads: its work.
+  // A message well under the size limit can still ask for [n, n] scores per head that take
+  // minutes to compute (memory is not the issue: the backends tile the attention).
+  int64_t max_request_scores = int64_t{4096} * 1000000;
 };
 
 // RESOURCE_EXHAUSTED when a sequence exceeds `limits` (the message names the flag to raise).

@@ -25,7 +25,7 @@ namespace {
 namespace v1 = attnserve::v1;
 using namespace attnserve;
 
-using fuzz::kMaxScoreBytes;
+using fuzz::kMaxRequestScores;
 
 }  // namespace
 
@@ -41,7 +41,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!form.ok()) return 0;
 
   const WireForwardRequest wire = WireRequestOf(request);
-  auto decoded = DecodeForward(layer.config, wire, ForwardLimits{.max_score_bytes = kMaxScoreBytes});
+  auto decoded = DecodeForward(layer.config, wire, ForwardLimits{.max_request_scores = kMaxRequestScores});
   if (!decoded.ok()) return 0;
 
   // Accepted: every held form must compute it (Forward with compare runs them all).

@@ -23,7 +23,7 @@ namespace {
 
 using namespace attnserve;
 
-using fuzz::kMaxScoreBytes;
+using fuzz::kMaxRequestScores;
 
 }  // namespace
 
@@ -41,7 +41,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   StatusOr<Form> form = ChooseForm(converted.wire.form, layer);
   if (!form.ok()) return 0;
-  auto decoded = DecodeForward(layer.config, converted.wire, ForwardLimits{.max_score_bytes = kMaxScoreBytes});
+  auto decoded = DecodeForward(layer.config, converted.wire, ForwardLimits{.max_request_scores = kMaxRequestScores});
   if (!decoded.ok()) return 0;
 
   std::vector<float> output(decoded->output_elements());

@@ -17,8 +17,8 @@ namespace attnserve::fuzz {
 
 inline constexpr char kLayerSource[] = "random:d_model=8,heads=4,kv_heads=2,rope_theta=10000,seed=3,lowrank=budget:6";
 // Small enough that a request near it still runs in milliseconds; the server's default is
-// 2 GiB, which inputs of libFuzzer's sizes never approach.
-inline constexpr int64_t kMaxScoreBytes = int64_t{4} << 20;
+// 4096 M scores, which inputs of libFuzzer's sizes never approach.
+inline constexpr int64_t kMaxRequestScores = int64_t{1} << 20;
 
 struct RequestFuzzLayer {
   CpuBackend backend{CpuBackendOptions{.threads = 1}};

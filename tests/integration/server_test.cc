@@ -744,17 +744,17 @@ TEST(ServerFlagsTest, MessageLimitJustUnderPassesJustOverIsResourceExhausted) {
   EXPECT_TRUE(server->client().Forward(Request("tiny", RandomFloats(rng, 64), {1, 1, 64}), &resp).ok());
 }
 
-TEST(ServerFlagsTest, AttentionScoresAreBoundedPerSequence) {
-  // d_model 64, 4 heads: n = m = 256 needs exactly 1 MiB of scores, 257 more.
-  auto server = StartOrFail({"--max-scores-mb", "1", "--layer", "tiny=random:d_model=64,heads=4,seed=2"});
+TEST(ServerFlagsTest, AttentionWorkIsBoundedPerRequest) {
+  // d_model 64, 4 heads: 2 sequences of n = m = 256 ask for 0.52 M scores; 1 of 512, 1.05 M.
+  auto server = StartOrFail({"--max-scores-m", "1", "--layer", "tiny=random:d_model=64,heads=4,seed=2"});
   ASSERT_NE(server, nullptr);
   std::mt19937_64 rng(4);
   v1::ForwardResponse resp;
   grpc::Status st = server->client().Forward(Request("tiny", RandomFloats(rng, 2 * 256 * 64), {2, 256, 64}), &resp);
   EXPECT_TRUE(st.ok()) << Describe(st);
-  st = server->client().Forward(Request("tiny", RandomFloats(rng, 257 * 64), {1, 257, 64}), &resp);
+  st = server->client().Forward(Request("tiny", RandomFloats(rng, 512 * 64), {1, 512, 64}), &resp);
   EXPECT_EQ(st.error_code(), grpc::RESOURCE_EXHAUSTED) << Describe(st);
-  EXPECT_THAT(st.error_message(), AllOf(HasSubstr("n=257"), HasSubstr("--max-scores-mb")));
+  EXPECT_THAT(st.error_message(), AllOf(HasSubstr("n=512"), HasSubstr("--max-scores-m")));
 }
 
 TEST(ServerFlagsTest, AdminTokenGuardsLoadAndUnload) {
@@ -877,7 +877,7 @@ TEST(ServerFlagsTest, HelpAndVersion) {
   for (const char* flag :
        {"--listen", "--port-file", "--layer", "--threads", "--workers", "--max-batch-requests", "--max-batch-tokens",
         "--max-queue-delay-us", "--max-queue-requests", "--drain-timeout-s", "--max-message-mb",
-        "--max-scores-mb", "--log-level", "--log-json", "--admin-token", "--config", "--help", "--version"}) {
+        "--max-scores-m", "--log-level", "--log-json", "--admin-token", "--config", "--help", "--version"}) {
     EXPECT_THAT(output, HasSubstr(flag));
   }
   EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--version"}, &output), 0);
@@ -1041,22 +1041,22 @@ TEST(ServerFlagsTest, HugeFiniteInputsAnswerTheReferenceOrOutOfRange) {
 // reference of its own input), whatever its shape, mask or form.
 // The memory budget (--max-memory-mb, docs/reliability.md): a request that can never fit is
 // INVALID_ARGUMENT naming the flag, before anything is allocated (the server's peak RSS stays far
-// below what the request would have taken: 6600 summed tokens took it to 3.2 GB); requests that
-// fit alone but not together get RESOURCE_EXHAUSTED; everything reserved comes back.
+// below what the request would have taken); requests that fit alone but not together get
+// RESOURCE_EXHAUSTED; everything reserved comes back.
 TEST(ServerFlagsTest, MemoryBudgetRefusesWhatCanNeverFitAndWhatDoesNotFitNow) {
   TempDir dir;
   const std::string port_file = dir.File("metrics_port");
-  auto server = StartOrFail({"--metrics-port-file", port_file, "--max-memory-mb", "320", "--threads", "2"});
+  auto server = StartOrFail({"--metrics-port-file", port_file, "--max-memory-mb", "300", "--threads", "2"});
   ASSERT_NE(server, nullptr);
   int metrics_port = 0;
   std::ifstream(port_file) >> metrics_port;
-  std::mt19937_64 rng(6600);
-  const std::vector<float> huge = RandomFloats(rng, 6600 * 768);
+  std::mt19937_64 rng(18000);
+  // 18000 tokens: its Q, K, values and heads' outputs alone (linear in n: the attention is tiled)
+  // with the request's input and output pass 300 MiB in either form.
+  const std::vector<float> huge = RandomFloats(rng, 18000 * 768);
   v1::ForwardResponse resp;
   for (v1::Form form : {v1::FORM_SUMMED, v1::FORM_FACTORED}) {
-    v1::ForwardRequest req = Request("demo", huge, {1, 6600, 768}, form);
-    req.set_compare(form == v1::FORM_FACTORED);  // compare runs the summed form too
-    grpc::Status st = server->client().Forward(req, &resp);
+    grpc::Status st = server->client().Forward(Request("demo", huge, {1, 18000, 768}, form), &resp);
     EXPECT_EQ(st.error_code(), grpc::INVALID_ARGUMENT) << Describe(st);
     EXPECT_THAT(st.error_message(), HasSubstr("--max-memory-mb"));
   }
@@ -1086,7 +1086,7 @@ TEST(ServerFlagsTest, MemoryBudgetRefusesWhatCanNeverFitAndWhatDoesNotFitNow) {
   EXPECT_GT(peak_kb, 0);
   EXPECT_LT(peak_kb, 900 * 1024) << "peak RSS " << peak_kb / 1024 << " MiB";
   EXPECT_EQ(testing::MetricSample(testing::ScrapeMetrics(metrics_port), "attnserve_memory_budget_bytes"),
-            320.0 * 1048576);
+            300.0 * 1048576);
   // A call gives its reservation back when its state goes, just after its answer is handed to
   // gRPC, so a client can read the answer first (2 of 34 runs scraped one still held): wait for
   // the gauge to come back to 0. A leaked reservation never does.
@@ -1102,6 +1102,39 @@ TEST(ServerFlagsTest, MemoryBudgetRefusesWhatCanNeverFitAndWhatDoesNotFitNow) {
 
 // A response gRPC would refuse to send (half-precision input, float32 output) is refused before
 // it is computed, and counted as what the client saw.
+// A long sequence (docs/architecture.md, "Long sequences"): 8192 tokens to the demo layer, whose
+// [n, n] scores for all 12 heads would be 3 GiB, in both forms (the summed form mixes first, tiled,
+// in parts). The two forms agree, and rows spread over the sequence match the float64 reference
+// (those rows as queries over the whole input as context: the same attention, non-causal).
+TEST(LongSequenceTest, EightThousandTokensInBothFormsMatchEachOtherAndFloat64) {
+  auto server = StartOrFail({"--threads", "2"});
+  ASSERT_NE(server, nullptr);
+  constexpr int64_t kN = 8192, kD = 768;
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = kD, .heads = 12}), 1);  // the demo layer
+  std::mt19937_64 rng(8192);
+  const std::vector<float> input = RandomFloats(rng, kN * kD);
+  std::vector<std::vector<float>> outputs;
+  for (v1::Form form : {v1::FORM_FACTORED, v1::FORM_SUMMED}) {
+    v1::ForwardResponse resp;
+    const grpc::Status st = server->client().Forward(Request("demo", input, {1, kN, kD}, form), &resp);
+    ASSERT_TRUE(st.ok()) << Describe(st);
+    outputs.push_back(Output(resp));
+    ASSERT_EQ(outputs.back().size(), static_cast<size_t>(kN * kD));
+  }
+  std::vector<double> factored(outputs[0].begin(), outputs[0].end());
+  EXPECT_LT(RelativeL2(outputs[1], factored), 2 * kTolerance) << "summed against factored";
+  std::vector<int64_t> rows = {0, 1, 511, 512, kN - 1};
+  for (int i = 0; i < 11; ++i) rows.push_back(std::uniform_int_distribution<int64_t>(0, kN - 1)(rng));
+  std::vector<float> queries;
+  for (int64_t r : rows) queries.insert(queries.end(), input.begin() + r * kD, input.begin() + (r + 1) * kD);
+  const std::vector<double> want = Reference(w, queries, 1, static_cast<int64_t>(rows.size()), &input, kN);
+  for (size_t f = 0; f < outputs.size(); ++f) {
+    std::vector<float> got;
+    for (int64_t r : rows) got.insert(got.end(), outputs[f].begin() + r * kD, outputs[f].begin() + (r + 1) * kD);
+    EXPECT_LT(RelativeL2(got, want), kTolerance) << (f == 0 ? "factored" : "summed") << " against float64";
+  }
+}
+
 TEST(ServerFlagsTest, OversizedResponsesAreRefusedBeforeCompute) {
   TempDir dir;
   const std::string port_file = dir.File("metrics_port");

@@ -382,6 +382,48 @@ TEST_P(BackendTest, RotaryEmbedding) {
   EXPECT_GT(RelativeL2(x.output.data(), y.output.data(), x.output.size()), 1e-3);
 }
 
+// Long sequences: many key tiles and query blocks of the tiled attention (kKeyTile, kQueryTile),
+// causal blocks that skip tiles, the summed form projecting first and (on cpu-tiled, or past the
+// scratch bound) mixing first in parts, against the float64 reference at the usual tolerance.
+// The emulated CUDA device runs its kernels on the CPU's threads: it gets a quarter the length.
+TEST_P(BackendTest, LongSequencesMatchFloat64Reference) {
+  struct LongCase {
+    const char* name;
+    LayerConfig config;
+    int64_t n, m;
+    bool cross, causal;
+    int64_t key_length, position_offset;
+  };
+  const LongCase cases[] = {
+      {"causal self-attention", {.d_model = 64, .heads = 4}, 4096, 4096, false, true, -1, 0},
+      {"padded keys", {.d_model = 48, .heads = 3, .bias = false}, 2048, 2048, false, false, 1537, 0},
+      {"cross-attention to a long context", {.d_model = 64, .heads = 4}, 300, 4096, true, false, 3001, 0},
+      {"grouped-query heads, RoPE at an offset, causal",
+       {.d_model = 64, .heads = 8, .kv_heads = 2, .d_head = 16, .rope_theta = 10000.0}, 1300, 1300, false, true, -1,
+       70000},
+  };
+#ifdef ATTNSERVE_CUDA_EMULATED
+  constexpr int64_t kShorter = 4;
+#else
+  constexpr int64_t kShorter = 1;
+#endif
+  std::mt19937_64 rng(testing::TestSeed() ^ 0x10c9);
+  for (const LongCase& c : cases) {
+    const LayerWeights w = RandomLayerWeights(*CompleteConfig(c.config), rng());
+    const int64_t n = c.n / kShorter, m = c.m / kShorter;
+    std::vector<OwnedSequence> seqs;
+    seqs.push_back(RandomSequence(rng, c.config.d_model, n, m, c.cross, c.causal,
+                                  c.key_length < 0 ? -1 : c.key_length / kShorter));
+    seqs.back().position_offset = c.position_offset;
+    const double worst = CheckBothForms(w, seqs);
+    std::cout << "[ info     ] " << c.name << " n=" << n << " m=" << m << ": worst relative L2 error " << worst << "\n";
+    if (HasFailure()) {
+      ADD_FAILURE() << c.name << " (seed " << testing::TestSeed() << ")";
+      return;
+    }
+  }
+}
+
 // Inputs far from unit scale, all finite float32. From about 1e19 on, the scores scale · q·k
 // (~1e41 at 1e20) lie past float32's range while the output, a convex mix of values ~1e20, does
 // not: the answer must still be the float64 reference's, not the NaN of inf - inf in the

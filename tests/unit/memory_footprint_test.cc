@@ -83,6 +83,9 @@ TEST(MemoryFootprintTest, FormulaCoversTheMeasuredPeakWithoutWaste) {
       {"factored, BERT-base width, 1x1024", 768, 12, 1024, 1024, false, false},
       {"summed, BERT-base width, 1x512", 768, 12, 512, 512, true, false},
       {"summed cross-attention, 64 queries over 2048 keys", 512, 8, 64, 2048, true, true},
+      // Long sequences: tiled, so no [n, L] matrix per head (3 GiB at 8192 tokens) exists.
+      {"factored, BERT-base width, 1x8192", 768, 12, 8192, 8192, false, false},
+      {"summed, BERT-base width, 1x8192 (mixes first, in parts)", 768, 12, 8192, 8192, true, false},
   };
   for (const Case& c : cases) {
     int pipe_fd[2];
@@ -108,6 +111,11 @@ TEST(MemoryFootprintTest, FormulaCoversTheMeasuredPeakWithoutWaste) {
     // stacks' slack. Not wasteful: the formula is not more than 1.5x what is used.
     EXPECT_LE(measured_mb, formula_mb * 1.05 + 2) << c.name;
     EXPECT_GE(measured_mb * 1.5 + 8, formula_mb) << c.name;
+    // Linear in the sequence: far below one n × L score matrix for every head.
+    const double all_scores_mb = static_cast<double>(c.n) * static_cast<double>(c.m) * c.heads * 4 / 1048576.0;
+    if (c.n >= 4096) {
+      EXPECT_LT(measured_mb, all_scores_mb / 8) << c.name;
+    }
   }
 }
 

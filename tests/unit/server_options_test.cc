@@ -49,7 +49,7 @@ TEST(ServerOptionsTest, FlagsInBothSpellings) {
   StatusOr<ServerOptions> o =
       Parse({"--listen", "127.0.0.1:0", "--layer=a=random:d_model=8,heads=2", "--layer", "b=safetensors:/x.st",
              "--threads=3", "--workers", "2", "--max-message-mb", "1", "--log-level=debug", "--log-json",
-             "--admin-token", "s3cret-s3cret-s3cret", "--port-file", "/tmp/p", "--max-queue-requests=5", "--max-scores-mb", "16"});
+             "--admin-token", "s3cret-s3cret-s3cret", "--port-file", "/tmp/p", "--max-queue-requests=5", "--max-scores-m", "16"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
   EXPECT_EQ(o->listen, "127.0.0.1:0");
   ASSERT_EQ(o->layers.size(), 2u);
@@ -63,7 +63,7 @@ TEST(ServerOptionsTest, FlagsInBothSpellings) {
   EXPECT_EQ(o->admin_token, "s3cret-s3cret-s3cret");
   EXPECT_EQ(o->port_file, "/tmp/p");
   EXPECT_EQ(o->max_queue_requests, 5);
-  EXPECT_EQ(o->max_scores_mb, 16);
+  EXPECT_EQ(o->max_scores_m, 16);
 }
 
 TEST(ServerOptionsTest, YamlFileWithFlagsOverriding) {
@@ -71,7 +71,7 @@ TEST(ServerOptionsTest, YamlFileWithFlagsOverriding) {
       "listen: 127.0.0.1:6000\n"
       "threads: 4\n"
       "max_message_mb: 8\n"
-      "max_scores_mb: 100\n"
+      "max_scores_m: 100\n"
       "log_level: warn\n"
       "log_json: true\n"
       "layers:\n"
@@ -83,7 +83,7 @@ TEST(ServerOptionsTest, YamlFileWithFlagsOverriding) {
   EXPECT_EQ(o->listen, "127.0.0.1:6000");
   EXPECT_EQ(o->threads, 2) << "the flag wins over the file";
   EXPECT_EQ(o->max_message_mb, 8);
-  EXPECT_EQ(o->max_scores_mb, 100);
+  EXPECT_EQ(o->max_scores_m, 100);
   EXPECT_EQ(o->log_level, "warn");
   EXPECT_TRUE(o->log_json);
   ASSERT_EQ(o->layers.size(), 2u);
@@ -133,7 +133,7 @@ TEST(ServerOptionsTest, HelpNamesEveryFlag) {
   const std::string usage = UsageText();
   for (const char* flag :
        {"--listen", "--port-file", "--layer", "--threads", "--workers", "--max-batch-requests", "--max-batch-tokens",
-        "--max-queue-delay-us", "--max-queue-requests", "--drain-timeout-s", "--max-message-mb", "--max-scores-mb",
+        "--max-queue-delay-us", "--max-queue-requests", "--drain-timeout-s", "--max-message-mb", "--max-scores-m",
         "--log-level", "--log-json", "--admin-token", "--config", "--help", "--version"}) {
     EXPECT_THAT(usage, HasSubstr(flag));
   }
@@ -196,6 +196,21 @@ TEST(ServerOptionsTest, TheDocumentedFlagTableIsTheCodes) {
     EXPECT_THAT(UsageText(), HasSubstr(s.flag));
   }
   for (const auto& [flag, row] : rows) EXPECT_TRUE(flags.count(flag)) << flag << " is documented but not a flag";
+}
+
+
+// A deployment that still sets the old score-memory bound learns why it went and what replaced
+// it, as a flag and as a config key.
+TEST(ServerOptionsTest, RemovedSettingsSayWhatReplacedThem) {
+  Status flag = Parse({"--max-scores-mb", "16"}).status();
+  EXPECT_EQ(flag.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(flag.message(), AllOf(HasSubstr("--max-scores-mb: removed"), HasSubstr("--max-scores-m")));
+  const std::string path = WriteTemp("max_scores_mb: 100\n");
+  Status key = Parse({"--config", path}).status();
+  std::remove(path.c_str());
+  EXPECT_EQ(key.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(key.message(), AllOf(HasSubstr("max_scores_mb: removed"), HasSubstr("max_scores_m")));
+  EXPECT_THAT(Parse({"--max-scores-mbx", "1"}).status().message(), HasSubstr("unknown flag '--max-scores-mbx'"));
 }
 
 }  // namespace

@@ -262,25 +262,27 @@ TEST(ValidationTest, ContextMismatch) {
   EXPECT_THAT(s.message(), AllOf(HasSubstr("context.data"), HasSubstr("finite")));
 }
 
-TEST(ValidationTest, AttentionScoresAreBoundedPerSequence) {
+// The work bound counts every sequence of the request: 3 × 16 × 16 × 2 heads fits exactly.
+TEST(ValidationTest, AttentionScoresAreBoundedPerRequest) {
   const LayerConfig c = Config(8, 2);
-  const ForwardLimits limits{.max_score_bytes = 2 * 16 * 16 * 4};  // n = m = 16 with 2 heads fits exactly
+  const ForwardLimits limits{.max_request_scores = 3 * 16 * 16 * 2};
   WireForwardRequest r;
   OwnedWire fits = Floats({3, 16, 8});
   r.input = fits.View();
   EXPECT_TRUE(DecodeForward(c, r, limits).ok());
-  OwnedWire over = Floats({1, 17, 8});
+  OwnedWire over = Floats({4, 16, 8});
   r.input = over.View();
   Status s = DecodeForward(c, r, limits).status();
   EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
-  EXPECT_THAT(s.message(), AllOf(HasSubstr("n=17"), HasSubstr("m=17"), HasSubstr("--max-scores-mb")));
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("4 sequence(s)"), HasSubstr("n=16"), HasSubstr("m=16"),
+                                 HasSubstr("--max-scores-m")));
   // Cross-attention: m is the context's length.
-  OwnedWire q = Floats({1, 2, 8}), ctx = Floats({1, 200, 8});
+  OwnedWire q = Floats({1, 2, 8}), ctx = Floats({1, 400, 8});
   r.input = q.View();
   r.context = ctx.View();
   s = DecodeForward(c, r, limits).status();
   EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
-  EXPECT_THAT(s.message(), AllOf(HasSubstr("n=2"), HasSubstr("m=200")));
+  EXPECT_THAT(s.message(), AllOf(HasSubstr("n=2"), HasSubstr("m=400")));
 }
 
 // Half-precision bit patterns of exact values.

@@ -67,6 +67,9 @@ OwnedSequence RandomSequence(std::mt19937_64& rng, int64_t d_model, int64_t n, i
 std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why) {
   if (name == "cpu") return std::make_unique<CpuBackend>();
   if (name == "cpu-eigen") return std::make_unique<CpuBackend>(CpuBackendOptions{.gemm = GemmLibrary::kEigen});
+  // A 64 KiB bound on the summed form's working memory: every summed sequence then mixes first,
+  // tiled, in parts of a few rows — the path a long sequence takes, at the suite's short shapes.
+  if (name == "cpu-tiled") return std::make_unique<CpuBackend>(CpuBackendOptions{.max_score_scratch_bytes = 64 << 10});
 #if defined(ATTNSERVE_CUDA_EMULATED) || defined(ATTNSERVE_CUDA_PLUGIN_FILE)
   if (name == "cuda" || name == "cuda-tf32") {
 #ifdef ATTNSERVE_CUDA_EMULATED

@@ -49,15 +49,17 @@ class CpuResidentForm final : public ResidentForm {
   std::shared_ptr<const FormWeights> w_;
 };
 
-// Where the backend's own SkinnyGemm beats the GEMM library for a block of x's rows × `cols`
-// columns of w (docs/benchmarks.md, "The GEMM library"): against Eigen from 2 to 16 rows, against
-// oneDNN only at 2–4 rows (from 8 rows oneDNN is up to 1.7× faster).
-// How a forward computes: which GEMM library, on how many threads.
+// How a forward computes: which GEMM library, on how many threads, in which summed order.
 struct Compute {
   GemmLibrary gemm;
   int threads;
-  bool summed_mix_first = true;  // the summed form may mix first where that is cheaper
+  bool summed_mix_first = true;  // the summed form may mix first (SummedMixesFirst)
+  int64_t max_a_cat_bytes = INT64_MAX;  // beyond this A_cat, a summed sequence mixes first (tiled)
 };
+
+// Where the backend's own SkinnyGemm beats the GEMM library for a block of x's rows × `cols`
+// columns of w (docs/benchmarks.md, "The GEMM library"): against Eigen from 2 to 16 rows, against
+// oneDNN only at 2–4 rows (from 8 rows oneDNN is up to 1.7× faster).
 
 bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols) {
   constexpr int64_t kMaxRowsAgainstOneDnn = 4;
@@ -119,7 +121,8 @@ ConstMatrixView StackRows(const std::vector<ConstMatrixView>& blocks, std::vecto
 
 // Whether this forward runs the sequence mixing its keys first (SummedMixesFirst, the core's rule).
 bool MixesFirst(Compute run, const FormWeights& f, const Sequence& s) {
-  return SummedMixesFirst(f, {.n = s.n(), .m = s.m()}, run.summed_mix_first);
+  return SummedMixesFirst(f, {.n = s.n(), .m = s.m(), .keys = s.visible_keys()}, run.summed_mix_first,
+                          run.max_a_cat_bytes);
 }
 
 // The projections of a whole batch: Q of every query token, K and the value block of every
@@ -245,24 +248,140 @@ void HeadScores(GemmLibrary gemm, const FormWeights& f, const Projection& p, con
   }
 }
 
-// Factored and low-rank forms: O_i = A_i Val_i into O's columns of head i, then Y = O W_out + b.
+// A thread's working memory for tiled attention, kept across its tasks.
+struct TileScratch {
+  RowMatrix s;                   // one tile's scores, then its probabilities [stacked rows, keys]
+  RowMatrix q, o;                // the stacked heads' queries and running output (G > 1 only)
+  Eigen::VectorXf max, sum;      // the online softmax's running max and sum, per stacked row
+  std::vector<int64_t> exact;    // stacked rows whose float32 scores were not all finite
+  Eigen::RowVectorXf row;        // one such row's probabilities, from SoftmaxRowInFloat64
+};
+
+// One attention task: the query rows [row0, row0 + rows) of a sequence, for a set of heads that
+// share their keys `k` [L, d_h] and values `v` [L, d_v] (StackedHeads), with `q[g]` the rows'
+// queries of head g and `out[g]` where its output goes, [rows, d_v]:
+//   out_g = softmax(scale · q_g kᵀ + mask) v
+// computed key tile by key tile (kKeyTile) with the online softmax of FlashAttention: each row
+// keeps a running max and sum, and the output so far is rescaled when the max grows. The heads
+// are stacked into one GEMM per tile, so a group's K and V tiles are read once for all of them.
+// Tiles beyond the keys the block's last row sees (causal, key_length) are never computed; a
+// tile crossing a row's limit masks that row's tail. Rows whose float32 scores overflow are
+// recomputed exactly at the end (SoftmaxRowInFloat64), in O(L) memory.
+void AttendTiled(GemmLibrary gemm, const Sequence& s, float scale, std::span<const ConstMatrixView> q,
+                 ConstMatrixView k, ConstMatrixView v, int64_t row0, std::span<const MatrixView> out,
+                 TileScratch& t) {
+  const int64_t heads = static_cast<int64_t>(q.size()), rows = q[0].rows, dh = q[0].cols, dv = v.cols;
+  const int64_t stacked = heads * rows, keys = VisibleKeys(s, row0 + rows - 1);
+  ConstMatrixView queries = q[0];
+  MatrixView acc = out[0];
+  if (heads > 1) {
+    t.q.resize(stacked, dh);
+    t.o.resize(stacked, dv);
+    for (int64_t g = 0; g < heads; ++g) t.q.middleRows(g * rows, rows) = AsEigen(q[g]);
+    queries = ConstMatrixView(t.q.data(), stacked, dh);
+    acc = MatrixView(t.o.data(), stacked, dv);
+  }
+  t.max.setConstant(stacked, -std::numeric_limits<float>::infinity());
+  t.sum.setZero(stacked);
+  t.exact.clear();
+  for (int64_t k0 = 0; k0 < keys; k0 += kKeyTile) {
+    const int64_t width = std::min(kKeyTile, keys - k0);
+    t.s.resize(stacked, width);
+    GemmOnThisThread(gemm, queries, k.RowBlock(k0, width), /*transpose_w=*/true, scale,
+                     MatrixView(t.s.data(), stacked, width));
+    for (int64_t r = 0; r < stacked; ++r) {
+      const int64_t seen = std::clamp<int64_t>(VisibleKeys(s, row0 + r % rows) - k0, 0, width);
+      auto p = t.s.row(r).head(seen).array();
+      t.s.row(r).tail(width - seen).setZero();
+      if (seen == 0) continue;  // a causal row that sees none of this tile: its output stands
+      if (!p.allFinite()) {
+        if (t.exact.empty() || t.exact.back() != r) t.exact.push_back(r);
+        p.setZero();
+        continue;
+      }
+      const float top = std::max(t.max(r), p.maxCoeff());
+      const float rescale = std::exp(t.max(r) - top);  // 0 on the first tile (max = -inf)
+      p = (p - top).exp();
+      t.sum(r) = t.sum(r) * rescale + p.sum();
+      t.max(r) = top;
+      if (k0 > 0) AsEigen(acc).row(r) *= rescale;
+    }
+    // The first tile sets the output (every row sees key 0), later ones add to it.
+    GemmOnThisThread(gemm, ConstMatrixView(t.s.data(), stacked, width), v.RowBlock(k0, width),
+                     /*transpose_w=*/false, 1.0f, acc, /*accumulate=*/k0 > 0);
+  }
+  for (int64_t r = 0; r < stacked; ++r) AsEigen(acc).row(r) /= t.sum(r);
+  std::sort(t.exact.begin(), t.exact.end());
+  t.exact.erase(std::unique(t.exact.begin(), t.exact.end()), t.exact.end());
+  for (int64_t r : t.exact) {
+    const int64_t seen = VisibleKeys(s, row0 + r % rows);
+    t.row.resize(seen);
+    SoftmaxRowInFloat64(AsEigen(queries).row(r), AsEigen(k).topRows(seen), scale, t.row);
+    AsEigen(acc).row(r) = t.row * AsEigen(v).topRows(seen);
+  }
+  if (heads > 1) {
+    for (int64_t g = 0; g < heads; ++g) AsEigen(out[g]) = t.o.middleRows(g * rows, rows);
+  }
+}
+
+// The attention tasks of one sequence's query rows [row0, row0 + rows): blocks of at most
+// kQueryTile stacked rows, for every set of StackedHeads heads.
+struct AttentionTask {
+  size_t r;            // the sequence
+  int64_t first_head;  // of the set
+  int64_t row0, rows;  // the query block
+};
+
+void AddAttentionTasks(const FormWeights& f, size_t r, int64_t row0, int64_t rows, std::vector<AttentionTask>& tasks) {
+  const int64_t set = StackedHeads(f), block = std::max<int64_t>(1, kQueryTile / set);
+  for (int64_t b = row0; b < row0 + rows; b += block) {
+    for (int64_t head = 0; head < f.config.heads; head += set) {
+      tasks.push_back({r, head, b, std::min(block, row0 + rows - b)});
+    }
+  }
+}
+
+// Runs one task: the set's queries and keys from the projection, its values `values` (the
+// sequence's rows of what the set's heads mix, [m, d_v]), and each head's output at `out(head)`
+// (a [rows, d_v] view of the task's rows).
+template <typename OutputOf>
+void RunAttentionTask(GemmLibrary gemm, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
+                      const AttentionTask& task, ConstMatrixView values, OutputOf&& out, TileScratch& t) {
+  const LayerConfig& c = f.config;
+  const Sequence& s = batch[task.r];
+  const int64_t set = StackedHeads(f), dh = c.d_head, kv = c.KvHeadOf(task.first_head);
+  std::vector<ConstMatrixView> q;
+  std::vector<MatrixView> o;
+  for (int64_t i = task.first_head; i < task.first_head + set; ++i) {
+    q.push_back(p.q.RowBlock(p.x_row[task.r] + task.row0, task.rows).ColBlock(i * dh, dh));
+    o.push_back(out(i));
+  }
+  const int64_t keys = s.visible_keys();
+  const ConstMatrixView k = p.k.RowBlock(p.c_row[task.r], keys).ColBlock(kv * dh, dh);
+  AttendTiled(gemm, s, c.SoftmaxScale(), q, k, values.RowBlock(0, keys), task.row0, o, t);
+}
+
+// Factored and low-rank forms: O_i = A_i Val_i into O's columns of head i (tiled, AttendTiled),
+// then Y = O W_out + b.
 void MixProjected(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
                   ForwardScratch& scratch) {
-  const int64_t heads = f.config.heads, tasks = static_cast<int64_t>(batch.size()) * heads;
   const int64_t tx = p.q.rows, d = f.config.d_model;
   const MatrixView o = Reserve(scratch.o, tx, f.out_rows);
+  std::vector<AttentionTask> tasks;
+  for (size_t r = 0; r < batch.size(); ++r) AddAttentionTasks(f, r, 0, batch[r].n(), tasks);
 #pragma omp parallel num_threads(run.threads)
   {
-    RowMatrix a;
+    TileScratch t;
 #pragma omp for schedule(dynamic)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const size_t r = t / heads;
-      const int64_t i = t % heads;
-      const Sequence& s = batch[r];
-      HeadScores(run.gemm, f, p, s, r, i, 0, s.n(), a);
-      GemmOnThisThread(run.gemm, ConstMatrixView(a.data(), a.rows(), a.cols()),
-                       p.val.RowBlock(p.val_row[r], a.cols()).ColBlock(f.value_offset[i], f.value_width[i]),
-                       /*transpose_w=*/false, 1.0f, o.RowBlock(p.x_row[r], s.n()).ColBlock(f.mix_offset[i], f.value_width[i]));
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      const AttentionTask& task = tasks[i];
+      const auto out = [&](int64_t head) {
+        return o.RowBlock(p.x_row[task.r] + task.row0, task.rows).ColBlock(f.mix_offset[head], f.value_width[head]);
+      };
+      // The set's heads mix the same value columns (StackedHeads): their group's.
+      const ConstMatrixView values = p.val.RowBlock(p.val_row[task.r], batch[task.r].m())
+                                         .ColBlock(f.value_offset[task.first_head], f.value_width[task.first_head]);
+      RunAttentionTask(run.gemm, f, p, batch, task, values, out, t);
     }
   }
   const ConstMatrixView w_out(f.w_out.data(), f.out_rows, d);
@@ -277,106 +396,161 @@ void MixProjected(Compute run, const FormWeights& f, const Projection& p, std::s
   }
 }
 
-// The query rows one task of the summed form's score loop takes: enough tasks for every thread
-// (4 each, for balance), few enough that each runs a GEMM of some size.
+// The query rows one task of the summed form's project-first score loop takes: enough tasks for
+// every thread (4 each, for balance), few enough that each runs a GEMM of some size.
 int64_t RowsPerTask(int64_t rows, int threads) {
-  constexpr int64_t kMinRows = 4, kMaxRows = 64, kTasksPerThread = 4;
-  return std::clamp<int64_t>(rows / (int64_t{threads} * kTasksPerThread), kMinRows, kMaxRows);
+  constexpr int64_t kMinRows = 4, kTasksPerThread = 4;
+  return std::clamp<int64_t>(rows / (int64_t{threads} * kTasksPerThread), kMinRows, kSummedBlockRows);
 }
 
-// The summed form's scratch per sequence: A_cat [n, L·h] when it projects first, its heads'
-// mixes [n, h·d] when it mixes first (MixesFirst).
-int64_t SummedScratchFloats(Compute run, const FormWeights& f, const Sequence& s) {
-  return MixesFirst(run, f, s) ? s.n() * f.value_cols : s.n() * s.visible_keys() * f.config.heads;
+// A part of the summed form's work: query rows [row0, row0 + rows) of sequence r, and where its
+// A_cat or mixes start in the chunk's scratch. A sequence that projects first is one part; one
+// that mixes first is cut into parts of SummedRowsPerPart rows, so a long sequence's mixes
+// never exceed the scratch bound.
+struct SummedPart {
+  size_t r;
+  int64_t row0, rows;
+  int64_t offset = 0;
+};
+
+// The summed form's scratch for a part: A_cat [n, L·h] when its sequence projects first, its
+// heads' mixes [rows, h·d] when it mixes first (MixesFirst).
+int64_t SummedPartFloats(Compute run, const FormWeights& f, const Sequence& s, const SummedPart& part) {
+  return MixesFirst(run, f, s) ? part.rows * f.value_cols : s.n() * s.visible_keys() * f.config.heads;
 }
 
-// Summed form, for the sequences [first, last) of the batch, in each sequence's association
-// order (SummedMixesFirst, server/core/forms.h):
-//   - Project first. Val's rows are [h·d] wide and contiguous, so a sequence's first L rows are
-//     also the [L·h, d] matrix [M_1; …; M_h] with rows ordered (key, head); A_cat puts A_i[q, j]
-//     at column j·h + i to match, and the head sum is one GEMM: Y = A_cat · Val + b_eff.
-//   - Mix first. Head i's mix A_i C[:L] goes into columns i·d of `mixes` [n, h·d], and
-//     Y = Σ_i mixes_i W_M_i + b_eff reads W_M_i straight from the value block of W_in.
-// A task is a block of one sequence's query rows with every head: the heads of a row interleave
-// in A_cat, so tasks split by head would write the same cache lines from different threads.
-void MixSummed(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
-               size_t first, size_t last, ForwardScratch& scratch) {
-  const int64_t heads = f.config.heads, d = f.config.d_model;
-  struct Task {
-    size_t r;
-    int64_t row0, rows;
-  };
-  std::vector<Task> tasks;
-  std::vector<int64_t> offset;  // where each sequence's A_cat or mixes start in the scratch
-  int64_t total_rows = 0, floats = 0;
-  for (size_t r = first; r < last; ++r) total_rows += batch[r].n();
-  const int64_t block = RowsPerTask(total_rows, run.threads);
-  for (size_t r = first; r < last; ++r) {
-    offset.push_back(floats);
-    floats += SummedScratchFloats(run, f, batch[r]);
-    for (int64_t row0 = 0; row0 < batch[r].n(); row0 += block) {
-      tasks.push_back({r, row0, std::min(block, batch[r].n() - row0)});
+// Project first: the part's A_cat rows [row0, row0 + rows) (one task: a block of query rows with
+// every head: the heads of a row interleave in A_cat, so tasks split by head would write the same
+// cache lines from different threads).
+void ScoreIntoACat(Compute run, const FormWeights& f, const Projection& p, const Sequence& s, size_t r,
+                   int64_t row0, int64_t rows, float* a_cat, RowMatrix& a) {
+  const int64_t heads = f.config.heads, width = s.visible_keys() * heads;  // A_cat's row
+  float* const block_rows = a_cat + row0 * width;
+  int64_t seen = 0;  // the keys this block's rows see (all heads alike)
+  for (int64_t i = 0; i < heads; ++i) {
+    HeadScores(run.gemm, f, p, s, r, i, row0, rows, a);
+    seen = a.cols();
+    for (int64_t q = 0; q < rows; ++q) {
+      float* dst = block_rows + q * width + i;
+      for (int64_t j = 0; j < seen; ++j) dst[j * heads] = a(q, j);
     }
   }
+  // Keys beyond what the block sees (a causal block): zero, as A_cat's scratch is reused.
+  for (int64_t q = 0; q < rows; ++q) std::fill(block_rows + q * width + seen * heads, block_rows + (q + 1) * width, 0.0f);
+}
+
+// Summed form, for some parts of the batch, in each sequence's association order
+// (SummedMixesFirst, server/core/forms.h):
+//   - Project first. Val's rows are [h·d] wide and contiguous, so a sequence's first L rows are
+//     also the [L·h, d] matrix [M_1; …; M_h] with rows (key, head); A_cat puts A_i[q, j] at
+//     column j·h + i to match, and the head sum is one GEMM: Y = A_cat · Val + b_eff.
+//   - Mix first. Head i's mix A_i C[:L] is an attention whose values are the context, run tiled
+//     (AttendTiled) into columns i·d of the part's mixes [rows, h·d]; then
+//     Y = Σ_i mixes_i W_M_i + b_eff reads W_M_i straight from the value block of W_in.
+void MixSummed(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
+               std::span<const SummedPart> parts, ForwardScratch& scratch) {
+  const int64_t heads = f.config.heads, d = f.config.d_model;
+  int64_t floats = 0, project_rows = 0;
+  for (const SummedPart& part : parts) {
+    floats = std::max(floats, part.offset + SummedPartFloats(run, f, batch[part.r], part));
+    if (!MixesFirst(run, f, batch[part.r])) project_rows += part.rows;
+  }
+  // Tasks: blocks of a projecting part's rows (every head); tiled attention tasks of a mixing one.
+  struct ScoreTask {
+    size_t part;
+    int64_t row0, rows;
+  };
+  std::vector<ScoreTask> score_tasks;
+  std::vector<AttentionTask> attention_tasks;
+  std::vector<size_t> attention_part;
+  const int64_t block = RowsPerTask(project_rows, run.threads);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const SummedPart& part = parts[i];
+    if (MixesFirst(run, f, batch[part.r])) {
+      AddAttentionTasks(f, part.r, part.row0, part.rows, attention_tasks);
+      attention_part.resize(attention_tasks.size(), i);
+      continue;
+    }
+    for (int64_t row0 = 0; row0 < part.rows; row0 += block) score_tasks.push_back({i, row0, std::min(block, part.rows - row0)});
+  }
   float* const work = Reserve(scratch.a_cat, floats, 1).data;
+  const size_t task_count = score_tasks.size() + attention_tasks.size();
 #pragma omp parallel num_threads(run.threads)
   {
     RowMatrix a;
+    TileScratch t;
 #pragma omp for schedule(dynamic)
-    for (size_t t = 0; t < tasks.size(); ++t) {
-      const auto [r, row0, rows] = tasks[t];
-      const Sequence& s = batch[r];
-      if (MixesFirst(run, f, s)) {
-        const MatrixView mixes(work + offset[r - first], s.n(), f.value_cols);
-        for (int64_t i = 0; i < heads; ++i) {
-          HeadScores(run.gemm, f, p, s, r, i, row0, rows, a);
-          GemmOnThisThread(run.gemm, ConstMatrixView(a.data(), rows, a.cols()), p.c.RowBlock(p.c_row[r], a.cols()),
-                           /*transpose_w=*/false, 1.0f,
-                           mixes.RowBlock(row0, rows).ColBlock(f.value_offset[i], f.value_width[i]));
-        }
+    for (size_t i = 0; i < task_count; ++i) {
+      if (i < score_tasks.size()) {
+        const ScoreTask& task = score_tasks[i];
+        const SummedPart& part = parts[task.part];
+        ScoreIntoACat(run, f, p, batch[part.r], part.r, task.row0, task.rows, work + part.offset, a);
         continue;
       }
-      const int64_t width = s.visible_keys() * heads;  // A_cat's row
-      float* const block_rows = work + offset[r - first] + row0 * width;
-      int64_t seen = 0;  // the keys this block's rows see (all heads alike)
-      for (int64_t i = 0; i < heads; ++i) {
-        HeadScores(run.gemm, f, p, s, r, i, row0, rows, a);
-        seen = a.cols();
-        for (int64_t q = 0; q < rows; ++q) {
-          float* dst = block_rows + q * width + i;
-          for (int64_t j = 0; j < seen; ++j) dst[j * heads] = a(q, j);
-        }
-      }
-      // Keys beyond what the block sees (a causal block): zero, as A_cat's scratch is reused.
-      for (int64_t q = 0; q < rows; ++q) std::fill(block_rows + q * width + seen * heads, block_rows + (q + 1) * width, 0.0f);
+      const size_t j = i - score_tasks.size();
+      const AttentionTask& task = attention_tasks[j];
+      const SummedPart& part = parts[attention_part[j]];
+      const MatrixView mixes(work + part.offset, part.rows, f.value_cols);
+      const auto out = [&](int64_t head) {
+        return mixes.RowBlock(task.row0 - part.row0, task.rows).ColBlock(f.value_offset[head], f.value_width[head]);
+      };
+      // Every head mixes the context itself: Y's head sum projects the mixes afterwards.
+      RunAttentionTask(run.gemm, f, p, batch, task, p.c.RowBlock(p.c_row[task.r], batch[task.r].m()), out, t);
     }
   }
   const float* bias = f.b_out.empty() ? nullptr : f.b_out.data();
-  auto head_sum = [&](size_t r, int gemm_threads) {
-    const Sequence& s = batch[r];
-    const Compute on{run.gemm, gemm_threads, run.summed_mix_first};
+  auto head_sum = [&](const SummedPart& part, int gemm_threads) {
+    const Sequence& s = batch[part.r];
+    const Compute on{run.gemm, gemm_threads, run.summed_mix_first, run.max_a_cat_bytes};
+    const MatrixView y = s.output.RowBlock(part.row0, part.rows);
     if (MixesFirst(run, f, s)) {
-      const ConstMatrixView mixes(work + offset[r - first], s.n(), f.value_cols);
+      const ConstMatrixView mixes(work + part.offset, part.rows, f.value_cols);
       for (int64_t i = 0; i < heads; ++i) {
         const ConstMatrixView w_m(f.w_in.data() + f.q_cols + f.k_cols + f.value_offset[i], d, f.value_width[i],
                                   f.in_cols());
         // The first head's product (with the bias) sets Y; the others add to it.
-        Gemm(on, mixes.ColBlock(f.value_offset[i], f.value_width[i]), w_m, i == 0 ? bias : nullptr, s.output,
+        Gemm(on, mixes.ColBlock(f.value_offset[i], f.value_width[i]), w_m, i == 0 ? bias : nullptr, y,
              /*accumulate=*/i > 0);
       }
       return;
     }
     const int64_t keys = s.visible_keys();
-    const ConstMatrixView a(work + offset[r - first], s.n(), keys * heads);
-    const ConstMatrixView m(p.val.row(p.val_row[r]), keys * heads, d);
-    Gemm(on, a, m, bias, s.output);
+    const ConstMatrixView a(work + part.offset, s.n(), keys * heads);
+    const ConstMatrixView m(p.val.row(p.val_row[part.r]), keys * heads, d);
+    Gemm(on, a, m, bias, y);
   };
-  if (last - first == 1) {
-    head_sum(first, run.threads);  // one sequence: its GEMM's columns across the threads
+  if (parts.size() == 1) {
+    head_sum(parts[0], run.threads);  // one part: its GEMM's columns across the threads
     return;
   }
 #pragma omp parallel for schedule(dynamic) num_threads(run.threads)
-  for (size_t r = first; r < last; ++r) head_sum(r, 1);  // many: a sequence per thread
+  for (size_t i = 0; i < parts.size(); ++i) head_sum(parts[i], 1);  // many: a part per thread
+}
+
+// The summed form's parts (SummedPart), grouped into chunks whose scratch stays under the bound
+// (a single part larger than the bound — a projecting sequence when mixing first is not allowed —
+// runs alone), each chunk run by MixSummed.
+void RunSummed(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
+               int64_t max_score_scratch_bytes, ForwardScratch& scratch) {
+  std::vector<SummedPart> parts;
+  const int64_t part_rows = SummedRowsPerPart(f, max_score_scratch_bytes);
+  for (size_t r = 0; r < batch.size(); ++r) {
+    const int64_t n = batch[r].n(), step = MixesFirst(run, f, batch[r]) ? part_rows : n;
+    for (int64_t row0 = 0; row0 < n; row0 += step) parts.push_back({r, row0, std::min(step, n - row0)});
+  }
+  const int64_t cap = max_score_scratch_bytes / int64_t{sizeof(float)};
+  size_t first = 0;
+  while (first < parts.size()) {
+    int64_t floats = 0;
+    size_t last = first;
+    do {
+      parts[last].offset = floats;
+      floats += SummedPartFloats(run, f, batch[parts[last].r], parts[last]);
+      ++last;
+    } while (last < parts.size() && floats + SummedPartFloats(run, f, batch[parts[last].r], parts[last]) <= cap);
+    MixSummed(run, f, p, batch, std::span<const SummedPart>(parts).subspan(first, last - first), scratch);
+    first = last;
+  }
 }
 
 }  // namespace
@@ -425,7 +599,7 @@ Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequenc
   const FormWeights& f = resident.weights();
   if (batch.empty()) return OkStatus();
   ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(f.config, batch));
-  const Compute run{gemm_, threads_, summed_mix_first_};
+  const Compute run{gemm_, threads_, summed_mix_first_, max_score_scratch_bytes_};
   // Returned to the pool however the forward ends.
   std::unique_ptr<ForwardScratch> scratch = TakeScratch();
   struct Return {
@@ -438,20 +612,8 @@ Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequenc
     MixProjected(run, f, p, batch, *scratch);
     return OkStatus();
   }
-  // The summed form's A_cat is n·L·h floats per sequence (its mixes n·h·d when it mixes
-  // first): run in chunks under the bound.
-  size_t first = 0;
-  while (first < batch.size()) {
-    size_t last = first;
-    int64_t bytes = 0;
-    do {
-      bytes += SummedScratchFloats(run, f, batch[last]) * int64_t{sizeof(float)};
-      ++last;
-    } while (last < batch.size() &&
-             bytes + SummedScratchFloats(run, f, batch[last]) * int64_t{sizeof(float)} <= max_score_scratch_bytes_);
-    MixSummed(run, f, p, batch, first, last, *scratch);
-    first = last;
-  }
+  // The summed form's A_cat or mixes, in parts and chunks under the bound (RunSummed).
+  RunSummed(run, f, p, batch, max_score_scratch_bytes_, *scratch);
   return OkStatus();
 }
 

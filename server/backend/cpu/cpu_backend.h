@@ -1,5 +1,7 @@
 // The CPU backend: GEMMs (oneDNN or Eigen, gemm.h) for the projections (one per batch over all
-// stacked tokens) and an OpenMP loop over (sequence, head) for the scores and the mix.
+// stacked tokens) and an OpenMP loop of attention tasks (a block of query rows of one sequence,
+// for the heads sharing a K/V tile) that runs the scores and the mix tile by tile with an online
+// softmax: no n × L matrix exists, memory is linear in the sequence length.
 // Thread-safety: Forward is reentrant: each call takes a scratch of its own from a pool (guarded
 // by a mutex) and gives it back at the end, so concurrent calls never share one. Construction
 // turns Eigen's own (process-wide) GEMM threading off: the backend splits GEMMs across its
@@ -19,9 +21,10 @@ struct CpuBackendOptions {
   int threads = 0;  // 0: all cores OpenMP sees
   // Which library computes the GEMMs (gemm.h): oneDNN when the build has it, else Eigen.
   GemmLibrary gemm = BuiltWithOneDnn() ? GemmLibrary::kOneDnn : GemmLibrary::kEigen;
-  // Upper bound on the score scratch of the summed form held at once (its [n, h·m] matrix per
-  // sequence); larger batches run in chunks so memory stays bounded. A single sequence larger
-  // than the bound still runs whole: the service's size limits bound that case.
+  // Upper bound on the summed form's working memory held at once: the A_cat [n, L·h] of the
+  // sequences that project first, the mixes [rows, h·d] of those that mix first. A sequence
+  // whose A_cat alone would pass it mixes first, tiled, in parts of rows under the bound
+  // (SummedMixesFirst), so memory stays linear in the sequence length; batches run in chunks.
   int64_t max_score_scratch_bytes = int64_t{256} << 20;
   // A forward's scratch (projections, A_cat) is kept for the next call, one per concurrent
   // caller, unless it grew beyond this: then it is freed, so one large batch does not hold its
@@ -49,7 +52,7 @@ class CpuBackend final : public Backend {
   }
   // The summed form mixes first where that is cheaper (SummedMixesFirst).
   double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const override {
-    return ForwardFlops(form, batch, summed_mix_first_);
+    return ForwardFlops(form, batch, summed_mix_first_, max_score_scratch_bytes_);
   }
 
   int threads() const { return threads_; }
