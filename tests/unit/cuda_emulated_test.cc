@@ -123,34 +123,40 @@ TEST_F(CudaEmulationTest, MaskedSoftmaxRecomputesOverflowedRowsInFloat64) {
           }
         }
       }
-      DeviceVector dev(scores), dq(q), dk(k);
+      DeviceVector dq(q), dk(k);
       const cuda::ScoreOperands operands{.q = dq.data, .q_ld = q_ld, .k = dk.data, .k_ld = k_ld, .d_head = dh,
                                          .group = group, .scale = scale};
-      ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, 0, keys, causal, operands, nullptr), cudaSuccess);
-      ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
-      const std::vector<float> got = dev.Read();
-      int overflowed = 0;
-      for (int64_t row = 0; row < heads * n; ++row) {
-        const int64_t r = row % n, visible = causal ? std::min(r + 1, keys) : keys;
-        bool finite = true;
-        for (int64_t j = 0; j < visible; ++j) finite = finite && std::isfinite(scores[row * keys + j]);
-        overflowed += finite ? 0 : 1;
-        if (row == 3 * n + 5) {
-          for (int64_t j = 0; j < visible; ++j) {
-            EXPECT_TRUE(std::isnan(got[row * keys + j])) << "keys=" << keys << " j " << j;
+      // A block of rows may start past the sequence's row 0: the mask counts from there, the
+      // float64 fallback still reads the block's own rows of Q.
+      for (int64_t first_row : {0, 2}) {
+        DeviceVector dev(scores);
+        ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, first_row, keys, causal, operands, nullptr), cudaSuccess);
+        ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
+        const std::vector<float> got = dev.Read();
+        int overflowed = 0;
+        for (int64_t row = 0; row < heads * n; ++row) {
+          const int64_t r = row % n, visible = causal ? std::min(first_row + r + 1, keys) : keys;
+          bool finite = true;
+          for (int64_t j = 0; j < visible; ++j) finite = finite && std::isfinite(scores[row * keys + j]);
+          overflowed += finite ? 0 : 1;
+          if (row == 3 * n + 5) {
+            for (int64_t j = 0; j < visible; ++j) {
+              EXPECT_TRUE(std::isnan(got[row * keys + j])) << "keys=" << keys << " j " << j;
+            }
+            continue;
           }
-          continue;
+          double top = -INFINITY, sum = 0;
+          for (int64_t j = 0; j < visible; ++j) top = std::max(top, exact[row * keys + j]);
+          for (int64_t j = 0; j < visible; ++j) sum += std::exp(exact[row * keys + j] - top);
+          std::vector<double> want(keys, 0.0);
+          for (int64_t j = 0; j < visible; ++j) want[j] = std::exp(exact[row * keys + j] - top) / sum;
+          EXPECT_LT(RelativeL2(&got[row * keys], want), 2e-6)
+              << "keys=" << keys << " causal=" << causal << " first_row=" << first_row << " row " << row
+              << (finite ? "" : " (overflowed)");
+          for (int64_t j = visible; j < keys; ++j) ASSERT_EQ(got[row * keys + j], 0.0f) << "masked entry " << j;
         }
-        double top = -INFINITY, sum = 0;
-        for (int64_t j = 0; j < visible; ++j) top = std::max(top, exact[row * keys + j]);
-        for (int64_t j = 0; j < visible; ++j) sum += std::exp(exact[row * keys + j] - top);
-        std::vector<double> want(keys, 0.0);
-        for (int64_t j = 0; j < visible; ++j) want[j] = std::exp(exact[row * keys + j] - top) / sum;
-        EXPECT_LT(RelativeL2(&got[row * keys], want), 2e-6)
-            << "keys=" << keys << " causal=" << causal << " row " << row << (finite ? "" : " (overflowed)");
-        for (int64_t j = visible; j < keys; ++j) ASSERT_EQ(got[row * keys + j], 0.0f) << "masked entry " << j;
+        EXPECT_GT(overflowed, n) << "the draw should overflow most rows of heads 1-3";
       }
-      EXPECT_GT(overflowed, n) << "the draw should overflow most rows of heads 1-3";
     }
   }
 }
@@ -584,8 +590,8 @@ TEST_F(CudaQueryRowBlockTest, WorkspaceStaysLinearInSequenceLength) {
   for (Form form : {Form::kFactored, Form::kSummed}) {
     auto backend = MakeBackendWithScoreBound(kBound);
     ASSERT_NE(backend, nullptr);
-    auto weights = std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(w)
-                                                                               : MaterializeSummed(w));
+    auto weights =
+        std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(w) : MaterializeSummed(w));
     auto resident = backend->Upload(weights);
     ASSERT_TRUE(resident.ok()) << resident.status().ToString();
     const int64_t before = cuda_emulation::LiveDeviceBytes();
@@ -601,8 +607,8 @@ TEST_F(CudaQueryRowBlockTest, WorkspaceStaysLinearInSequenceLength) {
     EXPECT_LE(workspace, kBound + linear) << FormName(form) << ": bound " << kBound << " + linear " << linear;
     EXPECT_LT(workspace, whole_scores / 8) << FormName(form) << ": the whole sequence's scores are " << whole_scores;
     EXPECT_LT(RelativeL2(seq.output.data(), want), 1e-5) << FormName(form);
-    std::cout << "[ info     ] " << FormName(form) << ": device workspace " << workspace << " bytes for n = L = "
-              << kTokens << " (scores of the whole sequence: " << whole_scores << ")\n";
+    std::cout << "[ info     ] " << FormName(form) << ": device workspace " << workspace
+              << " bytes for n = L = " << kTokens << " (scores of the whole sequence: " << whole_scores << ")\n";
   }
 }
 
