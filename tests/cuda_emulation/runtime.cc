@@ -271,6 +271,14 @@ int64_t LiveDeviceAllocations() {
   return live;
 }
 
+int64_t LiveDeviceBytes() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  int64_t bytes = 0;
+  for (const auto& [base, a] : s.allocations) bytes += a.space == Space::kDevice ? static_cast<int64_t>(a.bytes) : 0;
+  return bytes;
+}
+
 void SetDeviceCount(int count) {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);

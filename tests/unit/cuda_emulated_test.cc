@@ -21,6 +21,7 @@
 #include "server/backend/cuda/kernels.h"
 #include "server/core/forms.h"
 #include "server/core/reference.h"
+#include "server/core/spectrum.h"
 #include "tests/unit/test_support.h"
 // Last: the device-side shim defines CUDA's names (threadIdx, __syncthreads, min) for the
 // test kernels below.
@@ -62,27 +63,31 @@ class CudaEmulationTest : public ::testing::Test {
 // --- The kernels, each against float64 on the host ---------------------------------------
 
 TEST_F(CudaEmulationTest, MaskedSoftmaxMatchesFloat64AtEveryBlockSize) {
-  // Key counts on both sides of the launcher's 32/128/256-thread choices and of a warp.
+  // Key counts on both sides of the launcher's 32/128/256-thread choices and of a warp; blocks
+  // of query rows starting at row 0 and further down, where the causal mask counts from.
   for (int64_t keys : {1, 7, 32, 33, 100, 128, 129, 300, 1000}) {
     for (bool causal : {false, true}) {
-      const int64_t heads = 3, n = causal ? std::min<int64_t>(keys, 40) : 5;
-      std::vector<float> host = testing::RandomVector(rng_, heads * n * keys, 4.0f);
-      DeviceVector dev(host);
-      // Finite scores never read Q and K: null operands would fault if they did.
-      ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, keys, causal, cuda::ScoreOperands{}, nullptr), cudaSuccess);
-      ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
-      const std::vector<float> got = dev.Read();
-      for (int64_t row = 0; row < heads * n; ++row) {
-        const int64_t q = row % n, visible = causal ? std::min(q + 1, keys) : keys;
-        const float* s = &host[row * keys];
-        double top = -INFINITY, sum = 0;
-        for (int64_t j = 0; j < visible; ++j) top = std::max<double>(top, s[j]);
-        for (int64_t j = 0; j < visible; ++j) sum += std::exp(s[j] - top);
-        std::vector<double> want(keys, 0.0);
-        for (int64_t j = 0; j < visible; ++j) want[j] = std::exp(s[j] - top) / sum;
-        EXPECT_LT(RelativeL2(&got[row * keys], want), 2e-6)
-            << "keys=" << keys << " causal=" << causal << " row " << row;
-        for (int64_t j = visible; j < keys; ++j) ASSERT_EQ(got[row * keys + j], 0.0f) << "masked entry " << j;
+      for (int64_t first_row : {0, 17}) {
+        const int64_t heads = 3, n = causal ? std::min<int64_t>(keys, 40) : 5;
+        std::vector<float> host = testing::RandomVector(rng_, heads * n * keys, 4.0f);
+        DeviceVector dev(host);
+        // Finite scores never read Q and K: null operands would fault if they did.
+        ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, first_row, keys, causal, cuda::ScoreOperands{}, nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
+        const std::vector<float> got = dev.Read();
+        for (int64_t row = 0; row < heads * n; ++row) {
+          const int64_t q = first_row + row % n, visible = causal ? std::min(q + 1, keys) : keys;
+          const float* s = &host[row * keys];
+          double top = -INFINITY, sum = 0;
+          for (int64_t j = 0; j < visible; ++j) top = std::max<double>(top, s[j]);
+          for (int64_t j = 0; j < visible; ++j) sum += std::exp(s[j] - top);
+          std::vector<double> want(keys, 0.0);
+          for (int64_t j = 0; j < visible; ++j) want[j] = std::exp(s[j] - top) / sum;
+          EXPECT_LT(RelativeL2(&got[row * keys], want), 2e-6)
+              << "keys=" << keys << " causal=" << causal << " first_row=" << first_row << " row " << row;
+          for (int64_t j = visible; j < keys; ++j) ASSERT_EQ(got[row * keys + j], 0.0f) << "masked entry " << j;
+        }
       }
     }
   }
@@ -118,34 +123,40 @@ TEST_F(CudaEmulationTest, MaskedSoftmaxRecomputesOverflowedRowsInFloat64) {
           }
         }
       }
-      DeviceVector dev(scores), dq(q), dk(k);
+      DeviceVector dq(q), dk(k);
       const cuda::ScoreOperands operands{.q = dq.data, .q_ld = q_ld, .k = dk.data, .k_ld = k_ld, .d_head = dh,
                                          .group = group, .scale = scale};
-      ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, keys, causal, operands, nullptr), cudaSuccess);
-      ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
-      const std::vector<float> got = dev.Read();
-      int overflowed = 0;
-      for (int64_t row = 0; row < heads * n; ++row) {
-        const int64_t r = row % n, visible = causal ? std::min(r + 1, keys) : keys;
-        bool finite = true;
-        for (int64_t j = 0; j < visible; ++j) finite = finite && std::isfinite(scores[row * keys + j]);
-        overflowed += finite ? 0 : 1;
-        if (row == 3 * n + 5) {
-          for (int64_t j = 0; j < visible; ++j) {
-            EXPECT_TRUE(std::isnan(got[row * keys + j])) << "keys=" << keys << " j " << j;
+      // A block of rows may start past the sequence's row 0: the mask counts from there, the
+      // float64 fallback still reads the block's own rows of Q.
+      for (int64_t first_row : {0, 2}) {
+        DeviceVector dev(scores);
+        ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, first_row, keys, causal, operands, nullptr), cudaSuccess);
+        ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
+        const std::vector<float> got = dev.Read();
+        int overflowed = 0;
+        for (int64_t row = 0; row < heads * n; ++row) {
+          const int64_t r = row % n, visible = causal ? std::min(first_row + r + 1, keys) : keys;
+          bool finite = true;
+          for (int64_t j = 0; j < visible; ++j) finite = finite && std::isfinite(scores[row * keys + j]);
+          overflowed += finite ? 0 : 1;
+          if (row == 3 * n + 5) {
+            for (int64_t j = 0; j < visible; ++j) {
+              EXPECT_TRUE(std::isnan(got[row * keys + j])) << "keys=" << keys << " j " << j;
+            }
+            continue;
           }
-          continue;
+          double top = -INFINITY, sum = 0;
+          for (int64_t j = 0; j < visible; ++j) top = std::max(top, exact[row * keys + j]);
+          for (int64_t j = 0; j < visible; ++j) sum += std::exp(exact[row * keys + j] - top);
+          std::vector<double> want(keys, 0.0);
+          for (int64_t j = 0; j < visible; ++j) want[j] = std::exp(exact[row * keys + j] - top) / sum;
+          EXPECT_LT(RelativeL2(&got[row * keys], want), 2e-6)
+              << "keys=" << keys << " causal=" << causal << " first_row=" << first_row << " row " << row
+              << (finite ? "" : " (overflowed)");
+          for (int64_t j = visible; j < keys; ++j) ASSERT_EQ(got[row * keys + j], 0.0f) << "masked entry " << j;
         }
-        double top = -INFINITY, sum = 0;
-        for (int64_t j = 0; j < visible; ++j) top = std::max(top, exact[row * keys + j]);
-        for (int64_t j = 0; j < visible; ++j) sum += std::exp(exact[row * keys + j] - top);
-        std::vector<double> want(keys, 0.0);
-        for (int64_t j = 0; j < visible; ++j) want[j] = std::exp(exact[row * keys + j] - top) / sum;
-        EXPECT_LT(RelativeL2(&got[row * keys], want), 2e-6)
-            << "keys=" << keys << " causal=" << causal << " row " << row << (finite ? "" : " (overflowed)");
-        for (int64_t j = visible; j < keys; ++j) ASSERT_EQ(got[row * keys + j], 0.0f) << "masked entry " << j;
+        EXPECT_GT(overflowed, n) << "the draw should overflow most rows of heads 1-3";
       }
-      EXPECT_GT(overflowed, n) << "the draw should overflow most rows of heads 1-3";
     }
   }
 }
@@ -461,6 +472,143 @@ TEST_F(CudaEmulationTest, ARecoverableErrorFailsTheBatchAndTheDeviceKeepsServing
     const Status again = backend->Forward(**resident, batch);
     ASSERT_TRUE(again.ok()) << again.ToString();
     EXPECT_LT(testing::RelativeL2(seq.output.data(), ReferenceForward(w, seq.View())), 1e-5);
+  }
+}
+
+// --- Attention in blocks of query rows ----------------------------------------------------
+
+// Its own suite, not CudaEmulationTest's: nothing here is concurrent, so the ThreadSanitizer run
+// of that suite (scripts/test) would only pay for these longer sequences.
+class CudaQueryRowBlockTest : public CudaEmulationTest {};
+
+// A backend whose score workspace (scores, and the summed form's A_cat beside them) is bounded
+// by `bytes`: each sequence's queries then run in blocks of rows.
+std::unique_ptr<Backend> MakeBackendWithScoreBound(int64_t bytes) {
+  auto backend = MakeCudaBackend({.max_score_workspace_bytes = bytes});
+  EXPECT_TRUE(backend.ok()) << backend.status().ToString();
+  return backend.ok() ? std::move(backend).value() : nullptr;
+}
+
+// The block height CudaBackendOptions::max_score_workspace_bytes documents: as many query rows
+// as keep heads · rows · keys floats (twice that for the summed form) within the bound, at
+// least one.
+int64_t BlockRowsUnder(int64_t bound, const LayerConfig& c, bool summed, const testing::OwnedSequence& s) {
+  const int64_t keys = s.key_length < 0 ? s.m : s.key_length;
+  const int64_t row_bytes = (summed ? 2 : 1) * c.heads * keys * static_cast<int64_t>(sizeof(float));
+  return std::clamp<int64_t>(bound / row_bytes, 1, s.n);
+}
+
+// Each form a layer serves: factored, summed, and low rank at full rank (its own value block
+// per query head, so under GQA its heads take the head-by-head mix), which is the layer exactly.
+std::vector<std::pair<std::string, FormWeights>> EveryForm(const LayerWeights& w) {
+  std::vector<std::pair<std::string, FormWeights>> forms;
+  forms.emplace_back("factored", MaterializeFactored(w));
+  forms.emplace_back("summed", MaterializeSummed(w));
+  auto low_rank = MaterializeLowRank(w, std::vector<int64_t>(w.config.heads, w.config.d_head));
+  EXPECT_TRUE(low_rank.ok()) << low_rank.status().ToString();
+  if (low_rank.ok()) forms.emplace_back("low-rank", std::move(low_rank).value());
+  return forms;
+}
+
+// A bound small enough that every sequence runs in several blocks of query rows, the last one
+// partial: each form, over causal self-attention (at a position offset), key padding (with and
+// without the causal mask), cross-attention to a longer and to a shorter context, for multi-head
+// and grouped-query layers with RoPE, against the float64 reference. One masked-softmax launch
+// per block shows the blocks ran.
+TEST_F(CudaQueryRowBlockTest, EveryFormMatchesFloat64Reference) {
+  const LayerWeights mha = RandomLayerWeights(*CompleteConfig({.d_model = 40, .heads = 4, .d_head = 10}), rng_());
+  const LayerWeights gqa_rope = RandomLayerWeights(
+      *CompleteConfig({.d_model = 48, .heads = 6, .kv_heads = 2, .d_head = 8, .bias = false, .rope_theta = 10000.0}),
+      rng_());
+  constexpr int64_t kBound = 20 << 10;  // 2 to 44 rows a block here
+  for (const LayerWeights* w : {&mha, &gqa_rope}) {
+    const LayerConfig& c = w->config;
+    const int64_t d = c.d_model;
+    // Prime query counts: no block height divides them, so every sequence ends in a partial block.
+    std::vector<testing::OwnedSequence> seqs;
+    seqs.push_back(RandomSequence(rng_, d, 151, 151, false, true, -1));  // causal self-attention
+    seqs.back().position_offset = 1000;
+    seqs.push_back(RandomSequence(rng_, d, 131, 131, false, false, 97));  // key padding
+    seqs.push_back(RandomSequence(rng_, d, 127, 127, false, true, 61));   // causal and padded
+    seqs.back().position_offset = 7;
+    seqs.push_back(RandomSequence(rng_, d, 71, 190, true, false, -1));  // a longer context
+    seqs.back().position_offset = 33;
+    seqs.push_back(RandomSequence(rng_, d, 89, 40, true, true, 29));  // a shorter one, causal, padded
+    std::vector<std::vector<double>> want;
+    for (auto& s : seqs) want.push_back(ReferenceForward(*w, s.View()));
+
+    auto blocked = MakeBackendWithScoreBound(kBound);
+    auto whole = MakeEmulatedBackend();
+    ASSERT_NE(blocked, nullptr);
+    ASSERT_NE(whole, nullptr);
+    for (auto& [name, form] : EveryForm(*w)) {
+      const bool summed = !form.has_output_projection();
+      int64_t extra_blocks = 0;
+      for (const auto& s : seqs) {
+        const int64_t rows = BlockRowsUnder(kBound, c, summed, s);
+        ASSERT_GE(s.n / rows, 2) << name << ": n=" << s.n << " must take several blocks of " << rows;
+        ASSERT_NE(s.n % rows, 0) << name << ": n=" << s.n << " must end in a partial block of " << rows;
+        extra_blocks += (s.n + rows - 1) / rows - 1;
+      }
+      auto shared_form = std::make_shared<const FormWeights>(std::move(form));
+      int64_t launches[2] = {0, 0};
+      for (int run = 0; run < 2; ++run) {
+        Backend& backend = run == 0 ? *whole : *blocked;
+        auto resident = backend.Upload(shared_form);
+        ASSERT_TRUE(resident.ok()) << resident.status().ToString();
+        std::vector<Sequence> batch;
+        for (auto& s : seqs) {
+          std::fill(s.output.begin(), s.output.end(), std::nanf(""));
+          batch.push_back(s.View());
+        }
+        cuda_emulation::ResetCounters();
+        const Status st = backend.Forward(**resident, batch);
+        ASSERT_TRUE(st.ok()) << st.ToString();
+        launches[run] = cuda_emulation::ReadCounters().kernel_launches;
+        for (size_t r = 0; r < seqs.size(); ++r) {
+          EXPECT_LT(RelativeL2(seqs[r].output.data(), want[r]), 1e-5)
+              << name << (run == 0 ? " in one block" : " in blocks") << ", sequence " << r << " n=" << seqs[r].n
+              << " m=" << seqs[r].m << " causal=" << seqs[r].causal << " key_length=" << seqs[r].key_length
+              << ", config " << c.ToString();
+        }
+      }
+      // Per block a masked softmax, and for the summed form the head interleave.
+      EXPECT_EQ(launches[1] - launches[0], extra_blocks * (summed ? 2 : 1)) << name << ", config " << c.ToString();
+    }
+  }
+}
+
+// A long-ish sequence under a 1 MiB bound: the device workspace a batch reserves is the bound
+// plus terms linear in the tokens (inputs, Q, K, values, O, Y), far below the heads · n · L
+// scores of the whole sequence at once; and the answer is still the float64 one.
+TEST_F(CudaQueryRowBlockTest, WorkspaceStaysLinearInSequenceLength) {
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 16, .heads = 2, .d_head = 8}), rng_());
+  const LayerConfig& c = w.config;
+  constexpr int64_t kBound = 1 << 20, kTokens = 2048;
+  testing::OwnedSequence seq = RandomSequence(rng_, c.d_model, kTokens, kTokens, false, true, -1);
+  const std::vector<double> want = ReferenceForward(w, seq.View());
+  for (Form form : {Form::kFactored, Form::kSummed}) {
+    auto backend = MakeBackendWithScoreBound(kBound);
+    ASSERT_NE(backend, nullptr);
+    auto weights =
+        std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(w) : MaterializeSummed(w));
+    auto resident = backend->Upload(weights);
+    ASSERT_TRUE(resident.ok()) << resident.status().ToString();
+    const int64_t before = cuda_emulation::LiveDeviceBytes();
+    const Sequence batch[] = {seq.View()};
+    ASSERT_TRUE(backend->Forward(**resident, batch).ok());
+    const int64_t workspace = cuda_emulation::LiveDeviceBytes() - before;
+
+    const FormWeights& f = *weights;
+    const int64_t per_token = 2 * c.d_model + f.q_cols + f.k_cols + f.value_cols + f.out_rows;
+    const int64_t linear = kTokens * per_token * static_cast<int64_t>(sizeof(float)) + 8 * 256;  // + alignment
+    const int64_t whole_scores = c.heads * kTokens * kTokens * static_cast<int64_t>(sizeof(float));
+    EXPECT_GT(workspace, 0) << FormName(form);
+    EXPECT_LE(workspace, kBound + linear) << FormName(form) << ": bound " << kBound << " + linear " << linear;
+    EXPECT_LT(workspace, whole_scores / 8) << FormName(form) << ": the whole sequence's scores are " << whole_scores;
+    EXPECT_LT(RelativeL2(seq.output.data(), want), 1e-5) << FormName(form);
+    std::cout << "[ info     ] " << FormName(form) << ": device workspace " << workspace
+              << " bytes for n = L = " << kTokens << " (scores of the whole sequence: " << whole_scores << ")\n";
   }
 }
 

@@ -227,11 +227,12 @@ class Lane {
     return OkStatus();
   }
 
-  // Scores of every head of one sequence: S_i = scale · Q_i K_g(i)^T ([heads, n, L] in `s`),
+  // Scores of every head for a block of one sequence's queries (q's rows, the first of them
+  // query `first_row`) against k's rows: S_i = scale · Q_i K_g(i)^T ([heads, n, keys] in `s`),
   // then the masked softmax. In column-major terms S_i^T = K_g · Q_i^T: op(K) = T. Heads
   // i = g·group + j share K_g, so each j is one strided batch over the kv heads.
-  Status Scores(const LayerConfig& c, DeviceBlock q, DeviceBlock k, const Sequence& seq, float* s) {
-    const int64_t n = seq.n(), keys = seq.visible_keys(), dh = c.d_head, group = c.group_size();
+  Status Scores(const LayerConfig& c, DeviceBlock q, DeviceBlock k, int64_t first_row, bool causal, float* s) {
+    const int64_t n = q.rows, keys = k.rows, dh = c.d_head, group = c.group_size();
     for (int64_t j = 0; j < group; ++j) {
       ATTNSERVE_RETURN_IF_ERROR(GemmStridedBatched(CUBLAS_OP_T, keys, n, dh, c.SoftmaxScale(), k.data, k.ld, dh,
                                                    q.data + j * dh, q.ld, group * dh, s + j * n * keys, keys,
@@ -239,7 +240,7 @@ class Lane {
     }
     const cuda::ScoreOperands operands{.q = q.data, .q_ld = q.ld, .k = k.data, .k_ld = k.ld, .d_head = dh,
                                        .group = group, .scale = c.SoftmaxScale()};
-    CUDA_TRY(cuda::MaskedSoftmax(s, c.heads, n, keys, seq.causal, operands, stream_));
+    CUDA_TRY(cuda::MaskedSoftmax(s, c.heads, n, first_row, keys, causal, operands, stream_));
     return OkStatus();
   }
 
@@ -269,6 +270,31 @@ class Lane {
     return OkStatus();
   }
 
+  // Query rows per block of `seq`: as many as keep the block's scores, and the summed form's
+  // A_cat block beside them, within max_score_workspace_bytes; at least one, at most n.
+  int64_t BlockRows(const FormWeights& f, const Sequence& seq) const {
+    const int64_t copies = f.has_output_projection() ? 1 : 2;
+    const int64_t row_bytes = copies * f.config.heads * seq.visible_keys() * static_cast<int64_t>(sizeof(float));
+    return std::clamp<int64_t>(options_.max_score_workspace_bytes / row_bytes, 1, seq.n());
+  }
+
+  // Attention for one block of a sequence's queries: q holds the block's rows (the first is
+  // query `first_row`), k and val the keys the block sees. Factored: the block's rows of O;
+  // summed: its rows of Y (`out`). `s` and `cat` hold heads · q.rows · k.rows floats each.
+  Status AttendBlock(const FormWeights& f, DeviceBlock q, DeviceBlock k, DeviceBlock val, int64_t first_row,
+                     bool causal, float* s, float* cat, DeviceBlock out) {
+    const LayerConfig& c = f.config;
+    const int64_t n = q.rows, keys = k.rows;
+    ATTNSERVE_RETURN_IF_ERROR(Scores(c, q, k, first_row, causal, s));
+    if (f.has_output_projection()) return Mix(f, val, s, n, keys, out);
+    // Summed: Val's rows are contiguous [h·d], so the first L rows are [M_1; …; M_h] as an
+    // [L·h, d] matrix with rows (key, head); A_cat matches it and the head sum is one GEMM.
+    CUDA_TRY(cuda::InterleaveHeads(s, c.heads, n, keys, cat, stream_));
+    const DeviceBlock a_cat{cat, n, keys * c.heads, keys * c.heads};
+    const DeviceBlock m{val.data, keys * c.heads, c.d_model, c.d_model};
+    return Gemm(a_cat, m, out);
+  }
+
  public:
   // Runs one batch on this lane's stream; returns once the outputs are written.
   Status RunBatch(const CudaResidentForm& r, std::span<const Sequence> batch) {
@@ -287,7 +313,8 @@ class Lane {
       tx += s.n();
       tc += s.m();
       all_self = all_self && s.self_attention();
-      max_scores = std::max(max_scores, c.heads * s.n() * s.visible_keys());
+      // Blocks of query rows keep this linear in the sequence length (not heads · n · L).
+      max_scores = std::max(max_scores, c.heads * BlockRows(f, s) * s.visible_keys());
     }
     if (!f.has_output_projection()) max_cat = max_scores;
     const int64_t c_rows = all_self ? 0 : tc;  // contexts are staged only when some differ
@@ -350,20 +377,18 @@ class Lane {
     ATTNSERVE_RETURN_IF_ERROR(Project(r, ctx, qk_cols, f.value_cols, val));
 
     const DeviceBlock o{d_o, tx, f.out_rows, f.out_rows}, y{d_y, tx, d, d};
+    const DeviceBlock mixed = f.has_output_projection() ? o : y;
     for (size_t i = 0; i < batch.size(); ++i) {
       const Sequence& s = batch[i];
-      const int64_t n = s.n(), keys = s.visible_keys();
-      ATTNSERVE_RETURN_IF_ERROR(Scores(c, q.Rows(x_row[i], n), k.Rows(c_row[i], keys), s, d_s));
-      if (f.has_output_projection()) {
-        ATTNSERVE_RETURN_IF_ERROR(Mix(f, val.Rows(c_row[i], keys), d_s, n, keys, o.Rows(x_row[i], n)));
-        continue;
+      const int64_t n = s.n(), block = BlockRows(f, s);
+      for (int64_t row0 = 0; row0 < n; row0 += block) {
+        const int64_t rows = std::min(block, n - row0);
+        // Causal: no row of the block sees past its last row's keys, so those are not computed.
+        const int64_t keys = s.causal ? std::min(s.visible_keys(), row0 + rows) : s.visible_keys();
+        ATTNSERVE_RETURN_IF_ERROR(AttendBlock(f, q.Rows(x_row[i] + row0, rows), k.Rows(c_row[i], keys),
+                                              val.Rows(c_row[i], keys), row0, s.causal, d_s, d_cat,
+                                              mixed.Rows(x_row[i] + row0, rows)));
       }
-      // Summed: Val's rows are contiguous [h·d], so the first L rows are [M_1; …; M_h] as an
-      // [L·h, d] matrix with rows (key, head); A_cat matches it and the head sum is one GEMM.
-      CUDA_TRY(cuda::InterleaveHeads(d_s, c.heads, n, keys, d_cat, stream_));
-      const DeviceBlock a_cat{d_cat, n, keys * c.heads, keys * c.heads};
-      const DeviceBlock m{d_val + c_row[i] * f.value_cols, keys * c.heads, d, d};
-      ATTNSERVE_RETURN_IF_ERROR(Gemm(a_cat, m, y.Rows(x_row[i], n)));
     }
     if (f.has_output_projection()) {
       ATTNSERVE_RETURN_IF_ERROR(Gemm(o, DeviceBlock{r.w_out.get(), f.out_rows, d, d}, y));

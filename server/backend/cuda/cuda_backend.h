@@ -1,12 +1,15 @@
 // The CUDA backend: cuBLAS for every GEMM, small kernels (kernels.cu) for the masked softmax,
-// bias adds and the summed form's head interleave. This header includes no CUDA headers, so
-// the server can choose a device without compiling against CUDA.
+// bias adds and the summed form's head interleave. Each sequence's attention runs in blocks of
+// query rows whose scores fit max_score_workspace_bytes, so device memory grows linearly with
+// the sequence length (docs/architecture.md, "The CUDA backend"). This header includes no CUDA
+// headers, so the server can choose a device without compiling against CUDA.
 // Thread-safety: Upload and Forward may be called from several threads at once. Each call runs
 // on a lane — a stream, a cuBLAS handle, scratch and pinned buffers — that no other call uses
 // meanwhile; lanes are made on demand, so there are as many as callers at once (the executor's
 // workers), and their batches overlap on the device.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -18,6 +21,11 @@ struct CudaBackendOptions {
   int device = 0;
   // TF32 tensor cores for the GEMMs (10-bit mantissa inputs): faster, looser. Off by default.
   bool tf32 = false;
+  // Device memory for one block of a sequence's attention: its scores (heads · rows · keys
+  // floats) and, for the summed form, the interleaved A_cat block of the same size. Each
+  // sequence's queries run in blocks of as many rows as fit (at least one), so the workspace
+  // grows linearly with the sequence length rather than with n · L.
+  int64_t max_score_workspace_bytes = int64_t{256} << 20;
 };
 
 // Number of usable CUDA devices; 0 with `why` set when there are none or the driver fails

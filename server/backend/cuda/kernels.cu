@@ -105,13 +105,15 @@ __device__ float ExactExponentials(float* s, int64_t head, int64_t q, int64_t vi
   return static_cast<float>(1.0 / sum);
 }
 
-// One block per row of one head's scores.
-__global__ void MaskedSoftmaxKernel(float* scores, int64_t n, int64_t keys, bool causal, ScoreOperands operands) {
+// One block per row of one head's scores. Row q of a block is query first_row + q of its
+// sequence: the causal mask counts from there, the float64 fallback reads Q's row q.
+__global__ void MaskedSoftmaxKernel(float* scores, int64_t n, int64_t first_row, int64_t keys, bool causal,
+                                    ScoreOperands operands) {
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;  // over heads * n
   const int64_t q = row % n;
   float* s = scores + row * keys;
-  const int64_t visible = causal ? min(q + 1, keys) : keys;
+  const int64_t visible = causal ? min(first_row + q + 1, keys) : keys;
   // A non-finite score counts as +inf, so the max also tells whether q·k overflowed float32
   // (inputs from ~1e19 on): inf - inf in the max subtraction would make the row NaN.
   float top = -FLT_MAX;
@@ -182,12 +184,12 @@ cudaError_t AddRowBias(float* y, int64_t rows, int64_t cols, int64_t ld, const f
   return cudaGetLastError();
 }
 
-cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t n, int64_t keys, bool causal,
+cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t rows, int64_t first_row, int64_t keys, bool causal,
                           const ScoreOperands& operands, cudaStream_t stream) {
   // Short rows get a small block: most threads of a 256-wide block would idle on 16 keys.
   const int threads = keys <= 32 ? 32 : keys <= 128 ? 128 : kThreads;
-  ATTNSERVE_LAUNCH(MaskedSoftmaxKernel, static_cast<unsigned>(heads * n), threads, stream)
-  (scores, n, keys, causal, operands);
+  ATTNSERVE_LAUNCH(MaskedSoftmaxKernel, static_cast<unsigned>(heads * rows), threads, stream)
+  (scores, rows, first_row, keys, causal, operands);
   return cudaGetLastError();
 }
 

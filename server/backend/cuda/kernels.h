@@ -12,7 +12,7 @@ namespace attnserve::cuda {
 cudaError_t AddRowBias(float* y, int64_t rows, int64_t cols, int64_t ld, const float* bias, cudaStream_t stream);
 
 // The Q and K the scores came from: head i's queries are columns [i·d_head, (i+1)·d_head) of q
-// (row stride q_ld, row r = query r of the sequence), its keys the same columns of kv head
+// (row stride q_ld, row r = row r of the score block), its keys the same columns of kv head
 // i / group in k (row stride k_ld). scale is the one the score GEMM applied.
 struct ScoreOperands {
   const float* q = nullptr;
@@ -23,14 +23,17 @@ struct ScoreOperands {
   float scale = 1.0f;
 };
 
-// In place over `heads` score matrices [n, keys] stored back to back: each row becomes the
-// softmax of its visible entries (j < q + 1 when causal, all `keys` otherwise) and 0 elsewhere.
-// The scale is already applied by the score GEMM. A row with a non-finite score (q·k past
-// float32's range, inputs from ~1e19 on) is recomputed from `operands` in float64.
-cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t n, int64_t keys, bool causal,
+// In place over `heads` score matrices [rows, keys] stored back to back, a block of one
+// sequence's query rows: row r is query first_row + r, which the causal mask needs (`operands.q`
+// points at the block's first row). Each row becomes the softmax of its visible entries
+// (j ≤ first_row + r when causal, all `keys` otherwise) and 0 elsewhere. The scale is already
+// applied by the score GEMM. A row with a non-finite score (q·k past float32's range, inputs from
+// ~1e19 on) is recomputed from `operands` in float64.
+cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t rows, int64_t first_row, int64_t keys, bool causal,
                           const ScoreOperands& operands, cudaStream_t stream);
 
-// a_cat[q, j·heads + i] = scores[i, q, j]: the summed form's [n, keys·heads] score layout.
+// a_cat[q, j·heads + i] = scores[i, q, j]: the summed form's [n, keys·heads] score layout (n the
+// rows of a block of queries).
 cudaError_t InterleaveHeads(const float* scores, int64_t heads, int64_t n, int64_t keys, float* a_cat,
                             cudaStream_t stream);
 

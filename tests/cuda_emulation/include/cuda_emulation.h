@@ -28,6 +28,8 @@ void ResetCounters();
 
 // Device allocations not yet freed (device memory a test expects to be returned).
 int64_t LiveDeviceAllocations();
+// Their size in bytes: what the process holds on the device now (weights and workspaces).
+int64_t LiveDeviceBytes();
 
 // Devices cudaGetDeviceCount reports: 1, or ATTNSERVE_CUDA_EMULATION_DEVICES; 0 makes it fail
 // as with no GPU.
