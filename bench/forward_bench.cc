@@ -5,7 +5,7 @@
 //   forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]
 //                 [--json FILE] [--shapes a,b] [--gemm auto,eigen,onednn]
 // --gemm runs the CPU backend with each GEMM library in turn (gemm.h), against one ceiling;
-// --summed-order auto,project-first the summed form in both association orders (the cross-*
+// --summed-order auto,project-first,mix-first the summed form in each association order (the cross-*
 // shapes sweep n/m). GFLOP/s count what the backend ran (Backend::Flops).
 // The CPU ceiling is the fastest of every SGEMM library the build found (Eigen always; oneDNN
 // and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
@@ -13,7 +13,7 @@
 // library and shape. On a GPU the ceiling is a cuBLAS SGEMM and the times include the
 // host-device copies.
 //
-//   forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]
+//   forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE] [--summed-order auto,mix-first]
 // The long-sequence sweep: n = L for a BERT-base-width layer and a LLaMA-like one (d 2048, 16
 // heads, 4 KV heads, causal, RoPE), both forms: time, GFLOP/s (the visible scores only, for a
 // causal layer) and the peak RSS growth of one call, measured around a fresh backend's first
@@ -87,7 +87,7 @@ struct Options {
   std::vector<std::string> shapes;
   std::string device = "cpu";
   std::vector<std::string> gemms = {"auto"};  // the CPU backend's GEMM libraries to run, in turn
-  std::vector<std::string> summed_orders = {"auto"};  // auto, project-first: in turn
+  std::vector<std::string> summed_orders = {"auto"};  // auto, project-first, mix-first: in turn
   bool tf32 = false;
   std::string sweep;                                     // "long": the long-sequence sweep
   std::vector<int64_t> lengths = {512, 2048, 8192, 16384};  // its n = L
@@ -207,11 +207,15 @@ StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int thre
                                                     const std::string& summed_order) {
   if (opt.device == "cpu") {
     ATTNSERVE_ASSIGN_OR_RETURN(const GemmLibrary library, ParseGemmLibrary(gemm));
-    if (summed_order != "auto" && summed_order != "project-first") {
-      return InvalidArgumentError("--summed-order: expected auto or project-first, got " + summed_order);
+    using Order = CpuBackendOptions::SummedOrderChoice;
+    const Order order = summed_order == "project-first" ? Order::kProjectFirst
+                        : summed_order == "mix-first"   ? Order::kMixFirst
+                                                        : Order::kAuto;
+    if (order == Order::kAuto && summed_order != "auto") {
+      return InvalidArgumentError("--summed-order: expected auto, project-first or mix-first, got " + summed_order);
     }
-    return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(CpuBackendOptions{
-        .threads = threads, .gemm = library, .summed_mix_first = summed_order == "auto"}));
+    return std::unique_ptr<Backend>(
+        std::make_unique<CpuBackend>(CpuBackendOptions{.threads = threads, .gemm = library, .summed_order = order}));
   }
 #ifdef ATTNSERVE_HAVE_CUDA
   if (opt.device.rfind("cuda", 0) == 0) {
@@ -332,7 +336,7 @@ const LongLayer kLongLayers[] = {
 };
 
 struct LongRecord {
-  std::string layer, form;
+  std::string layer, form, order;  // order: the summed form's (--summed-order)
   int64_t n;
   int threads;
   double ms, gflops, ceiling_gflops, rss_growth_mb, all_scores_mb;
@@ -349,8 +353,8 @@ double UsefulFlops(const Backend& backend, const FormWeights& f, int64_t n, bool
 // One (layer, n, form) point: a fresh backend (no scratch kept from an earlier point), the peak
 // RSS growth of its first call, then the time of the calls after it.
 LongRecord RunLongPoint(const Options& opt, int threads, const LongLayer& layer, const LayerWeights& weights,
-                        int64_t n, Form form) {
-  auto backend = MakeBenchBackend(opt, threads, opt.gemms[0], "auto");
+                        int64_t n, Form form, const std::string& order) {
+  auto backend = MakeBenchBackend(opt, threads, opt.gemms[0], order);
   if (!backend.ok()) {
     std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
     std::exit(1);
@@ -388,7 +392,7 @@ LongRecord RunLongPoint(const Options& opt, int threads, const LongLayer& layer,
     seconds = MedianSeconds(call, opt.min_time_s);
   }
   const double scores_mb = static_cast<double>(n) * static_cast<double>(n) * layer.config.heads * 4 / 1048576.0;
-  return {layer.name, std::string(FormName(form)), n, threads, seconds * 1e3,
+  return {layer.name, std::string(FormName(form)), order, n, threads, seconds * 1e3,
           UsefulFlops(**backend, *f, n, layer.causal) / seconds * 1e-9, 0, growth, scores_mb};
 }
 
@@ -403,18 +407,21 @@ int RunLongSweep(const Options& opt) {
   for (int threads : opt.threads) {
     auto ceiling = MeasureCeiling(opt, threads, libraries, {{2048, 2048, 2048}});
     if (!ceiling.ok()) return 1;
-    std::printf("\n%-22s %-9s %6s %7s %10s %9s %7s %12s %14s %12s   (ceiling %.1f GFLOP/s: %s; CPU kernels: %s)\n",
+    std::printf("\n%-22s %-24s %6s %7s %10s %9s %7s %12s %14s %12s   (ceiling %.1f GFLOP/s: %s; CPU kernels: %s)\n",
                 "layer", "form", "n", "threads", "ms", "GFLOP/s", "ratio", "RSS growth", "MiB per 1k tok",
                 "n·L·h scores", ceiling->gflops, ceiling->source.c_str(), isa.c_str());
     for (const LongLayer& layer : kLongLayers) {
       const LayerConfig config = *CompleteConfig(layer.config);
       const LayerWeights weights = RandomLayerWeights(config, 1);
       for (int64_t n : opt.lengths) {
-        for (Form form : {Form::kFactored, Form::kSummed}) {
-          LongRecord r = RunLongPoint(opt, threads, {layer.name, config, layer.causal}, weights, n, form);
+        std::vector<std::pair<Form, std::string>> runs = {{Form::kFactored, "auto"}};
+        for (const std::string& order : opt.summed_orders) runs.emplace_back(Form::kSummed, order);
+        for (const auto& [form, order] : runs) {
+          LongRecord r = RunLongPoint(opt, threads, {layer.name, config, layer.causal}, weights, n, form, order);
           r.ceiling_gflops = ceiling->gflops;
-          std::printf("%-22s %-9s %6lld %7d %10.1f %9.1f %7.3f %8.1f MiB %14.2f %8.0f MiB\n", r.layer.c_str(),
-                      r.form.c_str(), static_cast<long long>(r.n), r.threads, r.ms, r.gflops, r.gflops / r.ceiling_gflops,
+          const std::string label = form == Form::kSummed && order != "auto" ? r.form + "/" + order : r.form;
+          std::printf("%-22s %-24s %6lld %7d %10.1f %9.1f %7.3f %8.1f MiB %14.2f %8.0f MiB\n", r.layer.c_str(),
+                      label.c_str(), static_cast<long long>(r.n), r.threads, r.ms, r.gflops, r.gflops / r.ceiling_gflops,
                       r.rss_growth_mb, r.rss_growth_mb / (static_cast<double>(n) / 1024.0), r.all_scores_mb);
           std::fflush(stdout);
           records.push_back(r);
@@ -429,10 +436,10 @@ int RunLongSweep(const Options& opt) {
       const LongRecord& r = records[i];
       char line[640];
       std::snprintf(line, sizeof line,
-                    "  {\"sweep\": \"long\", \"layer\": \"%s\", \"form\": \"%s\", \"n\": %lld, \"threads\": %d, "
+                    "  {\"sweep\": \"long\", \"layer\": \"%s\", \"form\": \"%s\", \"order\": \"%s\", \"n\": %lld, \"threads\": %d, "
                     "\"ms\": %.3f, \"gflops\": %.2f, \"ceiling_gflops\": %.2f, \"rss_growth_mb\": %.1f, "
                     "\"all_scores_mb\": %.1f, \"isa\": \"%s\"}%s\n",
-                    r.layer.c_str(), r.form.c_str(), static_cast<long long>(r.n), r.threads, r.ms, r.gflops,
+                    r.layer.c_str(), r.form.c_str(), r.order.c_str(), static_cast<long long>(r.n), r.threads, r.ms, r.gflops,
                     r.ceiling_gflops, r.rss_growth_mb, r.all_scores_mb, isa.c_str(), i + 1 < records.size() ? "," : "");
       out << line;
     }
@@ -446,8 +453,9 @@ int Usage(const char* why) {
             << "usage: forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]\n"
                "                     [--json FILE] [--shapes bert-base,gpt2-medium,small-request,large]\n"
                "                     [--gemm auto,eigen,onednn]   (the CPU backend's GEMM libraries, in turn)\n"
-               "                     [--summed-order auto,project-first]   (the summed form's association order)\n"
-               "       forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]\n";
+               "                     [--summed-order auto,project-first,mix-first]   (the summed form's association order)\n"
+               "       forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]\n"
+               "                     [--summed-order auto,mix-first]\n";
   return 2;
 }
 

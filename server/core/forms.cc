@@ -113,12 +113,12 @@ FormWeights MaterializeSummed(const LayerWeights& w) {
 
 FormWeights MaterializeQueryKeyOnly(Form form, const LayerWeights& w) { return StartForm(form, w, 0); }
 
-bool SummedMixesFirst(const FormWeights& f, const SequenceShape& s, bool allowed, int64_t max_a_cat_bytes) {
-  if (!allowed || f.form != Form::kSummed || static_cast<int64_t>(f.b_in.size()) > f.q_cols + f.k_cols) return false;
+bool SummedMixesFirst(const FormWeights& f, const SequenceShape& s, const SummedOrder& order) {
+  if (!order.mix_first_allowed || f.form != Form::kSummed || static_cast<int64_t>(f.b_in.size()) > f.q_cols + f.k_cols) return false;
   if (s.n < s.m) return true;
   const double a_cat_bytes = static_cast<double>(s.n) * static_cast<double>(s.keys < 0 ? s.m : s.keys) *
                              static_cast<double>(f.config.heads) * sizeof(float);
-  return a_cat_bytes > static_cast<double>(max_a_cat_bytes);
+  return a_cat_bytes > static_cast<double>(order.max_a_cat_bytes);
 }
 
 int64_t StackedHeads(const FormWeights& f) { return f.form == Form::kLowRank ? 1 : f.config.group_size(); }
@@ -129,7 +129,7 @@ int64_t SummedRowsPerPart(const FormWeights& f, int64_t max_score_scratch_bytes)
 }
 
 int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape> batch, bool self_attention,
-                            int threads, int64_t max_score_scratch_bytes, bool summed_mix_first) {
+                            int threads, int64_t max_score_scratch_bytes, const SummedOrder& order) {
   if (batch.empty()) return 0;
   const int64_t d = f.config.d_model, heads = f.config.heads, dh = f.config.d_head;
   // The summed form's per-part work: A_cat [n, L·h] of a sequence that projects first, the
@@ -138,7 +138,7 @@ int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape>
   int64_t tx = 0, tc = 0, value_rows = 0, max_block_scores = 0, work_total = 0, work_largest = 0;
   for (const SequenceShape& s : batch) {
     const int64_t keys = s.keys < 0 ? s.m : s.keys;
-    const bool mix_first = SummedMixesFirst(f, s, summed_mix_first, max_score_scratch_bytes);
+    const bool mix_first = SummedMixesFirst(f, s, order);
     tx += s.n;
     tc += s.m;
     value_rows += mix_first ? 0 : s.m;
@@ -177,8 +177,7 @@ int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape>
   return floats * static_cast<int64_t>(sizeof(float)) + packing;
 }
 
-double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch, bool summed_mix_first,
-                    int64_t max_a_cat_bytes) {
+double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch, const SummedOrder& order) {
   const double d = static_cast<double>(f.config.d_model);
   double mix_width = 0;
   for (int64_t w : f.value_width) mix_width += static_cast<double>(w);
@@ -189,7 +188,7 @@ double ForwardFlops(const FormWeights& f, std::span<const SequenceShape> batch, 
     const double keys = static_cast<double>(s.keys < 0 ? s.m : s.keys);
     flops += 2 * n * d * static_cast<double>(f.q_cols);                   // Q projection
     // The value projection runs over the queries' mixes instead of the keys when mixing first.
-    const bool mix_first = SummedMixesFirst(f, s, summed_mix_first, max_a_cat_bytes);
+    const bool mix_first = SummedMixesFirst(f, s, order);
     flops += 2 * m * d * static_cast<double>(f.k_cols);                   // K projection
     flops += 2 * (mix_first ? n : m) * d * static_cast<double>(f.value_cols);  // value projection
     flops += 2 * n * keys * score_width;                                  // scores, all heads

@@ -90,14 +90,19 @@ struct SequenceShape {
 // value block (the summed form folds it into b_eff; a bias per value row would not commute with
 // the mix), and either fewer queries than keys or an A_cat larger than `max_a_cat_bytes`.
 // The one rule for the CPU backend, its FLOPs and its memory formula.
-bool SummedMixesFirst(const FormWeights& form, const SequenceShape& s, bool allowed,
-                      int64_t max_a_cat_bytes = INT64_MAX);
+struct SummedOrder {
+  bool mix_first_allowed = false;       // false: every summed sequence projects first
+  int64_t max_a_cat_bytes = INT64_MAX;  // a sequence whose A_cat would pass this mixes first
+};
+bool SummedMixesFirst(const FormWeights& form, const SequenceShape& s, const SummedOrder& order);
 
 // The CPU backend's attention tiles (docs/architecture.md, "Long sequences"): a task holds the
 // scores of at most kQueryTile query rows — of all the heads it stacks together — against
 // kKeyTile keys at a time, with a running max and sum per row (the online softmax), so no
-// n × L matrix exists. 128 × 512 floats (256 KiB) stay in a core's L2 between the two GEMMs.
-inline constexpr int64_t kQueryTile = 128;
+// n × L matrix exists. 256 × 512 floats (512 KiB) stay in a core's L2 (1–2 MiB on current
+// server cores) between the two GEMMs; 128 rows read each K and V tile twice as often and
+// measured up to 1.2× slower at d_head 64, 512 rows no faster (docs/benchmarks.md).
+inline constexpr int64_t kQueryTile = 256;
 inline constexpr int64_t kKeyTile = 512;
 
 // How many query heads one attention task stacks into one GEMM: the heads of a group share their
@@ -117,10 +122,9 @@ int64_t SummedRowsPerPart(const FormWeights& form, int64_t max_score_scratch_byt
 // FLOPs (multiply and add counted as 2) that a forward of these sequences does in this form:
 // the projections, the scores, the mix and the output projection. Masked scores are counted
 // as computed where the backend computes them (it skips keys beyond key_length only). With
-// `summed_mix_first`, a summed sequence that SummedMixesFirst (with `max_a_cat_bytes`) is counted
-// in that order (what the CPU backend runs; the CUDA backend projects first).
-double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batch, bool summed_mix_first = false,
-                    int64_t max_a_cat_bytes = INT64_MAX);
+// a summed sequence that SummedMixesFirst under `order` is counted in that order (what the CPU
+// backend runs; the CUDA backend, with the default order, projects first).
+double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batch, const SummedOrder& order = {});
 
 // Bytes of host scratch the CPU backend allocates for one Forward of `batch` in this form
 // (server/backend/cpu/cpu_backend.cc, whose allocations this follows line by line): the stacked
@@ -133,6 +137,6 @@ double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batc
 // wherever mixing first is allowed. `self_attention` says whether the context is the input.
 // The memory budget admits requests by this figure (docs/reliability.md compares it with RSS).
 int64_t ForwardScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch, bool self_attention,
-                            int threads, int64_t max_score_scratch_bytes, bool summed_mix_first = false);
+                            int threads, int64_t max_score_scratch_bytes, const SummedOrder& order = {});
 
 }  // namespace attnserve

@@ -30,9 +30,12 @@ struct CpuBackendOptions {
   // caller, unless it grew beyond this: then it is freed, so one large batch does not hold its
   // memory for good. The memory budget counts scratch only while a batch runs (ScratchBytes).
   int64_t max_retained_scratch_bytes = int64_t{256} << 20;
-  // The summed form mixes a sequence's keys before projecting them where it has fewer queries
-  // than keys (SummedMixesFirst); false projects first always (for comparisons).
-  bool summed_mix_first = true;
+  // The summed form's association order (SummedMixesFirst): auto mixes a sequence's keys before
+  // projecting them where it has fewer queries than keys or its A_cat would pass
+  // max_score_scratch_bytes; project-first and mix-first force one order (for comparisons:
+  // project-first holds each sequence's whole A_cat, however long).
+  enum class SummedOrderChoice { kAuto, kProjectFirst, kMixFirst };
+  SummedOrderChoice summed_order = SummedOrderChoice::kAuto;
 };
 
 struct ForwardScratch;
@@ -47,12 +50,11 @@ class CpuBackend final : public Backend {
   Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override;
   int64_t ScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch,
                        bool self_attention) const override {
-    return ForwardScratchBytes(form, batch, self_attention, threads_, max_score_scratch_bytes_,
-                               summed_mix_first_);
+    return ForwardScratchBytes(form, batch, self_attention, threads_, max_score_scratch_bytes_, summed_order_);
   }
-  // The summed form mixes first where that is cheaper (SummedMixesFirst).
+  // The summed form in the order it runs (SummedMixesFirst).
   double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const override {
-    return ForwardFlops(form, batch, summed_mix_first_, max_score_scratch_bytes_);
+    return ForwardFlops(form, batch, summed_order_);
   }
 
   int threads() const { return threads_; }
@@ -68,7 +70,7 @@ class CpuBackend final : public Backend {
   GemmLibrary gemm_;
   int64_t max_score_scratch_bytes_;
   int64_t max_retained_scratch_bytes_;
-  bool summed_mix_first_;
+  SummedOrder summed_order_;
   mutable std::mutex scratch_mu_;
   std::vector<std::unique_ptr<ForwardScratch>> free_scratch_;  // guarded by scratch_mu_
 };

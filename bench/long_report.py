@@ -1,8 +1,11 @@
-"""The long-sequence sweep as an SVG: time and peak RSS growth against n, log-log, attnserve's two
-forms (forward_bench --sweep long --json) beside torch-sdpa (bench/peers/long_sdpa.py --json).
+"""The long-sequence sweep's report: a markdown table (time, GFLOP/s and peak RSS growth against n,
+attnserve's two forms beside torch-sdpa, and torch-sdpa's time over the factored form's) and an
+SVG of time and memory against n, log-log. Each side may come from several runs taken in turn
+(bench/long_sweep.sh): the fastest time of each point is kept, as noise only ever adds.
 
-    python3 bench/long_plot.py attnserve-long.json sdpa-long.json docs/long-sequences.svg
+    python3 bench/long_report.py --ours a1.json a2.json --peer s1.json s2.json --svg docs/long-sequences.svg
 """
+import argparse
 import json
 import math
 import sys
@@ -49,11 +52,41 @@ def panel(x0, title, ylabel, points_by_series, xs_all, ys_all):
     return out
 
 
+def best(records, key):
+    out = {}
+    for r in records:
+        k = key(r)
+        if k not in out or r["ms"] < out[k]["ms"]:
+            out[k] = r
+    return out
+
+
 def main():
-    ours, theirs, path = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ours", nargs="+", required=True)
+    ap.add_argument("--peer", nargs="+", required=True)
+    ap.add_argument("--svg")
+    args = ap.parse_args()
+    ours = [r for path in args.ours for r in json.load(open(path)) if r.get("order", "auto") == "auto"]
+    theirs = [r for path in args.peer for r in json.load(open(path))]
     threads = max(r["threads"] for r in ours)
-    rows = [("attnserve", r["form"], r) for r in ours if r["threads"] == threads]
-    rows += [("torch", r["peer"], r) for r in theirs if r["threads"] == threads]
+    ours = best([r for r in ours if r["threads"] == threads], lambda r: (r["layer"], r["n"], r["form"]))
+    theirs = best([r for r in theirs if r["threads"] == threads], lambda r: (r["layer"], r["n"]))
+    print(f"| layer | n | factored ms | summed ms | torch-sdpa ms | sdpa / factored | factored GFLOP/s | "
+          f"RSS growth factored / summed / sdpa (MiB) | all heads' n·L scores (MiB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    for (layer, n, form), r in sorted(ours.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        if form != "factored":
+            continue
+        s = ours.get((layer, n, "summed"))
+        p = theirs.get((layer, n))
+        print(f"| {layer} | {n} | {r['ms']:.1f} | {s['ms'] if s else float('nan'):.1f} | "
+              f"{p['ms'] if p else float('nan'):.1f} | {p['ms'] / r['ms'] if p else float('nan'):.2f} | "
+              f"{r['gflops']:.0f} | {r['rss_growth_mb']:.0f} / {s['rss_growth_mb'] if s else float('nan'):.0f} / "
+              f"{p['rss_growth_mb'] if p else float('nan'):.0f} | {r['all_scores_mb']:.0f} |")
+    if not args.svg:
+        return
+    rows = [("attnserve", r["form"], r) for r in ours.values()] + [("torch", r["peer"], r) for r in theirs.values()]
     colour = {label: c for _, label, c in SERIES}
     time_pts, mem_pts = {}, {}
     for _, label, r in rows:
@@ -72,7 +105,7 @@ def main():
         x += 170
     svg.append(f'<text x="{x}" y="{H + 28}" font-size="12">solid: d768 h12 · dashed: LLaMA-like d2048 h16 kv4 causal RoPE</text>')
     svg.append("</svg>")
-    with open(path, "w") as f:
+    with open(args.svg, "w") as f:
         f.write("\n".join(svg) + "\n")
 
 
