@@ -222,13 +222,14 @@ void SoftmaxRowInFloat64(const QRow& q, const KRows& k, double scale, ARow&& out
   for (int64_t j = 0; j < visible; ++j) out(j) = static_cast<float>(e[j] / sum);
 }
 
-// The max of a row of scores, NaN if any is NaN, in one vectorised pass. Not finite means a
-// score overflowed float32 (+inf, or inf − inf = NaN in the dot product) or every one did (−inf):
-// the row is recomputed in float64. A lone −inf beside finite scores is a weight of exactly 0,
-// as exp(−inf − max) gives. (allFinite() was a scalar loop: 60% of the softmax's time.)
+// The max of a row of scores, or NaN when any score is not finite: a dot product that overflowed
+// float32 on the way (±inf, or inf − inf = NaN), whose true value may be anything, the row's
+// max included — so the row is recomputed in float64. Two vectorised passes (the max and the
+// min, both propagating NaN); allFinite() was a scalar loop, 60% of the softmax's time.
 template <typename Row>
 float RowMax(const Row& row) {
-  return row.template maxCoeff<Eigen::PropagateNaN>();
+  const float top = row.template maxCoeff<Eigen::PropagateNaN>();
+  return std::isfinite(row.template minCoeff<Eigen::PropagateNaN>()) ? top : std::numeric_limits<float>::quiet_NaN();
 }
 
 // A = softmax(scale · Q_i K_g(i)^T + mask) for the query rows [row0, row0 + rows) of the
