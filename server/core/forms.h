@@ -85,11 +85,11 @@ struct SequenceShape {
 // over a long prefix), and costs the same when n = m. Mixing first is also the summed form's
 // tiled order (docs/architecture.md, "Long sequences"): each head's mix A_i C is an attention
 // with the context as its values, so it runs tile by tile with an online softmax in memory
-// linear in n, where projecting first holds the whole A_cat [n, L·h]. True when a forward that
-// may (`allowed`) runs this sequence of `form` mixing first: the summed form, no bias on the
-// value block (the summed form folds it into b_eff; a bias per value row would not commute with
-// the mix), and either fewer queries than keys or an A_cat larger than `max_a_cat_bytes`.
-// The one rule for the CPU backend, its FLOPs and its memory formula.
+// linear in n, where projecting first holds the whole A_cat [n, L·h]. True when a forward whose
+// `order` allows it (`mix_first_allowed`) runs this sequence of `form` mixing first: the summed
+// form, no bias on the value block (the summed form folds it into b_eff; a bias per value row
+// would not commute with the mix), and either fewer queries than keys or an A_cat larger than
+// `order.max_a_cat_bytes`. The one rule for the CPU backend, its FLOPs and its memory formula.
 struct SummedOrder {
   bool mix_first_allowed = false;       // false: every summed sequence projects first
   int64_t max_a_cat_bytes = INT64_MAX;  // a sequence whose A_cat would pass this mixes first
