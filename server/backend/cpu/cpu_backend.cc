@@ -20,11 +20,11 @@ namespace attnserve {
 // block alone (40 MB at bert-base, summed) was paged in and zeroed by the kernel every time:
 // 20% of the summed form's time there (perf: clear_page_erms, exc_page_fault).
 struct ForwardScratch {
-  std::vector<float> x, c, q, k, val, o, y, a_cat, mixes;
+  std::vector<float> x, c, q, k, val, o, y, a_cat;  // a_cat also holds the summed form's mixes
 
   int64_t Bytes() const {
     size_t floats = 0;
-    for (const auto* v : {&x, &c, &q, &k, &val, &o, &y, &a_cat, &mixes}) floats += v->capacity();
+    for (const auto* v : {&x, &c, &q, &k, &val, &o, &y, &a_cat}) floats += v->capacity();
     return static_cast<int64_t>(floats * sizeof(float));
   }
 };
@@ -264,6 +264,8 @@ struct TileScratch {
   Eigen::VectorXf max, sum;      // the online softmax's running max and sum, per stacked row
   std::vector<int64_t> exact;    // stacked rows whose float32 scores were not all finite
   Eigen::RowVectorXf row;        // one such row's probabilities, from SoftmaxRowInFloat64
+  std::vector<ConstMatrixView> q_views;  // a task's heads' queries and outputs (RunAttentionTask),
+  std::vector<MatrixView> out_views;     // kept so that a task allocates nothing
 };
 
 // One attention task: the query rows [row0, row0 + rows) of a sequence, for a set of heads that
@@ -305,7 +307,7 @@ void AttendTiled(GemmLibrary gemm, const Sequence& s, float scale, std::span<con
       if (seen == 0) continue;  // a causal row that sees none of this tile: its output stands
       const float tile_top = RowMax(p);
       if (!std::isfinite(tile_top)) {
-        if (t.exact.empty() || t.exact.back() != r) t.exact.push_back(r);
+        t.exact.push_back(r);  // once per tile that overflows: made unique below
         p.setZero();
         continue;
       }
@@ -360,15 +362,15 @@ void RunAttentionTask(GemmLibrary gemm, const FormWeights& f, const Projection& 
   const LayerConfig& c = f.config;
   const Sequence& s = batch[task.r];
   const int64_t set = StackedHeads(f), dh = c.d_head, kv = c.KvHeadOf(task.first_head);
-  std::vector<ConstMatrixView> q;
-  std::vector<MatrixView> o;
+  t.q_views.clear();
+  t.out_views.clear();
   for (int64_t i = task.first_head; i < task.first_head + set; ++i) {
-    q.push_back(p.q.RowBlock(p.x_row[task.r] + task.row0, task.rows).ColBlock(i * dh, dh));
-    o.push_back(out(i));
+    t.q_views.push_back(p.q.RowBlock(p.x_row[task.r] + task.row0, task.rows).ColBlock(i * dh, dh));
+    t.out_views.push_back(out(i));
   }
   const int64_t keys = s.visible_keys();
   const ConstMatrixView k = p.k.RowBlock(p.c_row[task.r], keys).ColBlock(kv * dh, dh);
-  AttendTiled(gemm, s, c.SoftmaxScale(), q, k, values.RowBlock(0, keys), task.row0, o, t);
+  AttendTiled(gemm, s, c.SoftmaxScale(), t.q_views, k, values.RowBlock(0, keys), task.row0, t.out_views, t);
 }
 
 // Factored and low-rank forms: O_i = A_i Val_i into O's columns of head i (tiled, AttendTiled),
