@@ -297,21 +297,28 @@ std::string ShapeLabel(const std::string& name) {
   return name;
 }
 
-void WriteJson(const std::string& path, const std::vector<Record>& records, const std::string& isa) {
+// A JSON array of the records, one object a line, each written by `object(record, buffer, size)`.
+template <typename R, typename WriteObject>
+void WriteJsonArray(const std::string& path, const std::vector<R>& records, WriteObject object) {
   std::ofstream out(path);
   out << "[\n";
   for (size_t i = 0; i < records.size(); ++i) {
-    const Record& r = records[i];
     char line[768];
-    std::snprintf(line, sizeof line,
-                  "  {\"shape\": \"%s\", \"form\": \"%s\", \"device\": \"%s\", \"threads\": %d, \"ms\": %.4f, "
-                  "\"gflops\": %.2f, \"ceiling_gflops\": %.2f, \"ratio_to_ceiling\": %.4f, \"ceiling_source\": \"%s\", "
-                  "\"isa\": \"%s\", \"gemm\": \"%s\"}%s\n",
-                  r.shape.c_str(), r.form.c_str(), r.device.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops,
-                  r.gflops / r.ceiling_gflops, r.ceiling_source.c_str(), isa.c_str(), r.gemm.c_str(), i + 1 < records.size() ? "," : "");
-    out << line;
+    object(records[i], line, sizeof line);
+    out << "  " << line << (i + 1 < records.size() ? ",\n" : "\n");
   }
   out << "]\n";
+}
+
+void WriteJson(const std::string& path, const std::vector<Record>& records, const std::string& isa) {
+  WriteJsonArray(path, records, [&](const Record& r, char* line, size_t size) {
+    std::snprintf(line, size,
+                  "{\"shape\": \"%s\", \"form\": \"%s\", \"device\": \"%s\", \"threads\": %d, \"ms\": %.4f, "
+                  "\"gflops\": %.2f, \"ceiling_gflops\": %.2f, \"ratio_to_ceiling\": %.4f, \"ceiling_source\": \"%s\", "
+                  "\"isa\": \"%s\", \"gemm\": \"%s\"}",
+                  r.shape.c_str(), r.form.c_str(), r.device.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops,
+                  r.gflops / r.ceiling_gflops, r.ceiling_source.c_str(), isa.c_str(), r.gemm.c_str());
+  });
 }
 
 // A line "NAME:   N kB" of /proc/self/status, in MiB.
@@ -430,20 +437,14 @@ int RunLongSweep(const Options& opt) {
     }
   }
   if (!opt.json.empty()) {
-    std::ofstream out(opt.json);
-    out << "[\n";
-    for (size_t i = 0; i < records.size(); ++i) {
-      const LongRecord& r = records[i];
-      char line[640];
-      std::snprintf(line, sizeof line,
-                    "  {\"sweep\": \"long\", \"layer\": \"%s\", \"form\": \"%s\", \"order\": \"%s\", \"n\": %lld, \"threads\": %d, "
-                    "\"ms\": %.3f, \"gflops\": %.2f, \"ceiling_gflops\": %.2f, \"rss_growth_mb\": %.1f, "
-                    "\"all_scores_mb\": %.1f, \"isa\": \"%s\"}%s\n",
-                    r.layer.c_str(), r.form.c_str(), r.order.c_str(), static_cast<long long>(r.n), r.threads, r.ms, r.gflops,
-                    r.ceiling_gflops, r.rss_growth_mb, r.all_scores_mb, isa.c_str(), i + 1 < records.size() ? "," : "");
-      out << line;
-    }
-    out << "]\n";
+    WriteJsonArray(opt.json, records, [&](const LongRecord& r, char* line, size_t size) {
+      std::snprintf(line, size,
+                    "{\"sweep\": \"long\", \"layer\": \"%s\", \"form\": \"%s\", \"order\": \"%s\", \"n\": %lld, "
+                    "\"threads\": %d, \"ms\": %.3f, \"gflops\": %.2f, \"ceiling_gflops\": %.2f, \"rss_growth_mb\": %.1f, "
+                    "\"all_scores_mb\": %.1f, \"isa\": \"%s\"}",
+                    r.layer.c_str(), r.form.c_str(), r.order.c_str(), static_cast<long long>(r.n), r.threads, r.ms,
+                    r.gflops, r.ceiling_gflops, r.rss_growth_mb, r.all_scores_mb, isa.c_str());
+    });
   }
   return 0;
 }

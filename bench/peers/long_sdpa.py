@@ -24,6 +24,9 @@ if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_attention import median_ms  # noqa: E402
+
 LAYERS = {  # the same table as bench/forward_bench.cc (kLongLayers)
     "d768-h12": dict(d=768, heads=12, kv_heads=12, causal=False, rope_theta=0.0, bias=True),
     "llama-d2048-h16-kv4": dict(d=2048, heads=16, kv_heads=4, causal=True, rope_theta=10000.0, bias=False),
@@ -101,14 +104,13 @@ def main():
                 y = forward(x, w, b, cfg)
                 growth = status_mb("VmHWM:") - before
                 del y
-                times = []
-                start = time.perf_counter()
-                while not times or (n <= 2048 and (len(times) < 5 or time.perf_counter() - start < args.min_time_s)):
+                # Long points take seconds a call: one more, timed; short ones as forward_bench does.
+                if n > 2048:
                     t0 = time.perf_counter()
                     forward(x, w, b, cfg)
-                    times.append((time.perf_counter() - t0) * 1e3)
-                times.sort()
-                ms = times[len(times) // 2]
+                    ms = (time.perf_counter() - t0) * 1e3
+                else:
+                    ms = median_ms(lambda: forward(x, w, b, cfg), torch.device("cpu"), args.min_time_s)
                 rec = {"sweep": "long", "layer": name, "peer": "torch-sdpa", "n": n, "threads": args.threads,
                        "ms": ms, "gflops": useful_flops(cfg, n) / ms * 1e-6, "rss_growth_mb": growth,
                        "torch": torch.__version__}
