@@ -113,7 +113,9 @@ int RunForward(CommandContext& ctx, const std::vector<std::string>& args) {
   std::ostream& out = ctx.out();
   out << "form: " << FormName(resp.form()) << "\n"
       << "queue_us: " << resp.queue_us() << "\n"
+      << "decode_us: " << resp.decode_us() << "\n"
       << "compute_us: " << resp.compute_us() << "\n"
+      << "encode_us: " << resp.encode_us() << "\n"
       << "batch_requests: " << resp.batch_requests() << "\n"
       << "client_ms: " << Num(client_ms) << "\n"
       << "output_shape: " << ShapeText(resp.output().shape()) << "\n";

@@ -16,7 +16,8 @@ constexpr std::string_view kProgram = "attnserve-cli";
 std::string ForwardDetails() {
   return ForwardFlagsHelp() +
          "\nExactly one of --input and --random. Prints 'key: value' lines: form, queue_us,\n"
-         "compute_us, batch_requests, client_ms, output_shape, mean, std, min, max, first, and\n"
+         "decode_us, compute_us, encode_us, batch_requests, client_ms, output_shape, mean, std,\n"
+         "min, max, first, and\n"
          "one 'divergence: form=F max_abs=X rel_l2=Y' line per other form with --compare.\n";
 }
 

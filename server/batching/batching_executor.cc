@@ -118,6 +118,8 @@ void BatchingExecutor::RunBatch(const ForwardQueue& queue, std::vector<std::uniq
     timings.queue_us = Micros(start - job.enqueued);
     timings.compute_us = Micros(end - start);
     timings.batch_requests = static_cast<int32_t>(batch.size());
+    timings.compute_start = start;
+    timings.compute_end = end;
     job.done(status, timings);
   }
 }

@@ -24,6 +24,10 @@ struct JobTimings {
   int64_t queue_us = 0;        // from `enqueued` until a compute thread took the job
   int64_t compute_us = 0;      // the backend call that computed it
   int32_t batch_requests = 0;  // requests in that backend call
+  // When that backend call started and ended (unset when the job never reached one): the
+  // service's stage timeline (attnserve_stage_seconds).
+  std::chrono::steady_clock::time_point compute_start;
+  std::chrono::steady_clock::time_point compute_end;
 };
 
 struct ForwardJob {

@@ -74,6 +74,9 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
        "Time a Forward job waited in the executor's queue before its batch started, in seconds."},
       {"attnserve_compute_duration_seconds", "histogram", {"layer", "form", "device"},
        "Wall time of one backend call (a batch), in seconds."},
+      {"attnserve_stage_seconds", "histogram", {"stage"},
+       "Time a served Forward call spent in each stage in the server (route, decode, admit, queue, compute, "
+       "encode, send), in seconds."},
       {"attnserve_batch_requests", "histogram", {"layer", "form"}, "Jobs per backend call."},
       {"attnserve_batch_tokens", "histogram", {"layer", "form"}, "Query tokens (rows) per backend call."},
       {"attnserve_flops_total", "counter", {"layer", "form", "device"},
@@ -125,6 +128,26 @@ const std::vector<double>& DivergenceBuckets() {
   return b;
 }
 
+const std::vector<double>& StageBuckets() {
+  // Down to a microsecond: most stages of a small request take a few.
+  static const std::vector<double> b = {1e-6,   2.5e-6, 5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3,
+                                        2.5e-3, 5e-3,   10e-3, 25e-3, 100e-3, 1,    10};
+  return b;
+}
+
+std::string_view ServingStageName(ServingStage stage) {
+  switch (stage) {
+    case ServingStage::kRoute: return "route";
+    case ServingStage::kDecode: return "decode";
+    case ServingStage::kAdmit: return "admit";
+    case ServingStage::kQueue: return "queue";
+    case ServingStage::kCompute: return "compute";
+    case ServingStage::kEncode: return "encode";
+    case ServingStage::kSend: return "send";
+  }
+  return "unknown";
+}
+
 struct Metrics::Impl {
   // The series of one device for one (layer, form).
   struct DeviceSeries {
@@ -174,6 +197,14 @@ struct Metrics::Impl {
   prometheus::Family<prometheus::Counter>& device_errors = Counter(*registry, "attnserve_device_errors_total");
   prometheus::Family<prometheus::Counter>& nonfinite_outputs = Counter(*registry, "attnserve_nonfinite_outputs_total");
   prometheus::Gauge& inflight = inflight_family.Add({});
+  prometheus::Family<prometheus::Histogram>& stage_family = Histogram(*registry, "attnserve_stage_seconds");
+  std::array<prometheus::Histogram*, std::size(kAllServingStages)> stages = [this] {
+    std::array<prometheus::Histogram*, std::size(kAllServingStages)> made{};
+    for (size_t i = 0; i < made.size(); ++i) {
+      made[i] = &stage_family.Add({{"stage", std::string(ServingStageName(kAllServingStages[i]))}}, StageBuckets());
+    }
+    return made;
+  }();
   prometheus::Gauge& memory_reserved = Gauge(*registry, "attnserve_memory_reserved_bytes").Add({});
   prometheus::Gauge& memory_budget = Gauge(*registry, "attnserve_memory_budget_bytes").Add({});
   prometheus::Gauge& backend_retained = Gauge(*registry, "attnserve_backend_retained_bytes").Add({});
@@ -262,6 +293,10 @@ void Metrics::RequestFinished(std::string_view layer, std::optional<Form> form, 
   }).Increment();
   Lazy(s.request_duration, impl_->request_duration, [&] { return Impl::LayerForm(layer, slot); }, LatencyBuckets())
       .Observe(seconds);
+}
+
+void Metrics::StagesServed(std::span<const double, std::size(kAllServingStages)> seconds) {
+  for (size_t i = 0; i < seconds.size(); ++i) impl_->stages[i]->Observe(seconds[i]);
 }
 
 void Metrics::SetLayerForm(std::string_view layer, Form form, std::string_view device, int64_t parameters,

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -45,6 +46,24 @@ const std::vector<double>& LatencyBuckets();
 const std::vector<double>& BatchRequestBuckets();  // 1 … 512, powers of 2
 const std::vector<double>& BatchTokenBuckets();    // 1 … 262144, powers of 4
 const std::vector<double>& DivergenceBuckets();    // 1e-9 … 1, one per decade
+const std::vector<double>& StageBuckets();         // 1 µs … 10 s, about three per decade
+
+// The stages of one served inference call, in the order they run (docs/metrics.md,
+// "Where a request's time goes"). Each is the time between two moments the server records:
+//   route    arrival → the form chosen (drain gate, layer lookup, router)
+//   decode   → the request decoded and validated into sequences
+//   admit    → its job submitted (response-size and memory admission, output buffers)
+//   queue    → its batch started on the backend (0 when it ran at once on the receiving thread)
+//   compute  → the backend call ended
+//   encode   → the answer handed to gRPC (output checks, divergences, timing fields)
+//   send     → gRPC reported the call done (the response written to the transport)
+// gRPC's own receive and parse of the request happen before arrival: the no-op server's floor.
+enum class ServingStage { kRoute, kDecode, kAdmit, kQueue, kCompute, kEncode, kSend };
+inline constexpr ServingStage kAllServingStages[] = {ServingStage::kRoute,  ServingStage::kDecode,
+                                                      ServingStage::kAdmit,  ServingStage::kQueue,
+                                                      ServingStage::kCompute, ServingStage::kEncode,
+                                                      ServingStage::kSend};
+std::string_view ServingStageName(ServingStage stage);
 
 class Metrics final : public BatchObserver, public RoutingObserver {
  public:
@@ -69,6 +88,10 @@ class Metrics final : public BatchObserver, public RoutingObserver {
   // request_duration_seconds). `form` is the form that served it or was asked for; nullopt
   // when the call was refused before one was known.
   void RequestFinished(std::string_view layer, std::optional<Form> form, StatusCode code, double seconds);
+
+  // One served call's stages (stage_seconds), in seconds, indexed like kAllServingStages.
+  // Lock-free: one series per stage, made at construction.
+  void StagesServed(std::span<const double, std::size(kAllServingStages)> seconds);
 
   // layer_parameters and layer_bytes of one held form of a loaded layer.
   void SetLayerForm(std::string_view layer, Form form, std::string_view device, int64_t parameters, int64_t bytes);

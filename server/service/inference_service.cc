@@ -54,12 +54,14 @@ class InferAnswer final : public ForwardAnswer {
     return response_->add_raw_output_contents();
   }
 
-  void Served(Form form, const JobTimings& timings, std::span<const FormDivergence> divergences) override {
+  void Served(Form form, const ServedTimings& timings, std::span<const FormDivergence> divergences) override {
     auto& p = *response_->mutable_parameters();
     p["form"].set_string_param(std::string(FormName(form)));
     p["queue_us"].set_int64_param(timings.queue_us);
     p["compute_us"].set_int64_param(timings.compute_us);
     p["batch_requests"].set_int64_param(timings.batch_requests);
+    p["decode_us"].set_int64_param(timings.decode_us);
+    p["encode_us"].set_int64_param(timings.encode_us);
     for (const FormDivergence& d : divergences) {
       const std::string prefix = "divergence." + std::string(FormName(d.form));
       p[prefix + ".max_abs"].set_double_param(d.stats.max_abs);
@@ -216,7 +218,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
                                                            const inference::ModelInferRequest* request,
                                                            inference::ModelInferResponse* response) {
   const auto arrived = std::chrono::steady_clock::now();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto* reactor = forward_->NewForwardReactor();
   try {
     // The conversion's views (tensors, layer, key) point into the request message, which gRPC
     // keeps until the call is finished; key_lengths are copied into StartForward's request.

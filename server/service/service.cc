@@ -211,25 +211,39 @@ int64_t RequestFootprint(const Layer& layer, const AttentionRequest& r, std::spa
   return bytes;
 }
 
+int64_t MicrosBetween(std::chrono::steady_clock::time_point from, std::chrono::steady_clock::time_point to) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(to - from).count();
+}
+
+// The answer's timing fields of a served call whose timeline is complete up to compute_end.
+ServedTimings TimingsOf(const CallTimeline& t, const JobTimings& job) {
+  return {.decode_us = MicrosBetween(t.arrived, t.submitted),
+          .queue_us = job.queue_us,
+          .compute_us = job.compute_us,
+          .batch_requests = job.batch_requests,
+          .encode_us = MicrosBetween(t.compute_end, std::chrono::steady_clock::now())};
+}
+
 // The state of one Forward call: its decoded input, where each job writes, and the outcome of
 // every job. Shared by the jobs' completions; the last one to finish answers the call.
 class ForwardCall {
  public:
-  ForwardCall(grpc::ServerUnaryReactor* reactor, std::unique_ptr<ForwardAnswer> answer,
-              std::shared_ptr<const Layer> layer, AttentionRequest decoded, CallReporting reporting,
-              MemoryBudget::Reservation reservation, CallGate::Ticket ticket)
+  ForwardCall(ForwardReactor* reactor, std::unique_ptr<ForwardAnswer> answer, std::shared_ptr<const Layer> layer,
+              AttentionRequest decoded, CallReporting reporting, MemoryBudget::Reservation reservation,
+              CallGate::Ticket ticket, CallTimeline timeline)
       : reactor_(reactor),
         answer_(std::move(answer)),
         layer_(std::move(layer)),
         decoded_(std::move(decoded)),
         reporting_(std::move(reporting)),
         reservation_(std::move(reservation)),
-        ticket_(std::move(ticket)) {}
+        ticket_(std::move(ticket)),
+        timeline_(timeline) {}
 
   // Prepares the output buffers and submits the served form's job and, for `compare`, one per
   // other held form. The call is answered from the last job's completion.
   static void Start(std::shared_ptr<ForwardCall> call, Form served, bool compare, Executor* executor,
-                    std::chrono::steady_clock::time_point arrived, grpc::CallbackServerContext* context) {
+                    grpc::CallbackServerContext* context) {
     call->forms_.push_back(served);
     if (compare) {
       for (const auto& [form, _] : call->layer_->forms) {
@@ -262,12 +276,14 @@ class ForwardCall {
       jobs[i].form = call->forms_[i];
       jobs[i].sequences =
           call->decoded_.Sequences(i == 0 ? call->served_output_ : call->compare_outputs_[i - 1].data());
-      jobs[i].enqueued = arrived;
+      jobs[i].enqueued = call->timeline_.arrived;
       jobs[i].deadline = SteadyDeadline(*context);
       // The context outlives the jobs: the call is finished only from their completions.
       jobs[i].cancelled = [context] { return context->IsCancelled(); };
       jobs[i].done = [call, i](Status status, JobTimings timings) { call->JobDone(i, std::move(status), timings); };
     }
+    // Before the first Submit: a job may run, and the call end, inside it.
+    call->timeline_.submitted = std::chrono::steady_clock::now();
     call.reset();  // the jobs hold the call now; the last completion answers and frees it
     for (ForwardJob& job : jobs) executor->Submit(std::move(job));
   }
@@ -321,8 +337,12 @@ class ForwardCall {
       }
       divergences.push_back({.form = forms_[i], .stats = d});
     }
-    answer_->Served(forms_[0], served_timings_, divergences);
+    timeline_.compute_start = served_timings_.compute_start;
+    timeline_.compute_end = served_timings_.compute_end;
+    answer_->Served(forms_[0], TimingsOf(timeline_, served_timings_), divergences);
     OfferShadow(served);
+    timeline_.answered = std::chrono::steady_clock::now();
+    reactor_->Served(timeline_);
     Answer(grpc::Status::OK);
   }
 
@@ -354,7 +374,7 @@ class ForwardCall {
     });
   }
 
-  grpc::ServerUnaryReactor* const reactor_;
+  ForwardReactor* const reactor_;
   const std::unique_ptr<ForwardAnswer> answer_;  // writes the protocol's response
   std::string* output_bytes_ = nullptr;         // the served output in that response
   const std::shared_ptr<const Layer> layer_;  // keeps the weights alive for every job
@@ -364,6 +384,7 @@ class ForwardCall {
   // answer, once the last job's completion lets go of it).
   MemoryBudget::Reservation reservation_;
   CallGate::Ticket ticket_;  // the call counts as open for the drain until it is answered
+  CallTimeline timeline_;    // arrived … decoded from StartForward; the rest as the call goes
   std::vector<Form> forms_;  // [0]: the served form; the rest: compared against it
   float* served_output_ = nullptr;
   std::vector<float> fallback_output_;
@@ -419,6 +440,25 @@ void FillLayerInfo(const Layer& layer, v1::LayerInfo* info) {
   FillLowRankInfo(layer, info);
 }
 
+void ForwardReactor::OnDone() {
+  if (served_ && metrics_ != nullptr) {
+    const CallTimeline& t = *served_;
+    const auto done = std::chrono::steady_clock::now();
+    auto seconds = [](auto from, auto to) { return std::chrono::duration<double>(to - from).count(); };
+    // Indexed like kAllServingStages: route, decode, admit, queue, compute, encode, send. A job
+    // that ran on the receiving thread started before `submitted` was read back: queue 0.
+    const double stages[] = {seconds(t.arrived, t.routed),
+                             seconds(t.routed, t.decoded),
+                             seconds(t.decoded, t.submitted),
+                             std::max(0.0, seconds(t.submitted, t.compute_start)),
+                             seconds(t.compute_start, t.compute_end),
+                             seconds(t.compute_end, t.answered),
+                             seconds(t.answered, done)};
+    metrics_->StagesServed(stages);
+  }
+  delete this;
+}
+
 AttentionServiceImpl::AttentionServiceImpl(LayerStore* store, Executor* executor, ServiceOptions options)
     : store_(store), executor_(executor), options_(std::move(options)), admin_(std::make_unique<AdminWorker>(options_.admin_queue)) {}
 
@@ -446,7 +486,7 @@ class V1ForwardAnswer final : public ForwardAnswer {
     return out->mutable_data();
   }
 
-  void Served(Form form, const JobTimings& timings, std::span<const FormDivergence> divergences) override {
+  void Served(Form form, const ServedTimings& timings, std::span<const FormDivergence> divergences) override {
     for (const FormDivergence& d : divergences) {
       v1::Divergence* div = response_->add_divergence();
       div->set_form(ToProtoForm(d.form));
@@ -457,6 +497,8 @@ class V1ForwardAnswer final : public ForwardAnswer {
     response_->set_queue_us(timings.queue_us);
     response_->set_compute_us(timings.compute_us);
     response_->set_batch_requests(timings.batch_requests);
+    response_->set_decode_us(timings.decode_us);
+    response_->set_encode_us(timings.encode_us);
   }
 
  private:
@@ -469,7 +511,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
                                                         const v1::ForwardRequest* request,
                                                         v1::ForwardResponse* response) {
   const auto arrived = std::chrono::steady_clock::now();
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto* reactor = NewForwardReactor();
   std::unique_ptr<ForwardAnswer> answer;
   Status made = Guarded("Forward", [&]() -> Status {
     answer = std::make_unique<V1ForwardAnswer>(response);
@@ -483,7 +525,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
   return reactor;
 }
 
-void AttentionServiceImpl::StartForward(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+void AttentionServiceImpl::StartForward(grpc::CallbackServerContext* context, ForwardReactor* reactor,
                                         const WireForwardRequest& request, std::unique_ptr<ForwardAnswer> answer,
                                         std::chrono::steady_clock::time_point arrived, const Status& refused) {
   if (options_.metrics != nullptr) options_.metrics->RequestStarted();
@@ -493,6 +535,8 @@ void AttentionServiceImpl::StartForward(grpc::CallbackServerContext* context, gr
   std::optional<Form> counted_form = FormFromWire(request.form);
   // Released when this function returns unless the call is started (then at its answer).
   CallGate::Ticket ticket = forward_gate_.Enter();
+  CallTimeline timeline;
+  timeline.arrived = arrived;
   Status status = Guarded("Forward", [&]() -> Status {
     if (!ticket) {
       return UnavailableError("the server is draining (shutting down): send this request to another replica");
@@ -520,10 +564,12 @@ void AttentionServiceImpl::StartForward(grpc::CallbackServerContext* context, gr
                              ? StatusOr<Form>(options_.router->Choose(layer->name, held_forms, request.request_key))
                              : ChooseForm(request.form, *layer));
     counted_form = form;
+    timeline.routed = std::chrono::steady_clock::now();
 
     ATTNSERVE_ASSIGN_OR_RETURN(
         DecodedForward decoded,
         DecodeForward(layer->config, request, ForwardLimits{.max_request_scores = options_.max_request_scores}));
+    timeline.decoded = std::chrono::steady_clock::now();
 
     // A response gRPC would refuse to send is refused before it is computed.
     const int64_t response_bytes =
@@ -560,8 +606,9 @@ void AttentionServiceImpl::StartForward(grpc::CallbackServerContext* context, gr
       reporting.mirror = options_.router->ShadowMirror(held_forms, form);
     }
     auto call = std::make_shared<ForwardCall>(reactor, std::move(answer), layer, std::move(decoded),
-                                              std::move(reporting), std::move(reservation), std::move(ticket));
-    ForwardCall::Start(std::move(call), form, request.compare, executor_, arrived, context);
+                                              std::move(reporting), std::move(reservation), std::move(ticket),
+                                              timeline);
+    ForwardCall::Start(std::move(call), form, request.compare, executor_, context);
     return OkStatus();
   });
   // Once Start has run, the jobs' completions answer the call; only earlier errors end here.

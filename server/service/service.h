@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "attnserve/v1/attention.grpc.pb.h"
@@ -59,6 +60,38 @@ struct FormDivergence {
   DivergenceStats stats;
 };
 
+// What a served call's answer says of its time (ForwardResponse's timing fields; the Open
+// Inference Protocol's response parameters of the same names).
+struct ServedTimings {
+  int64_t decode_us = 0;       // arrival → the job submitted: routing, decoding, admission
+  int64_t queue_us = 0;        // arrival → its batch started (decode_us is part of it)
+  int64_t compute_us = 0;      // the backend call that computed it
+  int32_t batch_requests = 0;  // requests in that backend call
+  int64_t encode_us = 0;       // compute end → the answer written: output checks, divergences
+};
+
+// The moments one served call passed, on the steady clock: the ends of its stages
+// (ServingStage, server/metrics/metrics.h). `arrived` is when its handler started.
+struct CallTimeline {
+  std::chrono::steady_clock::time_point arrived, routed, decoded, submitted, compute_start, compute_end, answered;
+};
+
+// The reactor of every inference call (Forward, ModelInfer). When gRPC is done with a call that
+// was served, it reports the call's stages to the metrics, the send among them (only known
+// here); then it deletes itself, as gRPC's callback API asks of a reactor the handler made.
+// Thread-safety: Served runs before Finish, OnDone after it (gRPC orders the two).
+class ForwardReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit ForwardReactor(Metrics* metrics) : metrics_(metrics) {}
+  // The call was answered OK with this timeline (its `answered` set): report it at OnDone.
+  void Served(const CallTimeline& timeline) { served_ = timeline; }
+  void OnDone() override;
+
+ private:
+  Metrics* const metrics_;
+  std::optional<CallTimeline> served_;
+};
+
 // Writes one inference call's answer into its protocol's response: attnserve.v1's
 // ForwardResponse (service.cc) or the Open Inference Protocol's ModelInferResponse
 // (inference_service.cc). The shared call path (StartForward) computes; this only places bytes.
@@ -71,7 +104,7 @@ class ForwardAnswer {
   virtual std::string* OutputBytes(int64_t batch, int64_t n, int64_t d_model) = 0;
   // Only for a call answered OK, just before the answer: the form that served it, its batch's
   // timings and, with `compare`, every other held form's divergence.
-  virtual void Served(Form form, const JobTimings& timings, std::span<const FormDivergence> divergences) = 0;
+  virtual void Served(Form form, const ServedTimings& timings, std::span<const FormDivergence> divergences) = 0;
 };
 
 class AdminWorker;  // runs slow admin calls (layer loads) off gRPC's threads; service.cc
@@ -105,7 +138,9 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   // own conversion error, is answered where a decode error would be (counted under the layer).
   // The call is finished on `reactor`, here or from the jobs' completions. `request` views
   // bytes that must live until the call is finished (the request message's).
-  void StartForward(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+  // The reactor StartForward finishes a call on; it deletes itself when gRPC is done with it.
+  ForwardReactor* NewForwardReactor() const { return new ForwardReactor(options_.metrics); }
+  void StartForward(grpc::CallbackServerContext* context, ForwardReactor* reactor,
                     const WireForwardRequest& request, std::unique_ptr<ForwardAnswer> answer,
                     std::chrono::steady_clock::time_point arrived, const Status& refused = OkStatus());
 

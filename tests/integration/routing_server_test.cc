@@ -262,5 +262,56 @@ TEST(RoutingServerTest, RefusalsAndLayerGaugesInTheScrape) {
   EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"summed\",layer=\"ab\"}"), -1);
 }
 
+// Every served call is timed stage by stage (attnserve_stage_seconds, docs/metrics.md), and the
+// response carries the timing fields: the stages partition the call, so their sums agree with
+// the per-request and per-batch histograms measured on the same clock.
+TEST(ServingStagesTest, EveryServedCallIsTimedStageByStage) {
+  Server server({"--layer", kLayer});
+  ASSERT_NE(server.process, nullptr);
+  Client& client = server.client();
+  constexpr int kCalls = 6;
+  for (int i = 0; i < kCalls; ++i) {
+    v1::ForwardResponse resp;
+    grpc::Status s = client.Forward(Request("ab", i % 2 ? v1::FORM_SUMMED : v1::FORM_FACTORED, "", 100 + i), &resp);
+    ASSERT_TRUE(s.ok()) << Describe(s);
+    EXPECT_GT(resp.compute_us(), 0);
+    EXPECT_GE(resp.decode_us(), 0);
+    EXPECT_LE(resp.decode_us(), resp.queue_us()) << "decoding is part of the time before compute";
+    EXPECT_GE(resp.encode_us(), 0);
+    EXPECT_EQ(resp.batch_requests(), 1) << "one call at a time";
+  }
+  // A refused call is not a served one: it adds to no stage.
+  v1::ForwardResponse refused;
+  EXPECT_EQ(client.Forward(Request("nope", v1::FORM_FACTORED, "", 1), &refused).error_code(), grpc::NOT_FOUND);
+
+  // gRPC reports a call done (the send stage) after the client may already hold the answer:
+  // wait for the last one.
+  const std::string count = "attnserve_stage_seconds_count{stage=\"send\"}";
+  for (int tries = 0; tries < 100 && server.Sample(count) < kCalls; ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const std::string scrape = server.Scrape();
+  auto sample = [&](const std::string& series) { return testing::MetricSample(scrape, series); };
+  double before_answer = 0;  // route … encode: arrival until the answer was handed to gRPC
+  for (const char* stage : {"route", "decode", "admit", "queue", "compute", "encode", "send"}) {
+    const std::string labels = std::string("{stage=\"") + stage + "\"}";
+    EXPECT_EQ(sample("attnserve_stage_seconds_count" + labels), kCalls) << stage;
+    const double sum = sample("attnserve_stage_seconds_sum" + labels);
+    EXPECT_GE(sum, 0) << stage;
+    if (std::string(stage) != "send") before_answer += sum;
+  }
+  double requests = 0, computes = 0;
+  for (const char* form : {"factored", "summed"}) {
+    requests += sample(std::string("attnserve_request_duration_seconds_sum{form=\"") + form + "\",layer=\"ab\"}");
+    computes += sample(std::string("attnserve_compute_duration_seconds_sum{device=\"cpu\",form=\"") + form +
+                       "\",layer=\"ab\"}");
+  }
+  // The request histogram ends a moment after the encode stage (it is recorded as the call is
+  // answered); each batch held one call, timed by the same two clock reads as its compute stage.
+  EXPECT_LE(before_answer, requests + 1e-6);
+  EXPECT_GT(before_answer, 0.5 * requests);
+  EXPECT_NEAR(sample("attnserve_stage_seconds_sum{stage=\"compute\"}"), computes, 1e-6);
+}
+
 }  // namespace
 }  // namespace attnserve

@@ -132,6 +132,10 @@ TEST(BatchingExecutorTest, ConcurrentJobsShareBatchesAndKeepTheirOutputs) {
     for (size_t i = 0; i < jobs[j].input.size(); ++i) ASSERT_EQ(jobs[j].output[i], 2.0f * jobs[j].input[i]);
     EXPECT_GE(timings.queue_us, 0);
     EXPECT_GE(timings.compute_us, 2000) << "the fake backend takes 2 ms per batch";
+    // The backend call's own moments, which the service's stage timeline reads.
+    EXPECT_EQ(std::chrono::duration_cast<std::chrono::microseconds>(timings.compute_end - timings.compute_start).count(),
+              timings.compute_us);
+    EXPECT_GT(timings.compute_start.time_since_epoch().count(), 0);
     max_batch = std::max(max_batch, timings.batch_requests);
   }
   EXPECT_GT(max_batch, 1) << "40 jobs from 4 threads against a 2 ms backend must share batches";

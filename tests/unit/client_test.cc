@@ -349,6 +349,8 @@ class FakeService final : public v1::AttentionService::Service {
         x, std::vector<int64_t>(req->input().shape().begin(), req->input().shape().end()));
     resp->set_form(req->form() == v1::FORM_UNSPECIFIED ? v1::FORM_SUMMED : req->form());
     resp->set_queue_us(11);
+    resp->set_decode_us(7);
+    resp->set_encode_us(5);
     resp->set_compute_us(22);
     resp->set_batch_requests(3);
     if (req->compare()) {
@@ -750,6 +752,8 @@ TEST(ClientCli, ForwardRandomPrintsParsableLines) {
   EXPECT_THAT(r.out, HasSubstr("form: factored\n"));
   EXPECT_THAT(r.out, HasSubstr("queue_us: 11\n"));
   EXPECT_THAT(r.out, HasSubstr("compute_us: 22\n"));
+  EXPECT_THAT(r.out, HasSubstr("decode_us: 7\n"));
+  EXPECT_THAT(r.out, HasSubstr("encode_us: 5\n"));
   EXPECT_THAT(r.out, HasSubstr("batch_requests: 3\n"));
   EXPECT_THAT(r.out, HasSubstr("output_shape: [2, 3, 8]\n"));
   EXPECT_THAT(r.out, HasSubstr("\nmean: "));

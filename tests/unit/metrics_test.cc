@@ -105,6 +105,8 @@ Metrics& FullyRecorded(Metrics& m) {
   m.ShadowDropped("demo");
   m.CountDeviceError("cuda:0");
   m.CountNonFiniteOutput("demo", Form::kSummed);
+  const double stages[] = {1e-6, 2e-6, 3e-6, 4e-6, 5e-4, 6e-6, 7e-6};
+  m.StagesServed(stages);
   return m;
 }
 
@@ -133,6 +135,7 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
       {"attnserve_device_errors_total", {"counter", {"device"}}},
       {"attnserve_nonfinite_outputs_total", {"counter", {"layer", "form"}}},
       {"attnserve_backend_retained_bytes", {"gauge", {}}},
+      {"attnserve_stage_seconds", {"histogram", {"stage"}}},
   };
   std::map<std::string, std::pair<std::string, std::vector<std::string_view>>> got;
   for (const MetricFamilySpec& f : MetricFamilies()) got[std::string(f.name)] = {std::string(f.type), f.labels};
@@ -148,13 +151,39 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
 
 TEST(MetricsTest, BucketsSpanMicrosecondsToSecondsAndAreIncreasing) {
   for (const std::vector<double>* b :
-       {&LatencyBuckets(), &BatchRequestBuckets(), &BatchTokenBuckets(), &DivergenceBuckets()}) {
+       {&LatencyBuckets(), &BatchRequestBuckets(), &BatchTokenBuckets(), &DivergenceBuckets(), &StageBuckets()}) {
     for (size_t i = 1; i < b->size(); ++i) EXPECT_LT((*b)[i - 1], (*b)[i]);
   }
   EXPECT_DOUBLE_EQ(LatencyBuckets().front(), 50e-6);
   EXPECT_DOUBLE_EQ(LatencyBuckets().back(), 10.0);
   EXPECT_DOUBLE_EQ(DivergenceBuckets().front(), 1e-9);
   EXPECT_DOUBLE_EQ(DivergenceBuckets().back(), 1.0);
+  EXPECT_DOUBLE_EQ(StageBuckets().front(), 1e-6);
+  EXPECT_DOUBLE_EQ(StageBuckets().back(), 10.0);
+}
+
+TEST(MetricsTest, EachServingStageHasItsOwnSeries) {
+  Metrics m;
+  // Two calls: every stage sees both, each under its own label, in the buckets its time falls in.
+  const double first[] = {2e-6, 30e-6, 7e-6, 0, 0.004, 8e-6, 60e-6};
+  const double second[] = {3e-6, 40e-6, 9e-6, 0.0002, 0.006, 20e-6, 90e-6};
+  m.StagesServed(first);
+  m.StagesServed(second);
+  const Samples s = Parse(m.Scrape());
+  const std::string family = "attnserve_stage_seconds";
+  for (size_t i = 0; i < std::size(kAllServingStages); ++i) {
+    const std::string stage(ServingStageName(kAllServingStages[i]));
+    EXPECT_EQ(Sample(s, family + "_count", {{"stage", stage}}), 2) << stage;
+    EXPECT_DOUBLE_EQ(Sample(s, family + "_sum", {{"stage", stage}}), first[i] + second[i]) << stage;
+  }
+  EXPECT_EQ(Sample(s, family + "_bucket", {{"stage", "route"}, {"le", "2.5e-06"}}), 1);
+  EXPECT_EQ(Sample(s, family + "_bucket", {{"stage", "route"}, {"le", "5e-06"}}), 2);
+  EXPECT_EQ(Sample(s, family + "_bucket", {{"stage", "queue"}, {"le", "1e-06"}}), 1);  // ran at once
+  EXPECT_EQ(Sample(s, family + "_bucket", {{"stage", "compute"}, {"le", "0.005"}}), 1);
+  EXPECT_EQ(Sample(s, family + "_bucket", {{"stage", "send"}, {"le", "0.0001"}}), 2);
+  std::set<std::string> names;
+  for (ServingStage stage : kAllServingStages) names.insert(std::string(ServingStageName(stage)));
+  EXPECT_EQ(names, (std::set<std::string>{"route", "decode", "admit", "queue", "compute", "encode", "send"}));
 }
 
 TEST(MetricsTest, RequestsCountByCodeAndObserveLatency) {

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The serving overhead of one small request, measured in one run (docs/benchmarks.md, "Serving
+# overhead"): for the 1×16×768 demo request at concurrency 1, factored form,
+#   served     attnserve-cli bench's p50 against a real attnserve on loopback,
+#   in-process forward_bench's median of the same forward, in a loop, same thread count,
+#   floor      attnserve-cli bench's p50 against its in-process no-op server (gRPC and the
+#              client, nothing computed),
+# and overhead = served − in-process − floor: what the server adds beyond its compute and
+# gRPC's own cost. Each server variant and the floor are run ROUNDS times, alternating, and
+# each figure is the best (lowest) p50 of its rounds (the machine is shared and noisy; the best
+# of alternating runs is the least disturbed). The server's stage histogram
+# (attnserve_stage_seconds, scraped before and after each measured run) gives the stage table:
+# where a served call's time goes.
+#   Then concurrency 32 against the first variant's server: achieved GFLOP/s (requests/s times
+# the request's FLOPs) against the best SGEMM ceiling forward_bench measured before and after.
+#
+#   bench/serving_overhead.sh [BUILD_DIR] [ROUNDS]     (default build, 3; THREADS=2)
+#   VARIANTS="defaults: passive:OMP_WAIT_POLICY=passive"   server variants to compare (default:
+#   "defaults:"); each NAME:FLAGS, the flags joined by commas, a VAR=VALUE among them set in
+#   the server's environment instead
+# Output: Markdown tables on stdout; the raw JSON under BUILD_DIR/serving-out.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${1:-build}
+ROUNDS=${2:-3}
+THREADS=${THREADS:-2}
+DURATION=${DURATION:-4s}
+VARIANTS=${VARIANTS:-"defaults:"}
+OUT=$BUILD/serving-out
+CLI=$BUILD/client/attnserve-cli
+rm -rf "$OUT" && mkdir -p "$OUT"
+for bin in "$BUILD/bench/forward_bench" "$BUILD/server/attnserve" "$CLI"; do
+  [[ -x $bin ]] || { echo "serving_overhead.sh: $bin is missing; build it first" >&2; exit 2; }
+done
+
+pid=
+stop_server() { [[ -n $pid ]] && { kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true; }; pid=; }
+trap stop_server EXIT
+
+# Starts attnserve with the demo layer and FLAGS (a VAR=VALUE among them goes to its
+# environment instead, e.g. OMP_WAIT_POLICY=active); sets target and metrics.
+start_server() {
+  rm -f "$OUT/port" "$OUT/metrics-port"
+  local env=() flags=()
+  for f in "$@"; do [[ $f != -* && $f == *=* ]] && env+=("$f") || flags+=("$f"); done
+  set -- "${flags[@]}"
+  env "${env[@]}" "$BUILD/server/attnserve" --listen 127.0.0.1:0 --port-file "$OUT/port" --threads "$THREADS" \
+    --metrics-listen 127.0.0.1:0 --metrics-port-file "$OUT/metrics-port" \
+    --layer demo=random:d_model=768,heads=12,seed=1 --log-level warn "$@" &
+  pid=$!
+  for _ in $(seq 1 300); do [[ -s $OUT/port && -s $OUT/metrics-port ]] && break; sleep 0.1; done
+  target="127.0.0.1:$(cat "$OUT/port")"
+  metrics="http://127.0.0.1:$(cat "$OUT/metrics-port")/metrics"
+  for _ in $(seq 1 100); do "$CLI" --target "$target" health >/dev/null 2>&1 && break; sleep 0.1; done
+}
+
+bench() {  # NAME CONCURRENCY [EXTRA...]: one measured bench run against $target
+  local name=$1 concurrency=$2; shift 2
+  "$CLI" --target "$target" bench --layer demo --forms factored --shape 1,16 --concurrency "$concurrency" \
+    --duration "$DURATION" --warmup 1s --json "$OUT/$name.json" "$@" >/dev/null
+}
+
+echo "== machine: $(lscpu | sed -n 's/^Model name: *//p'), $THREADS threads, $(date -u +%F)"
+"$BUILD/bench/forward_bench" --threads "$THREADS" --shapes small-request --json "$OUT/inprocess.json" >/dev/null
+for round in $(seq 1 "$ROUNDS"); do
+  for variant in $VARIANTS; do
+    name=${variant%%:*}
+    IFS=, read -r -a flags <<< "${variant#*:}"
+    start_server "${flags[@]}"
+    # A short run first: the scrape after it is the baseline the measured run is taken from.
+    "$CLI" --target "$target" bench --layer demo --forms factored --shape 1,16 --concurrency 1 \
+      --duration 1s --warmup 0s >/dev/null
+    curl -sf "$metrics" > "$OUT/$name-$round.before.prom"
+    bench "$name-$round" 1
+    curl -sf "$metrics" > "$OUT/$name-$round.after.prom"
+    stop_server
+  done
+  "$CLI" bench --noop-server --forms factored --shape 1,16 --concurrency 1 --duration "$DURATION" \
+    --warmup 1s --json "$OUT/floor-$round.json" >/dev/null
+done
+# Concurrency 32 against the first variant's server: the batched throughput.
+first=${VARIANTS%% *}
+IFS=, read -r -a flags <<< "${first#*:}"
+start_server "${flags[@]}"
+bench "c32" 32
+curl -sf "$metrics" > "$OUT/c32.after.prom"
+stop_server
+"$BUILD/bench/forward_bench" --threads "$THREADS" --shapes small-request --json "$OUT/inprocess-after.json" >/dev/null
+
+python3 bench/serving_report.py "$OUT" "$ROUNDS" $VARIANTS
