@@ -10,7 +10,8 @@
 # each figure is the best (lowest) p50 of its rounds (the machine is shared and noisy; the best
 # of alternating runs is the least disturbed). The server's stage histogram
 # (attnserve_stage_seconds, scraped before and after each measured run) gives the stage table:
-# where a served call's time goes.
+# where a served call's time goes. A second client, Python grpcio (bench/serving_client.py), then
+# measures served and floor p50 against the first variant's server and `attnserve-cli noop-server`.
 #   Then concurrency 32 against the first variant's server: achieved GFLOP/s (requests/s times
 # the request's FLOPs) against the best SGEMM ceiling forward_bench measured before and after.
 #
@@ -54,6 +55,8 @@ start_server() {
   for _ in $(seq 1 100); do "$CLI" --target "$target" health >/dev/null 2>&1 && break; sleep 0.1; done
 }
 
+scrape() { python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' "$metrics"; }
+
 bench() {  # NAME CONCURRENCY [EXTRA...]: one measured bench run against $target
   local name=$1 concurrency=$2; shift 2
   "$CLI" --target "$target" bench --layer demo --forms factored --shape 1,16 --concurrency "$concurrency" \
@@ -70,9 +73,9 @@ for round in $(seq 1 "$ROUNDS"); do
     # A short run first: the scrape after it is the baseline the measured run is taken from.
     "$CLI" --target "$target" bench --layer demo --forms factored --shape 1,16 --concurrency 1 \
       --duration 1s --warmup 0s >/dev/null
-    curl -sf "$metrics" > "$OUT/$name-$round.before.prom"
+    scrape > "$OUT/$name-$round.before.prom"
     bench "$name-$round" 1
-    curl -sf "$metrics" > "$OUT/$name-$round.after.prom"
+    scrape > "$OUT/$name-$round.after.prom"
     stop_server
   done
   "$CLI" bench --noop-server --forms factored --shape 1,16 --concurrency 1 --duration "$DURATION" \
@@ -83,8 +86,23 @@ first=${VARIANTS%% *}
 IFS=, read -r -a flags <<< "${first#*:}"
 start_server "${flags[@]}"
 bench "c32" 32
-curl -sf "$metrics" > "$OUT/c32.after.prom"
+scrape > "$OUT/c32.after.prom"
 stop_server
+# The second, independent client (Python grpcio, stubs from our proto) against the first
+# variant's server and the no-op server alone: the same difference, measured by other code.
+if /usr/bin/python3 -c 'import grpc, google.protobuf, numpy' 2>/dev/null; then
+  start_server "${flags[@]}"
+  rm -f "$OUT/noop-port"
+  "$CLI" noop-server --port-file "$OUT/noop-port" --duration 10m >/dev/null &
+  noop=$!
+  for _ in $(seq 1 100); do [[ -s $OUT/noop-port ]] && break; sleep 0.1; done
+  /usr/bin/python3 bench/serving_client.py --target "floor=127.0.0.1:$(cat "$OUT/noop-port")" \
+    --target "served=$target" --requests "${PY_REQUESTS:-3000}" --json "$OUT/python-client.json" >/dev/null
+  kill "$noop"; wait "$noop" 2>/dev/null || true
+  stop_server
+else
+  echo "(no python3-grpcio: the second client's check is skipped)" >&2
+fi
 "$BUILD/bench/forward_bench" --threads "$THREADS" --shapes small-request --json "$OUT/inprocess-after.json" >/dev/null
 
 python3 bench/serving_report.py "$OUT" "$ROUNDS" $VARIANTS

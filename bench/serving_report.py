@@ -78,6 +78,15 @@ def main():
         print(f"| {s} | " + " | ".join(f"{means[v][s]:.1f}" for v in variants) + " |")
     print("| total in the server | " + " | ".join(f"{sum(means[v].values()):.1f}" for v in variants) + " |")
 
+    try:
+        py = {r["target"]: r for r in load(f"{out}/python-client.json")}
+        served, floor = py["served"]["p50_us"], py["floor"]["p50_us"]
+        print(f"\nSecond client (Python grpcio, {py['served']['requests']} requests a target, alternating): "
+              f"served p50 {served:.0f} µs, no-op floor p50 {floor:.0f} µs, overhead over the floor "
+              f"**{served - inproc_us - floor:.0f} µs** ({variants[0]}'s server)")
+    except FileNotFoundError:
+        print("\n(no second-client figures: python3-grpcio missing)")
+
     c32 = factored(f"{out}/c32.json")
     flops_per_request = inproc["gflops"] * inproc["ms"] * 1e6  # GFLOP/s × ms = FLOP
     served_gflops = c32["requests_per_s"] * flops_per_request / 1e9

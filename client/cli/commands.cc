@@ -1,5 +1,6 @@
 #include "client/cli/commands.h"
 
+#include <algorithm>
 #include <array>
 #include <exception>
 #include <ostream>
@@ -22,8 +23,8 @@ std::string ForwardDetails() {
 }
 
 // The table; --help lists the commands in this order.
-const std::array<Subcommand, 8>& Table() {
-  static const std::array<Subcommand, 8> table = {{
+const std::array<Subcommand, 9>& Table() {
+  static const std::array<Subcommand, 9> table = {{
       {"health", "check the server's health (grpc.health.v1)", "[SERVICE]",
        [] {
          return std::string(
@@ -65,6 +66,14 @@ const std::array<Subcommand, 8>& Table() {
        "       [--duration T | --requests K] [--warmup T] [--causal] [--target ADDR]\n"
        "       [--json FILE] [--csv FILE] [--plot FILE.svg] [--interleave slice|request] [--noop-server]",
        &BenchDetails, &RunBench},
+      {"noop-server", "serve the bench's no-op Forward on 127.0.0.1 (the floor, for any client)",
+       "[--port-file FILE] [--duration T]",
+       [] {
+         return std::string(
+             "Forward answers at once with the input as output (a response of the real size, no\n"
+             "compute). Prints 'listening on 127.0.0.1:PORT'; exits 0 after --duration (60s).\n");
+       },
+       &RunNoopServer},
       {"route", "show or change the A/B split and the shadow rate",
        "[LAYER (SPEC | --clear)] [--shadow-rate R]", &RouteDetails, &RunRoute},
   }};
@@ -81,9 +90,11 @@ void PrintTopHelp(std::ostream& out) {
   out << "usage: " << kProgram << " [global flags] COMMAND [args]\n\n"
       << "Client of an attnserve server.\n\nGlobal flags:\n"
       << GlobalFlagsHelp() << "\nCommands:\n";
+  size_t width = 0;  // the longest name, so the summaries line up
+  for (const Subcommand& c : Subcommands()) width = std::max(width, c.name.size());
   for (const Subcommand& c : Subcommands()) {
     std::string name = "  " + std::string(c.name);
-    name.resize(12, ' ');
+    name.resize(width + 4, ' ');
     out << name << c.summary << "\n";
   }
   out << "\nRun '" << kProgram << " COMMAND --help' for a command's arguments.\n"

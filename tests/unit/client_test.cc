@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <limits>
 #include <memory>
@@ -825,6 +826,41 @@ TEST(ClientCli, ForwardRefusesRandomInputOverTheMessageLimit) {
   EXPECT_EQ(r.code, 1);
   EXPECT_THAT(r.err, HasSubstr("error: INVALID_ARGUMENT: --random"));
   EXPECT_EQ(server.service().forwards.load(), 0);
+}
+
+// `noop-server` serves the bench's no-op Forward for another client: it writes its port, answers
+// a random input with itself (a response of the real size), and exits 0 after --duration.
+TEST(ClientCli, NoopServerServesTheFloorForAnyClient) {
+  attnserve::testing::TempDir dir;
+  const std::string port_file = dir.File("port");
+  std::ostringstream out, err;
+  int code = -1;
+  std::thread server([&] { code = cli_ns::RunCli({"noop-server", "--port-file", port_file, "--duration", "3s"}, {}, out, err); });
+  std::string port;
+  for (int i = 0; i < 200 && port.empty(); ++i) {
+    std::ifstream in(port_file);
+    if (!(in >> port)) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_FALSE(port.empty()) << "no port file after 2 s; stderr: " << err.str();
+  Client client(Options("127.0.0.1:" + port));
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(16 * 24);
+  for (float& v : x) v = normal(rng);
+  v1::ForwardRequest req;
+  req.set_layer("any");
+  *req.mutable_input() = MakeTensor(x, {1, 16, 24});
+  v1::ForwardResponse resp;
+  ASSERT_TRUE(client.Forward(req, &resp).ok());
+  std::vector<float> y;
+  ASSERT_TRUE(TensorToFloats(resp.output(), &y).ok());
+  EXPECT_EQ(y, x);
+  server.join();
+  EXPECT_EQ(code, 0) << err.str();
+  EXPECT_EQ(out.str(), "listening on 127.0.0.1:" + port + "\n");
+  std::ostringstream bad_out, bad_err;
+  EXPECT_EQ(cli_ns::RunCli({"noop-server", "--duration", "soon"}, {}, bad_out, bad_err), cli_ns::kExitUsage);
+  EXPECT_THAT(bad_err.str(), HasSubstr("--duration"));
 }
 
 }  // namespace
