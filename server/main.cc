@@ -236,7 +236,8 @@ int Run(int argc, char** argv) {
       DeviceChoice{.device = options.device,
                    .cpu_threads = options.threads,
                    .cpu_gemm = options.cpu_gemm,
-                   .tf32 = options.gpu_math == "tf32"});
+                   .tf32 = options.gpu_math == "tf32",
+                   .max_device_bytes = int64_t{options.max_device_memory_mb} << 20});
   if (!chosen.ok()) {
     spdlog::critical("cannot use the device: {}", chosen.status().message());
     return 1;

@@ -184,6 +184,9 @@ const Setting kSettings[] = {
      "memory every admitted request may hold at once (input, output, compare and shadow copies, backend scratch), "
      "in MiB; 0: half the container's memory limit, else half the machine's; beyond: RESOURCE_EXHAUSTED, or "
      "INVALID_ARGUMENT for a request that can never fit"},
+    {"--max-device-memory-mb", "max_device_memory_mb", "N", &O::max_device_memory_mb, 0, 1 << 30, nullptr, nullptr,
+     "device memory the GPU backend may hold (weights and workspaces), in MiB; 0: 90% of the card's; a batch "
+     "beyond runs in smaller query-row blocks, or fails with RESOURCE_EXHAUSTED"},
     {"--log-level", "log_level", "LEVEL", &O::log_level, 0, 0, CheckLogLevel, nullptr,
      "trace, debug, info, warn, error, critical or off"},
     {"--log-json", "log_json", "", &O::log_json, 0, 0, nullptr, nullptr, "log one JSON object per line"},

@@ -37,6 +37,8 @@ struct ServerOptions {
   // What admitted requests may hold at once (inputs, outputs, copies, backend scratch), MiB;
   // 0: half the container's memory limit, else half the machine's memory.
   int max_memory_mb = 0;
+  // Device memory the GPU backend may hold (weights and workspaces), MiB; 0: 90 % of the card's.
+  int max_device_memory_mb = 0;
   std::string log_level = "info";
   bool log_json = false;
   // The admin API (LoadLayer, UnloadLayer, SetRouting; docs/security.md). Closed on --listen

@@ -15,7 +15,7 @@ class Backend;
 }
 
 // Bumped whenever this table, or anything passed through it, changes shape.
-#define ATTNSERVE_PLUGIN_ABI_VERSION 1u
+#define ATTNSERVE_PLUGIN_ABI_VERSION 2u
 
 // This build's identity (the project version, commit and compiler, set by CMake); a plugin
 // reports the id of the build that made it.
@@ -30,8 +30,10 @@ struct AttnservePluginApi {
   const char* build_id;  // ATTNSERVE_BUILD_ID of the plugin's build
   // Usable devices; 0 with the reason in `why`.
   int (*device_count)(char* why, size_t why_size);
-  // A new backend the caller owns, or nullptr with the reason in `error`.
-  attnserve::Backend* (*make_backend)(int device, bool tf32, char* error, size_t error_size);
+  // A new backend the caller owns, or nullptr with the reason in `error`. max_device_bytes:
+  // the device memory it may hold (0: its default share of the device).
+  attnserve::Backend* (*make_backend)(int device, bool tf32, int64_t max_device_bytes, char* error,
+                                      size_t error_size);
 };
 
 // The one symbol a plugin exports.

@@ -45,7 +45,8 @@ std::string PluginPath() {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, bool tf32) {
+StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, bool tf32,
+                                                  int64_t max_device_bytes) {
   // Never unloaded: the backend's code lives there for the life of the process.
   void* plugin = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (plugin == nullptr) return UnavailableError(std::string("cannot load the CUDA backend: ") + dlerror());
@@ -68,7 +69,7 @@ StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int i
   }
   char why[512] = "";
   if (api->device_count(why, sizeof why) == 0) return UnavailableError(std::string("no usable GPU: ") + why);
-  Backend* backend = api->make_backend(index, tf32, why, sizeof why);
+  Backend* backend = api->make_backend(index, tf32, max_device_bytes, why, sizeof why);
   if (backend == nullptr) return UnavailableError(why);
   return std::unique_ptr<Backend>(backend);
 }
@@ -93,7 +94,7 @@ StatusOr<ChosenBackend> ChooseBackend(const DeviceChoice& choice) {
   if (choice.device == "cpu") return Cpu(choice, "cpu: asked for");
   const int index = choice.device == "auto" ? 0 : CudaIndex(choice.device);
 #ifdef ATTNSERVE_CUDA_PLUGIN
-  auto gpu = LoadCudaPlugin(PluginPath(), index, choice.tf32);
+  auto gpu = LoadCudaPlugin(PluginPath(), index, choice.tf32, choice.max_device_bytes);
   if (gpu.ok()) {
     return ChosenBackend{std::move(gpu).value(),
                          "cuda:" + std::to_string(index) + ": " +

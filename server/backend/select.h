@@ -2,6 +2,7 @@
 // Thread-safety: call once, from main, before serving.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -14,6 +15,9 @@ struct DeviceChoice {
   int cpu_threads = 0;          // the CPU backend's threads (0: every core)
   std::string cpu_gemm = "auto";  // the CPU backend's GEMM library: auto, eigen or onednn
   bool tf32 = false;            // GPU GEMMs on TF32 tensor cores
+  // Device memory the GPU backend may hold (weights and workspaces); 0: its default share of
+  // the device (CudaBackendOptions::max_device_bytes).
+  int64_t max_device_bytes = 0;
 };
 
 struct ChosenBackend {
@@ -40,6 +44,7 @@ bool BuiltWithCuda();
 // usable. ChooseBackend calls it with the plugin next to the executable; tests call it with
 // the plugin they built, so that no test binary links cuBLAS (hundreds of MB mapped before
 // main, which from a cold page cache outlasts CTest's test discovery).
-StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, bool tf32);
+StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, bool tf32,
+                                                  int64_t max_device_bytes = 0);
 
 }  // namespace attnserve

@@ -1,10 +1,13 @@
 // The emulated cuBLAS GEMMs: argument checks as cuBLAS documents them, every operand checked to
-// lie inside device memory, then a plain column-major product in float32 (TF32-rounded inputs
-// when asked for).
+// lie inside device memory, batch entries whose outputs overlap refused, then a plain
+// column-major product in float32 (TF32-rounded inputs when asked for), queued on the stream the
+// handle was given (cublasSetStream; the legacy default stream until then).
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "cublas_v2.h"
 #include "state.h"
@@ -102,6 +105,53 @@ bool InDeviceMemory(const GemmCall& g, const Operand& op, long long stride) {
   return true;
 }
 
+// The outputs of a strided batch's entries must not share an element: on a device the entries
+// run side by side and such an element's value would be a race (cuBLAS does not check; the
+// emulation refuses it).
+bool OutputsOverlap(const GemmCall& g) {
+  if (g.batch <= 1 || g.m == 0 || g.n == 0) return false;
+  const int64_t extent = int64_t{g.n - 1} * g.ldc + g.m;
+  const int64_t stride = std::llabs(g.stride_c);
+  if (stride >= extent) return false;  // each entry's block lies past the one before
+  if (stride == 0) return true;
+  std::vector<bool> written(static_cast<size_t>(stride * (g.batch - 1) + extent), false);
+  for (int64_t e = 0; e < g.batch; ++e) {
+    for (int64_t j = 0; j < g.n; ++j) {
+      for (int64_t i = 0; i < g.m; ++i) {
+        auto&& at = written[static_cast<size_t>(e * stride + j * g.ldc + i)];
+        if (at) return true;
+        at = true;
+      }
+    }
+  }
+  return false;
+}
+
+// The product itself, when the handle's stream reaches it. alpha and beta are the values read
+// at the call (host pointer mode).
+void RunGemm(const GemmCall& g, float alpha, float beta) {
+  const bool ta = g.transa != CUBLAS_OP_N, tb = g.transb != CUBLAS_OP_N;
+  auto in = [&](float v) { return g.tf32 ? RoundToTf32(v) : v; };
+  for (int batch = 0; batch < g.batch; ++batch) {
+    const float* pa = g.a + batch * g.stride_a;
+    const float* pb = g.b + batch * g.stride_b;
+    float* pc = g.c + batch * g.stride_c;
+    for (int j = 0; j < g.n; ++j) {
+      for (int i = 0; i < g.m; ++i) {
+        float acc = 0.0f;
+        for (int p = 0; p < g.k; ++p) {
+          const float av = ta ? pa[p + int64_t{i} * g.lda] : pa[i + int64_t{p} * g.lda];
+          const float bv = tb ? pb[j + int64_t{p} * g.ldb] : pb[p + int64_t{j} * g.ldb];
+          acc = std::fma(in(av), in(bv), acc);
+        }
+        float& out = pc[i + int64_t{j} * g.ldc];
+        // With beta == 0, C is not read (it may hold NaN), as cuBLAS documents.
+        out = beta == 0.0f ? alpha * acc : alpha * acc + beta * out;
+      }
+    }
+  }
+}
+
 cublasStatus_t Gemm(const GemmCall& g) {
   if (internal::StickyError() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
   if (const cublasStatus_t s = Validate(g); s != CUBLAS_STATUS_SUCCESS) return s;
@@ -124,26 +174,14 @@ cublasStatus_t Gemm(const GemmCall& g) {
       !InDeviceMemory(g, c, g.stride_c)) {
     return CUBLAS_STATUS_EXECUTION_FAILED;
   }
-  const float alpha = *g.alpha, beta = *g.beta;
-  auto in = [&](float v) { return g.tf32 ? RoundToTf32(v) : v; };
-  for (int batch = 0; batch < g.batch; ++batch) {
-    const float* pa = g.a + batch * g.stride_a;
-    const float* pb = g.b + batch * g.stride_b;
-    float* pc = g.c + batch * g.stride_c;
-    for (int j = 0; j < g.n; ++j) {
-      for (int i = 0; i < g.m; ++i) {
-        float acc = 0.0f;
-        for (int p = 0; p < g.k; ++p) {
-          const float av = ta ? pa[p + int64_t{i} * g.lda] : pa[i + int64_t{p} * g.lda];
-          const float bv = tb ? pb[j + int64_t{p} * g.ldb] : pb[p + int64_t{j} * g.ldb];
-          acc = std::fma(in(av), in(bv), acc);
-        }
-        float& out = pc[i + int64_t{j} * g.ldc];
-        // With beta == 0, C is not read (it may hold NaN), as cuBLAS documents.
-        out = beta == 0.0f ? alpha * acc : alpha * acc + beta * out;
-      }
-    }
+  if (OutputsOverlap(g)) {
+    return Invalid(g.name, "the outputs of the batch entries overlap (ldc=" + std::to_string(g.ldc) +
+                               ", strideC=" + std::to_string(g.stride_c) + ", m=" + std::to_string(g.m) +
+                               ", n=" + std::to_string(g.n) + ")");
   }
+  GemmCall queued = g;
+  queued.alpha = queued.beta = nullptr;
+  internal::Enqueue(g.handle->stream, [queued, alpha = *g.alpha, beta = *g.beta] { RunGemm(queued, alpha, beta); });
   return CUBLAS_STATUS_SUCCESS;
 }
 

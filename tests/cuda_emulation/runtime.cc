@@ -1,11 +1,19 @@
 // The emulated CUDA runtime: device memory on the host heap with its extents recorded, copies
-// checked against the memory spaces they name, synchronous streams, wall-clock events.
+// checked against the memory spaces they name, streams whose work is queued and runs at
+// synchronisation points, wall-clock events.
+#include <algorithm>
 #include <chrono>
+#include <deque>
+#include <functional>
+#include <random>
+#include <thread>
+#include <vector>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <new>
 
@@ -13,12 +21,18 @@
 #include "cuda_runtime_api.h"
 #include "state.h"
 
+// A stream: its queued work, run in order by whichever thread synchronises it. `mu` is held
+// while the work runs, so a stream's work never runs on two threads at once or out of order.
 struct CUstream_st {
   unsigned flags = 0;
+  std::mutex mu;
+  std::deque<std::function<void()>> queue;
+  std::thread::id issuer;  // the thread whose work is queued now
 };
 struct CUevent_st {
   std::chrono::steady_clock::time_point when;
   bool recorded = false;
+  cudaStream_t stream = nullptr;
 };
 
 namespace cuda_emulation {
@@ -42,13 +56,32 @@ struct State {
   std::map<const char*, Allocation> allocations;  // by base address
   Counters counters;
   int device_count = 1;
+  int64_t device_memory = kDefaultDeviceMemoryBytes;
+  int64_t device_live = 0;  // bytes of the live device allocations
   cudaError_t sticky = cudaSuccess;
-  bool pending_fault[5] = {false, false, false, false, false};
+  int pending_fault[5] = {0, 0, 0, 0, 0};  // operations of each kind still to fail
   // From the environment, for a server process that loads the emulated plugin: the GEMM (0 the
   // first) that faults, and GEMMs issued so far; -1 for none.
   int64_t gemm_fault_at = -1, gemms_issued = 0;
   std::string diagnostic;
+  std::function<void()> sync_hook;
 };
+
+// The streams that exist, and the legacy default stream (stream 0). Its lock comes before a
+// stream's, and no stream's work takes it.
+struct Streams {
+  std::mutex mu;
+  std::vector<CUstream_st*> live;
+  CUstream_st legacy;
+  uint64_t draws = 0;  // device-wide synchronisations so far: each draws its own order
+};
+
+Streams& GetStreams() {
+  static Streams* streams = new Streams;  // never destroyed, as State
+  return *streams;
+}
+
+CUstream_st* Resolve(cudaStream_t stream) { return stream == nullptr ? &GetStreams().legacy : stream; }
 
 State& GetState() {
   // Never destroyed: backends may outlive static destruction.
@@ -106,6 +139,17 @@ cudaError_t Allocate(void** ptr, size_t bytes, Space space) {
   if (space == Space::kDevice && internal::TakeFault(Fault::kOutOfMemory)) {
     return Fail(cudaErrorMemoryAllocation, "cudaMalloc: injected out of memory");
   }
+  if (space == Space::kDevice) {
+    State& s = GetState();
+    std::unique_lock<std::mutex> lock(s.mu);
+    if (s.device_live + static_cast<int64_t>(bytes) > s.device_memory) {
+      const std::string why = "cudaMalloc: " + std::to_string(bytes) + " bytes do not fit: " +
+                              std::to_string(s.device_live) + " of the device's " + std::to_string(s.device_memory) +
+                              " bytes are in use";
+      lock.unlock();
+      return Fail(cudaErrorMemoryAllocation, why);
+    }
+  }
   void* p = ::operator new(bytes, std::align_val_t(kAlignment), std::nothrow);
   if (p == nullptr) return Fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory");
   // Fresh device memory reads as NaN, so a result that uses unwritten memory shows it.
@@ -113,6 +157,7 @@ cudaError_t Allocate(void** ptr, size_t bytes, Space space) {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
   s.allocations[static_cast<const char*>(p)] = {bytes, space};
+  if (space == Space::kDevice) s.device_live += static_cast<int64_t>(bytes);
   (space == Space::kDevice ? s.counters.device_allocations : s.counters.pinned_allocations)++;
   *ptr = p;
   return cudaSuccess;
@@ -130,6 +175,7 @@ cudaError_t Release(void* ptr, Space space, const char* what) {
       last_error = cudaErrorInvalidValue;
       return cudaErrorInvalidValue;
     }
+    if (space == Space::kDevice) s.device_live -= static_cast<int64_t>(it->second.bytes);
     s.allocations.erase(it);
   }
   ::operator delete(ptr, std::align_val_t(kAlignment));
@@ -151,7 +197,8 @@ const char* KindName(cudaMemcpyKind kind) {
   }
 }
 
-cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, bool async) {
+cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, bool async,
+                 cudaStream_t stream = nullptr) {
   RETURN_IF_STICKY();
   if (bytes == 0) return cudaSuccess;
   if (internal::TakeFault(Fault::kCopy)) {
@@ -172,15 +219,37 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
                     (dst_ok ? "source" : "destination") + " of " + std::to_string(bytes) + " bytes is not " +
                     ((dst_ok ? src_device : dst_device) ? "inside one device allocation" : "host memory"));
   }
-  std::memmove(dst, src, bytes);
-  State& s = GetState();
-  std::lock_guard<std::mutex> lock(s.mu);
-  if (kind == cudaMemcpyHostToDevice) s.counters.host_to_device_bytes += static_cast<int64_t>(bytes);
-  if (kind == cudaMemcpyDeviceToHost) s.counters.device_to_host_bytes += static_cast<int64_t>(bytes);
-  if (async && kind != cudaMemcpyDeviceToDevice) {
-    const void* host = kind == cudaMemcpyHostToDevice ? src : dst;
-    const auto* a = Find(s, host);
-    if (a == nullptr || a->second.space != Space::kPinnedHost) s.counters.pageable_async_copies++;
+  bool pinned = false;
+  {
+    State& s = GetState();
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (kind == cudaMemcpyHostToDevice) s.counters.host_to_device_bytes += static_cast<int64_t>(bytes);
+    if (kind == cudaMemcpyDeviceToHost) s.counters.device_to_host_bytes += static_cast<int64_t>(bytes);
+    if (kind != cudaMemcpyDeviceToDevice) {
+      const auto* a = Find(s, kind == cudaMemcpyHostToDevice ? src : dst);
+      pinned = a != nullptr && a->second.space == Space::kPinnedHost;
+      if (async && !pinned) s.counters.pageable_async_copies++;
+    }
+  }
+  if (!async) {  // a synchronous copy waits for the device, as cudaMemcpy does
+    internal::DrainAll();
+    std::memmove(dst, src, bytes);
+    return cudaSuccess;
+  }
+  if (kind == cudaMemcpyHostToDevice && !pinned) {
+    // From pageable memory the call returns once the data is staged: a snapshot, copied later.
+    auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
+                                                      static_cast<const char*>(src) + bytes);
+    internal::Enqueue(stream, [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); });
+  } else if (kind == cudaMemcpyDeviceToHost && !pinned) {
+    // Into pageable memory the call returns once the copy is done.
+    internal::DrainStream(stream);
+    std::memmove(dst, src, bytes);
+  } else {
+    // Into pinned memory the host sees poison until the stream has run the copy: a read before
+    // the synchronisation reads NaN.
+    if (kind == cudaMemcpyDeviceToHost) std::memset(dst, 0xff, bytes);
+    internal::Enqueue(stream, [dst, src, bytes] { std::memmove(dst, src, bytes); });
   }
   return cudaSuccess;
 }
@@ -225,10 +294,59 @@ bool TakeFault(Fault fault) {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
   if (fault == Fault::kGemm && s.gemm_fault_at >= 0 && s.gemms_issued++ == s.gemm_fault_at) return true;
-  bool& pending = s.pending_fault[static_cast<int>(fault)];
-  const bool taken = pending;
-  pending = false;
-  return taken;
+  int& pending = s.pending_fault[static_cast<int>(fault)];
+  if (pending == 0) return false;
+  --pending;
+  return true;
+}
+
+void Enqueue(cudaStream_t stream, std::function<void()> work) {
+  CUstream_st* s = Resolve(stream);
+  bool shared = false;
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    // The legacy stream is everyone's; a created stream belongs to one caller at a time.
+    shared = stream != nullptr && !s->queue.empty() && s->issuer != std::this_thread::get_id();
+    s->issuer = std::this_thread::get_id();
+    s->queue.push_back(std::move(work));
+  }
+  if (shared) {
+    State& st = GetState();
+    std::lock_guard<std::mutex> lock(st.mu);
+    st.counters.threads_sharing_a_stream++;
+  }
+}
+
+namespace {
+// Runs the first queued work of `s`; false when there is none.
+bool RunOne(CUstream_st* s) {
+  std::lock_guard<std::mutex> lock(s->mu);
+  if (s->queue.empty()) return false;
+  std::function<void()> work = std::move(s->queue.front());
+  s->queue.pop_front();
+  work();
+  return true;
+}
+}  // namespace
+
+void DrainStream(cudaStream_t stream) {
+  CUstream_st* s = Resolve(stream);
+  while (RunOne(s)) {
+  }
+}
+
+void DrainAll() {
+  Streams& streams = GetStreams();
+  std::lock_guard<std::mutex> lock(streams.mu);
+  std::vector<CUstream_st*> pending = streams.live;
+  pending.push_back(&streams.legacy);
+  // One work item at a time from a stream drawn at random: the streams' work interleaves in an
+  // order no caller can count on, as on a device.
+  std::mt19937_64 rng(0x5eed + streams.draws++);
+  while (!pending.empty()) {
+    const size_t i = std::uniform_int_distribution<size_t>(0, pending.size() - 1)(rng);
+    if (!RunOne(pending[i])) pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+  }
 }
 
 void CountKernelLaunch() {
@@ -279,16 +397,28 @@ int64_t LiveDeviceBytes() {
   return bytes;
 }
 
+void SetStreamSyncHook(std::function<void()> hook) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.sync_hook = std::move(hook);
+}
+
+void SetDeviceMemoryBytes(int64_t bytes) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.device_memory = bytes;
+}
+
 void SetDeviceCount(int count) {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
   s.device_count = count;
 }
 
-void InjectFault(Fault fault) {
+void InjectFault(Fault fault, int times) {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
-  s.pending_fault[static_cast<int>(fault)] = true;
+  s.pending_fault[static_cast<int>(fault)] = times;
 }
 
 void Reset() {
@@ -296,7 +426,8 @@ void Reset() {
   std::lock_guard<std::mutex> lock(s.mu);
   s.sticky = cudaSuccess;
   s.device_count = 1;
-  for (bool& p : s.pending_fault) p = false;
+  for (int& p : s.pending_fault) p = 0;
+  s.sync_hook = nullptr;
   s.diagnostic.clear();
   last_error = cudaSuccess;
 }
@@ -433,6 +564,7 @@ cudaError_t cudaGetDevice(int* device) {
 }
 
 cudaError_t cudaDeviceSynchronize() {
+  internal::DrainAll();
   RETURN_IF_STICKY();
   return cudaSuccess;
 }
@@ -440,11 +572,24 @@ cudaError_t cudaDeviceSynchronize() {
 cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   return cuda_emulation::Allocate(ptr, bytes, cuda_emulation::Space::kDevice);
 }
-cudaError_t cudaFree(void* ptr) { return cuda_emulation::Release(ptr, cuda_emulation::Space::kDevice, "cudaFree"); }
+cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
+  RETURN_IF_STICKY();
+  auto& s = cuda_emulation::GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  *total = static_cast<size_t>(s.device_memory);
+  *free = static_cast<size_t>(std::max<int64_t>(0, s.device_memory - s.device_live));
+  return cudaSuccess;
+}
+// Both free calls synchronise the device first, as CUDA's do: no queued work may touch the memory.
+cudaError_t cudaFree(void* ptr) {
+  if (ptr != nullptr) internal::DrainAll();
+  return cuda_emulation::Release(ptr, cuda_emulation::Space::kDevice, "cudaFree");
+}
 cudaError_t cudaMallocHost(void** ptr, size_t bytes) {
   return cuda_emulation::Allocate(ptr, bytes, cuda_emulation::Space::kPinnedHost);
 }
 cudaError_t cudaFreeHost(void* ptr) {
+  if (ptr != nullptr) internal::DrainAll();
   return cuda_emulation::Release(ptr, cuda_emulation::Space::kPinnedHost, "cudaFreeHost");
 }
 
@@ -454,6 +599,7 @@ cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
   if (!internal::IsDeviceRange(ptr, bytes)) {
     return cuda_emulation::Fail(cudaErrorInvalidValue, "cudaMemset: range is not inside one device allocation");
   }
+  internal::DrainAll();
   std::memset(ptr, value, bytes);
   return cudaSuccess;
 }
@@ -464,27 +610,49 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind 
 
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream) {
   if (stream == nullptr) cuda_emulation::internal::CountLegacyStreamWork();
-  return cuda_emulation::Copy(dst, src, bytes, kind, /*async=*/true);
+  return cuda_emulation::Copy(dst, src, bytes, kind, /*async=*/true, stream);
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, 0); }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags) {
   RETURN_IF_STICKY();
-  *stream = new CUstream_st{flags};
+  *stream = new CUstream_st;
+  (*stream)->flags = flags;
+  {
+    auto& streams = cuda_emulation::GetStreams();
+    std::lock_guard<std::mutex> lock(streams.mu);
+    streams.live.push_back(*stream);
+  }
   auto& s = cuda_emulation::GetState();
   std::lock_guard<std::mutex> lock(s.mu);
   s.counters.streams_created++;
   return cudaSuccess;
 }
 
+// Its queued work still runs, as on a device.
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  if (stream == nullptr) return last_error = cudaErrorInvalidValue;
+  {
+    auto& streams = cuda_emulation::GetStreams();
+    std::lock_guard<std::mutex> lock(streams.mu);
+    std::erase(streams.live, stream);
+  }
+  internal::DrainStream(stream);
   delete stream;
   return cudaSuccess;
 }
 
-// Work ran when it was issued; a fault it raised surfaces here, as on a device.
-cudaError_t cudaStreamSynchronize(cudaStream_t) {
+// Runs the stream's queued work; a fault it raised surfaces here, as on a device.
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  std::function<void()> hook;
+  {
+    auto& s = cuda_emulation::GetState();
+    std::lock_guard<std::mutex> lock(s.mu);
+    hook = s.sync_hook;
+  }
+  if (hook) hook();
+  internal::DrainStream(stream);
   RETURN_IF_STICKY();
   return cudaSuccess;
 }
@@ -495,18 +663,23 @@ cudaError_t cudaEventCreate(cudaEvent_t* event) {
 }
 
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  if (event->stream != nullptr || event->recorded) internal::DrainStream(event->stream);
   delete event;
   return cudaSuccess;
 }
 
-cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t) {
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   RETURN_IF_STICKY();
-  event->when = std::chrono::steady_clock::now();
-  event->recorded = true;
+  event->stream = stream;
+  internal::Enqueue(stream, [event] {
+    event->when = std::chrono::steady_clock::now();
+    event->recorded = true;
+  });
   return cudaSuccess;
 }
 
-cudaError_t cudaEventSynchronize(cudaEvent_t) {
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  internal::DrainStream(event->stream);
   RETURN_IF_STICKY();
   return cudaSuccess;
 }

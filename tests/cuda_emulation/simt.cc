@@ -280,9 +280,9 @@ float ShuffleXor(unsigned mask, float value, int lane_mask, int width) {
   return slots[(lane ^ lane_mask) % kWarp];
 }
 
-void RunKernel(dim3 grid, dim3 block, const std::function<void()>& body) {
+bool CheckLaunch(dim3 grid, dim3 block) {
   internal::CountKernelLaunch();
-  if (internal::StickyError() != cudaSuccess) return;
+  if (internal::StickyError() != cudaSuccess) return false;
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (threads == 0 || threads > kMaxThreads || grid.x == 0 || grid.y == 0 || grid.z == 0 || block.y != 1 ||
       block.z != 1 || grid.y != 1 || grid.z != 1 || grid.x > 0x7fffffffu) {
@@ -291,12 +291,18 @@ void RunKernel(dim3 grid, dim3 block, const std::function<void()>& body) {
                        "x" + std::to_string(block.y) + "x" + std::to_string(block.z) +
                        " (one-dimensional launches of 1-1024 threads are emulated)");
     internal::SetLastError(cudaErrorInvalidConfiguration);
-    return;
+    return false;
   }
   if (internal::TakeFault(Fault::kKernel)) {
     internal::RaiseFault(cudaErrorLaunchFailure, "injected fault in a kernel");
-    return;
+    return false;
   }
+  return true;
+}
+
+void RunBlocks(dim3 grid, dim3 block, const std::function<void()>& body) {
+  if (internal::StickyError() != cudaSuccess) return;
+  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   while (stacks.size() < threads) stacks.push_back(std::make_unique<char[]>(kStackBytes));
   BlockRun r;
   r.body = &body;

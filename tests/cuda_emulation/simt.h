@@ -30,19 +30,27 @@ const ThreadCoords& Coords();
 void SyncThreads();
 float ShuffleXor(unsigned mask, float value, int lane_mask, int width);
 
-// Runs `body` once per thread of every block, as a launch of grid × block threads would;
-// launch errors (a bad configuration, an unreached barrier) go to cudaGetLastError.
-void RunKernel(dim3 grid, dim3 block, const std::function<void()>& body);
+// What a launch checks when it is issued: the configuration (an error for cudaGetLastError) and
+// an injected fault. False: nothing is queued.
+bool CheckLaunch(dim3 grid, dim3 block);
+// Runs `body` once per thread of every block, as a launch of grid × block threads would, when
+// the launch's stream reaches it; an unreached barrier is a fault (sticky, as on a device).
+void RunBlocks(dim3 grid, dim3 block, const std::function<void()>& body);
 
 namespace internal {
-void CountLegacyStreamWork();  // state.h
+void CountLegacyStreamWork();                                       // state.h
+void Enqueue(cudaStream_t stream, std::function<void()> work);  // state.h
 }  // namespace internal
 
-// kernel<<<grid, block, 0, stream>>>(args...) is Launch(kernel, grid, block, stream)(args...).
+// kernel<<<grid, block, 0, stream>>>(args...) is Launch(kernel, grid, block, stream)(args...):
+// checked now, queued on the stream with its arguments copied, run at a synchronisation.
 template <class... Params>
 auto Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream) {
   if (stream == nullptr) internal::CountLegacyStreamWork();
-  return [=](auto&&... args) { RunKernel(grid, block, [&] { kernel(args...); }); };
+  return [=](auto... args) {
+    if (!CheckLaunch(grid, block)) return;
+    internal::Enqueue(stream, [=] { RunBlocks(grid, block, [&] { kernel(args...); }); });
+  };
 }
 
 }  // namespace cuda_emulation

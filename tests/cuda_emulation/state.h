@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <string>
 
 #include "cuda_emulation.h"
@@ -26,6 +27,16 @@ void Diagnose(const std::string& diagnostic);
 
 // True (once) when a fault of this kind was injected.
 bool TakeFault(Fault fault);
+
+// Queues `work` on `stream` (nullptr: the legacy default stream). It runs, in issue order
+// within its stream, at the next synchronisation that covers the stream: cudaStreamSynchronize
+// of it, cudaDeviceSynchronize, a synchronous copy or memset, cudaFree, cudaFreeHost, an
+// event recorded on it and waited for. Work of different streams runs in an order drawn anew
+// at each device-wide synchronisation.
+void Enqueue(cudaStream_t stream, std::function<void()> work);
+// Runs what `stream` has queued; every stream's, for a device-wide synchronisation.
+void DrainStream(cudaStream_t stream);
+void DrainAll();
 
 void CountKernelLaunch();
 void CountGemm();

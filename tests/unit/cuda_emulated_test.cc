@@ -7,9 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <thread>
 #include <vector>
@@ -249,7 +252,9 @@ TEST_F(CudaEmulationTest, BarriersAndShufflesReallyWait) {
 TEST_F(CudaEmulationTest, ABarrierNotAllThreadsReachIsReported) {
   int count = 0;
   cuda_emulation::Launch(DivergentBarrierKernel, dim3(2), dim3(32), nullptr)(&count);
-  EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure);
+  // The launch itself is fine; the kernel fails when it runs, which a synchronisation reports.
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaErrorLaunchFailure);
   EXPECT_THAT(cuda_emulation::LastDiagnostic(), HasSubstr("__syncthreads reached by 16 of 32 threads"));
 }
 
@@ -279,6 +284,64 @@ TEST_F(CudaEmulationTest, GemmArgumentsAreCheckedAsCublasDocumentsThem) {
   EXPECT_THAT(cuda_emulation::LastDiagnostic(), HasSubstr("operand B"));
   EXPECT_EQ(cudaStreamSynchronize(nullptr), cudaErrorIllegalAddress) << "a fault is sticky";
   cublasDestroy(handle);
+}
+
+// Batch entries whose outputs share elements would race on a device: refused, while entries
+// interleaved column by column without sharing one (the backend's mix) are not.
+TEST_F(CudaEmulationTest, BatchedGemmOutputsMustNotOverlap) {
+  cublasHandle_t handle;
+  ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
+  DeviceVector a(testing::RandomVector(rng_, 4 * 4)), b(testing::RandomVector(rng_, 4 * 4)),
+      c(std::vector<float>(64, NAN));
+  const float one = 1, zero = 0;
+  auto batch = [&](int ldc, long long stride_c) {
+    return cublasGemmStridedBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, 2, 4, 4, &one, a.data, CUDA_R_32F, 2, 0,
+                                      b.data, CUDA_R_32F, 4, 0, &zero, c.data, CUDA_R_32F, ldc, stride_c, 2,
+                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  };
+  EXPECT_EQ(batch(2, 8), CUBLAS_STATUS_SUCCESS) << "one block after the other";
+  EXPECT_EQ(batch(4, 2), CUBLAS_STATUS_SUCCESS) << "side by side in the rows of ldc 4";
+  EXPECT_EQ(batch(2, 4), CUBLAS_STATUS_INVALID_VALUE) << "the second entry's first columns are the first's last";
+  EXPECT_THAT(cuda_emulation::LastDiagnostic(), HasSubstr("outputs of the batch entries overlap"));
+  EXPECT_EQ(batch(3, 2), CUBLAS_STATUS_INVALID_VALUE) << "ldc 3 puts entry 1's row 0 on entry 0's next column";
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cublasDestroy(handle);
+}
+
+// Work is queued on its stream and runs at a synchronisation: a host that reads pinned memory a
+// copy has yet to fill sees NaN, another stream's synchronisation does not run it, its own does;
+// and a cuBLAS handle's GEMMs go on the stream it was given.
+TEST_F(CudaEmulationTest, StreamsRunTheirWorkAtSynchronisation) {
+  cuda_emulation::ResetCounters();
+  cudaStream_t mine, other;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+  cublasHandle_t handle;
+  ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cublasSetStream(handle, mine), CUBLAS_STATUS_SUCCESS);
+  const std::vector<float> ha = testing::RandomVector(rng_, 3 * 2), hb = testing::RandomVector(rng_, 2 * 2);
+  DeviceVector a(ha), b(hb), c(std::vector<float>(3 * 2, 0.0f));
+  float* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, 6 * sizeof(float)), cudaSuccess);
+  const float one = 1, zero = 0;
+  ASSERT_EQ(cublasSgemm(handle, CUBLAS_OP_N, CUBLAS_OP_N, 3, 2, 2, &one, a.data, 3, b.data, 2, &zero, c.data, 3),
+            CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(cudaMemcpyAsync(pinned, c.data, 6 * sizeof(float), cudaMemcpyDeviceToHost, mine), cudaSuccess);
+  for (int i = 0; i < 6; ++i) EXPECT_TRUE(std::isnan(pinned[i])) << "read before the synchronisation, element " << i;
+  ASSERT_EQ(cudaStreamSynchronize(other), cudaSuccess);
+  EXPECT_TRUE(std::isnan(pinned[0])) << "another stream's synchronisation ran this stream's work";
+  ASSERT_EQ(cudaStreamSynchronize(mine), cudaSuccess);
+  for (int i = 0; i < 3; ++i) {
+    for (int j = 0; j < 2; ++j) {
+      const double want = static_cast<double>(ha[i]) * hb[2 * j] + static_cast<double>(ha[i + 3]) * hb[1 + 2 * j];
+      EXPECT_NEAR(pinned[i + 3 * j], want, 1e-5) << i << "," << j;
+    }
+  }
+  EXPECT_EQ(cuda_emulation::ReadCounters().legacy_stream_work, 0);
+  cublasDestroy(handle);
+  cudaFreeHost(pinned);
+  cudaStreamDestroy(mine);
+  cudaStreamDestroy(other);
 }
 
 TEST_F(CudaEmulationTest, CopiesMustNameTheRightMemorySpaces) {
@@ -387,6 +450,20 @@ TEST_F(CudaEmulationTest, ConcurrentCallersEachGetTheirOwnStream) {
   ASSERT_TRUE(resident.ok());
   cuda_emulation::ResetCounters();
   constexpr int kCallers = 3, kRounds = 8;
+  // Each caller's first batch is held at its stream's synchronisation until all of them have
+  // issued theirs: three batches in flight at once, so three lanes. A pool that made callers
+  // wait for one lane would never fill this (10 s, then it gives up and the test fails).
+  std::mutex mu;
+  std::condition_variable all_in;
+  int arrived = 0;
+  bool gave_up = false;
+  cuda_emulation::SetStreamSyncHook([&] {
+    std::unique_lock<std::mutex> lock(mu);
+    if (arrived >= kCallers) return;
+    ++arrived;
+    all_in.notify_all();
+    if (!all_in.wait_for(lock, std::chrono::seconds(10), [&] { return arrived >= kCallers; })) gave_up = true;
+  });
   std::vector<double> worst(kCallers, 0.0);
   std::vector<std::thread> callers;
   for (int t = 0; t < kCallers; ++t) {
@@ -404,11 +481,14 @@ TEST_F(CudaEmulationTest, ConcurrentCallersEachGetTheirOwnStream) {
     });
   }
   for (auto& c : callers) c.join();
+  cuda_emulation::SetStreamSyncHook(nullptr);
   for (int t = 0; t < kCallers; ++t) EXPECT_LT(worst[t], 1e-5) << "caller " << t;
-  // A lane per caller that found the others busy, never more lanes than callers at once.
-  const int64_t made = cuda_emulation::ReadCounters().streams_created;
-  EXPECT_LE(made, kCallers - 1) << "one lane existed already";
-  std::cout << "[ info     ] " << made << " more lane(s) made for " << kCallers << " concurrent callers\n";
+  EXPECT_FALSE(gave_up) << "the callers' first batches were not in flight at once";
+  // A lane per caller at once: the one made at start-up and two more, never more; and no
+  // stream took work from two callers at once.
+  const cuda_emulation::Counters counters = cuda_emulation::ReadCounters();
+  EXPECT_EQ(counters.streams_created, kCallers - 1) << "one lane existed already";
+  EXPECT_EQ(counters.threads_sharing_a_stream, 0) << "two callers issued work on one stream at once";
 }
 
 TEST_F(CudaEmulationTest, ADeviceFaultFailsTheBatchAndMarksTheDeviceUnhealthy) {
@@ -460,7 +540,8 @@ TEST_F(CudaEmulationTest, ARecoverableErrorFailsTheBatchAndTheDeviceKeepsServing
     // The first batch of this backend: its workspace is allocated now.
     testing::OwnedSequence seq = RandomSequence(rng_, 48, 24, 24, false, true, -1);
     const Sequence batch[] = {seq.View()};
-    cuda_emulation::InjectFault(c.fault);
+    // Out of memory twice: the backend tries again once, after taking idle lanes' workspaces back.
+    cuda_emulation::InjectFault(c.fault, c.fault == cuda_emulation::Fault::kOutOfMemory ? 2 : 1);
     const Status failed = backend->Forward(**resident, batch);
     EXPECT_EQ(failed.code(), c.code) << failed.ToString();
     EXPECT_THAT(failed.message(), HasSubstr(c.says));
@@ -610,6 +691,178 @@ TEST_F(CudaQueryRowBlockTest, WorkspaceStaysLinearInSequenceLength) {
     std::cout << "[ info     ] " << FormName(form) << ": device workspace " << workspace
               << " bytes for n = L = " << kTokens << " (scores of the whole sequence: " << whole_scores << ")\n";
   }
+}
+
+// --- Device memory under --max-device-memory-mb -------------------------------------------
+
+// Not concurrent either: its own suite, out of the ThreadSanitizer run.
+class CudaDeviceMemoryTest : public CudaEmulationTest {
+ protected:
+  void TearDown() override {
+    cuda_emulation::SetDeviceMemoryBytes(cuda_emulation::kDefaultDeviceMemoryBytes);
+    CudaEmulationTest::TearDown();
+  }
+};
+
+std::unique_ptr<Backend> MakeBackendWithDeviceBudget(int64_t bytes) {
+  auto backend = MakeCudaBackend({.max_device_bytes = bytes});
+  EXPECT_TRUE(backend.ok()) << backend.status().ToString();
+  return backend.ok() ? std::move(backend).value() : nullptr;
+}
+
+// The device bytes a form's weights take as the backend uploads them (one allocation each).
+int64_t WeightBytes(const FormWeights& f) {
+  return static_cast<int64_t>(f.w_in.size() + f.b_in.size() + f.w_out.size() + f.b_out.size()) *
+         static_cast<int64_t>(sizeof(float));
+}
+
+// What a self-attention batch of `tokens` rows holds on the device apart from its scores: the
+// inputs, Q and K, the value block, O and Y, with every piece's 256-byte alignment.
+int64_t LinearWorkspaceBytes(const FormWeights& f, int64_t tokens) {
+  const int64_t per_token = 2 * f.config.d_model + f.q_cols + f.k_cols + f.value_cols + f.out_rows;
+  return tokens * per_token * static_cast<int64_t>(sizeof(float)) + 7 * 256;
+}
+
+// A sequence whose whole scores (8 MiB, 16 with the summed form's A_cat) are far past a budget
+// that holds the weights, the linear pieces and 256 KiB: it runs in smaller blocks of query
+// rows than max_score_workspace_bytes (256 MiB) alone would cut, the device never holds more
+// than the budget, and the answer is the float64 one.
+TEST_F(CudaDeviceMemoryTest, ABatchPastTheBudgetRunsInSmallerBlocks) {
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 16, .heads = 2, .d_head = 8}), rng_());
+  constexpr int64_t kTokens = 1024;
+  testing::OwnedSequence seq = RandomSequence(rng_, w.config.d_model, kTokens, kTokens, false, false, -1);
+  const std::vector<double> want = ReferenceForward(w, seq.View());
+  for (Form form : {Form::kFactored, Form::kSummed}) {
+    auto weights =
+        std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(w) : MaterializeSummed(w));
+    const int64_t budget = WeightBytes(*weights) + LinearWorkspaceBytes(*weights, kTokens) + (256 << 10);
+    int64_t launches[2] = {0, 0};
+    for (int run = 0; run < 2; ++run) {
+      const int64_t base = cuda_emulation::LiveDeviceBytes();
+      auto backend = run == 0 ? MakeEmulatedBackend() : MakeBackendWithDeviceBudget(budget);
+      ASSERT_NE(backend, nullptr);
+      auto resident = backend->Upload(weights);
+      ASSERT_TRUE(resident.ok()) << resident.status().ToString();
+      std::fill(seq.output.begin(), seq.output.end(), std::nanf(""));
+      const Sequence batch[] = {seq.View()};
+      cuda_emulation::ResetCounters();
+      const Status st = backend->Forward(**resident, batch);
+      ASSERT_TRUE(st.ok()) << FormName(form) << ": " << st.ToString();
+      launches[run] = cuda_emulation::ReadCounters().kernel_launches;
+      EXPECT_LT(RelativeL2(seq.output.data(), want), 1e-5) << FormName(form) << (run ? " under the budget" : "");
+      const int64_t held = cuda_emulation::LiveDeviceBytes() - base;
+      if (run == 1) {
+        EXPECT_LE(held, budget) << FormName(form) << ": the device holds more than --max-device-memory-mb allows";
+        std::cout << "[ info     ] " << FormName(form) << ": " << held << " device bytes under a budget of " << budget
+                  << ", " << launches[1] << " kernel launches (" << launches[0] << " unbounded)\n";
+      }
+    }
+    EXPECT_GT(launches[1], launches[0] + 2) << FormName(form) << ": the budget did not cut the sequence into blocks";
+  }
+}
+
+// A batch whose linear pieces alone pass the budget cannot run even in blocks of one query row:
+// it fails with RESOURCE_EXHAUSTED naming the figures and the flag, nothing is left behind on the
+// device or in the thread's error, and the device goes on serving smaller batches.
+TEST_F(CudaDeviceMemoryTest, ABatchThatCannotFitFailsAndTheDeviceKeepsServing) {
+  const LayerWeights w = SmallLayer();
+  auto weights = std::make_shared<const FormWeights>(MaterializeSummed(w));
+  const int64_t budget = WeightBytes(*weights) + (48 << 10);
+  const int64_t base = cuda_emulation::LiveDeviceBytes();
+  auto backend = MakeBackendWithDeviceBudget(budget);
+  ASSERT_NE(backend, nullptr);
+  auto resident = backend->Upload(weights);
+  ASSERT_TRUE(resident.ok()) << resident.status().ToString();
+
+  testing::OwnedSequence big = RandomSequence(rng_, w.config.d_model, 600, 600, false, true, -1);
+  ASSERT_GT(LinearWorkspaceBytes(*weights, 600), 48 << 10);
+  const Sequence too_big[] = {big.View()};
+  const Status failed = backend->Forward(**resident, too_big);
+  EXPECT_EQ(failed.code(), StatusCode::kResourceExhausted) << failed.ToString();
+  EXPECT_THAT(failed.message(), HasSubstr("--max-device-memory-mb"));
+  EXPECT_THAT(failed.message(), HasSubstr("even in blocks of one query row"));
+  EXPECT_THAT(failed.message(), HasSubstr(" MiB"));
+  EXPECT_TRUE(backend->Healthy());
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+  EXPECT_LE(cuda_emulation::LiveDeviceBytes() - base, budget);
+
+  testing::OwnedSequence small = RandomSequence(rng_, w.config.d_model, 9, 9, false, true, -1);
+  const Sequence fits[] = {small.View()};
+  const Status ok = backend->Forward(**resident, fits);
+  ASSERT_TRUE(ok.ok()) << ok.ToString();
+  EXPECT_LT(RelativeL2(small.output.data(), ReferenceForward(w, small.View())), 1e-5);
+  EXPECT_LE(cuda_emulation::LiveDeviceBytes() - base, budget);
+}
+
+// Workspaces are released on pressure: after a long batch has filled the budget with its
+// workspace, a second form's weights still load (the lane gives its workspace back), and both
+// forms then serve within the budget.
+TEST_F(CudaDeviceMemoryTest, WeightsTakeAWorkspaceBackUnderPressure) {
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 32, .heads = 4, .d_head = 8}), rng_());
+  auto factored = std::make_shared<const FormWeights>(MaterializeFactored(w));
+  auto summed = std::make_shared<const FormWeights>(MaterializeSummed(w));
+  const int64_t budget = WeightBytes(*factored) + WeightBytes(*summed) + (600 << 10);
+  const int64_t base = cuda_emulation::LiveDeviceBytes();
+  auto backend = MakeBackendWithDeviceBudget(budget);
+  ASSERT_NE(backend, nullptr);
+  auto first = backend->Upload(factored);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  testing::OwnedSequence seq = RandomSequence(rng_, w.config.d_model, 400, 400, false, false, -1);
+  const std::vector<double> want = ReferenceForward(w, seq.View());
+  const Sequence batch[] = {seq.View()};
+  ASSERT_TRUE(backend->Forward(**first, batch).ok());
+  EXPECT_LT(RelativeL2(seq.output.data(), want), 1e-5);
+  ASSERT_GT(cuda_emulation::LiveDeviceBytes() - base + WeightBytes(*summed), budget)
+      << "the workspace must leave too little room for the second form, or this tests nothing";
+
+  auto second = backend->Upload(summed);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_LE(cuda_emulation::LiveDeviceBytes() - base, budget);
+  for (auto* resident : {&*second, &*first}) {
+    std::fill(seq.output.begin(), seq.output.end(), std::nanf(""));
+    const Status st = backend->Forward(**resident, batch);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    EXPECT_LT(RelativeL2(seq.output.data(), want), 1e-5);
+    EXPECT_LE(cuda_emulation::LiveDeviceBytes() - base, budget);
+  }
+}
+
+// A cudaMalloc the device refuses inside the budget (another process holds the memory) is tried
+// again once, after the idle lanes' workspaces are taken back: one refusal costs nothing.
+TEST_F(CudaDeviceMemoryTest, ARefusedAllocationIsTriedAgainOnce) {
+  auto backend = MakeEmulatedBackend();
+  ASSERT_NE(backend, nullptr);
+  const LayerWeights w = SmallLayer();
+  auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  ASSERT_TRUE(resident.ok());
+  testing::OwnedSequence seq = RandomSequence(rng_, w.config.d_model, 30, 30, false, true, -1);
+  const Sequence batch[] = {seq.View()};
+  cuda_emulation::InjectFault(cuda_emulation::Fault::kOutOfMemory);
+  const Status st = backend->Forward(**resident, batch);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_LT(RelativeL2(seq.output.data(), ReferenceForward(w, seq.View())), 1e-5);
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+}
+
+// Without --max-device-memory-mb the budget is 90 % of the device's memory (cudaMemGetInfo):
+// on an emulated 8 MiB device, a sequence whose scores alone would take all of it runs in
+// blocks, and the backend holds at most 7.2 MiB.
+TEST_F(CudaDeviceMemoryTest, TheDefaultBudgetIsNinetyPercentOfTheDevice) {
+  constexpr int64_t kDevice = 8 << 20;
+  cuda_emulation::SetDeviceMemoryBytes(kDevice);
+  const int64_t base = cuda_emulation::LiveDeviceBytes();
+  ASSERT_EQ(base, 0) << "an earlier test left device memory behind";
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 16, .heads = 2, .d_head = 8}), rng_());
+  auto backend = MakeEmulatedBackend();
+  ASSERT_NE(backend, nullptr);
+  auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  ASSERT_TRUE(resident.ok()) << resident.status().ToString();
+  testing::OwnedSequence seq = RandomSequence(rng_, w.config.d_model, 1024, 1024, false, false, -1);
+  const Sequence batch[] = {seq.View()};
+  const Status st = backend->Forward(**resident, batch);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  EXPECT_LT(RelativeL2(seq.output.data(), ReferenceForward(w, seq.View())), 1e-5);
+  EXPECT_LE(cuda_emulation::LiveDeviceBytes(), static_cast<int64_t>(kDefaultDeviceMemoryFraction * kDevice));
 }
 
 }  // namespace

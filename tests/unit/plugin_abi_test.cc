@@ -4,7 +4,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <memory>
+#include <string>
+
+#include "server/backend/plugin_abi.h"
 #include "server/backend/select.h"
+#include "server/core/forms.h"
+#include "server/core/layer.h"
 
 namespace attnserve {
 namespace {
@@ -18,12 +24,25 @@ TEST(PluginAbiTest, ThePluginOfThisBuildLoads) {
   EXPECT_EQ((*backend)->DeviceName(), "cuda:0");
 }
 
+// The device memory bound crosses the boundary: a plugin backend given 1 MiB refuses weights
+// that need more, naming the budget and the flag.
+TEST(PluginAbiTest, TheDeviceMemoryBoundReachesThePlugin) {
+  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_GOOD_PLUGIN, 0, false, int64_t{1} << 20);
+  ASSERT_TRUE(backend.ok()) << backend.status().ToString();
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 512, .heads = 8}), 3);  // 4 MiB
+  auto resident = (*backend)->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  ASSERT_FALSE(resident.ok());
+  EXPECT_EQ(resident.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(resident.status().message(),
+              AllOf(HasSubstr("device memory budget of 1.0 MiB"), HasSubstr("--max-device-memory-mb")));
+}
+
 TEST(PluginAbiTest, AnotherAbiVersionIsRefusedWithTheVersions) {
   StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_BAD_ABI_PLUGIN, 0, false);
   ASSERT_FALSE(backend.ok());
   EXPECT_EQ(backend.status().code(), StatusCode::kUnavailable);
   EXPECT_THAT(backend.status().message(),
-              AllOf(HasSubstr("plugin ABI version 999"), HasSubstr("this server speaks version 1"),
+              AllOf(HasSubstr("plugin ABI version 999"), HasSubstr("this server speaks version " + std::to_string(ATTNSERVE_PLUGIN_ABI_VERSION)),
                     HasSubstr("use the plugin built with this server")));
 }
 

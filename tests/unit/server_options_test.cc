@@ -170,6 +170,23 @@ TEST(ServerOptionsTest, BatchingSettingsFromFlagsAndYaml) {
 namespace attnserve {
 namespace {
 
+// The GPU's device memory bound: 0 (the default) leaves it to the backend, 90 % of the card.
+TEST(ServerOptionsTest, MaxDeviceMemoryFromFlagAndYaml) {
+  auto defaults = Parse({});
+  ASSERT_TRUE(defaults.ok()) << defaults.status().ToString();
+  EXPECT_EQ(defaults->max_device_memory_mb, 0);
+  auto o = Parse({"--max-device-memory-mb", "40960"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->max_device_memory_mb, 40960);
+  ServerOptions from_yaml;
+  ASSERT_TRUE(ApplyYamlConfig("max_device_memory_mb: 1234\n", "gpu.yaml", &from_yaml).ok());
+  EXPECT_EQ(from_yaml.max_device_memory_mb, 1234);
+  EXPECT_THAT(Parse({"--max-device-memory-mb", "-5"}).status().message(),
+              HasSubstr("--max-device-memory-mb: expected an integer in [0, 1073741824], got '-5'"));
+  EXPECT_THAT(ApplyYamlConfig("max_device_memory_mb: lots\n", "gpu.yaml", &from_yaml).message(),
+              HasSubstr("gpu.yaml: max_device_memory_mb"));
+}
+
 // docs/service.md's flag table and the settings table in server_options.cc say the same thing:
 // every flag and its YAML key in a row, and no row for a flag the server does not have.
 TEST(ServerOptionsTest, TheDocumentedFlagTableIsTheCodes) {

@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -70,25 +73,79 @@ Status CublasCheck(cublasStatus_t s, const char* what) {
 #define CUDA_TRY(call) ATTNSERVE_RETURN_IF_ERROR(CudaCheck((call), #call))
 #define CUBLAS_TRY(call) ATTNSERVE_RETURN_IF_ERROR(CublasCheck((call), #call))
 
-// Device memory that frees itself.
+std::string Mib(int64_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return text;
+}
+
+// The device memory the backend may hold (CudaBackendOptions::max_device_bytes) and what its
+// weights and workspaces hold now. Thread-safe.
+class DeviceBudget {
+ public:
+  explicit DeviceBudget(int64_t limit) : limit_(limit) {}
+  int64_t limit() const { return limit_; }
+  int64_t held() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return held_;
+  }
+  // Takes `bytes` when they fit under the limit.
+  bool TryTake(int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (held_ + bytes > limit_) return false;
+    held_ += bytes;
+    return true;
+  }
+  void Give(int64_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_ -= bytes;
+  }
+
+ private:
+  const int64_t limit_;
+  mutable std::mutex mu_;  // guards held_
+  int64_t held_ = 0;
+};
+
+// "the device memory budget of 90.0 MiB (--max-device-memory-mb; 12.0 MiB held)"
+std::string BudgetText(const DeviceBudget& b) {
+  return "the device memory budget of " + Mib(b.limit()) + " (--max-device-memory-mb; " + Mib(b.held()) + " held)";
+}
+
+// Device memory that frees itself, counted against a budget when it has one.
 class DeviceArray {
  public:
-  DeviceArray() = default;
+  explicit DeviceArray(std::shared_ptr<DeviceBudget> budget = nullptr) : budget_(std::move(budget)) {}
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;
-  ~DeviceArray() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-  }
-  // Grows to at least `count` floats (contents not kept).
+  ~DeviceArray() { Release(); }
+  // Grows to at least `count` floats (contents not kept). RESOURCE_EXHAUSTED when the budget
+  // or the device has no room; the old memory is released either way.
   Status Reserve(size_t count) {
     if (count <= capacity_) return OkStatus();
-    if (ptr_ != nullptr) cudaFree(ptr_);
-    ptr_ = nullptr;
-    capacity_ = 0;
-    CUDA_TRY(cudaMalloc(&ptr_, count * sizeof(float)));
+    Release();
+    const int64_t bytes = static_cast<int64_t>(count * sizeof(float));
+    if (budget_ && !budget_->TryTake(bytes)) {
+      return ResourceExhaustedError("device memory: " + Mib(bytes) + " more would pass " + BudgetText(*budget_) +
+                                    "; retry later or send less at once");
+    }
+    const cudaError_t e = cudaMalloc(&ptr_, bytes);
+    if (e != cudaSuccess) {
+      ptr_ = nullptr;
+      if (budget_) budget_->Give(bytes);
+      return CudaCheck(e, "cudaMalloc");
+    }
     capacity_ = count;
     return OkStatus();
   }
+  // Gives the memory back to the device and the budget.
+  void Release() {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+    if (budget_) budget_->Give(static_cast<int64_t>(capacity_ * sizeof(float)));
+    ptr_ = nullptr;
+    capacity_ = 0;
+  }
+  size_t capacity() const { return capacity_; }
   // Queued on `stream`: a plain cudaMemcpy runs on the legacy default stream, which the
   // backend's non-blocking stream does not wait for, and from pageable memory it may return
   // before the data has reached the device.
@@ -101,6 +158,7 @@ class DeviceArray {
   float* get() const { return ptr_; }
 
  private:
+  std::shared_ptr<DeviceBudget> budget_;
   float* ptr_ = nullptr;
   size_t capacity_ = 0;
 };
@@ -132,7 +190,8 @@ class PinnedArray {
 
 class CudaResidentForm final : public ResidentForm {
  public:
-  explicit CudaResidentForm(std::shared_ptr<const FormWeights> w) : host_(std::move(w)) {}
+  CudaResidentForm(std::shared_ptr<const FormWeights> w, const std::shared_ptr<DeviceBudget>& budget)
+      : w_in(budget), b_in(budget), w_out(budget), b_out(budget), host_(std::move(w)) {}
   const FormWeights& weights() const override { return *host_; }
 
   // Returns once the weights are on the device: the host copies may go after that.
@@ -164,7 +223,9 @@ struct DeviceBlock {
 // shared by every lane (uploaded and synchronised once, read-only afterwards).
 class Lane {
  public:
-  explicit Lane(CudaBackendOptions options) : options_(options) {}
+  // `reclaim` takes back the workspaces of the backend's idle lanes (not this one's).
+  Lane(CudaBackendOptions options, std::shared_ptr<DeviceBudget> budget, std::function<void()> reclaim)
+      : options_(options), budget_(budget), reclaim_(std::move(reclaim)), workspace_(std::move(budget)) {}
   Lane(const Lane&) = delete;
   Lane& operator=(const Lane&) = delete;
   ~Lane() {
@@ -182,9 +243,21 @@ class Lane {
     return OkStatus();
   }
 
+  // Out of room, the weights first take back this lane's and the idle lanes' workspaces.
   Status Upload(CudaResidentForm& resident) {
     CUDA_TRY(cudaSetDevice(options_.device));
+    Status st = resident.Upload(stream_);
+    if (st.code() != StatusCode::kResourceExhausted) return st;
+    cudaGetLastError();  // a cudaMalloc that ran out leaves its error behind
+    ReleaseWorkspace();
+    reclaim_();
     return resident.Upload(stream_);
+  }
+
+  // Called on an idle lane (no work in flight: every batch synchronises before it returns).
+  void ReleaseWorkspace() {
+    cudaSetDevice(options_.device);
+    workspace_.Release();
   }
 
  private:
@@ -271,11 +344,57 @@ class Lane {
   }
 
   // Query rows per block of `seq`: as many as keep the block's scores, and the summed form's
-  // A_cat block beside them, within max_score_workspace_bytes; at least one, at most n.
-  int64_t BlockRows(const FormWeights& f, const Sequence& seq) const {
+  // A_cat block beside them, within `score_bytes`; at least one, at most n.
+  static int64_t BlockRows(const FormWeights& f, const Sequence& seq, int64_t score_bytes) {
     const int64_t copies = f.has_output_projection() ? 1 : 2;
     const int64_t row_bytes = copies * f.config.heads * seq.visible_keys() * static_cast<int64_t>(sizeof(float));
-    return std::clamp<int64_t>(options_.max_score_workspace_bytes / row_bytes, 1, seq.n());
+    return std::clamp<int64_t>(score_bytes / row_bytes, 1, seq.n());
+  }
+
+  // The workspace of one batch: its pieces in floats, each 256-byte aligned in `total`.
+  static constexpr int kPieces = 7;
+  struct WorkspacePlan {
+    int64_t score_bytes = 0;  // the bound its blocks were cut to
+    int64_t sizes[kPieces] = {};
+    int64_t total = 0;
+  };
+  static int64_t Aligned(int64_t floats) { return (floats + 63) / 64 * 64; }
+
+  // Makes the workspace hold the plan `plan_for(max_score_workspace_bytes)` within the device
+  // memory budget: when it does not fit, the idle lanes' workspaces are taken back; when it
+  // still does not, the blocks get as many query rows as the room left holds (at least one);
+  // failing that, RESOURCE_EXHAUSTED with the figures.
+  template <class PlanFor>
+  StatusOr<WorkspacePlan> FitWorkspace(PlanFor plan_for) {
+    WorkspacePlan plan = plan_for(options_.max_score_workspace_bytes);
+    if (static_cast<size_t>(plan.total) <= workspace_.capacity()) return plan;
+    Status st;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      st = workspace_.Reserve(plan.total);
+      if (st.ok()) return plan;
+      if (st.code() != StatusCode::kResourceExhausted) return st;
+      cudaGetLastError();  // a cudaMalloc that ran out leaves its error behind
+      if (attempt == 0) reclaim_();
+    }
+    // The room the budget has left (this lane's workspace is released by now). When the plan
+    // fits it, the device refused, not the budget: smaller blocks would not help.
+    const int64_t room = budget_->limit() - budget_->held();
+    if (plan.total * static_cast<int64_t>(sizeof(float)) <= room) return st;
+    // Smaller blocks: the room less the pieces linear in the tokens, for the two score pieces.
+    const WorkspacePlan smallest = plan_for(0);  // one query row per block
+    const int64_t linear = smallest.total - Aligned(smallest.sizes[3]) - Aligned(smallest.sizes[4]);
+    const int64_t score_bytes = room - (linear + 2 * 64) * static_cast<int64_t>(sizeof(float));
+    plan = plan_for(std::max<int64_t>(0, score_bytes));
+    const int64_t need = plan.total * static_cast<int64_t>(sizeof(float));
+    if (need > room) {
+      return ResourceExhaustedError("device memory: this batch needs " +
+                                    Mib(smallest.total * static_cast<int64_t>(sizeof(float))) +
+                                    " of workspace even in blocks of one query row, and " + Mib(std::max<int64_t>(room, 0)) +
+                                    " is free under " + BudgetText(*budget_) +
+                                    "; send fewer or shorter sequences at once, or raise the budget");
+    }
+    ATTNSERVE_RETURN_IF_ERROR(workspace_.Reserve(plan.total));
+    return plan;
   }
 
   // Attention for one block of a sequence's queries: q holds the block's rows (the first is
@@ -305,7 +424,7 @@ class Lane {
 
     // Row offsets of each sequence among the stacked queries and contexts.
     std::vector<int64_t> x_row, c_row;
-    int64_t tx = 0, tc = 0, max_scores = 0, max_cat = 0;
+    int64_t tx = 0, tc = 0;
     bool all_self = true;
     for (const Sequence& s : batch) {
       x_row.push_back(tx);
@@ -313,26 +432,31 @@ class Lane {
       tx += s.n();
       tc += s.m();
       all_self = all_self && s.self_attention();
-      // Blocks of query rows keep this linear in the sequence length (not heads · n · L).
-      max_scores = std::max(max_scores, c.heads * BlockRows(f, s) * s.visible_keys());
     }
-    if (!f.has_output_projection()) max_cat = max_scores;
     const int64_t c_rows = all_self ? 0 : tc;  // contexts are staged only when some differ
-
-    // Workspace: one allocation carved into the pieces this batch needs.
     const int64_t qk_cols = f.q_cols + f.k_cols;
-    // Inputs and (when staged) contexts share the first piece, in that order.
-    const int64_t sizes[] = {(tx + c_rows) * d, all_self ? tx * qk_cols : tx * f.q_cols + tc * f.k_cols,
-                             tc * f.value_cols, max_scores, max_cat, tx * f.out_rows, tx * d};
-    constexpr int kPieces = sizeof(sizes) / sizeof(sizes[0]);
-    int64_t total = 0;
-    for (int64_t s : sizes) total += (s + 63) / 64 * 64;  // 256-byte aligned pieces
-    ATTNSERVE_RETURN_IF_ERROR(workspace_.Reserve(total));
+
+    // Workspace: one allocation carved into the pieces this batch needs. Inputs and (when
+    // staged) contexts share the first piece, in that order. Blocks of query rows keep the
+    // scores linear in the sequence length (not heads · n · L).
+    auto plan_for = [&](int64_t score_bytes) {
+      int64_t max_scores = 0;
+      for (const Sequence& s : batch) {
+        max_scores = std::max(max_scores, c.heads * BlockRows(f, s, score_bytes) * s.visible_keys());
+      }
+      WorkspacePlan plan{score_bytes,
+                         {(tx + c_rows) * d, all_self ? tx * qk_cols : tx * f.q_cols + tc * f.k_cols,
+                          tc * f.value_cols, max_scores, f.has_output_projection() ? 0 : max_scores,
+                          tx * f.out_rows, tx * d}};
+      for (int64_t size : plan.sizes) plan.total += Aligned(size);
+      return plan;
+    };
+    ATTNSERVE_ASSIGN_OR_RETURN(const WorkspacePlan plan, FitWorkspace(plan_for));
     float* piece[kPieces];
     float* next = workspace_.get();
     for (int p = 0; p < kPieces; ++p) {
       piece[p] = next;
-      next += (sizes[p] + 63) / 64 * 64;
+      next += Aligned(plan.sizes[p]);
     }
     float *d_x = piece[0], *d_qk = piece[1], *d_val = piece[2], *d_s = piece[3], *d_cat = piece[4], *d_o = piece[5],
           *d_y = piece[6];
@@ -380,7 +504,7 @@ class Lane {
     const DeviceBlock mixed = f.has_output_projection() ? o : y;
     for (size_t i = 0; i < batch.size(); ++i) {
       const Sequence& s = batch[i];
-      const int64_t n = s.n(), block = BlockRows(f, s);
+      const int64_t n = s.n(), block = BlockRows(f, s, plan.score_bytes);
       for (int64_t row0 = 0; row0 < n; row0 += block) {
         const int64_t rows = std::min(block, n - row0);
         // Causal: no row of the block sees past its last row's keys, so those are not computed.
@@ -409,6 +533,8 @@ class Lane {
 
  private:
   CudaBackendOptions options_;
+  std::shared_ptr<DeviceBudget> budget_;
+  std::function<void()> reclaim_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
   DeviceArray workspace_;
@@ -421,6 +547,14 @@ class CudaBackend final : public Backend {
 
   // One lane up front, so that a device that cannot be used fails here, at start-up.
   Status Init() {
+    int64_t limit = options_.max_device_bytes;
+    if (limit <= 0) {
+      size_t free = 0, total = 0;
+      CUDA_TRY(cudaSetDevice(options_.device));
+      CUDA_TRY(cudaMemGetInfo(&free, &total));
+      limit = static_cast<int64_t>(kDefaultDeviceMemoryFraction * static_cast<double>(total));
+    }
+    budget_ = std::make_shared<DeviceBudget>(limit);
     ATTNSERVE_ASSIGN_OR_RETURN(auto lane, NewLane());
     idle_.push_back(std::move(lane));
     return OkStatus();
@@ -431,7 +565,7 @@ class CudaBackend final : public Backend {
 
   StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override {
     if (!form) return InvalidArgumentError("Upload: no form given");
-    auto resident = std::make_shared<CudaResidentForm>(std::move(form));
+    auto resident = std::make_shared<CudaResidentForm>(std::move(form), budget_);
     Status st = WithLane([&](Lane& lane) { return lane.Upload(*resident); });
     if (!st.ok()) return MarkFailed(st);
     return std::shared_ptr<const ResidentForm>(std::move(resident));
@@ -463,8 +597,14 @@ class CudaBackend final : public Backend {
     return st;
   }
 
+  // Takes back the idle lanes' workspaces for a lane or an upload that needs the room.
+  void ReleaseIdleWorkspaces() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& lane : idle_) lane->ReleaseWorkspace();
+  }
+
   StatusOr<std::unique_ptr<Lane>> NewLane() {
-    auto lane = std::make_unique<Lane>(options_);
+    auto lane = std::make_unique<Lane>(options_, budget_, [this] { ReleaseIdleWorkspaces(); });
     ATTNSERVE_RETURN_IF_ERROR(lane->Init());
     return lane;
   }
@@ -491,6 +631,7 @@ class CudaBackend final : public Backend {
   }
 
   CudaBackendOptions options_;
+  std::shared_ptr<DeviceBudget> budget_;  // set by Init, shared with the lanes and the weights
   std::atomic<bool> healthy_{true};
   std::mutex mu_;  // guards idle_
   std::vector<std::unique_ptr<Lane>> idle_;

@@ -26,7 +26,15 @@ struct CudaBackendOptions {
   // sequence's queries run in blocks of as many rows as fit (at least one), so the workspace
   // grows linearly with the sequence length rather than with n · L.
   int64_t max_score_workspace_bytes = int64_t{256} << 20;
+  // Device memory the backend may hold, as it counts it: the weights it uploaded and every
+  // lane's workspace (not the CUDA context, cuBLAS's own workspace or what others hold). 0:
+  // kDefaultDeviceMemoryFraction of the device's total memory (cudaMemGetInfo) at start-up.
+  // A batch that would pass it first takes idle lanes' workspaces back, then runs in smaller
+  // query-row blocks, and only then fails with RESOURCE_EXHAUSTED; the device keeps serving.
+  int64_t max_device_bytes = 0;
 };
+
+inline constexpr double kDefaultDeviceMemoryFraction = 0.9;
 
 // Number of usable CUDA devices; 0 with `why` set when there are none or the driver fails
 // (with the runtime linked but no GPU, cudaGetDeviceCount returns an error, not 0).

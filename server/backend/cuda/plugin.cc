@@ -27,8 +27,8 @@ int DeviceCount(char* why, size_t why_size) {
 }
 
 // A new CUDA backend the caller owns, or nullptr with the reason in `error`.
-attnserve::Backend* MakeBackend(int device, bool tf32, char* error, size_t error_size) {
-  auto backend = attnserve::MakeCudaBackend({.device = device, .tf32 = tf32});
+attnserve::Backend* MakeBackend(int device, bool tf32, int64_t max_device_bytes, char* error, size_t error_size) {
+  auto backend = attnserve::MakeCudaBackend({.device = device, .tf32 = tf32, .max_device_bytes = max_device_bytes});
   if (!backend.ok()) {
     CopyMessage(backend.status().message(), error, error_size);
     return nullptr;

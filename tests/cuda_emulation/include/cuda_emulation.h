@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace cuda_emulation {
@@ -19,9 +20,13 @@ struct Counters {
   int64_t gemm_calls = 0;  // cuBLAS GEMM calls (a strided batch counts once)
   // Kernel launches, GEMMs (through a handle whose stream was never set) and async copies on
   // the legacy default stream: the backend's own non-blocking stream does not wait for that
-  // stream, so on a device such work races the rest of the batch. The emulation runs every call
-  // at once and cannot show the race; it counts it instead.
+  // stream, so on a device such work races the rest of the batch. The emulation queues it on
+  // the legacy stream, which runs only at a device-wide synchronisation (so the batch reads
+  // what it has not yet computed), and counts it.
   int64_t legacy_stream_work = 0;
+  // Work queued on a stream by one thread while another thread's work was still queued on it:
+  // two callers sharing a stream (and a lane) at once.
+  int64_t threads_sharing_a_stream = 0;
 };
 Counters ReadCounters();
 void ResetCounters();
@@ -30,6 +35,11 @@ void ResetCounters();
 int64_t LiveDeviceAllocations();
 // Their size in bytes: what the process holds on the device now (weights and workspaces).
 int64_t LiveDeviceBytes();
+
+// The emulated device's memory, which cudaMemGetInfo reports and cudaMalloc does not pass
+// (cudaErrorMemoryAllocation beyond it): 80 GiB until set; Reset() does not change it.
+void SetDeviceMemoryBytes(int64_t bytes);
+inline constexpr int64_t kDefaultDeviceMemoryBytes = int64_t{80} << 30;
 
 // Devices cudaGetDeviceCount reports: 1, or ATTNSERVE_CUDA_EMULATION_DEVICES; 0 makes it fail
 // as with no GPU.
@@ -42,8 +52,13 @@ void SetDeviceCount(int count);
 // Recoverable errors, which a real device reports and keeps serving after (not sticky):
 // kOutOfMemory fails the next device cudaMalloc with cudaErrorMemoryAllocation, kGemmInvalid
 // the next cuBLAS GEMM with CUBLAS_STATUS_INVALID_VALUE.
+// `times` > 1: the next `times` operations of the kind fail.
 enum class Fault { kKernel, kGemm, kCopy, kOutOfMemory, kGemmInvalid };
-void InjectFault(Fault fault);
+void InjectFault(Fault fault, int times = 1);
+
+// Called first in every cudaStreamSynchronize (an empty function: none): a test's way to hold a
+// caller at the point where its batch has been issued and not yet run. Reset() clears it.
+void SetStreamSyncHook(std::function<void()> hook);
 
 // Clears sticky errors, pending faults and the device count; keeps allocations and counters.
 void Reset();

@@ -61,6 +61,9 @@ cudaError_t cudaGetDevice(int* device);
 cudaError_t cudaDeviceSynchronize();
 
 cudaError_t cudaMalloc(void** ptr, size_t bytes);
+// Free and total device memory: the emulated device's size (cuda_emulation::SetDeviceMemoryBytes)
+// less what its live allocations hold.
+cudaError_t cudaMemGetInfo(size_t* free, size_t* total);
 cudaError_t cudaFree(void* ptr);
 cudaError_t cudaMallocHost(void** ptr, size_t bytes);
 cudaError_t cudaFreeHost(void* ptr);
