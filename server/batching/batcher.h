@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "server/core/status.h"
+#include "server/core/thread_annotations.h"
 
 namespace attnserve {
 
@@ -98,25 +99,25 @@ class Batcher {
   };
   using Queues = std::map<Key, Queue>;
   void Work();
-  // Under mu_: the queue whose head has waited longest, or end().
-  typename Queues::iterator OldestQueue();
-  // Under mu_: removes expired or cancelled items from the front part that would be batched.
-  void DropDead(Queue& q, std::vector<std::pair<std::unique_ptr<Item>, Status>>& dead);
-  // Under mu_: true when the queue's head batch should go now.
-  bool Ready(const Queue& q, Clock::time_point now) const;
-  Items TakeBatch(Queue& q);
+  // The queue whose head has waited longest, or end().
+  typename Queues::iterator OldestQueue() ATTNSERVE_REQUIRES(mu_);
+  // Removes expired or cancelled items from the front part that would be batched.
+  void DropDead(Queue& q, std::vector<std::pair<std::unique_ptr<Item>, Status>>& dead) ATTNSERVE_REQUIRES(mu_);
+  // True when the queue's head batch should go now.
+  bool Ready(const Queue& q, Clock::time_point now) const ATTNSERVE_REQUIRES(mu_);
+  Items TakeBatch(Queue& q) ATTNSERVE_REQUIRES(mu_);
 
   const BatchPolicy policy_;
   const RunBatch run_;
   const QueueName name_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
-  Queues queues_;                                                // guarded by mu_
-  int depth_ = 0;                                                // guarded by mu_
-  bool draining_ = false;                                        // guarded by mu_
-  Clock::time_point drain_deadline_ = Clock::time_point::max();  // guarded by mu_
-  bool joined_ = false;                                          // guarded by drain_mu_
-  std::mutex drain_mu_;
+  Queues queues_ ATTNSERVE_GUARDED_BY(mu_);
+  int depth_ ATTNSERVE_GUARDED_BY(mu_) = 0;
+  bool draining_ ATTNSERVE_GUARDED_BY(mu_) = false;
+  Clock::time_point drain_deadline_ ATTNSERVE_GUARDED_BY(mu_) = Clock::time_point::max();
+  Mutex drain_mu_;  // one Drain at a time
+  bool joined_ ATTNSERVE_GUARDED_BY(drain_mu_) = false;
   std::vector<std::thread> workers_;
 };
 
@@ -137,7 +138,7 @@ template <typename Key, std::derived_from<BatchItem> Item>
 Status Batcher<Key, Item>::Enqueue(const Key& queue, std::unique_ptr<Item> item) {
   Status refusal;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (draining_) {
       refusal = DrainingError();
     } else {
@@ -160,14 +161,14 @@ Status Batcher<Key, Item>::Enqueue(const Key& queue, std::unique_ptr<Item> item)
 
 template <typename Key, std::derived_from<BatchItem> Item>
 int Batcher<Key, Item>::QueueDepth(const Key& queue) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = queues_.find(queue);
   return it == queues_.end() ? 0 : static_cast<int>(it->second.items.size());
 }
 
 template <typename Key, std::derived_from<BatchItem> Item>
 int Batcher<Key, Item>::TotalDepth() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return depth_;
 }
 
@@ -228,12 +229,12 @@ typename Batcher<Key, Item>::Items Batcher<Key, Item>::TakeBatch(Queue& q) {
 
 template <typename Key, std::derived_from<BatchItem> Item>
 void Batcher<Key, Item>::Work() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   for (;;) {
     auto it = OldestQueue();
     if (it == queues_.end()) {
       if (draining_) return;  // nothing left to run
-      cv_.wait(lock);
+      cv_.wait(lock.native());
       continue;
     }
     std::vector<std::pair<std::unique_ptr<Item>, Status>> dead;
@@ -241,38 +242,41 @@ void Batcher<Key, Item>::Work() {
     if (!dead.empty()) {
       if (it->second.items.empty()) queues_.erase(it);
       cv_.notify_all();  // depth changed: a drain may be waiting for it
-      lock.unlock();
+      lock.Unlock();
       for (auto& [item, why] : dead) item->Fail(why);
-      lock.lock();
+      lock.Lock();
       continue;
     }
     const Clock::time_point now = Clock::now();
     if (!draining_ && !Ready(it->second, now)) {
       // Wait for the oldest item's delay to run out, or for news (a new item, a drain).
-      cv_.wait_until(lock, it->second.items.front()->enqueued + policy_.max_queue_delay);
+      cv_.wait_until(lock.native(), it->second.items.front()->enqueued + policy_.max_queue_delay);
       continue;
     }
     const Key key = it->first;
     Items batch = TakeBatch(it->second);
     if (it->second.items.empty()) queues_.erase(it);
     cv_.notify_all();
-    lock.unlock();
+    lock.Unlock();
     run_(key, std::move(batch));
-    lock.lock();
+    lock.Lock();
   }
 }
 
 template <typename Key, std::derived_from<BatchItem> Item>
 int Batcher<Key, Item>::Drain(std::chrono::milliseconds timeout) {
-  std::lock_guard<std::mutex> drain_lock(drain_mu_);
+  MutexLock drain_lock(drain_mu_);
   if (joined_) return 0;
   Items left;
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     draining_ = true;
     drain_deadline_ = Clock::now() + timeout;
     cv_.notify_all();
-    cv_.wait_until(lock, drain_deadline_, [this] { return depth_ == 0; });
+    cv_.wait_until(lock.native(), drain_deadline_, [this] {
+      mu_.AssertHeld();  // the wait runs its predicate under the lock
+      return depth_ == 0;
+    });
     for (auto& [key, q] : queues_) {
       for (auto& item : q.items) left.push_back(std::move(item));
     }

@@ -1,3 +1,4 @@
+#include "server/core/thread_annotations.h"
 #include "server/metrics/metrics.h"
 
 #include <prometheus/counter.h>
@@ -14,7 +15,6 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
-#include <shared_mutex>
 #include <sstream>
 
 namespace attnserve {
@@ -166,8 +166,8 @@ struct Metrics::Impl {
     std::atomic<prometheus::Histogram*> shadow_divergence{nullptr};
     std::atomic<prometheus::Histogram*> shadow_max_abs{nullptr};
     std::atomic<prometheus::Counter*> nonfinite_outputs{nullptr};
-    std::mutex device_mu;  // per batch, not per request: a plain lock is cheap enough
-    std::vector<DeviceSeries> devices;  // guarded by device_mu
+    Mutex device_mu;  // per batch, not per request: a plain lock is cheap enough
+    std::vector<DeviceSeries> devices ATTNSERVE_GUARDED_BY(device_mu);
   };
   struct LayerSeries {
     std::array<FormSeries, kFormSlots> forms;
@@ -209,25 +209,24 @@ struct Metrics::Impl {
   prometheus::Gauge& memory_budget = Gauge(*registry, "attnserve_memory_budget_bytes").Add({});
   prometheus::Gauge& backend_retained = Gauge(*registry, "attnserve_backend_retained_bytes").Add({});
 
-  std::shared_mutex mu;
-  std::map<std::string, std::unique_ptr<LayerSeries>, std::less<>> layers;  // guarded by mu; never erased
+  SharedMutex mu;
+  std::map<std::string, std::unique_ptr<LayerSeries>, std::less<>> layers ATTNSERVE_GUARDED_BY(mu);  // never erased
 
   // Serialises the cold paths that add and remove gauge children (layers, routes), so that a
   // remove never races an add of the same series.
-  std::mutex gauge_mu;
-  // The gauges set per layer, with their family, to remove them with the layer (guarded by
-  // gauge_mu).
+  Mutex gauge_mu;
+  // The gauges set per layer, with their family, to remove them with the layer.
   using FamilyGauge = std::pair<prometheus::Family<prometheus::Gauge>*, prometheus::Gauge*>;
-  std::map<std::string, std::vector<FamilyGauge>, std::less<>> layer_gauges;
-  std::map<std::string, std::vector<prometheus::Gauge*>, std::less<>> route_gauges;
+  std::map<std::string, std::vector<FamilyGauge>, std::less<>> layer_gauges ATTNSERVE_GUARDED_BY(gauge_mu);
+  std::map<std::string, std::vector<prometheus::Gauge*>, std::less<>> route_gauges ATTNSERVE_GUARDED_BY(gauge_mu);
 
   LayerSeries& Layer(std::string_view layer) {
     {
-      std::shared_lock<std::shared_mutex> lock(mu);
+      ReaderLock lock(mu);
       auto it = layers.find(layer);
       if (it != layers.end()) return *it->second;
     }
-    std::unique_lock<std::shared_mutex> lock(mu);
+    WriterLock lock(mu);
     auto [it, inserted] = layers.try_emplace(std::string(layer));
     if (inserted) it->second = std::make_unique<LayerSeries>();
     return *it->second;
@@ -239,8 +238,8 @@ struct Metrics::Impl {
     return {{"layer", std::string(layer)}, {"form", FormLabel(slot)}};
   }
 
-  DeviceSeries& Device(FormSeries& series, std::string_view layer, size_t slot, std::string_view device) {
-    // Called under series.device_mu.
+  DeviceSeries& Device(FormSeries& series, std::string_view layer, size_t slot, std::string_view device)
+      ATTNSERVE_REQUIRES(series.device_mu) {
     for (DeviceSeries& d : series.devices) {
       if (d.device == device) return d;
     }
@@ -267,7 +266,7 @@ std::string Metrics::Scrape() const {
 }
 
 void Metrics::SetBuildInfo(std::string_view version, std::string_view device, std::string_view blas) {
-  std::lock_guard<std::mutex> lock(impl_->gauge_mu);
+  MutexLock lock(impl_->gauge_mu);
   impl_->build_info
       .Add({{"version", std::string(version)}, {"device", std::string(device)}, {"blas", std::string(blas)}})
       .Set(1);
@@ -302,7 +301,7 @@ void Metrics::StagesServed(std::span<const double, std::size(kAllServingStages)>
 void Metrics::SetLayerForm(std::string_view layer, Form form, std::string_view device, int64_t parameters,
                            int64_t bytes) {
   const size_t slot = FormSlot(form);
-  std::lock_guard<std::mutex> lock(impl_->gauge_mu);
+  MutexLock lock(impl_->gauge_mu);
   prometheus::Gauge& p = impl_->layer_parameters.Add(Impl::LayerForm(layer, slot));
   prometheus::Labels labels = Impl::LayerForm(layer, slot);
   labels.emplace("device", std::string(device));
@@ -316,7 +315,7 @@ void Metrics::SetLayerForm(std::string_view layer, Form form, std::string_view d
 }
 
 void Metrics::RemoveLayer(std::string_view layer) {
-  std::lock_guard<std::mutex> lock(impl_->gauge_mu);
+  MutexLock lock(impl_->gauge_mu);
   auto it = impl_->layer_gauges.find(layer);
   if (it == impl_->layer_gauges.end()) return;
   for (const auto& [family, gauge] : it->second) family->Remove(gauge);
@@ -356,14 +355,14 @@ void Metrics::BatchDone(const BatchReport& report) {
   auto labels = [&] { return Impl::LayerForm(report.layer, slot); };
   Lazy(s.batch_requests, impl_->batch_requests, labels, BatchRequestBuckets()).Observe(report.requests);
   Lazy(s.batch_tokens, impl_->batch_tokens, labels, BatchTokenBuckets()).Observe(static_cast<double>(report.tokens));
-  std::lock_guard<std::mutex> lock(s.device_mu);
+  MutexLock lock(s.device_mu);
   Impl::DeviceSeries& d = impl_->Device(s, report.layer, slot, report.device);
   d.compute->Observe(report.compute_seconds);
   d.flops->Increment(report.flops);
 }
 
 void Metrics::RouteChanged(std::string_view layer, const std::vector<std::pair<Form, double>>& split) {
-  std::lock_guard<std::mutex> lock(impl_->gauge_mu);
+  MutexLock lock(impl_->gauge_mu);
   auto& gauges = impl_->route_gauges[std::string(layer)];
   for (prometheus::Gauge* g : gauges) impl_->routing_weight.Remove(g);
   gauges.clear();

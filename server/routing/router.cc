@@ -155,7 +155,7 @@ Status Router::SetRoute(std::string_view layer, RouteSplit split) {
     return InvalidArgumentError("layer: expected a layer name or '*' (every layer without its own route), got an "
                                 "empty string");
   }
-  std::unique_lock<std::shared_mutex> lock(mu_);
+  WriterLock lock(mu_);
   const bool is_default = layer == kDefaultRoute;
   if (split.empty() && is_default) split = DefaultSplit();
   if (split.empty()) {
@@ -176,12 +176,12 @@ const RouteSplit& Router::RouteOfLocked(std::string_view layer) const {
 }
 
 RouteSplit Router::RouteOf(std::string_view layer) const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  ReaderLock lock(mu_);
   return RouteOfLocked(layer);
 }
 
 std::vector<std::pair<std::string, RouteSplit>> Router::Routes() const {
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  ReaderLock lock(mu_);
   std::vector<std::pair<std::string, RouteSplit>> routes;
   routes.emplace_back(kDefaultRoute, routes_.at(kDefaultRoute));
   for (const auto& [layer, split] : routes_) {
@@ -201,7 +201,7 @@ Form Router::Choose(std::string_view layer, std::span<const Form> held, std::str
   const Form fallback = held.empty() || holds(Form::kFactored) ? Form::kFactored : held.front();
   // Drawn before the lock: the draw is the expensive part of an unkeyed request.
   const double point = request_key.empty() ? UniformDraw() : StickyPoint(request_key);
-  std::shared_lock<std::shared_mutex> lock(mu_);
+  ReaderLock lock(mu_);
   const RouteSplit& split = RouteOfLocked(layer);
   double total = 0;
   for (const auto& [form, share] : split) {

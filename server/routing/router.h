@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <map>
 #include <optional>
-#include <shared_mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -22,6 +21,7 @@
 
 #include "server/core/forms.h"
 #include "server/core/status.h"
+#include "server/core/thread_annotations.h"
 #include "server/routing/routing_observer.h"
 
 namespace attnserve {
@@ -75,11 +75,11 @@ class Router {
   std::optional<Form> ShadowMirror(std::span<const Form> held, Form served) const;
 
  private:
-  const RouteSplit& RouteOfLocked(std::string_view layer) const;
+  const RouteSplit& RouteOfLocked(std::string_view layer) const ATTNSERVE_REQUIRES_SHARED(mu_);
 
   RoutingObserver* const observer_;
-  mutable std::shared_mutex mu_;
-  std::map<std::string, RouteSplit, std::less<>> routes_;  // guarded by mu_; always holds "*"
+  mutable SharedMutex mu_;
+  std::map<std::string, RouteSplit, std::less<>> routes_ ATTNSERVE_GUARDED_BY(mu_);  // always holds "*"
   std::atomic<double> shadow_rate_{0.0};
 };
 

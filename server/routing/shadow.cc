@@ -21,7 +21,7 @@ ShadowRunner::~ShadowRunner() { Shutdown(); }
 
 bool ShadowRunner::Offer(std::string_view layer, int64_t bytes, const std::function<ShadowRequest()>& make) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     const bool room = !stopping_ && reserved_ < options_.queue_capacity && bytes_ + bytes <= options_.max_queue_bytes;
     if (room) {
       ++reserved_;
@@ -39,7 +39,7 @@ bool ShadowRunner::Offer(std::string_view layer, int64_t bytes, const std::funct
     StatusOr<MemoryBudget::Reservation> reserved = options_.budget->Reserve(bytes, "a shadow run");
     if (!reserved.ok()) {
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         --reserved_;
         bytes_ -= bytes;
       }
@@ -56,7 +56,7 @@ bool ShadowRunner::Offer(std::string_view layer, int64_t bytes, const std::funct
     // Out of memory for the copy: the mirror is dropped, the primary is unaffected.
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (built) {
       try {
         queue_.push_back(std::move(task));
@@ -80,7 +80,7 @@ bool ShadowRunner::Offer(std::string_view layer, int64_t bytes, const std::funct
 void ShadowRunner::Shutdown() {
   std::deque<Task> dropped;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (stopping_ && !worker_.joinable()) return;
     stopping_ = true;
     dropped.swap(queue_);
@@ -95,7 +95,7 @@ void ShadowRunner::Shutdown() {
 }
 
 int ShadowRunner::Pending() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   return reserved_;
 }
 
@@ -103,15 +103,18 @@ void ShadowRunner::Work() {
   for (;;) {
     Task task;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      MutexLock lock(mu_);
+      cv_.wait(lock.native(), [this] {
+        mu_.AssertHeld();  // the wait runs its predicate under the lock
+        return stopping_ || !queue_.empty();
+      });
       if (queue_.empty()) return;  // stopping; Shutdown dropped the rest
       task = std::move(queue_.front());
       queue_.pop_front();
     }
     Run(task);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       --reserved_;
       bytes_ -= task.bytes;
     }

@@ -24,6 +24,7 @@
 #include "server/batching/memory_budget.h"
 #include "server/core/forms.h"
 #include "server/core/request.h"
+#include "server/core/thread_annotations.h"
 #include "server/layer/loaded_layer.h"
 #include "server/routing/routing_observer.h"
 
@@ -85,12 +86,12 @@ class ShadowRunner {
   Executor* const executor_;
   const ShadowOptions options_;
   RoutingObserver* const observer_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable cv_;
-  std::deque<Task> queue_;  // guarded by mu_
-  int reserved_ = 0;        // guarded by mu_: accepted, still being copied, or running
-  int64_t bytes_ = 0;       // guarded by mu_: bytes of every accepted mirror not yet finished
-  bool stopping_ = false;   // guarded by mu_
+  std::deque<Task> queue_ ATTNSERVE_GUARDED_BY(mu_);
+  int reserved_ ATTNSERVE_GUARDED_BY(mu_) = 0;   // accepted, still being copied, or running
+  int64_t bytes_ ATTNSERVE_GUARDED_BY(mu_) = 0;  // bytes of every accepted mirror not yet finished
+  bool stopping_ ATTNSERVE_GUARDED_BY(mu_) = false;
   std::thread worker_;
 };
 

@@ -8,6 +8,8 @@
 #include <condition_variable>
 #include <mutex>
 
+#include "server/core/thread_annotations.h"
+
 namespace attnserve {
 
 class CallGate {
@@ -45,7 +47,7 @@ class CallGate {
 
   // A ticket for a new call, or an empty one once Close has run (answer it UNAVAILABLE).
   Ticket Enter() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (closed_) return Ticket();
     ++open_;
     return Ticket(this);
@@ -53,41 +55,44 @@ class CallGate {
 
   // From now on Enter refuses.
   void Close() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     closed_ = true;
   }
 
   // Whether Close has run (the server is draining): readiness answers false from then on.
   bool closed() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     return closed_;
   }
 
   // Waits until every accepted call has been answered, or until `until`; false when some are
   // still open then.
   bool WaitIdle(std::chrono::steady_clock::time_point until) {
-    std::unique_lock<std::mutex> lock(mu_);
-    return idle_cv_.wait_until(lock, until, [this] { return open_ == 0; });
+    MutexLock lock(mu_);
+    return idle_cv_.wait_until(lock.native(), until, [this] {
+      mu_.AssertHeld();  // the wait runs its predicate under the lock
+      return open_ == 0;
+    });
   }
 
   int open() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     return open_;
   }
 
  private:
   void Leave() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (--open_ > 0) return;
     }
     idle_cv_.notify_all();
   }
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable idle_cv_;
-  bool closed_ = false;  // guarded by mu_
-  int open_ = 0;         // guarded by mu_
+  bool closed_ ATTNSERVE_GUARDED_BY(mu_) = false;
+  int open_ ATTNSERVE_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace attnserve

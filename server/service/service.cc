@@ -1,9 +1,16 @@
+
+#include "server/batching/divergence.h"
+#include "server/core/forms.h"
+#include "server/core/thread_annotations.h"
+#include "server/metrics/metrics.h"
+#include "server/routing/router.h"
+#include "server/routing/shadow.h"
 #include "server/service/service.h"
-
-#include <spdlog/spdlog.h>
-
-#include <cmath>
+#include "server/service/spectrum_proto.h"
+#include "server/service/validation.h"
+#include "server/service/wire_request.h"
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -11,18 +18,10 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <spdlog/spdlog.h>
 #include <thread>
 #include <utility>
 #include <vector>
-
-#include "server/batching/divergence.h"
-#include "server/core/forms.h"
-#include "server/metrics/metrics.h"
-#include "server/routing/router.h"
-#include "server/routing/shadow.h"
-#include "server/service/spectrum_proto.h"
-#include "server/service/validation.h"
-#include "server/service/wire_request.h"
 
 namespace attnserve {
 
@@ -56,7 +55,7 @@ class AdminWorker {
   ~AdminWorker() {
     std::deque<Task> left;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       stopping_ = true;
       left.swap(tasks_);
     }
@@ -67,7 +66,7 @@ class AdminWorker {
   // False when the queue is full (the caller answers RESOURCE_EXHAUSTED).
   bool Post(Task task) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (stopping_ || static_cast<int>(tasks_.size()) >= capacity_) return false;
       tasks_.push_back(std::move(task));
     }
@@ -82,7 +81,7 @@ class AdminWorker {
     std::deque<Task> waiting;
     std::function<void(Status)> running;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       waiting.swap(tasks_);
       running = running_refuse_;
     }
@@ -94,8 +93,11 @@ class AdminWorker {
 
   // Waits until no task runs or waits, or until `until`; false when one still runs then.
   bool WaitIdle(std::chrono::steady_clock::time_point until) {
-    std::unique_lock<std::mutex> lock(mu_);
-    return idle_cv_.wait_until(lock, until, [this] { return tasks_.empty() && !running_; });
+    MutexLock lock(mu_);
+    return idle_cv_.wait_until(lock.native(), until, [this] {
+      mu_.AssertHeld();  // the wait runs its predicate under the lock
+      return tasks_.empty() && !running_;
+    });
   }
 
  private:
@@ -103,8 +105,11 @@ class AdminWorker {
     for (;;) {
       Task task;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+        MutexLock lock(mu_);
+        cv_.wait(lock.native(), [this] {
+          mu_.AssertHeld();  // the wait runs its predicate under the lock
+          return stopping_ || !tasks_.empty();
+        });
         if (tasks_.empty()) return;
         task = std::move(tasks_.front());
         tasks_.pop_front();
@@ -117,7 +122,7 @@ class AdminWorker {
         task.run();
       }
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         running_ = false;
         running_refuse_ = nullptr;
       }
@@ -126,13 +131,13 @@ class AdminWorker {
   }
 
   const int capacity_;
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_;
   std::condition_variable idle_cv_;
-  std::deque<Task> tasks_;  // guarded by mu_
-  bool running_ = false;    // guarded by mu_: a task is running
-  std::function<void(Status)> running_refuse_;  // guarded by mu_: the running task's refuse
-  bool stopping_ = false;   // guarded by mu_
+  std::deque<Task> tasks_ ATTNSERVE_GUARDED_BY(mu_);
+  bool running_ ATTNSERVE_GUARDED_BY(mu_) = false;  // a task is running
+  std::function<void(Status)> running_refuse_ ATTNSERVE_GUARDED_BY(mu_);  // the running task's refuse
+  bool stopping_ ATTNSERVE_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 
@@ -265,8 +270,11 @@ class ForwardCall {
     }
     call->compare_outputs_.resize(call->forms_.size() - 1);
     for (auto& o : call->compare_outputs_) o.resize(elements);
-    call->statuses_.resize(call->forms_.size());
-    call->pending_ = static_cast<int>(call->forms_.size());
+    {
+      MutexLock lock(call->mu_);  // uncontended: no job exists yet
+      call->statuses_.resize(call->forms_.size());
+      call->pending_ = static_cast<int>(call->forms_.size());
+    }
 
     // Every job is built before the first is submitted: what allocates may throw, and after
     // a Submit only the jobs' completions may answer the call.
@@ -290,27 +298,32 @@ class ForwardCall {
 
  private:
   void JobDone(size_t index, Status status, JobTimings timings) {
+    std::vector<Status> statuses;
+    JobTimings served_timings;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       statuses_[index] = std::move(status);
       if (index == 0) served_timings_ = timings;
       if (--pending_ > 0) return;
+      statuses = std::move(statuses_);
+      served_timings = served_timings_;
     }
-    Finish();
+    Finish(statuses, served_timings);
   }
 
-  // Runs once, on the thread of the last job's completion.
-  void Finish() {
-    if (!statuses_[0].ok()) {
-      Answer(ToGrpc(statuses_[0]));
+  // Runs once, on the thread of the last job's completion, with every job's status ([0]: the
+  // served form's) and the served job's timings.
+  void Finish(const std::vector<Status>& statuses, const JobTimings& served_timings) {
+    if (!statuses[0].ok()) {
+      Answer(ToGrpc(statuses[0]));
       return;
     }
-    for (size_t i = 1; i < statuses_.size(); ++i) {
-      if (!statuses_[i].ok()) {
+    for (size_t i = 1; i < statuses.size(); ++i) {
+      if (!statuses[i].ok()) {
         // The client asked for the comparison; an answer without it would look like agreement.
         Answer(
-            grpc::Status(static_cast<grpc::StatusCode>(statuses_[i].code()),
-                         "compare (" + std::string(FormName(forms_[i])) + " form): " + statuses_[i].message()));
+            grpc::Status(static_cast<grpc::StatusCode>(statuses[i].code()),
+                         "compare (" + std::string(FormName(forms_[i])) + " form): " + statuses[i].message()));
         return;
       }
     }
@@ -337,9 +350,9 @@ class ForwardCall {
       }
       divergences.push_back({.form = forms_[i], .stats = d});
     }
-    timeline_.compute_start = served_timings_.compute_start;
-    timeline_.compute_end = served_timings_.compute_end;
-    answer_->Served(forms_[0], TimingsOf(timeline_, served_timings_), divergences);
+    timeline_.compute_start = served_timings.compute_start;
+    timeline_.compute_end = served_timings.compute_end;
+    answer_->Served(forms_[0], TimingsOf(timeline_, served_timings), divergences);
     OfferShadow(served);
     timeline_.answered = std::chrono::steady_clock::now();
     reactor_->Served(timeline_);
@@ -390,10 +403,10 @@ class ForwardCall {
   std::vector<float> fallback_output_;
   std::vector<std::vector<float>> compare_outputs_;
 
-  std::mutex mu_;
-  std::vector<Status> statuses_;  // guarded by mu_ until pending_ reaches 0
-  JobTimings served_timings_;     // guarded by mu_ until pending_ reaches 0
-  int pending_ = 0;               // guarded by mu_
+  Mutex mu_;
+  std::vector<Status> statuses_ ATTNSERVE_GUARDED_BY(mu_);  // each job's, as they complete
+  JobTimings served_timings_ ATTNSERVE_GUARDED_BY(mu_);
+  int pending_ ATTNSERVE_GUARDED_BY(mu_) = 0;               // jobs not yet complete
 };
 
 // Runs `body` and turns anything it throws into INTERNAL (or RESOURCE_EXHAUSTED for memory):

@@ -219,7 +219,7 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
 
   std::shared_ptr<const Layer> replaced;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     // Checked again at publication: loads run side by side, outside the mutex.
     if (layers_.find(name) == layers_.end() && static_cast<int64_t>(layers_.size()) >= options_.max_layers) {
       return ResourceExhaustedError(at + LayerCountMessage());
@@ -249,7 +249,7 @@ std::string LayerStore::LayerCountMessage() const {
 }
 
 Status LayerStore::CheckLayerCount(const std::string& name) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   if (layers_.find(name) != layers_.end() || static_cast<int64_t>(layers_.size()) < options_.max_layers) {
     return OkStatus();
   }
@@ -259,7 +259,7 @@ Status LayerStore::CheckLayerCount(const std::string& name) const {
 Status LayerStore::Unload(std::string_view name) {
   std::shared_ptr<const Layer> removed;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = layers_.find(name);
     if (it == layers_.end()) return NotFoundError("layer '" + std::string(name) + "': no such layer");
     removed = std::move(it->second);
@@ -269,13 +269,13 @@ Status LayerStore::Unload(std::string_view name) {
 }
 
 std::shared_ptr<const Layer> LayerStore::Get(std::string_view name) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   auto it = layers_.find(name);
   return it == layers_.end() ? nullptr : it->second;
 }
 
 std::vector<std::shared_ptr<const Layer>> LayerStore::List() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(mu_);
   std::vector<std::shared_ptr<const Layer>> out;
   out.reserve(layers_.size());
   for (const auto& [name, layer] : layers_) out.push_back(layer);

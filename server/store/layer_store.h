@@ -19,6 +19,7 @@
 #include "server/core/layer.h"
 #include "server/core/spectrum.h"
 #include "server/core/status.h"
+#include "server/core/thread_annotations.h"
 #include "server/layer/loaded_layer.h"
 
 namespace attnserve {
@@ -69,13 +70,13 @@ class LayerStore {
   std::vector<std::shared_ptr<const Layer>> List() const;
 
  private:
-  Status CheckLayerCount(const std::string& name) const;
+  Status CheckLayerCount(const std::string& name) const ATTNSERVE_EXCLUDES(mu_);
   std::string LayerCountMessage() const;
 
   Backend* backend_;
   const LayerStoreOptions options_;
-  mutable std::mutex mu_;
-  std::map<std::string, std::shared_ptr<const Layer>, std::less<>> layers_;
+  mutable Mutex mu_;
+  std::map<std::string, std::shared_ptr<const Layer>, std::less<>> layers_ ATTNSERVE_GUARDED_BY(mu_);
 };
 
 }  // namespace attnserve

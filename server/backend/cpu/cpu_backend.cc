@@ -593,7 +593,7 @@ CpuBackend::CpuBackend(CpuBackendOptions options)
 CpuBackend::~CpuBackend() = default;
 
 std::unique_ptr<ForwardScratch> CpuBackend::TakeScratch() {
-  std::lock_guard lock(scratch_mu_);
+  MutexLock lock(scratch_mu_);
   if (free_scratch_.empty()) return std::make_unique<ForwardScratch>();
   std::unique_ptr<ForwardScratch> scratch = std::move(free_scratch_.back());
   free_scratch_.pop_back();
@@ -602,12 +602,12 @@ std::unique_ptr<ForwardScratch> CpuBackend::TakeScratch() {
 
 void CpuBackend::ReturnScratch(std::unique_ptr<ForwardScratch> scratch) {
   if (scratch->Bytes() > max_retained_scratch_bytes_) return;  // a rare large batch: not kept
-  std::lock_guard lock(scratch_mu_);
+  MutexLock lock(scratch_mu_);
   free_scratch_.push_back(std::move(scratch));
 }
 
 int64_t CpuBackend::RetainedScratchBytes() const {
-  std::lock_guard lock(scratch_mu_);
+  MutexLock lock(scratch_mu_);
   int64_t bytes = 0;
   for (const auto& s : free_scratch_) bytes += s->Bytes();
   return bytes;

@@ -14,6 +14,7 @@
 
 #include "server/backend/backend.h"
 #include "server/backend/cpu/gemm.h"
+#include "server/core/thread_annotations.h"
 
 namespace attnserve {
 
@@ -71,8 +72,8 @@ class CpuBackend final : public Backend {
   int64_t max_score_scratch_bytes_;
   int64_t max_retained_scratch_bytes_;
   SummedOrder summed_order_;
-  mutable std::mutex scratch_mu_;
-  std::vector<std::unique_ptr<ForwardScratch>> free_scratch_;  // guarded by scratch_mu_
+  mutable Mutex scratch_mu_;
+  std::vector<std::unique_ptr<ForwardScratch>> free_scratch_ ATTNSERVE_GUARDED_BY(scratch_mu_);
 };
 
 }  // namespace attnserve

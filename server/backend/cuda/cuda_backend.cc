@@ -1,19 +1,18 @@
+
 #include "server/backend/cuda/cuda_backend.h"
-
-#include <cublas_v2.h>
-#include <cuda_runtime.h>
-
+#include "server/backend/cuda/kernels.h"
+#include "server/core/thread_annotations.h"
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
-
-#include "server/backend/cuda/kernels.h"
 
 namespace attnserve {
 namespace {
@@ -86,25 +85,25 @@ class DeviceBudget {
   explicit DeviceBudget(int64_t limit) : limit_(limit) {}
   int64_t limit() const { return limit_; }
   int64_t held() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     return held_;
   }
   // Takes `bytes` when they fit under the limit.
   bool TryTake(int64_t bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (held_ + bytes > limit_) return false;
     held_ += bytes;
     return true;
   }
   void Give(int64_t bytes) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     held_ -= bytes;
   }
 
  private:
   const int64_t limit_;
-  mutable std::mutex mu_;  // guards held_
-  int64_t held_ = 0;
+  mutable Mutex mu_;
+  int64_t held_ ATTNSERVE_GUARDED_BY(mu_) = 0;
 };
 
 // "the device memory budget of 90.0 MiB (--max-device-memory-mb; 12.0 MiB held)"
@@ -556,6 +555,7 @@ class CudaBackend final : public Backend {
     }
     budget_ = std::make_shared<DeviceBudget>(limit);
     ATTNSERVE_ASSIGN_OR_RETURN(auto lane, NewLane());
+    MutexLock lock(mu_);
     idle_.push_back(std::move(lane));
     return OkStatus();
   }
@@ -599,7 +599,7 @@ class CudaBackend final : public Backend {
 
   // Takes back the idle lanes' workspaces for a lane or an upload that needs the room.
   void ReleaseIdleWorkspaces() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (auto& lane : idle_) lane->ReleaseWorkspace();
   }
 
@@ -615,7 +615,7 @@ class CudaBackend final : public Backend {
   Status WithLane(Work work) {
     std::unique_ptr<Lane> lane;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (!idle_.empty()) {
         lane = std::move(idle_.back());
         idle_.pop_back();
@@ -625,7 +625,7 @@ class CudaBackend final : public Backend {
       ATTNSERVE_ASSIGN_OR_RETURN(lane, NewLane());
     }
     const Status st = work(*lane);
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     idle_.push_back(std::move(lane));
     return st;
   }
@@ -633,8 +633,8 @@ class CudaBackend final : public Backend {
   CudaBackendOptions options_;
   std::shared_ptr<DeviceBudget> budget_;  // set by Init, shared with the lanes and the weights
   std::atomic<bool> healthy_{true};
-  std::mutex mu_;  // guards idle_
-  std::vector<std::unique_ptr<Lane>> idle_;
+  Mutex mu_;
+  std::vector<std::unique_ptr<Lane>> idle_ ATTNSERVE_GUARDED_BY(mu_);
 };
 
 }  // namespace
