@@ -49,6 +49,33 @@ std::string_view FormName(Form form) {
   return "unknown";
 }
 
+// A form missing from the switch is an error here, not a warning: the backends' skeleton
+// branches on the answer, so a new form must choose before anything builds.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic error "-Wswitch"
+HeadCombine HeadCombineOf(Form form) {
+  switch (form) {
+    case Form::kFactored:
+    case Form::kLowRank:
+      return HeadCombine::kConcatThenProject;
+    case Form::kSummed:
+      return HeadCombine::kSumOfMixes;
+  }
+  return HeadCombine::kConcatThenProject;  // not reached: every form is a case above
+}
+#pragma GCC diagnostic pop
+
+Status CheckHeadCombine(const FormWeights& f) {
+  const int64_t want = f.concat_then_project() ? f.out_rows * f.config.d_model : 0;
+  if (static_cast<int64_t>(f.w_out.size()) == want && (want > 0) == f.concat_then_project()) return OkStatus();
+  return InvalidArgumentError(
+      "w_out: the " + std::string(FormName(f.form)) + " form " +
+      (f.concat_then_project() ? "projects its heads' outputs and needs out_rows x d_model = " +
+                                     std::to_string(f.out_rows) + " x " + std::to_string(f.config.d_model) + " floats"
+                               : std::string("sums its heads' mixes and has no output projection (0 floats)")) +
+      ", got " + std::to_string(f.w_out.size()));
+}
+
 std::optional<Form> ParseForm(std::string_view name) {
   for (Form f : kAllForms) {
     if (FormName(f) == name) return f;
@@ -163,7 +190,7 @@ int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape>
   floats += self_attention ? tx * (f.q_cols + f.k_cols) : tx * f.q_cols + tc * f.k_cols;  // Q, K
   floats += value_rows * f.value_cols;                                    // the value block
   floats += static_cast<int64_t>(std::max(threads, 1)) * per_thread;      // a score tile per thread
-  if (f.has_output_projection()) {
+  if (f.concat_then_project()) {
     floats += tx * f.out_rows;                                            // heads' outputs
     if (many) floats += tx * d;                                           // the stacked output
   } else {

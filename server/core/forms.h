@@ -30,6 +30,16 @@ inline constexpr Form kAllForms[] = {Form::kFactored, Form::kSummed, Form::kLowR
 std::string_view FormName(Form form);
 std::optional<Form> ParseForm(std::string_view name);
 
+// How a form combines its heads: the one choice that splits the attention skeleton.
+//   kConcatThenProject: each head's mix A_i V_i lands in its columns of O, and one GEMM with
+//     w_out projects them all (factored: W_O; lowrank: the stacked Q_i).
+//   kSumOfMixes: the heads' A_i M_i are summed by one GEMM over A_cat = [A_1 | … | A_h] and the
+//     stacked M_i, with no output projection (summed).
+enum class HeadCombine { kConcatThenProject, kSumOfMixes };
+
+// A switch over every form: a new form does not compile (-Wswitch) until it chooses.
+HeadCombine HeadCombineOf(Form form);
+
 struct FormWeights {
   Form form = Form::kFactored;
   LayerConfig config;
@@ -50,10 +60,16 @@ struct FormWeights {
   std::vector<float> b_out;  // [d_model]: b_O or b_eff; empty when the layer has no bias
 
   int64_t in_cols() const { return q_cols + k_cols + value_cols; }
-  bool has_output_projection() const { return !w_out.empty(); }
+  HeadCombine head_combine() const { return HeadCombineOf(form); }
+  bool concat_then_project() const { return head_combine() == HeadCombine::kConcatThenProject; }
   int64_t Parameters() const;
   int64_t Bytes() const { return Parameters() * static_cast<int64_t>(sizeof(float)); }
 };
+
+// The form's output projection agrees with how it combines its heads: w_out holds
+// out_rows x d_model floats (out_rows > 0) for kConcatThenProject, nothing for kSumOfMixes. The
+// backends check it at Upload; the error names w_out, the form, expected and got.
+Status CheckHeadCombine(const FormWeights& f);
 
 // The standard form: W_in = [W_Q | W_K | W_V], W_out = W_O.
 FormWeights MaterializeFactored(const LayerWeights& weights);

@@ -36,4 +36,18 @@ Status ValidateSequence(const LayerConfig& config, const Sequence& seq) {
   return OkStatus();
 }
 
+BatchRows StackedRows(std::span<const Sequence> batch) {
+  BatchRows rows;
+  rows.x_row.reserve(batch.size());
+  rows.c_row.reserve(batch.size());
+  for (const Sequence& s : batch) {
+    rows.x_row.push_back(rows.queries);
+    rows.c_row.push_back(rows.contexts);
+    rows.queries += s.n();
+    rows.contexts += s.m();
+    rows.all_self = rows.all_self && s.self_attention();
+  }
+  return rows;
+}
+
 }  // namespace attnserve

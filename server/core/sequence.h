@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "server/core/layer.h"
 #include "server/core/status.h"
@@ -35,6 +36,17 @@ struct Sequence {
   int64_t visible_keys() const { return key_length < 0 ? m() : key_length; }
   int64_t key_position_offset() const { return self_attention() ? position_offset : 0; }
 };
+
+// Where each sequence of a batch sits when the batch is stacked: its first row among all the
+// queries (X, Q, O, Y) and among all the contexts (C, K, the value block). Both backends stack a
+// batch this way; computed once here.
+struct BatchRows {
+  std::vector<int64_t> x_row, c_row;  // per sequence
+  int64_t queries = 0;                // Tx: the stacked query rows
+  int64_t contexts = 0;               // Tc: the stacked context rows (= Tx when all_self)
+  bool all_self = true;               // every sequence is self-attention
+};
+BatchRows StackedRows(std::span<const Sequence> batch);
 
 // Checks the sequence's shapes against the layer; errors name the field, expected and got.
 Status ValidateSequence(const LayerConfig& config, const Sequence& seq);

@@ -623,7 +623,7 @@ TEST_F(CudaQueryRowBlockTest, EveryFormMatchesFloat64Reference) {
     ASSERT_NE(blocked, nullptr);
     ASSERT_NE(whole, nullptr);
     for (auto& [name, form] : EveryForm(*w)) {
-      const bool summed = !form.has_output_projection();
+      const bool summed = form.head_combine() == HeadCombine::kSumOfMixes;
       int64_t extra_blocks = 0;
       for (const auto& s : seqs) {
         const int64_t rows = BlockRowsUnder(kBound, c, summed, s);

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <vector>
 
+#include "server/backend/attention/skeleton.h"
 #include "server/backend/cpu/gemm.h"
 #include "server/backend/cpu/skinny_gemm.h"
 #include "server/core/rope.h"
@@ -87,14 +88,6 @@ void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, const float* bias, 
   }
 }
 
-// y = x · W_in[:, cols] + b_in[cols] for the column range [col0, col0 + count) of W_in.
-void ProjectColumns(Compute run, const FormWeights& f, ConstMatrixView x, int64_t col0, int64_t count,
-                    MatrixView y) {
-  const ConstMatrixView w_in(f.w_in.data() + col0, f.config.d_model, count, f.in_cols());
-  const bool has_bias = static_cast<int64_t>(f.b_in.size()) >= col0 + count;
-  Gemm(run, x, w_in, has_bias ? f.b_in.data() + col0 : nullptr, y);
-}
-
 // `buffer` grown to at least `count` floats, as a [rows, cols] view. Buffers only grow: one that
 // is reused is neither paged in by the kernel nor zeroed again (see ForwardScratch).
 MatrixView Reserve(std::vector<float>& buffer, int64_t rows, int64_t cols) {
@@ -116,81 +109,6 @@ ConstMatrixView StackRows(const std::vector<ConstMatrixView>& blocks, std::vecto
     r0 += b.rows;
   }
   return out;
-}
-
-// Whether this forward runs the sequence mixing its keys first (SummedMixesFirst, the core's rule).
-bool MixesFirst(Compute run, const FormWeights& f, const Sequence& s) {
-  return SummedMixesFirst(f, {.n = s.n(), .m = s.m(), .keys = s.visible_keys()}, run.summed_order);
-}
-
-// The projections of a whole batch: Q of every query token, K and the value block of every
-// context token, stacked in sequence order.
-struct Projection {
-  MatrixView q, k;       // [Tx, q_cols], [Tc, k_cols] (may share storage, with ld = their sum)
-  ConstMatrixView c;     // [Tc, d_model]: the stacked contexts (the inputs, in self-attention)
-  ConstMatrixView val;   // the value block of the sequences that project first, contiguous: the
-                         // summed form reads a sequence's rows as [m·h, d]
-  std::vector<int64_t> x_row, c_row, val_row;  // first row of each sequence in q, k (and c), val
-};
-
-Projection Project(Compute run, const FormWeights& f, std::span<const Sequence> batch, ForwardScratch& scratch) {
-  Projection p;
-  std::vector<ConstMatrixView> xs, cs;
-  int64_t tx = 0, tc = 0;
-  bool all_self = true;
-  for (const Sequence& s : batch) {
-    p.x_row.push_back(tx);
-    p.c_row.push_back(tc);
-    tx += s.n();
-    tc += s.m();
-    xs.push_back(s.input);
-    cs.push_back(s.keys_source());
-    all_self = all_self && s.self_attention();
-  }
-  const ConstMatrixView x = StackRows(xs, scratch.x);
-  const ConstMatrixView c = all_self ? x : StackRows(cs, scratch.c);
-  if (all_self) {
-    // Self-attention: Q and K come from the same rows, so one GEMM makes both.
-    const MatrixView qk = Reserve(scratch.q, tx, f.q_cols + f.k_cols);
-    ProjectColumns(run, f, x, 0, f.q_cols + f.k_cols, qk);
-    p.q = qk.ColBlock(0, f.q_cols);
-    p.k = qk.ColBlock(f.q_cols, f.k_cols);
-  } else {
-    const MatrixView q = Reserve(scratch.q, tx, f.q_cols), k = Reserve(scratch.k, tc, f.k_cols);
-    ProjectColumns(run, f, x, 0, f.q_cols, q);
-    ProjectColumns(run, f, c, f.q_cols, f.k_cols, k);
-    p.q = q;
-    p.k = k;
-  }
-  if (f.config.rope_theta > 0) {
-    // Q and K live in this forward's scratch; rotate each sequence's rows in place.
-    const int64_t dh = f.config.d_head;
-    for (size_t r = 0; r < batch.size(); ++r) {
-      const Sequence& s = batch[r];
-      ApplyRope(p.q.RowBlock(p.x_row[r], s.n()), f.config.heads, dh, f.config.rope_theta, s.position_offset);
-      ApplyRope(p.k.RowBlock(p.c_row[r], s.m()), f.config.kv_heads, dh, f.config.rope_theta, s.key_position_offset());
-    }
-  }
-  p.c = c;
-  // The value block, for the sequences that project first: one GEMM over every context row when
-  // all do, else one per such sequence (a summed sequence that mixes first needs none).
-  int64_t val_rows = 0;
-  for (size_t r = 0; r < batch.size(); ++r) {
-    p.val_row.push_back(val_rows);
-    if (!MixesFirst(run, f, batch[r])) val_rows += batch[r].m();
-  }
-  const MatrixView val = Reserve(scratch.val, val_rows, f.value_cols);
-  if (val_rows == tc) {
-    ProjectColumns(run, f, c, f.q_cols + f.k_cols, f.value_cols, val);
-  } else {
-    for (size_t r = 0; r < batch.size(); ++r) {
-      if (MixesFirst(run, f, batch[r])) continue;
-      ProjectColumns(run, f, c.RowBlock(p.c_row[r], batch[r].m()), f.q_cols + f.k_cols, f.value_cols,
-                     val.RowBlock(p.val_row[r], batch[r].m()));
-    }
-  }
-  p.val = val;
-  return p;
 }
 
 // One row of A from scratch in float64, for a row whose float32 scores are not all finite:
@@ -233,14 +151,15 @@ float RowMax(const Row& row) {
 }
 
 // A = softmax(scale · Q_i K_g(i)^T + mask) for the query rows [row0, row0 + rows) of the
-// sequence, into `a` [rows, keys]. `keys` are those the block's last row sees: a causal block
-// skips the keys none of its rows sees, and within the block a key a row does not see is 0.
-void HeadScores(GemmLibrary gemm, const FormWeights& f, const Projection& p, const Sequence& s, size_t r,
-                int64_t head, int64_t row0, int64_t rows, RowMatrix& a) {
+// range's sequence, into `a` [rows, keys]. `keys` are those the block's last row sees: a causal
+// block skips the keys none of its rows sees, and within the block a key a row does not see is 0.
+void HeadScores(GemmLibrary gemm, const FormWeights& f, const AttentionRange& range, int64_t head, int64_t row0,
+                int64_t rows, RowMatrix& a) {
   const LayerConfig& c = f.config;
+  const Sequence& s = *range.sequence;
   const int64_t keys = VisibleKeys(s, row0 + rows - 1), dh = c.d_head;
-  const ConstMatrixView q = p.q.RowBlock(p.x_row[r] + row0, rows).ColBlock(head * dh, dh);
-  const ConstMatrixView k = p.k.RowBlock(p.c_row[r], keys).ColBlock(c.KvHeadOf(head) * dh, dh);
+  const ConstMatrixView q = range.q.RowBlock(row0, rows).ColBlock(head * dh, dh);
+  const ConstMatrixView k = range.k.RowBlock(0, keys).ColBlock(c.KvHeadOf(head) * dh, dh);
   a.resize(rows, keys);
   GemmOnThisThread(gemm, q, k, /*transpose_w=*/true, c.SoftmaxScale(), MatrixView(a.data(), rows, keys));
   for (int64_t row = 0; row < rows; ++row) {
@@ -336,76 +255,43 @@ void AttendTiled(GemmLibrary gemm, const Sequence& s, float scale, std::span<con
   }
 }
 
-// The attention tasks of one sequence's query rows [row0, row0 + rows): blocks of at most
-// kQueryTile stacked rows, for every set of StackedHeads heads.
+// The attention tasks of one range's query rows: blocks of at most kQueryTile stacked rows,
+// for every set of StackedHeads heads.
 struct AttentionTask {
-  size_t r;            // the sequence
+  size_t range;        // in the job
   int64_t first_head;  // of the set
-  int64_t row0, rows;  // the query block
+  int64_t row0, rows;  // the query block, rows of the range's sequence
 };
 
-void AddAttentionTasks(const FormWeights& f, size_t r, int64_t row0, int64_t rows, std::vector<AttentionTask>& tasks) {
+void AddAttentionTasks(const FormWeights& f, size_t range, int64_t row0, int64_t rows, std::vector<AttentionTask>& tasks) {
   const int64_t set = StackedHeads(f), block = std::max<int64_t>(1, kQueryTile / set);
   for (int64_t b = row0; b < row0 + rows; b += block) {
     for (int64_t head = 0; head < f.config.heads; head += set) {
-      tasks.push_back({r, head, b, std::min(block, row0 + rows - b)});
+      tasks.push_back({range, head, b, std::min(block, row0 + rows - b)});
     }
   }
 }
 
-// Runs one task: the set's queries and keys from the projection, its values `values` (the
-// sequence's rows of what the set's heads mix, [m, d_v]), and each head's output at `out(head)`
-// (a [rows, d_v] view of the task's rows).
-template <typename OutputOf>
-void RunAttentionTask(GemmLibrary gemm, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
-                      const AttentionTask& task, ConstMatrixView values, OutputOf&& out, TileScratch& t) {
+// Runs one task: the set's queries and keys from its range, the values its heads mix (the set's
+// heads mix the same value columns, StackedHeads: their group's, or the whole context), and each
+// head's output in its columns of the range's out.
+void RunAttentionTask(GemmLibrary gemm, const AttentionJob& job, const AttentionTask& task, TileScratch& t) {
+  const FormWeights& f = *job.form;
   const LayerConfig& c = f.config;
-  const Sequence& s = batch[task.r];
+  const AttentionRange& range = job.ranges[task.range];
+  const Sequence& s = *range.sequence;
   const int64_t set = StackedHeads(f), dh = c.d_head, kv = c.KvHeadOf(task.first_head);
   t.q_views.clear();
   t.out_views.clear();
   for (int64_t i = task.first_head; i < task.first_head + set; ++i) {
-    t.q_views.push_back(p.q.RowBlock(p.x_row[task.r] + task.row0, task.rows).ColBlock(i * dh, dh));
-    t.out_views.push_back(out(i));
+    t.q_views.push_back(range.q.RowBlock(task.row0, task.rows).ColBlock(i * dh, dh));
+    t.out_views.push_back(range.out.RowBlock(task.row0 - range.row0, task.rows).ColBlock(job.OutColumn(i), job.Width(i)));
   }
   const int64_t keys = s.visible_keys();
-  const ConstMatrixView k = p.k.RowBlock(p.c_row[task.r], keys).ColBlock(kv * dh, dh);
-  AttendTiled(gemm, s, c.SoftmaxScale(), t.q_views, k, values.RowBlock(0, keys), task.row0, t.out_views, t);
-}
-
-// Factored and low-rank forms: O_i = A_i Val_i into O's columns of head i (tiled, AttendTiled),
-// then Y = O W_out + b.
-void MixProjected(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
-                  ForwardScratch& scratch) {
-  const int64_t tx = p.q.rows, d = f.config.d_model;
-  const MatrixView o = Reserve(scratch.o, tx, f.out_rows);
-  std::vector<AttentionTask> tasks;
-  for (size_t r = 0; r < batch.size(); ++r) AddAttentionTasks(f, r, 0, batch[r].n(), tasks);
-#pragma omp parallel num_threads(run.threads)
-  {
-    TileScratch t;
-#pragma omp for schedule(dynamic)
-    for (size_t i = 0; i < tasks.size(); ++i) {
-      const AttentionTask& task = tasks[i];
-      const auto out = [&](int64_t head) {
-        return o.RowBlock(p.x_row[task.r] + task.row0, task.rows).ColBlock(f.mix_offset[head], f.value_width[head]);
-      };
-      // The set's heads mix the same value columns (StackedHeads): their group's.
-      const ConstMatrixView values = p.val.RowBlock(p.val_row[task.r], batch[task.r].m())
-                                         .ColBlock(f.value_offset[task.first_head], f.value_width[task.first_head]);
-      RunAttentionTask(run.gemm, f, p, batch, task, values, out, t);
-    }
-  }
-  const ConstMatrixView w_out(f.w_out.data(), f.out_rows, d);
-  // One sequence with a dense output: the GEMM writes straight into it.
-  const bool in_place = batch.size() == 1 && !batch[0].output.empty();
-  const MatrixView y = in_place ? batch[0].output : Reserve(scratch.y, tx, d);
-  Gemm(run, o, w_out, f.b_out.empty() ? nullptr : f.b_out.data(), y);
-  if (!in_place) {
-    for (size_t r = 0; r < batch.size(); ++r) {
-      AsEigen(batch[r].output) = AsEigen(ConstMatrixView(y.RowBlock(p.x_row[r], batch[r].n())));
-    }
-  }
+  const ConstMatrixView k = range.k.RowBlock(0, keys).ColBlock(kv * dh, dh);
+  const ConstMatrixView values =
+      range.values.RowBlock(0, keys).ColBlock(job.ValueColumn(task.first_head), job.Width(task.first_head));
+  AttendTiled(gemm, s, c.SoftmaxScale(), t.q_views, k, values, task.row0, t.out_views, t);
 }
 
 // The query rows one task of the summed form's project-first score loop takes: enough tasks for
@@ -415,32 +301,44 @@ int64_t RowsPerTask(int64_t rows, int threads) {
   return std::clamp<int64_t>(rows / (int64_t{threads} * kTasksPerThread), kMinRows, kSummedBlockRows);
 }
 
-// A part of the summed form's work: query rows [row0, row0 + rows) of sequence r, and where its
-// A_cat or mixes start in the chunk's scratch. A sequence that projects first is one part; one
-// that mixes first is cut into parts of SummedRowsPerPart rows, so a long sequence's mixes
-// never exceed the scratch bound.
-struct SummedPart {
-  size_t r;
-  int64_t row0, rows;
-  int64_t offset = 0;
-};
+// A range's A_cat [n, L·h] (the summed form projecting first), in floats.
+int64_t ACatFloats(const FormWeights& f, const Sequence& s) { return s.n() * s.visible_keys() * f.config.heads; }
 
-// The summed form's scratch for a part: A_cat [n, L·h] when its sequence projects first, its
-// heads' mixes [rows, h·d] when it mixes first (MixesFirst).
-int64_t SummedPartFloats(Compute run, const FormWeights& f, const Sequence& s, const SummedPart& part) {
-  return MixesFirst(run, f, s) ? part.rows * f.value_cols : s.n() * s.visible_keys() * f.config.heads;
+// Chunks [first, last) of items of these sizes whose sum stays under `cap` (an item larger than
+// the cap alone), and where each item starts in its chunk.
+struct Chunks {
+  std::vector<std::pair<size_t, size_t>> bounds;
+  std::vector<int64_t> offset;
+  int64_t largest = 0;  // floats of the largest chunk
+};
+Chunks ChunksUnder(std::span<const int64_t> sizes, int64_t cap) {
+  Chunks chunks;
+  chunks.offset.resize(sizes.size());
+  size_t first = 0;
+  while (first < sizes.size()) {
+    int64_t floats = 0;
+    size_t last = first;
+    do {
+      chunks.offset[last] = floats;
+      floats += sizes[last++];
+    } while (last < sizes.size() && floats + sizes[last] <= cap);
+    chunks.bounds.emplace_back(first, last);
+    chunks.largest = std::max(chunks.largest, floats);
+    first = last;
+  }
+  return chunks;
 }
 
-// Project first: the part's A_cat rows [row0, row0 + rows) (one task: a block of query rows with
-// every head: the heads of a row interleave in A_cat, so tasks split by head would write the same
-// cache lines from different threads).
-void ScoreIntoACat(Compute run, const FormWeights& f, const Projection& p, const Sequence& s, size_t r,
-                   int64_t row0, int64_t rows, float* a_cat, RowMatrix& a) {
-  const int64_t heads = f.config.heads, width = s.visible_keys() * heads;  // A_cat's row
+// Project first: A_cat's rows [row0, row0 + rows) of the range's sequence (one task: a block of
+// query rows with every head: the heads of a row interleave in A_cat, so tasks split by head
+// would write the same cache lines from different threads).
+void ScoreIntoACat(GemmLibrary gemm, const FormWeights& f, const AttentionRange& range, int64_t row0, int64_t rows,
+                   float* a_cat, RowMatrix& a) {
+  const int64_t heads = f.config.heads, width = range.sequence->visible_keys() * heads;  // A_cat's row
   float* const block_rows = a_cat + row0 * width;
   int64_t seen = 0;  // the keys this block's rows see (all heads alike)
   for (int64_t i = 0; i < heads; ++i) {
-    HeadScores(run.gemm, f, p, s, r, i, row0, rows, a);
+    HeadScores(gemm, f, range, i, row0, rows, a);
     seen = a.cols();
     for (int64_t q = 0; q < rows; ++q) {
       float* dst = block_rows + q * width + i;
@@ -451,119 +349,145 @@ void ScoreIntoACat(Compute run, const FormWeights& f, const Projection& p, const
   for (int64_t q = 0; q < rows; ++q) std::fill(block_rows + q * width + seen * heads, block_rows + (q + 1) * width, 0.0f);
 }
 
-// Summed form, for some parts of the batch, in each sequence's association order
-// (SummedMixesFirst, server/core/forms.h):
-//   - Project first. Val's rows are [h·d] wide and contiguous, so a sequence's first L rows are
-//     also the [L·h, d] matrix [M_1; …; M_h] with rows (key, head); A_cat puts A_i[q, j] at
-//     column j·h + i to match, and the head sum is one GEMM: Y = A_cat · Val + b_eff.
-//   - Mix first. Head i's mix A_i C[:L] is an attention whose values are the context, run tiled
-//     (AttendTiled) into columns i·d of the part's mixes [rows, h·d]; then
-//     Y = Σ_i mixes_i W_M_i + b_eff reads W_M_i straight from the value block of W_in.
-void MixSummed(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
-               std::span<const SummedPart> parts, ForwardScratch& scratch) {
-  const int64_t heads = f.config.heads, d = f.config.d_model;
-  int64_t floats = 0, project_rows = 0;
-  for (const SummedPart& part : parts) {
-    floats = std::max(floats, part.offset + SummedPartFloats(run, f, batch[part.r], part));
-    if (!MixesFirst(run, f, batch[part.r])) project_rows += part.rows;
+// The skeleton's operations on the CPU (server/backend/attention/device_ops.h): the buffers
+// are this forward's scratch, the GEMMs split across the backend's threads (Gemm), attention
+// runs as an OpenMP loop of tiled tasks (AttendTiled).
+class CpuOps final : public DeviceOps {
+ public:
+  CpuOps(Compute run, int64_t max_score_scratch_bytes, ForwardScratch& scratch)
+      : run_(run), max_score_scratch_bytes_(max_score_scratch_bytes), scratch_(scratch) {}
+
+  PlanPolicy Policy() const override {
+    return {.summed_order = run_.summed_order, .max_mix_bytes = max_score_scratch_bytes_};
   }
-  // Tasks: blocks of a projecting part's rows (every head); tiled attention tasks of a mixing one.
-  struct ScoreTask {
-    size_t part;
-    int64_t row0, rows;
-  };
-  std::vector<ScoreTask> score_tasks;
-  std::vector<AttentionTask> attention_tasks;
-  std::vector<size_t> attention_part;
-  const int64_t block = RowsPerTask(project_rows, run.threads);
-  for (size_t i = 0; i < parts.size(); ++i) {
-    const SummedPart& part = parts[i];
-    if (MixesFirst(run, f, batch[part.r])) {
-      AddAttentionTasks(f, part.r, part.row0, part.rows, attention_tasks);
-      attention_part.resize(attention_tasks.size(), i);
-      continue;
+
+  // The inputs are used where they are (one sequence) or stacked into the scratch; the output of
+  // one sequence is written in place. The summed form's A_cat and its mixes share one buffer,
+  // used one after the other (SumHeadsProjectingFirst, then the mix-first chunks).
+  Status Prepare(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch,
+                 ForwardBuffers& b) override {
+    const int64_t tx = plan.rows.queries, tc = plan.rows.contexts, d = f.config.d_model;
+    std::vector<ConstMatrixView> xs, cs;
+    for (const Sequence& s : batch) {
+      xs.push_back(s.input);
+      cs.push_back(s.keys_source());
     }
-    for (int64_t row0 = 0; row0 < part.rows; row0 += block) score_tasks.push_back({i, row0, std::min(block, part.rows - row0)});
+    b.x = StackRows(xs, scratch_.x);
+    b.c = plan.rows.all_self ? b.x : StackRows(cs, scratch_.c);
+    if (plan.rows.all_self) {
+      const MatrixView qk = Reserve(scratch_.q, tx, f.q_cols + f.k_cols);
+      b.q = qk.ColBlock(0, f.q_cols);
+      b.k = qk.ColBlock(f.q_cols, f.k_cols);
+    } else {
+      b.q = Reserve(scratch_.q, tx, f.q_cols);
+      b.k = Reserve(scratch_.k, tc, f.k_cols);
+    }
+    b.val = Reserve(scratch_.val, plan.val_rows, f.value_cols);
+    if (plan.combine == HeadCombine::kConcatThenProject) {
+      b.o = Reserve(scratch_.o, tx, f.out_rows);
+      const bool in_place = batch.size() == 1 && !batch[0].output.empty();
+      b.y = in_place ? batch[0].output : Reserve(scratch_.y, tx, d);
+    }
+    for (const Sequence& s : batch) b.outputs.push_back(s.output);
+    std::vector<int64_t> a_cat_sizes;
+    for (size_t r = 0; r < batch.size(); ++r) {
+      if (plan.combine == HeadCombine::kSumOfMixes && !plan.mixes_first[r]) a_cat_sizes.push_back(ACatFloats(f, batch[r]));
+    }
+    const int64_t work = std::max(plan.mix_floats, ChunksUnder(a_cat_sizes, ScratchCap()).largest);
+    if (work > 0) b.mixes = Reserve(scratch_.a_cat, work, 1).data;
+    return OkStatus();
   }
-  float* const work = Reserve(scratch.a_cat, floats, 1).data;
-  const size_t task_count = score_tasks.size() + attention_tasks.size();
-#pragma omp parallel num_threads(run.threads)
-  {
-    RowMatrix a;
-    TileScratch t;
+
+  Status Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate) override {
+    attnserve::Gemm(run_, x, w, bias, y, accumulate);
+    return OkStatus();
+  }
+
+  Status Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, int64_t position) override {
+    ApplyRope(m, heads, d_head, theta, position);
+    return OkStatus();
+  }
+
+  Status Attend(const AttentionJob& job) override {
+    std::vector<AttentionTask> tasks;
+    for (size_t i = 0; i < job.ranges.size(); ++i) {
+      AddAttentionTasks(*job.form, i, job.ranges[i].row0, job.ranges[i].rows, tasks);
+    }
+#pragma omp parallel num_threads(run_.threads)
+    {
+      TileScratch t;
 #pragma omp for schedule(dynamic)
-    for (size_t i = 0; i < task_count; ++i) {
-      if (i < score_tasks.size()) {
-        const ScoreTask& task = score_tasks[i];
-        const SummedPart& part = parts[task.part];
-        ScoreIntoACat(run, f, p, batch[part.r], part.r, task.row0, task.rows, work + part.offset, a);
+      for (size_t i = 0; i < tasks.size(); ++i) RunAttentionTask(run_.gemm, job, tasks[i], t);
+    }
+    return OkStatus();
+  }
+
+  // The ranges' A_cat in chunks under the scratch bound (a range larger than the bound runs
+  // alone); per chunk, blocks of rows with every head in parallel, then each range's head sum.
+  Status SumHeadsProjectingFirst(const FormWeights& f, std::span<const AttentionRange> ranges,
+                                 const float* bias) override {
+    std::vector<int64_t> sizes;
+    for (const AttentionRange& range : ranges) sizes.push_back(ACatFloats(f, *range.sequence));
+    const Chunks chunks = ChunksUnder(sizes, ScratchCap());
+    float* const work = Reserve(scratch_.a_cat, chunks.largest, 1).data;
+    for (const auto& bounds : chunks.bounds) {
+      const size_t first = bounds.first, last = bounds.second;  // (no structured binding: OpenMP captures them)
+      struct ScoreTask {
+        size_t range;
+        int64_t row0, rows;
+      };
+      std::vector<ScoreTask> tasks;
+      int64_t rows = 0;
+      for (size_t i = first; i < last; ++i) rows += ranges[i].rows;
+      const int64_t block = RowsPerTask(rows, run_.threads);
+      for (size_t i = first; i < last; ++i) {
+        for (int64_t row0 = 0; row0 < ranges[i].rows; row0 += block) {
+          tasks.push_back({i, row0, std::min(block, ranges[i].rows - row0)});
+        }
+      }
+#pragma omp parallel num_threads(run_.threads)
+      {
+        RowMatrix a;
+#pragma omp for schedule(dynamic)
+        for (size_t i = 0; i < tasks.size(); ++i) {
+          const ScoreTask& task = tasks[i];
+          ScoreIntoACat(run_.gemm, f, ranges[task.range], task.row0, task.rows, work + chunks.offset[task.range], a);
+        }
+      }
+      const int64_t heads = f.config.heads, d = f.config.d_model;
+      auto head_sum = [&](size_t i, int gemm_threads) {
+        const AttentionRange& range = ranges[i];
+        const int64_t keys = range.sequence->visible_keys();
+        const ConstMatrixView a(work + chunks.offset[i], range.rows, keys * heads);
+        const ConstMatrixView m(range.values.data, keys * heads, d);
+        attnserve::Gemm({run_.gemm, gemm_threads, run_.summed_order}, a, m, bias, range.out);
+      };
+      if (last - first == 1) {
+        head_sum(first, run_.threads);  // one range: its GEMM's columns across the threads
         continue;
       }
-      const size_t j = i - score_tasks.size();
-      const AttentionTask& task = attention_tasks[j];
-      const SummedPart& part = parts[attention_part[j]];
-      const MatrixView mixes(work + part.offset, part.rows, f.value_cols);
-      const auto out = [&](int64_t head) {
-        return mixes.RowBlock(task.row0 - part.row0, task.rows).ColBlock(f.value_offset[head], f.value_width[head]);
-      };
-      // Every head mixes the context itself: Y's head sum projects the mixes afterwards.
-      RunAttentionTask(run.gemm, f, p, batch, task, p.c.RowBlock(p.c_row[task.r], batch[task.r].m()), out, t);
+#pragma omp parallel for schedule(dynamic) num_threads(run_.threads)
+      for (size_t i = first; i < last; ++i) head_sum(i, 1);  // many: a range per thread
     }
+    return OkStatus();
   }
-  const float* bias = f.b_out.empty() ? nullptr : f.b_out.data();
-  auto head_sum = [&](const SummedPart& part, int gemm_threads) {
-    const Sequence& s = batch[part.r];
-    const Compute on{run.gemm, gemm_threads, run.summed_order};
-    const MatrixView y = s.output.RowBlock(part.row0, part.rows);
-    if (MixesFirst(run, f, s)) {
-      const ConstMatrixView mixes(work + part.offset, part.rows, f.value_cols);
-      for (int64_t i = 0; i < heads; ++i) {
-        const ConstMatrixView w_m(f.w_in.data() + f.q_cols + f.k_cols + f.value_offset[i], d, f.value_width[i],
-                                  f.in_cols());
-        // The first head's product (with the bias) sets Y; the others add to it.
-        Gemm(on, mixes.ColBlock(f.value_offset[i], f.value_width[i]), w_m, i == 0 ? bias : nullptr, y,
-             /*accumulate=*/i > 0);
-      }
-      return;
-    }
-    const int64_t keys = s.visible_keys();
-    const ConstMatrixView a(work + part.offset, s.n(), keys * heads);
-    const ConstMatrixView m(p.val.row(p.val_row[part.r]), keys * heads, d);
-    Gemm(on, a, m, bias, y);
-  };
-  if (parts.size() == 1) {
-    head_sum(parts[0], run.threads);  // one part: its GEMM's columns across the threads
-    return;
-  }
-#pragma omp parallel for schedule(dynamic) num_threads(run.threads)
-  for (size_t i = 0; i < parts.size(); ++i) head_sum(parts[i], 1);  // many: a part per thread
-}
 
-// The summed form's parts (SummedPart), grouped into chunks whose scratch stays under the bound
-// (a single part larger than the bound — a projecting sequence when mixing first is not allowed —
-// runs alone), each chunk run by MixSummed.
-void RunSummed(Compute run, const FormWeights& f, const Projection& p, std::span<const Sequence> batch,
-               int64_t max_score_scratch_bytes, ForwardScratch& scratch) {
-  std::vector<SummedPart> parts;
-  const int64_t part_rows = SummedRowsPerPart(f, max_score_scratch_bytes);
-  for (size_t r = 0; r < batch.size(); ++r) {
-    const int64_t n = batch[r].n(), step = MixesFirst(run, f, batch[r]) ? part_rows : n;
-    for (int64_t row0 = 0; row0 < n; row0 += step) parts.push_back({r, row0, std::min(step, n - row0)});
+  Status Finish(const BatchPlan& plan, std::span<const Sequence> batch, const ForwardBuffers& b,
+                bool stacked) override {
+    if (!stacked || b.y.data == batch[0].output.data) return OkStatus();  // written in place
+    for (size_t r = 0; r < batch.size(); ++r) {
+      AsEigen(batch[r].output) = AsEigen(ConstMatrixView(b.y.RowBlock(plan.rows.x_row[r], batch[r].n())));
+    }
+    return OkStatus();
   }
-  const int64_t cap = max_score_scratch_bytes / int64_t{sizeof(float)};
-  size_t first = 0;
-  while (first < parts.size()) {
-    int64_t floats = 0;
-    size_t last = first;
-    do {
-      parts[last].offset = floats;
-      floats += SummedPartFloats(run, f, batch[parts[last].r], parts[last]);
-      ++last;
-    } while (last < parts.size() && floats + SummedPartFloats(run, f, batch[parts[last].r], parts[last]) <= cap);
-    MixSummed(run, f, p, batch, std::span<const SummedPart>(parts).subspan(first, last - first), scratch);
-    first = last;
-  }
-}
+
+ private:
+  int64_t ScratchCap() const { return max_score_scratch_bytes_ / static_cast<int64_t>(sizeof(float)); }
+
+  const Compute run_;
+  const int64_t max_score_scratch_bytes_;
+  ForwardScratch& scratch_;
+};
 
 // The rule SummedMixesFirst applies for the options' order: auto mixes first past the scratch
 // bound (and where n < m), mix-first past 0 bytes, project-first never.
@@ -615,6 +539,7 @@ int64_t CpuBackend::RetainedScratchBytes() const {
 
 StatusOr<std::shared_ptr<const ResidentForm>> CpuBackend::Upload(std::shared_ptr<const FormWeights> form) {
   if (!form) return InvalidArgumentError("Upload: no form given");
+  ATTNSERVE_RETURN_IF_ERROR(CheckHeadCombine(*form));
   return std::shared_ptr<const ResidentForm>(std::make_shared<CpuResidentForm>(std::move(form)));
 }
 
@@ -630,14 +555,8 @@ Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequenc
     std::unique_ptr<ForwardScratch>& scratch;
     ~Return() { backend->ReturnScratch(std::move(scratch)); }
   } give_back{this, scratch};
-  const Projection p = Project(run, f, batch, *scratch);
-  if (f.has_output_projection()) {
-    MixProjected(run, f, p, batch, *scratch);
-    return OkStatus();
-  }
-  // The summed form's A_cat or mixes, in parts and chunks under the bound (RunSummed).
-  RunSummed(run, f, p, batch, max_score_scratch_bytes_, *scratch);
-  return OkStatus();
+  CpuOps ops(run, max_score_scratch_bytes_, *scratch);
+  return RunAttention(ops, f, HostWeights(f), batch);
 }
 
 }  // namespace attnserve

@@ -1,5 +1,6 @@
 
 #include "server/backend/cuda/cuda_backend.h"
+#include "server/backend/attention/skeleton.h"
 #include "server/backend/cuda/kernels.h"
 #include "server/core/thread_annotations.h"
 #include <algorithm>
@@ -220,7 +221,7 @@ struct DeviceBlock {
 // One worker's share of the device: its own stream, cuBLAS handle, scratch workspace and pinned
 // staging buffers, so that batches from different workers overlap on the GPU. The weights are
 // shared by every lane (uploaded and synchronised once, read-only afterwards).
-class Lane {
+class Lane final : public DeviceOps {
  public:
   // `reclaim` takes back the workspaces of the backend's idle lanes (not this one's).
   Lane(CudaBackendOptions options, std::shared_ptr<DeviceBudget> budget, std::function<void()> reclaim)
@@ -266,8 +267,7 @@ class Lane {
 
   // Row-major y = alpha · x · w (+ beta · y). cuBLAS is column-major, where a row-major [r, c]
   // block is a [c, r] one: y^T = w^T x^T, so the operands swap.
-  Status Gemm(DeviceBlock x, DeviceBlock w, DeviceBlock y, float alpha = 1.0f) {
-    const float beta = 0.0f;
+  Status CublasGemm(DeviceBlock x, DeviceBlock w, DeviceBlock y, float alpha = 1.0f, float beta = 0.0f) {
     CUBLAS_TRY(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(w.cols), static_cast<int>(x.rows),
                             static_cast<int>(x.cols), &alpha, w.data, CUDA_R_32F, static_cast<int>(w.ld), x.data,
                             CUDA_R_32F, static_cast<int>(x.ld), &beta, y.data, CUDA_R_32F, static_cast<int>(y.ld),
@@ -288,17 +288,6 @@ class Lane {
     return OkStatus();
   }
 
-  // y = x · W_in[:, col0 : col0 + count] + b_in (where the form has a bias for those columns).
-  Status Project(const CudaResidentForm& r, DeviceBlock x, int64_t col0, int64_t count, DeviceBlock y) {
-    const FormWeights& f = r.weights();
-    const DeviceBlock w_in{r.w_in.get(), f.config.d_model, f.in_cols(), f.in_cols()};
-    ATTNSERVE_RETURN_IF_ERROR(Gemm(x, w_in.Cols(col0, count), y));
-    if (static_cast<int64_t>(f.b_in.size()) >= col0 + count) {
-      CUDA_TRY(cuda::AddRowBias(y.data, y.rows, y.cols, y.ld, r.b_in.get() + col0, stream_));
-    }
-    return OkStatus();
-  }
-
   // Scores of every head for a block of one sequence's queries (q's rows, the first of them
   // query `first_row`) against k's rows: S_i = scale · Q_i K_g(i)^T ([heads, n, keys] in `s`),
   // then the masked softmax. In column-major terms S_i^T = K_g · Q_i^T: op(K) = T. Heads
@@ -316,28 +305,29 @@ class Lane {
     return OkStatus();
   }
 
-  // O_i = A_i · Val_i into O's columns of head i. Column-major: O_i^T = Val_i^T · A_i^T.
-  // The factored form's heads are uniform (width d_h, group offsets) and run as strided batches;
-  // ragged widths (the low-rank form) run head by head.
-  Status Mix(const FormWeights& f, DeviceBlock val, const float* s, int64_t n, int64_t keys, DeviceBlock o) {
-    const LayerConfig& c = f.config;
-    const int64_t group = c.group_size(), w = f.value_width[0];
+  // O_i = A_i · values_i into out's columns of head i (AttentionJob's columns). Column-major:
+  // O_i^T = values_i^T · A_i^T. Heads of uniform width whose value and output columns follow the
+  // kv head and the head (the factored form) run as strided batches; the others (the low-rank
+  // form's ragged widths, the context as every head's values) head by head.
+  Status Mix(const AttentionJob& job, DeviceBlock values, const float* s, int64_t n, int64_t keys, DeviceBlock out) {
+    const LayerConfig& c = job.form->config;
+    const int64_t group = c.group_size(), w = job.Width(0);
     bool uniform = true;
     for (int64_t i = 0; i < c.heads; ++i) {
-      uniform = uniform && f.value_width[i] == w && f.value_offset[i] == c.KvHeadOf(i) * w && f.mix_offset[i] == i * w;
+      uniform = uniform && job.Width(i) == w && job.ValueColumn(i) == c.KvHeadOf(i) * w && job.OutColumn(i) == i * w;
     }
     if (uniform) {
       for (int64_t j = 0; j < group; ++j) {
-        ATTNSERVE_RETURN_IF_ERROR(GemmStridedBatched(CUBLAS_OP_N, w, n, keys, 1.0f, val.data, val.ld, w,
-                                                     s + j * n * keys, keys, group * n * keys, o.data + j * w, o.ld,
-                                                     group * w, c.kv_heads));
+        ATTNSERVE_RETURN_IF_ERROR(GemmStridedBatched(CUBLAS_OP_N, w, n, keys, 1.0f, values.data, values.ld, w,
+                                                     s + j * n * keys, keys, group * n * keys, out.data + j * w,
+                                                     out.ld, group * w, c.kv_heads));
       }
       return OkStatus();
     }
     for (int64_t i = 0; i < c.heads; ++i) {
       const DeviceBlock a{const_cast<float*>(s) + i * n * keys, n, keys, keys};
-      ATTNSERVE_RETURN_IF_ERROR(Gemm(a, val.Cols(f.value_offset[i], f.value_width[i]).Rows(0, keys),
-                                     o.Cols(f.mix_offset[i], f.value_width[i])));
+      ATTNSERVE_RETURN_IF_ERROR(CublasGemm(a, values.Cols(job.ValueColumn(i), job.Width(i)).Rows(0, keys),
+                                     out.Cols(job.OutColumn(i), job.Width(i))));
     }
     return OkStatus();
   }
@@ -345,13 +335,29 @@ class Lane {
   // Query rows per block of `seq`: as many as keep the block's scores, and the summed form's
   // A_cat block beside them, within `score_bytes`; at least one, at most n.
   static int64_t BlockRows(const FormWeights& f, const Sequence& seq, int64_t score_bytes) {
-    const int64_t copies = f.has_output_projection() ? 1 : 2;
+    const int64_t copies = f.concat_then_project() ? 1 : 2;
     const int64_t row_bytes = copies * f.config.heads * seq.visible_keys() * static_cast<int64_t>(sizeof(float));
     return std::clamp<int64_t>(score_bytes / row_bytes, 1, seq.n());
   }
 
+  // Calls `block(row0, rows, keys)` for the blocks of query rows of `range` (rows of its
+  // sequence) under the workspace's score bound; `keys` are those the block sees (causal: no
+  // row of the block sees past its last row's keys, so those are not computed).
+  template <class Block>
+  Status ForEachBlock(const FormWeights& f, const AttentionRange& range, Block block) {
+    const Sequence& s = *range.sequence;
+    const int64_t step = BlockRows(f, s, score_bytes_);
+    for (int64_t row0 = range.row0; row0 < range.row0 + range.rows; row0 += step) {
+      const int64_t rows = std::min(step, range.row0 + range.rows - row0);
+      const int64_t keys = s.causal ? std::min(s.visible_keys(), row0 + rows) : s.visible_keys();
+      ATTNSERVE_RETURN_IF_ERROR(block(row0, rows, keys));
+    }
+    return OkStatus();
+  }
+
   // The workspace of one batch: its pieces in floats, each 256-byte aligned in `total`.
-  static constexpr int kPieces = 7;
+  static constexpr int kPieces = 8;
+  enum Piece { kInputs, kQK, kValues, kScores, kACat, kHeadOutputs, kOutput, kMixes };
   struct WorkspacePlan {
     int64_t score_bytes = 0;  // the bound its blocks were cut to
     int64_t sizes[kPieces] = {};
@@ -381,7 +387,7 @@ class Lane {
     if (plan.total * static_cast<int64_t>(sizeof(float)) <= room) return st;
     // Smaller blocks: the room less the pieces linear in the tokens, for the two score pieces.
     const WorkspacePlan smallest = plan_for(0);  // one query row per block
-    const int64_t linear = smallest.total - Aligned(smallest.sizes[3]) - Aligned(smallest.sizes[4]);
+    const int64_t linear = smallest.total - Aligned(smallest.sizes[kScores]) - Aligned(smallest.sizes[kACat]);
     const int64_t score_bytes = room - (linear + 2 * 64) * static_cast<int64_t>(sizeof(float));
     plan = plan_for(std::max<int64_t>(0, score_bytes));
     const int64_t need = plan.total * static_cast<int64_t>(sizeof(float));
@@ -396,71 +402,53 @@ class Lane {
     return plan;
   }
 
-  // Attention for one block of a sequence's queries: q holds the block's rows (the first is
-  // query `first_row`), k and val the keys the block sees. Factored: the block's rows of O;
-  // summed: its rows of Y (`out`). `s` and `cat` hold heads · q.rows · k.rows floats each.
-  Status AttendBlock(const FormWeights& f, DeviceBlock q, DeviceBlock k, DeviceBlock val, int64_t first_row,
-                     bool causal, float* s, float* cat, DeviceBlock out) {
-    const LayerConfig& c = f.config;
-    const int64_t n = q.rows, keys = k.rows;
-    ATTNSERVE_RETURN_IF_ERROR(Scores(c, q, k, first_row, causal, s));
-    if (f.has_output_projection()) return Mix(f, val, s, n, keys, out);
-    // Summed: Val's rows are contiguous [h·d], so the first L rows are [M_1; …; M_h] as an
-    // [L·h, d] matrix with rows (key, head); A_cat matches it and the head sum is one GEMM.
-    CUDA_TRY(cuda::InterleaveHeads(s, c.heads, n, keys, cat, stream_));
-    const DeviceBlock a_cat{cat, n, keys * c.heads, keys * c.heads};
-    const DeviceBlock m{val.data, keys * c.heads, c.d_model, c.d_model};
-    return Gemm(a_cat, m, out);
-  }
+  static DeviceBlock Block(ConstMatrixView v) { return {const_cast<float*>(v.data), v.rows, v.cols, v.ld}; }
 
  public:
-  // Runs one batch on this lane's stream; returns once the outputs are written.
+  // Runs one batch on this lane's stream (the skeleton over this lane's operations); returns
+  // once the outputs are written.
   Status RunBatch(const CudaResidentForm& r, std::span<const Sequence> batch) {
-    const FormWeights& f = r.weights();
-    const LayerConfig& c = f.config;
-    const int64_t d = c.d_model;
     CUDA_TRY(cudaSetDevice(options_.device));
+    const DeviceWeights w = WeightsAt(r.weights(), r.w_in.get(), r.b_in.get(), r.w_out.get(), r.b_out.get());
+    return RunAttention(*this, r.weights(), w, batch);
+  }
 
-    // Row offsets of each sequence among the stacked queries and contexts.
-    std::vector<int64_t> x_row, c_row;
-    int64_t tx = 0, tc = 0;
-    bool all_self = true;
-    for (const Sequence& s : batch) {
-      x_row.push_back(tx);
-      c_row.push_back(tc);
-      tx += s.n();
-      tc += s.m();
-      all_self = all_self && s.self_attention();
-    }
+  // Every summed sequence projects first here: a device holds its A_cat in blocks of query rows
+  // (the workspace's score pieces), so mixing first buys no memory; the mixes' bound is the
+  // score workspace's.
+  PlanPolicy Policy() const override { return {.summed_order = {}, .max_mix_bytes = options_.max_score_workspace_bytes}; }
+
+  // Workspace: one allocation carved into the pieces this batch needs. Inputs and (when staged)
+  // contexts share the first piece, in that order. Blocks of query rows keep the scores linear in
+  // the sequence length (not heads · n · L). The inputs go through pinned memory, one copy.
+  Status Prepare(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch,
+                 ForwardBuffers& b) override {
+    const LayerConfig& c = f.config;
+    const int64_t d = c.d_model, tx = plan.rows.queries, tc = plan.rows.contexts;
+    const bool all_self = plan.rows.all_self;
     const int64_t c_rows = all_self ? 0 : tc;  // contexts are staged only when some differ
-    const int64_t qk_cols = f.q_cols + f.k_cols;
-
-    // Workspace: one allocation carved into the pieces this batch needs. Inputs and (when
-    // staged) contexts share the first piece, in that order. Blocks of query rows keep the
-    // scores linear in the sequence length (not heads · n · L).
     auto plan_for = [&](int64_t score_bytes) {
       int64_t max_scores = 0;
       for (const Sequence& s : batch) {
         max_scores = std::max(max_scores, c.heads * BlockRows(f, s, score_bytes) * s.visible_keys());
       }
-      WorkspacePlan plan{score_bytes,
-                         {(tx + c_rows) * d, all_self ? tx * qk_cols : tx * f.q_cols + tc * f.k_cols,
-                          tc * f.value_cols, max_scores, f.has_output_projection() ? 0 : max_scores,
-                          tx * f.out_rows, tx * d}};
-      for (int64_t size : plan.sizes) plan.total += Aligned(size);
-      return plan;
+      WorkspacePlan w{score_bytes,
+                      {(tx + c_rows) * d, plan.qk_floats, plan.value_floats, max_scores,
+                       f.concat_then_project() ? 0 : max_scores, plan.o_floats, tx * d, plan.mix_floats}};
+      for (int64_t size : w.sizes) w.total += Aligned(size);
+      return w;
     };
-    ATTNSERVE_ASSIGN_OR_RETURN(const WorkspacePlan plan, FitWorkspace(plan_for));
+    ATTNSERVE_ASSIGN_OR_RETURN(const WorkspacePlan w, FitWorkspace(plan_for));
     float* piece[kPieces];
     float* next = workspace_.get();
     for (int p = 0; p < kPieces; ++p) {
       piece[p] = next;
-      next += Aligned(plan.sizes[p]);
+      next += Aligned(w.sizes[p]);
     }
-    float *d_x = piece[0], *d_qk = piece[1], *d_val = piece[2], *d_s = piece[3], *d_cat = piece[4], *d_o = piece[5],
-          *d_y = piece[6];
+    score_bytes_ = w.score_bytes;
+    scores_ = piece[kScores];
+    a_cat_ = piece[kACat];
 
-    // Stage the inputs (and contexts) in pinned memory, one copy to the device.
     ATTNSERVE_RETURN_IF_ERROR(staging_in_.Reserve((tx + c_rows) * d));
     float* h = staging_in_.get();
     auto pack = [&](ConstMatrixView v) {
@@ -470,66 +458,98 @@ class Lane {
     if (!all_self) {
       for (const Sequence& s : batch) pack(s.keys_source());
     }
-    CUDA_TRY(cudaMemcpyAsync(d_x, staging_in_.get(), (tx + c_rows) * d * sizeof(float), cudaMemcpyHostToDevice,
-                             stream_));
-    const DeviceBlock x{d_x, tx, d, d}, ctx = all_self ? x : DeviceBlock{d_x + tx * d, tc, d, d};
-
-    // Projections: one GEMM per weight block over all stacked tokens.
-    DeviceBlock q, k;
+    CUDA_TRY(cudaMemcpyAsync(piece[kInputs], staging_in_.get(), (tx + c_rows) * d * sizeof(float),
+                             cudaMemcpyHostToDevice, stream_));
+    b.x = ConstMatrixView(piece[kInputs], tx, d);
+    b.c = all_self ? b.x : ConstMatrixView(piece[kInputs] + tx * d, tc, d);
     if (all_self) {
-      const DeviceBlock qk{d_qk, tx, qk_cols, qk_cols};
-      ATTNSERVE_RETURN_IF_ERROR(Project(r, x, 0, qk_cols, qk));
-      q = qk.Cols(0, f.q_cols);
-      k = qk.Cols(f.q_cols, f.k_cols);
+      const MatrixView qk(piece[kQK], tx, f.q_cols + f.k_cols);
+      b.q = qk.ColBlock(0, f.q_cols);
+      b.k = qk.ColBlock(f.q_cols, f.k_cols);
     } else {
-      q = {d_qk, tx, f.q_cols, f.q_cols};
-      k = {d_qk + tx * f.q_cols, tc, f.k_cols, f.k_cols};
-      ATTNSERVE_RETURN_IF_ERROR(Project(r, x, 0, f.q_cols, q));
-      ATTNSERVE_RETURN_IF_ERROR(Project(r, ctx, f.q_cols, f.k_cols, k));
+      b.q = MatrixView(piece[kQK], tx, f.q_cols);
+      b.k = MatrixView(piece[kQK] + tx * f.q_cols, tc, f.k_cols);
     }
-    if (c.rope_theta > 0) {
-      for (size_t i = 0; i < batch.size(); ++i) {
-        const Sequence& s = batch[i];
-        const DeviceBlock qi = q.Rows(x_row[i], s.n()), ki = k.Rows(c_row[i], s.m());
-        CUDA_TRY(cuda::ApplyRope(qi.data, qi.rows, c.heads, c.d_head, qi.ld, c.rope_theta, s.position_offset, stream_));
-        CUDA_TRY(cuda::ApplyRope(ki.data, ki.rows, c.kv_heads, c.d_head, ki.ld, c.rope_theta, s.key_position_offset(),
-                                 stream_));
-      }
-    }
-    const DeviceBlock val{d_val, tc, f.value_cols, f.value_cols};
-    ATTNSERVE_RETURN_IF_ERROR(Project(r, ctx, qk_cols, f.value_cols, val));
+    b.val = MatrixView(piece[kValues], plan.val_rows, f.value_cols);
+    b.o = MatrixView(piece[kHeadOutputs], tx, f.out_rows);
+    b.y = MatrixView(piece[kOutput], tx, d);
+    for (size_t i = 0; i < batch.size(); ++i) b.outputs.push_back(b.y.RowBlock(plan.rows.x_row[i], batch[i].n()));
+    b.mixes = piece[kMixes];
+    return OkStatus();
+  }
 
-    const DeviceBlock o{d_o, tx, f.out_rows, f.out_rows}, y{d_y, tx, d, d};
-    const DeviceBlock mixed = f.has_output_projection() ? o : y;
-    for (size_t i = 0; i < batch.size(); ++i) {
-      const Sequence& s = batch[i];
-      const int64_t n = s.n(), block = BlockRows(f, s, plan.score_bytes);
-      for (int64_t row0 = 0; row0 < n; row0 += block) {
-        const int64_t rows = std::min(block, n - row0);
-        // Causal: no row of the block sees past its last row's keys, so those are not computed.
-        const int64_t keys = s.causal ? std::min(s.visible_keys(), row0 + rows) : s.visible_keys();
-        ATTNSERVE_RETURN_IF_ERROR(AttendBlock(f, q.Rows(x_row[i] + row0, rows), k.Rows(c_row[i], keys),
-                                              val.Rows(c_row[i], keys), row0, s.causal, d_s, d_cat,
-                                              mixed.Rows(x_row[i] + row0, rows)));
-      }
-    }
-    if (f.has_output_projection()) {
-      ATTNSERVE_RETURN_IF_ERROR(Gemm(o, DeviceBlock{r.w_out.get(), f.out_rows, d, d}, y));
-    }
-    if (!f.b_out.empty()) CUDA_TRY(cuda::AddRowBias(d_y, tx, d, d, r.b_out.get(), stream_));
+  Status Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate) override {
+    ATTNSERVE_RETURN_IF_ERROR(CublasGemm(Block(x), Block(w), Block(y), 1.0f, accumulate ? 1.0f : 0.0f));
+    if (bias != nullptr) CUDA_TRY(cuda::AddRowBias(y.data, y.rows, y.cols, y.ld, bias, stream_));
+    return OkStatus();
+  }
 
-    ATTNSERVE_RETURN_IF_ERROR(staging_out_.Reserve(tx * d));
-    CUDA_TRY(cudaMemcpyAsync(staging_out_.get(), d_y, tx * d * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-    CUDA_TRY(cudaStreamSynchronize(stream_));
-    for (size_t i = 0; i < batch.size(); ++i) {
-      const Sequence& s = batch[i];
-      for (int64_t row = 0; row < s.n(); ++row) {
-        std::memcpy(s.output.row(row), staging_out_.get() + (x_row[i] + row) * d, d * sizeof(float));
-      }
+  Status Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, int64_t position) override {
+    CUDA_TRY(cuda::ApplyRope(m.data, m.rows, heads, d_head, m.ld, theta, position, stream_));
+    return OkStatus();
+  }
+
+  // Per range, blocks of query rows: every head's scores and softmax in the score piece, then
+  // the mix into the block's rows of out.
+  Status Attend(const AttentionJob& job) override {
+    const LayerConfig& c = job.form->config;
+    for (const AttentionRange& range : job.ranges) {
+      ATTNSERVE_RETURN_IF_ERROR(ForEachBlock(*job.form, range, [&](int64_t row0, int64_t rows, int64_t keys) {
+        ATTNSERVE_RETURN_IF_ERROR(
+            Scores(c, Block(range.q).Rows(row0, rows), Block(range.k).Rows(0, keys), row0, range.sequence->causal, scores_));
+        return Mix(job, Block(range.values), scores_, rows, keys, Block(range.out).Rows(row0 - range.row0, rows));
+      }));
     }
     return OkStatus();
   }
 
+  // Per range, blocks of query rows: the scores, interleaved into the block's A_cat (a second
+  // score piece), and the head sum as one GEMM into the block's rows of out; then the bias.
+  Status SumHeadsProjectingFirst(const FormWeights& f, std::span<const AttentionRange> ranges,
+                                 const float* bias) override {
+    const LayerConfig& c = f.config;
+    for (const AttentionRange& range : ranges) {
+      ATTNSERVE_RETURN_IF_ERROR(ForEachBlock(f, range, [&](int64_t row0, int64_t rows, int64_t keys) {
+        ATTNSERVE_RETURN_IF_ERROR(
+            Scores(c, Block(range.q).Rows(row0, rows), Block(range.k).Rows(0, keys), row0, range.sequence->causal, scores_));
+        CUDA_TRY(cuda::InterleaveHeads(scores_, c.heads, rows, keys, a_cat_, stream_));
+        const MatrixView a_cat(a_cat_, rows, keys * c.heads);
+        const ConstMatrixView m(range.values.data, keys * c.heads, c.d_model);
+        return Gemm(a_cat, m, nullptr, range.out.RowBlock(row0 - range.row0, rows), /*accumulate=*/false);
+      }));
+    }
+    // The bias once over the outputs, not once a block or a range: the ranges' rows follow each
+    // other in y, so one launch covers each run of adjacent ones (all of them, here).
+    if (bias == nullptr) return OkStatus();
+    for (size_t first = 0; first < ranges.size();) {
+      MatrixView rows = ranges[first].out;
+      size_t last = first + 1;
+      for (; last < ranges.size(); ++last) {
+        const MatrixView next = ranges[last].out;
+        if (next.data != rows.row(rows.rows) || next.ld != rows.ld || next.cols != rows.cols) break;
+        rows.rows += next.rows;
+      }
+      CUDA_TRY(cuda::AddRowBias(rows.data, rows.rows, rows.cols, rows.ld, bias, stream_));
+      first = last;
+    }
+    return OkStatus();
+  }
+
+  // Every output is in y (ForwardBuffers::outputs are its rows): one copy back, then each
+  // sequence's rows from the pinned buffer once the stream has reached it.
+  Status Finish(const BatchPlan& plan, std::span<const Sequence> batch, const ForwardBuffers& b, bool) override {
+    const int64_t tx = plan.rows.queries, d = b.y.cols;
+    ATTNSERVE_RETURN_IF_ERROR(staging_out_.Reserve(tx * d));
+    CUDA_TRY(cudaMemcpyAsync(staging_out_.get(), b.y.data, tx * d * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    CUDA_TRY(cudaStreamSynchronize(stream_));
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const Sequence& s = batch[i];
+      for (int64_t row = 0; row < s.n(); ++row) {
+        std::memcpy(s.output.row(row), staging_out_.get() + (plan.rows.x_row[i] + row) * d, d * sizeof(float));
+      }
+    }
+    return OkStatus();
+  }
  private:
   CudaBackendOptions options_;
   std::shared_ptr<DeviceBudget> budget_;
@@ -537,6 +557,10 @@ class Lane {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
   DeviceArray workspace_;
+  // This batch's score pieces and the bound its blocks were cut to (Prepare).
+  int64_t score_bytes_ = 0;
+  float* scores_ = nullptr;
+  float* a_cat_ = nullptr;
   PinnedArray staging_in_, staging_out_;
 };
 
@@ -565,6 +589,7 @@ class CudaBackend final : public Backend {
 
   StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override {
     if (!form) return InvalidArgumentError("Upload: no form given");
+    ATTNSERVE_RETURN_IF_ERROR(CheckHeadCombine(*form));
     auto resident = std::make_shared<CudaResidentForm>(std::move(form), budget_);
     Status st = WithLane([&](Lane& lane) { return lane.Upload(*resident); });
     if (!st.ok()) return MarkFailed(st);

@@ -1,0 +1,59 @@
+// The plan of one forward, written once for every device: where each sequence of the batch sits
+// among the stacked rows, how the form combines its heads, which sequences the value block
+// holds, the summed form's association order per sequence and its mix-first parts in chunks, and
+// the size of every buffer the skeleton (skeleton.h) asks a device for.
+// Thread-safety: a value computed from its arguments; const access from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "server/core/forms.h"
+#include "server/core/sequence.h"
+
+namespace attnserve {
+
+// What a device lets the plan choose: the summed form's association order (SummedMixesFirst)
+// and the bound on the mixes a chunk of mix-first parts holds at once.
+struct PlanPolicy {
+  SummedOrder summed_order;                       // {}: every summed sequence projects first
+  int64_t max_mix_bytes = int64_t{256} << 20;     // one chunk's mixes [rows, h·d], at least a row
+};
+
+// Query rows [row0, row0 + rows) of a summed sequence that mixes first, and where its mixes
+// [rows, h·d] start in its chunk's mixes buffer (in floats).
+struct MixPart {
+  size_t sequence = 0;
+  int64_t row0 = 0, rows = 0;
+  int64_t offset = 0;
+};
+
+// Parts [first, last) of BatchPlan::mix_parts, whose mixes are held at once.
+struct MixChunk {
+  size_t first = 0, last = 0;
+};
+
+struct BatchPlan {
+  HeadCombine combine = HeadCombine::kConcatThenProject;
+  BatchRows rows;  // each sequence's first query row (X, Q, O, Y) and context row (C, K)
+  // Summed sequences that mix their keys first need no value rows of their own: val_row is each
+  // sequence's first row in the value block, which holds val_rows rows of the others.
+  std::vector<bool> mixes_first;
+  std::vector<int64_t> val_row;
+  int64_t val_rows = 0;
+  std::vector<MixPart> mix_parts;
+  std::vector<MixChunk> mix_chunks;
+
+  // The buffers the skeleton computes into, in floats: Q and K, the value block, the heads'
+  // outputs O (concat-then-project forms), the largest chunk's mixes. (Where the inputs and the
+  // outputs live is the device's choice: DeviceOps::Prepare.)
+  int64_t qk_floats = 0, value_floats = 0, o_floats = 0, mix_floats = 0;
+
+  bool value_block_is_whole() const { return val_rows == rows.contexts; }
+};
+
+BatchPlan PlanBatch(const FormWeights& form, std::span<const Sequence> batch, const PlanPolicy& policy);
+
+}  // namespace attnserve

@@ -1,0 +1,133 @@
+#include "server/backend/attention/skeleton.h"
+
+namespace attnserve {
+
+namespace {
+
+// x · W_in[:, col0 : col0 + count] (+ b_in over those columns, where the form has one) into y.
+Status ProjectColumns(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, ConstMatrixView x, int64_t col0,
+                      int64_t count, MatrixView y) {
+  const bool has_bias = w.b_in != nullptr && static_cast<int64_t>(f.b_in.size()) >= col0 + count;
+  return ops.Gemm(x, w.w_in.ColBlock(col0, count), has_bias ? w.b_in + col0 : nullptr, y, /*accumulate=*/false);
+}
+
+// Q and K of every token (one GEMM for both in self-attention: they come from the same rows),
+// rotated per sequence; then the value block of the sequences that project their values.
+Status Project(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, const BatchPlan& plan,
+               std::span<const Sequence> batch, const ForwardBuffers& b) {
+  const int64_t qk_cols = f.q_cols + f.k_cols;
+  if (plan.rows.all_self) {
+    ATTNSERVE_RETURN_IF_ERROR(ProjectColumns(ops, f, w, b.x, 0, qk_cols, MatrixView(b.q.data, b.q.rows, qk_cols, b.q.ld)));
+  } else {
+    ATTNSERVE_RETURN_IF_ERROR(ProjectColumns(ops, f, w, b.x, 0, f.q_cols, b.q));
+    ATTNSERVE_RETURN_IF_ERROR(ProjectColumns(ops, f, w, b.c, f.q_cols, f.k_cols, b.k));
+  }
+  const LayerConfig& c = f.config;
+  if (c.rope_theta > 0) {
+    for (size_t r = 0; r < batch.size(); ++r) {
+      const Sequence& s = batch[r];
+      ATTNSERVE_RETURN_IF_ERROR(
+          ops.Rope(b.q.RowBlock(plan.rows.x_row[r], s.n()), c.heads, c.d_head, c.rope_theta, s.position_offset));
+      ATTNSERVE_RETURN_IF_ERROR(ops.Rope(b.k.RowBlock(plan.rows.c_row[r], s.m()), c.kv_heads, c.d_head, c.rope_theta,
+                                         s.key_position_offset()));
+    }
+  }
+  // One GEMM over every context row when the value block holds them all, else one per sequence
+  // it holds (a summed sequence that mixes first needs none).
+  if (plan.value_block_is_whole()) return ProjectColumns(ops, f, w, b.c, qk_cols, f.value_cols, b.val);
+  for (size_t r = 0; r < batch.size(); ++r) {
+    if (plan.mixes_first[r]) continue;
+    ATTNSERVE_RETURN_IF_ERROR(ProjectColumns(ops, f, w, b.c.RowBlock(plan.rows.c_row[r], batch[r].m()), qk_cols,
+                                             f.value_cols, b.val.RowBlock(plan.val_row[r], batch[r].m())));
+  }
+  return OkStatus();
+}
+
+// Sequence r's rows of Q and K, and its query rows [row0, row0 + rows) as a range with `values`
+// and `out`.
+AttentionRange RangeOf(const BatchPlan& plan, std::span<const Sequence> batch, const ForwardBuffers& b, size_t r,
+                       int64_t row0, int64_t rows, ConstMatrixView values, MatrixView out) {
+  const Sequence& s = batch[r];
+  return {.sequence = &s,
+          .row0 = row0,
+          .rows = rows,
+          .q = b.q.RowBlock(plan.rows.x_row[r], s.n()),
+          .k = b.k.RowBlock(plan.rows.c_row[r], s.m()),
+          .values = values,
+          .out = out};
+}
+
+// Factored and low-rank: O_i = A_i Val_i into O's columns of head i, then Y = O W_out + b.
+Status ConcatThenProject(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, const BatchPlan& plan,
+                         std::span<const Sequence> batch, const ForwardBuffers& b) {
+  AttentionJob job{.form = &f, .values = AttentionValues::kValueBlock};
+  for (size_t r = 0; r < batch.size(); ++r) {
+    const int64_t n = batch[r].n(), m = batch[r].m();
+    job.ranges.push_back(RangeOf(plan, batch, b, r, 0, n, b.val.RowBlock(plan.val_row[r], m),
+                                 b.o.RowBlock(plan.rows.x_row[r], n)));
+  }
+  ATTNSERVE_RETURN_IF_ERROR(ops.Attend(job));
+  ATTNSERVE_RETURN_IF_ERROR(ops.Gemm(b.o, w.w_out, w.b_out, b.y, /*accumulate=*/false));
+  return ops.Finish(plan, batch, b, /*stacked=*/true);
+}
+
+// Summed, mixing first, one chunk of parts: each head's mix A_i C is an attention whose values
+// are the context, into the part's mixes [rows, h·d]; then Y = Σ_i mixes_i W_M_i + b_eff, with
+// W_M_i read straight from the value block's weights.
+Status SumMixingFirst(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, const BatchPlan& plan,
+                      std::span<const Sequence> batch, const ForwardBuffers& b, const MixChunk& chunk) {
+  AttentionJob job{.form = &f, .values = AttentionValues::kContext};
+  for (size_t i = chunk.first; i < chunk.last; ++i) {
+    const MixPart& part = plan.mix_parts[i];
+    job.ranges.push_back(RangeOf(plan, batch, b, part.sequence, part.row0, part.rows,
+                                 b.c.RowBlock(plan.rows.c_row[part.sequence], batch[part.sequence].m()),
+                                 MatrixView(b.mixes + part.offset, part.rows, f.value_cols)));
+  }
+  ATTNSERVE_RETURN_IF_ERROR(ops.Attend(job));
+  const int64_t value_col0 = f.q_cols + f.k_cols;
+  for (const AttentionRange& range : job.ranges) {
+    const size_t r = static_cast<size_t>(range.sequence - batch.data());
+    const MatrixView y = b.outputs[r].RowBlock(range.row0, range.rows);
+    for (int64_t i = 0; i < f.config.heads; ++i) {
+      const int64_t col = f.value_offset[i], width = f.value_width[i];
+      // The first head's product (with the bias) sets Y; the others add to it.
+      ATTNSERVE_RETURN_IF_ERROR(ops.Gemm(range.out.ColBlock(col, width), w.w_in.ColBlock(value_col0 + col, width),
+                                         i == 0 ? w.b_out : nullptr, y, /*accumulate=*/i > 0));
+    }
+  }
+  return OkStatus();
+}
+
+// Summed: the sequences that project first in one call (the device holds their A_cat), then
+// those that mix first, chunk by chunk.
+Status SumOfMixes(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, const BatchPlan& plan,
+                  std::span<const Sequence> batch, const ForwardBuffers& b) {
+  std::vector<AttentionRange> projecting;
+  for (size_t r = 0; r < batch.size(); ++r) {
+    if (plan.mixes_first[r]) continue;
+    projecting.push_back(RangeOf(plan, batch, b, r, 0, batch[r].n(), b.val.RowBlock(plan.val_row[r], batch[r].m()),
+                                 b.outputs[r]));
+  }
+  if (!projecting.empty()) ATTNSERVE_RETURN_IF_ERROR(ops.SumHeadsProjectingFirst(f, projecting, w.b_out));
+  for (const MixChunk& chunk : plan.mix_chunks) {
+    ATTNSERVE_RETURN_IF_ERROR(SumMixingFirst(ops, f, w, plan, batch, b, chunk));
+  }
+  return ops.Finish(plan, batch, b, /*stacked=*/false);
+}
+
+}  // namespace
+
+Status RunAttention(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, std::span<const Sequence> batch) {
+  if (batch.empty()) return OkStatus();
+  const BatchPlan plan = PlanBatch(f, batch, ops.Policy());
+  ForwardBuffers buffers;
+  ATTNSERVE_RETURN_IF_ERROR(ops.Prepare(f, plan, batch, buffers));
+  ATTNSERVE_RETURN_IF_ERROR(Project(ops, f, w, plan, batch, buffers));
+  switch (plan.combine) {
+    case HeadCombine::kConcatThenProject: return ConcatThenProject(ops, f, w, plan, batch, buffers);
+    case HeadCombine::kSumOfMixes: return SumOfMixes(ops, f, w, plan, batch, buffers);
+  }
+  return InternalError("RunAttention: a head combine without a branch");
+}
+
+}  // namespace attnserve
