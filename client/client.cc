@@ -8,6 +8,8 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include <nlohmann/json.hpp>
+
 #include <bit>
 #include <climits>
 #include <cstring>
@@ -19,7 +21,6 @@
 #include <string>
 #include <utility>
 
-#include "client/json.h"
 
 namespace attnserve {
 
@@ -48,8 +49,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const ClientOptions& o) {
   if (!o.load_balancing.empty()) {
     // The default service config, so the policy applies to every resolver (dns:///, ipv4:, ...)
     // unless the resolver itself supplies a service config.
-    args.SetServiceConfigJSON("{\"loadBalancingConfig\":[{" + JsonString(o.load_balancing) +
-                              ":{}}]}");
+    const nlohmann::json config = {{"loadBalancingConfig", {{{o.load_balancing, nlohmann::json::object()}}}}};
+    args.SetServiceConfigJSON(config.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   }
   if (!o.tls()) return grpc::CreateCustomChannel(o.target, grpc::InsecureChannelCredentials(), args);
   grpc::SslCredentialsOptions ssl;

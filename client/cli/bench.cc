@@ -2,6 +2,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
@@ -16,7 +18,6 @@
 
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/cli/args.h"
-#include "client/json.h"
 
 namespace attnserve::cli {
 namespace {
@@ -406,27 +407,22 @@ void PrintRatios(const std::vector<BenchRecord>& records, std::ostream& out) {
   }
 }
 
+// One record a line, so that a file of them reads and diffs line by line.
 std::string RecordsJson(const std::vector<BenchRecord>& records) {
+  const auto num = [](double v) { return std::isfinite(v) ? v : 0.0; };  // JSON has no NaN
   std::string s = "[\n";
   for (size_t i = 0; i < records.size(); ++i) {
     const BenchRecord& r = records[i];
-    std::string codes = "{";
-    for (const auto& [code, count] : r.error_codes) {
-      if (codes.size() > 1) codes += ", ";
-      codes += JsonString(code) + ": " + std::to_string(count);
-    }
-    codes += "}";
-    s += "  {\"layer\": " + JsonString(r.layer) + ", \"form\": " + JsonString(r.form) +
-         ", \"batch\": " + std::to_string(r.batch) + ", \"n\": " + std::to_string(r.n) +
-         ", \"m\": " + std::to_string(r.m) + ", \"causal\": " + (r.causal ? "true" : "false") +
-         ", \"concurrency\": " + std::to_string(r.concurrency) + ", \"requests\": " + std::to_string(r.requests) +
-         ", \"errors\": " + std::to_string(r.errors) + ", \"error_codes\": " + codes +
-         ", \"seconds\": " + Num(r.seconds) + ", \"requests_per_s\": " + Num(r.requests_per_s) +
-         ", \"tokens_per_s\": " + Num(r.tokens_per_s) + ", \"mean_ms\": " + Num(r.mean_ms) +
-         ", \"p50_ms\": " + Num(r.p50_ms) + ", \"p90_ms\": " + Num(r.p90_ms) + ", \"p95_ms\": " + Num(r.p95_ms) +
-         ", \"p99_ms\": " + Num(r.p99_ms) + ", \"max_ms\": " + Num(r.max_ms) + ", \"queue_us\": " + Num(r.queue_us) +
-         ", \"compute_us\": " + Num(r.compute_us) + ", \"batch_requests\": " + Num(r.batch_requests) +
-         ", \"samples\": " + std::to_string(r.samples) + "}" + (i + 1 < records.size() ? "," : "") + "\n";
+    nlohmann::ordered_json codes = nlohmann::ordered_json::object();
+    for (const auto& [code, count] : r.error_codes) codes[code] = count;
+    const nlohmann::ordered_json j = {
+        {"layer", r.layer}, {"form", r.form}, {"batch", r.batch}, {"n", r.n}, {"m", r.m}, {"causal", r.causal},
+        {"concurrency", r.concurrency}, {"requests", r.requests}, {"errors", r.errors}, {"error_codes", codes},
+        {"seconds", num(r.seconds)}, {"requests_per_s", num(r.requests_per_s)}, {"tokens_per_s", num(r.tokens_per_s)},
+        {"mean_ms", num(r.mean_ms)}, {"p50_ms", num(r.p50_ms)}, {"p90_ms", num(r.p90_ms)}, {"p95_ms", num(r.p95_ms)},
+        {"p99_ms", num(r.p99_ms)}, {"max_ms", num(r.max_ms)}, {"queue_us", num(r.queue_us)},
+        {"compute_us", num(r.compute_us)}, {"batch_requests", num(r.batch_requests)}, {"samples", r.samples}};
+    s += "  " + j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + (i + 1 < records.size() ? "," : "") + "\n";
   }
   return s + "]\n";
 }
