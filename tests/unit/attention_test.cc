@@ -297,6 +297,20 @@ TEST(BatchPlanTest, RowsOrdersPartsAndChunksWorkedOutByHand) {
   EXPECT_EQ(factored.o_floats, 16 * 16);
 }
 
+TEST(AttentionJobTest, HeadsAtFixedStridesAreTheFactoredFormsAndOneKvHeadsContext) {
+  const LayerWeights gqa = RandomLayerWeights(Config(24, 6, 2, 0, false), 4);
+  const FormWeights factored = MaterializeFactored(gqa), summed = MaterializeSummed(gqa);
+  EXPECT_EQ((AttentionJob{.form = &factored, .values = AttentionValues::kValueBlock}).StridedHeadWidth(), 4);
+  // Every head mixes the whole context, but the heads of different kv heads read the same
+  // columns: not the strides of a batch over kv heads.
+  EXPECT_EQ((AttentionJob{.form = &summed, .values = AttentionValues::kContext}).StridedHeadWidth(), 0);
+  const LayerWeights mqa = RandomLayerWeights(Config(24, 6, 1, 0, false), 5);
+  const FormWeights summed_mqa = MaterializeSummed(mqa);
+  EXPECT_EQ((AttentionJob{.form = &summed_mqa, .values = AttentionValues::kContext}).StridedHeadWidth(), 24);
+  const FormWeights ragged = *MaterializeLowRank(gqa, {4, 3, 4, 4, 2, 4});
+  EXPECT_EQ((AttentionJob{.form = &ragged, .values = AttentionValues::kValueBlock}).StridedHeadWidth(), 0);
+}
+
 TEST(HeadCombineTest, EveryFormChoosesAndTheWeightsMustAgree) {
   EXPECT_EQ(HeadCombineOf(Form::kFactored), HeadCombine::kConcatThenProject);
   EXPECT_EQ(HeadCombineOf(Form::kLowRank), HeadCombine::kConcatThenProject);

@@ -659,6 +659,50 @@ TEST_F(CudaQueryRowBlockTest, EveryFormMatchesFloat64Reference) {
   }
 }
 
+// CudaBackendOptions::summed_mix_first: a summed sequence with fewer queries than keys mixes its
+// keys first (the skeleton's Attend with the context as every head's values, then one GEMM per
+// head), the others project first, in one batch; each against float64, for multi-head, grouped
+// and multi-query layers, whole and in blocks of rows; and the FLOPs counted are the order's.
+TEST_F(CudaQueryRowBlockTest, SummedMixingFirstMatchesFloat64Reference) {
+  const LayerWeights mha = RandomLayerWeights(*CompleteConfig({.d_model = 40, .heads = 4, .d_head = 10}), rng_());
+  const LayerWeights gqa = RandomLayerWeights(
+      *CompleteConfig({.d_model = 48, .heads = 6, .kv_heads = 2, .d_head = 8, .bias = false, .rope_theta = 10000.0}),
+      rng_());
+  const LayerWeights mqa = RandomLayerWeights(*CompleteConfig({.d_model = 32, .heads = 4, .kv_heads = 1}), rng_());
+  for (const LayerWeights* w : {&mha, &gqa, &mqa}) {
+    const int64_t d = w->config.d_model;
+    std::vector<testing::OwnedSequence> seqs;
+    seqs.push_back(RandomSequence(rng_, d, 23, 97, true, false, -1));  // n < m: mixes first
+    seqs.push_back(RandomSequence(rng_, d, 31, 31, false, true, -1));  // n = m: projects first
+    seqs.push_back(RandomSequence(rng_, d, 5, 64, true, false, 41));   // mixes first, padded keys
+    std::vector<std::vector<double>> want;
+    for (auto& s : seqs) want.push_back(ReferenceForward(*w, s.View()));
+    auto form = std::make_shared<const FormWeights>(MaterializeSummed(*w));
+    for (int64_t bound : {int64_t{256} << 20, int64_t{4} << 10}) {
+      auto backend = MakeCudaBackend({.max_score_workspace_bytes = bound, .summed_mix_first = true});
+      ASSERT_TRUE(backend.ok()) << backend.status().ToString();
+      auto resident = (*backend)->Upload(form);
+      ASSERT_TRUE(resident.ok()) << resident.status().ToString();
+      std::vector<Sequence> batch;
+      std::vector<SequenceShape> shapes;
+      for (auto& s : seqs) {
+        std::fill(s.output.begin(), s.output.end(), std::nanf(""));
+        batch.push_back(s.View());
+        shapes.push_back({.n = s.n, .m = s.m, .keys = s.key_length < 0 ? s.m : s.key_length});
+      }
+      const Status st = (*backend)->Forward(**resident, batch);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      for (size_t r = 0; r < seqs.size(); ++r) {
+        EXPECT_LT(RelativeL2(seqs[r].output.data(), want[r]), 1e-5)
+            << "sequence " << r << ", bound " << bound << ", config " << w->config.ToString();
+      }
+      const SummedOrder by_shape{.mix_first_allowed = true};
+      EXPECT_EQ((*backend)->Flops(*form, shapes), ForwardFlops(*form, shapes, by_shape));
+      EXPECT_LT((*backend)->Flops(*form, shapes), ForwardFlops(*form, shapes)) << "mixing first saves FLOPs here";
+    }
+  }
+}
+
 // A long-ish sequence under a 1 MiB bound: the device workspace a batch reserves is the bound
 // plus terms linear in the tokens (inputs, Q, K, values, O, Y), far below the heads · n · L
 // scores of the whole sequence at once; and the answer is still the float64 one.

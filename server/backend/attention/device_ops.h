@@ -94,6 +94,18 @@ struct AttentionJob {
   int64_t Width(int64_t head) const {
     return values == AttentionValues::kValueBlock ? form->value_width[head] : form->config.d_model;
   }
+  // The width w shared by every head when head i reads value columns [g(i)·w, +w) and writes
+  // output columns [i·w, +w) (the factored form; the summed form mixing first with one kv
+  // head), so that the heads' mixes are batches at fixed strides; 0 when they are not (the
+  // low-rank form's ragged ranks, the context as the values of several kv heads).
+  int64_t StridedHeadWidth() const {
+    const LayerConfig& c = form->config;
+    const int64_t w = Width(0);
+    for (int64_t i = 0; i < c.heads; ++i) {
+      if (Width(i) != w || ValueColumn(i) != c.KvHeadOf(i) * w || OutColumn(i) != i * w) return 0;
+    }
+    return w;
+  }
 };
 
 class DeviceOps {

@@ -188,6 +188,9 @@ class PinnedArray {
   size_t capacity_ = 0;
 };
 
+// The summed order the options ask for: by shape alone (no A_cat bound: it is blocked here).
+SummedOrder SummedOrderOf(const CudaBackendOptions& options) { return {.mix_first_allowed = options.summed_mix_first}; }
+
 class CudaResidentForm final : public ResidentForm {
  public:
   CudaResidentForm(std::shared_ptr<const FormWeights> w, const std::shared_ptr<DeviceBudget>& budget)
@@ -306,17 +309,13 @@ class Lane final : public DeviceOps {
   }
 
   // O_i = A_i · values_i into out's columns of head i (AttentionJob's columns). Column-major:
-  // O_i^T = values_i^T · A_i^T. Heads of uniform width whose value and output columns follow the
-  // kv head and the head (the factored form) run as strided batches; the others (the low-rank
-  // form's ragged widths, the context as every head's values) head by head.
+  // O_i^T = values_i^T · A_i^T. Heads at fixed strides (AttentionJob::StridedHeadWidth: the
+  // factored form) run as strided batches; the others (the low-rank form's ragged widths, the
+  // context as every head's values) head by head.
   Status Mix(const AttentionJob& job, DeviceBlock values, const float* s, int64_t n, int64_t keys, DeviceBlock out) {
     const LayerConfig& c = job.form->config;
-    const int64_t group = c.group_size(), w = job.Width(0);
-    bool uniform = true;
-    for (int64_t i = 0; i < c.heads; ++i) {
-      uniform = uniform && job.Width(i) == w && job.ValueColumn(i) == c.KvHeadOf(i) * w && job.OutColumn(i) == i * w;
-    }
-    if (uniform) {
+    const int64_t group = c.group_size(), w = job.StridedHeadWidth();
+    if (w > 0) {
       for (int64_t j = 0; j < group; ++j) {
         ATTNSERVE_RETURN_IF_ERROR(GemmStridedBatched(CUBLAS_OP_N, w, n, keys, 1.0f, values.data, values.ld, w,
                                                      s + j * n * keys, keys, group * n * keys, out.data + j * w,
@@ -413,10 +412,13 @@ class Lane final : public DeviceOps {
     return RunAttention(*this, r.weights(), w, batch);
   }
 
-  // Every summed sequence projects first here: a device holds its A_cat in blocks of query rows
-  // (the workspace's score pieces), so mixing first buys no memory; the mixes' bound is the
-  // score workspace's.
-  PlanPolicy Policy() const override { return {.summed_order = {}, .max_mix_bytes = options_.max_score_workspace_bytes}; }
+  // A summed sequence mixes first only by shape (n < m) and only when the options allow it
+  // (CudaBackendOptions::summed_mix_first): a device holds A_cat a block of query rows at a time
+  // (the workspace's score pieces), so mixing first buys FLOPs, not memory. The mixes' bound is
+  // the score workspace's.
+  PlanPolicy Policy() const override {
+    return {.summed_order = SummedOrderOf(options_), .max_mix_bytes = options_.max_score_workspace_bytes};
+  }
 
   // Workspace: one allocation carved into the pieces this batch needs. Inputs and (when staged)
   // contexts share the first piece, in that order. Blocks of query rows keep the scores linear in
@@ -585,6 +587,10 @@ class CudaBackend final : public Backend {
   }
 
   std::string DeviceName() const override { return "cuda:" + std::to_string(options_.device); }
+  // The summed form in the order it runs.
+  double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const override {
+    return ForwardFlops(form, batch, SummedOrderOf(options_));
+  }
   bool Healthy() const override { return healthy_.load(); }
 
   StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override {

@@ -32,6 +32,11 @@ struct CudaBackendOptions {
   // A batch that would pass it first takes idle lanes' workspaces back, then runs in smaller
   // query-row blocks, and only then fails with RESOURCE_EXHAUSTED; the device keeps serving.
   int64_t max_device_bytes = 0;
+  // The summed form's association order (SummedMixesFirst): with it, a sequence with fewer
+  // queries than keys mixes them first, Y = Σ_i (A_i C) W_M_i (m/n fewer projection FLOPs, one
+  // mix GEMM per head instead of strided batches); without it, every summed sequence projects
+  // first, whose A_cat is a block of rows at a time here anyway. Off until measured on a device.
+  bool summed_mix_first = false;
 };
 
 inline constexpr double kDefaultDeviceMemoryFraction = 0.9;
