@@ -1,7 +1,8 @@
-// The CPU backend: GEMMs (oneDNN or Eigen, gemm.h) for the projections (one per batch over all
-// stacked tokens) and an OpenMP loop of attention tasks (a block of query rows of one sequence,
-// for the heads sharing a K/V tile) that runs the scores and the mix tile by tile with an online
-// softmax: no n × L matrix exists, memory is linear in the sequence length.
+// The CPU backend: the attention skeleton (server/backend/attention) over the CPU's device
+// operations — GEMMs (oneDNN or Eigen, gemm.h) split across the threads for the projections (one
+// per batch over all stacked tokens), and an OpenMP loop of attention tasks (a block of query
+// rows of one sequence, for the heads sharing a K/V tile) that runs the scores and the mix tile
+// by tile with an online softmax: no n × L matrix exists, memory is linear in the sequence length.
 // Thread-safety: Forward is reentrant: each call takes a scratch of its own from a pool (guarded
 // by a mutex) and gives it back at the end, so concurrent calls never share one. Construction
 // turns Eigen's own (process-wide) GEMM threading off: the backend splits GEMMs across its

@@ -1,4 +1,5 @@
-// The CUDA backend: cuBLAS for every GEMM, small kernels (kernels.cu) for the masked softmax,
+// The CUDA backend: the attention skeleton (server/backend/attention) over a lane's device
+// operations — cuBLAS for every GEMM, small kernels (kernels.cu) for the masked softmax, RoPE,
 // bias adds and the summed form's head interleave. Each sequence's attention runs in blocks of
 // query rows whose scores fit max_score_workspace_bytes, so device memory grows linearly with
 // the sequence length (docs/architecture.md, "The CUDA backend"). This header includes no CUDA
