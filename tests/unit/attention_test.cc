@@ -84,9 +84,9 @@ class NaiveOps final : public DeviceOps {
     return OkStatus();
   }
 
-  Status Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, int64_t position) override {
+  Status Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, std::span<const RopeRun> runs) override {
     calls.push_back("Rope");
-    ApplyRope(m, heads, d_head, theta, position);
+    for (const RopeRun& run : runs) ApplyRope(m.RowBlock(run.row0, run.rows), heads, d_head, theta, run.position);
     return OkStatus();
   }
 
@@ -234,16 +234,16 @@ TEST(AttentionSkeletonTest, EachHeadCombineCallsItsOperationsInOrder) {
     EXPECT_TRUE(RunAttention(ops, f, HostWeights(f), batch).ok());
     return ops.calls;
   };
-  // Cross-attention in the batch: Q and K in two GEMMs, then one for the whole value block.
+  // Cross-attention in the batch: Q and K in two GEMMs, each rotated in one call for the whole
+  // batch, then one GEMM for the whole value block.
   EXPECT_THAT(run(MaterializeFactored(w), {}),
-              ElementsAre("Prepare", "Gemm", "Gemm", "Rope", "Rope", "Rope", "Rope", "Gemm", "Attend(values)", "Gemm",
-                          "Finish"));
+              ElementsAre("Prepare", "Gemm", "Gemm", "Rope", "Rope", "Gemm", "Attend(values)", "Gemm", "Finish"));
   // Summed by shape: the first sequence (n = m) projects first, the second (n < m) mixes first
   // (its value rows are not projected: the value block is the first sequence's, one GEMM), one
   // chunk, one GEMM per head.
   EXPECT_THAT(run(MaterializeSummed(w), {.summed_order = {.mix_first_allowed = true}}),
-              ElementsAre("Prepare", "Gemm", "Gemm", "Rope", "Rope", "Rope", "Rope", "Gemm", "SumHeadsProjectingFirst",
-                          "Attend(context)", "Gemm", "Gemm", "Finish"));
+              ElementsAre("Prepare", "Gemm", "Gemm", "Rope", "Rope", "Gemm", "SumHeadsProjectingFirst", "Attend(context)",
+                          "Gemm", "Gemm", "Finish"));
 }
 
 TEST(BatchPlanTest, RowsOrdersPartsAndChunksWorkedOutByHand) {

@@ -192,20 +192,32 @@ TEST_F(CudaEmulationTest, AddRowBiasTouchesOnlyTheBlock) {
   }
 }
 
+// One launch, three runs (sequences) at their own positions, one of them past a million.
 TEST_F(CudaEmulationTest, RopeMatchesFloat64AtLargePositions) {
-  const int64_t rows = 6, heads = 3, d_head = 10, ld = heads * d_head + 4, first = 1'000'000;
+  const int64_t rows = 9, heads = 3, d_head = 10, ld = heads * d_head + 4;
   const double theta = 10000.0;
+  cuda::RopeRuns runs;
+  runs.count = 3;
+  const int64_t row0[] = {0, 4, 6}, position[] = {1'000'000, 7, 0};
+  for (int i = 0; i < 3; ++i) {
+    runs.row0[i] = row0[i];
+    runs.position[i] = position[i];
+  }
+  runs.end = rows;
+  const auto position_of = [&](int64_t r) { return r >= 6 ? r - 6 : r >= 4 ? 7 + r - 4 : 1'000'000 + r; };
   const std::vector<float> x = testing::RandomVector(rng_, rows * ld);
   DeviceVector dx(x);
-  ASSERT_EQ(cuda::ApplyRope(dx.data, rows, heads, d_head, ld, theta, first, nullptr), cudaSuccess);
+  cuda_emulation::ResetCounters();
+  ASSERT_EQ(cuda::ApplyRope(dx.data, heads, d_head, ld, theta, runs, nullptr), cudaSuccess);
   const std::vector<float> got = dx.Read();
+  EXPECT_EQ(cuda_emulation::ReadCounters().kernel_launches, 1);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t h = 0; h < heads; ++h) {
       for (int64_t t = 0; t < d_head / 2; ++t) {
-        const double angle = static_cast<double>(first + r) * std::pow(theta, -2.0 * t / d_head);
+        const double angle = static_cast<double>(position_of(r)) * std::pow(theta, -2.0 * t / d_head);
         const int64_t a = r * ld + h * d_head + t, b = a + d_head / 2;
-        EXPECT_NEAR(got[a], x[a] * std::cos(angle) - x[b] * std::sin(angle), 1e-5);
-        EXPECT_NEAR(got[b], x[b] * std::cos(angle) + x[a] * std::sin(angle), 1e-5);
+        EXPECT_NEAR(got[a], x[a] * std::cos(angle) - x[b] * std::sin(angle), 1e-5) << "row " << r;
+        EXPECT_NEAR(got[b], x[b] * std::cos(angle) + x[a] * std::sin(angle), 1e-5) << "row " << r;
       }
     }
     for (int64_t c = heads * d_head; c < ld; ++c) ASSERT_EQ(got[r * ld + c], x[r * ld + c]) << "padding column";
@@ -363,6 +375,36 @@ std::unique_ptr<Backend> MakeEmulatedBackend() {
   auto backend = MakeCudaBackend({});
   EXPECT_TRUE(backend.ok()) << backend.status().ToString();
   return backend.ok() ? std::move(backend).value() : nullptr;
+}
+
+// What one batch costs in launches and GEMM calls, pinned: 70 small GQA requests with RoPE
+// (factored, no bias, one block each). Per batch: [Q | K] and the value block (2 GEMMs), Q and K
+// rotated in one launch each per 64 sequences (2 · 2), per sequence a masked softmax and, per
+// member of a query group (2 here), a strided-batched score GEMM and a mix GEMM; then the
+// output projection. Per-sequence RoPE launches were 2 · 70 = 140 of these before.
+TEST_F(CudaEmulationTest, LaunchesPerBatchArePinned) {
+  auto backend = MakeEmulatedBackend();
+  ASSERT_NE(backend, nullptr);
+  const LayerWeights w = RandomLayerWeights(
+      *CompleteConfig({.d_model = 32, .heads = 4, .kv_heads = 2, .bias = false, .rope_theta = 10000.0}), rng_());
+  auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  ASSERT_TRUE(resident.ok());
+  constexpr int64_t kSequences = 70;
+  std::vector<testing::OwnedSequence> seqs;
+  std::vector<Sequence> batch;
+  for (int64_t i = 0; i < kSequences; ++i) {
+    seqs.push_back(RandomSequence(rng_, 32, 1 + i % 5, 1 + i % 5, false, i % 2 == 0, -1));
+    seqs.back().position_offset = 100 * i;
+  }
+  for (auto& s : seqs) batch.push_back(s.View());
+  cuda_emulation::ResetCounters();
+  ASSERT_TRUE(backend->Forward(**resident, batch).ok());
+  const auto counters = cuda_emulation::ReadCounters();
+  EXPECT_EQ(counters.kernel_launches, 2 * 2 + kSequences);
+  EXPECT_EQ(counters.gemm_calls, 2 + kSequences * 2 * 2 + 1);
+  for (size_t r = 0; r < seqs.size(); ++r) {
+    EXPECT_LT(RelativeL2(seqs[r].output.data(), ReferenceForward(w, batch[r])), 1e-5) << "sequence " << r;
+  }
 }
 
 TEST_F(CudaEmulationTest, NoDeviceRefusesWithTheReason) {

@@ -60,6 +60,11 @@ struct ForwardBuffers {
   float* mixes = nullptr;          // a chunk's mixes (BatchPlan::mix_floats)
 };
 
+// Rows [row0, row0 + rows) of a matrix, the first of them at `position` (RoPE).
+struct RopeRun {
+  int64_t row0 = 0, rows = 0, position = 0;
+};
+
 // What each head of an attention reads as its values and where its output goes.
 //   kValueBlock (concat-then-project forms): head i mixes value columns
 //     [value_offset_i, + value_width_i) and writes output columns [mix_offset_i, + value_width_i).
@@ -124,9 +129,10 @@ class DeviceOps {
   // `accumulate`.
   virtual Status Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate) = 0;
 
-  // Rotates the rows of `m` in place: `heads` heads of `d_head` columns, the first row at
-  // position `position` (RoPE, server/core/rope.h).
-  virtual Status Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, int64_t position) = 0;
+  // Rotates rows of `m` in place (RoPE, server/core/rope.h): `heads` heads of `d_head` columns,
+  // each run's rows from its position on. The runs are a batch's sequences, in row order and
+  // back to back, so that a device can rotate them all at once.
+  virtual Status Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, std::span<const RopeRun> runs) = 0;
 
   // Runs every range of the job (scores, mask, softmax and mix), in whatever tiles or blocks
   // the device runs them.

@@ -12,7 +12,7 @@ Status ProjectColumns(DeviceOps& ops, const FormWeights& f, const DeviceWeights&
 }
 
 // Q and K of every token (one GEMM for both in self-attention: they come from the same rows),
-// rotated per sequence; then the value block of the sequences that project their values.
+// rotated (each sequence from its position); then the value block of the sequences that project their values.
 Status Project(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, const BatchPlan& plan,
                std::span<const Sequence> batch, const ForwardBuffers& b) {
   const int64_t qk_cols = f.q_cols + f.k_cols;
@@ -24,13 +24,14 @@ Status Project(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, con
   }
   const LayerConfig& c = f.config;
   if (c.rope_theta > 0) {
+    std::vector<RopeRun> queries, keys;
     for (size_t r = 0; r < batch.size(); ++r) {
       const Sequence& s = batch[r];
-      ATTNSERVE_RETURN_IF_ERROR(
-          ops.Rope(b.q.RowBlock(plan.rows.x_row[r], s.n()), c.heads, c.d_head, c.rope_theta, s.position_offset));
-      ATTNSERVE_RETURN_IF_ERROR(ops.Rope(b.k.RowBlock(plan.rows.c_row[r], s.m()), c.kv_heads, c.d_head, c.rope_theta,
-                                         s.key_position_offset()));
+      queries.push_back({plan.rows.x_row[r], s.n(), s.position_offset});
+      keys.push_back({plan.rows.c_row[r], s.m(), s.key_position_offset()});
     }
+    ATTNSERVE_RETURN_IF_ERROR(ops.Rope(b.q, c.heads, c.d_head, c.rope_theta, queries));
+    ATTNSERVE_RETURN_IF_ERROR(ops.Rope(b.k, c.kv_heads, c.d_head, c.rope_theta, keys));
   }
   // One GEMM over every context row when the value block holds them all, else one per sequence
   // it holds (a summed sequence that mixes first needs none).

@@ -403,8 +403,8 @@ class CpuOps final : public DeviceOps {
     return OkStatus();
   }
 
-  Status Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, int64_t position) override {
-    ApplyRope(m, heads, d_head, theta, position);
+  Status Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, std::span<const RopeRun> runs) override {
+    for (const RopeRun& run : runs) ApplyRope(m.RowBlock(run.row0, run.rows), heads, d_head, theta, run.position);
     return OkStatus();
   }
 

@@ -486,9 +486,26 @@ class Lane final : public DeviceOps {
     return OkStatus();
   }
 
-  Status Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, int64_t position) override {
-    CUDA_TRY(cuda::ApplyRope(m.data, m.rows, heads, d_head, m.ld, theta, position, stream_));
-    return OkStatus();
+  // One launch per kRopeMaxRuns sequences (a run that does not follow on from the one before
+  // starts a launch of its own).
+  Status Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, std::span<const RopeRun> runs) override {
+    cuda::RopeRuns launch;
+    const auto flush = [&]() -> Status {
+      if (launch.count > 0) CUDA_TRY(cuda::ApplyRope(m.data, heads, d_head, m.ld, theta, launch, stream_));
+      launch = {};
+      return OkStatus();
+    };
+    for (const RopeRun& run : runs) {
+      if (run.rows == 0) continue;
+      if (launch.count == cuda::kRopeMaxRuns || (launch.count > 0 && run.row0 != launch.end)) {
+        ATTNSERVE_RETURN_IF_ERROR(flush());
+      }
+      launch.row0[launch.count] = run.row0;
+      launch.position[launch.count] = run.position;
+      ++launch.count;
+      launch.end = run.row0 + run.rows;
+    }
+    return flush();
   }
 
   // Per range, blocks of query rows: every head's scores and softmax in the score piece, then

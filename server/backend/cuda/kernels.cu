@@ -147,15 +147,24 @@ __global__ void InterleaveHeadsKernel(const float* scores, int64_t heads, int64_
   }
 }
 
-__global__ void RopeKernel(float* x, int64_t rows, int64_t heads, int64_t d_head, int64_t ld, double theta,
-                           int64_t first_position) {
-  const int64_t half = d_head / 2, total = rows * heads * half;
+__global__ void RopeKernel(float* x, int64_t heads, int64_t d_head, int64_t ld, double theta, RopeRuns runs) {
+  const int64_t half = d_head / 2, first = runs.row0[0], total = (runs.end - first) * heads * half;
   for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
        idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = idx / (heads * half), rest = idx % (heads * half);
+    const int64_t r = first + idx / (heads * half), rest = idx % (heads * half);
     const int64_t h = rest / half, t = rest % half;
+    // The row's run: the last one starting at or before it (a binary search over ≤ 64 runs).
+    int lo = 0, hi = runs.count - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (runs.row0[mid] <= r) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
     // The angle in float64: positions reach millions, where float32 loses the low bits.
-    const double angle = static_cast<double>(first_position + r) * pow(theta, -2.0 * t / d_head);
+    const double angle = static_cast<double>(runs.position[lo] + (r - runs.row0[lo])) * pow(theta, -2.0 * t / d_head);
     double s, c;
     sincos(angle, &s, &c);
     float* p = x + r * ld + h * d_head;
@@ -172,10 +181,11 @@ unsigned GridFor(int64_t total) {
 
 }  // namespace
 
-cudaError_t ApplyRope(float* x, int64_t rows, int64_t heads, int64_t d_head, int64_t ld, double theta,
-                      int64_t first_position, cudaStream_t stream) {
-  ATTNSERVE_LAUNCH(RopeKernel, GridFor(rows * heads * (d_head / 2)), kThreads, stream)
-  (x, rows, heads, d_head, ld, theta, first_position);
+cudaError_t ApplyRope(float* x, int64_t heads, int64_t d_head, int64_t ld, double theta, const RopeRuns& runs,
+                      cudaStream_t stream) {
+  if (runs.count <= 0 || runs.end <= runs.row0[0]) return cudaSuccess;
+  ATTNSERVE_LAUNCH(RopeKernel, GridFor((runs.end - runs.row0[0]) * heads * (d_head / 2)), kThreads, stream)
+  (x, heads, d_head, ld, theta, runs);
   return cudaGetLastError();
 }
 

@@ -37,9 +37,22 @@ cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t rows, int64_t fi
 cudaError_t InterleaveHeads(const float* scores, int64_t heads, int64_t n, int64_t keys, float* a_cat,
                             cudaStream_t stream);
 
-// Rotary embedding in place on the [rows, heads·d_head] block of x (row stride ld), row r at
-// position first_position + r; pairs (t, t + d_head/2), angle p · theta^(−2t/d_head).
-cudaError_t ApplyRope(float* x, int64_t rows, int64_t heads, int64_t d_head, int64_t ld, double theta,
-                      int64_t first_position, cudaStream_t stream);
+// Rows of a matrix in consecutive runs, one a sequence: run s is rows [row0[s], row0[s + 1])
+// (the last run ends at `end`) and its first row is at position[s]. One launch rotates a whole
+// batch's Q (or K), however many sequences it has, up to kRopeMaxRuns of them; the runs travel in
+// the launch's arguments (1 KiB of the 4 KiB a launch may carry), so nothing is copied first.
+inline constexpr int kRopeMaxRuns = 64;
+struct RopeRuns {
+  int count = 0;
+  int64_t row0[kRopeMaxRuns] = {};
+  int64_t position[kRopeMaxRuns] = {};
+  int64_t end = 0;
+};
+
+// Rotary embedding in place on rows [runs.row0[0], runs.end) of x, heads · d_head columns (row
+// stride ld), each row at its run's position plus its offset in the run; pairs (t, t + d_head/2),
+// angle p · theta^(−2t/d_head).
+cudaError_t ApplyRope(float* x, int64_t heads, int64_t d_head, int64_t ld, double theta, const RopeRuns& runs,
+                      cudaStream_t stream);
 
 }  // namespace attnserve::cuda
