@@ -75,7 +75,7 @@ TEST_F(CudaEmulationTest, MaskedSoftmaxMatchesFloat64AtEveryBlockSize) {
         std::vector<float> host = testing::RandomVector(rng_, heads * n * keys, 4.0f);
         DeviceVector dev(host);
         // Finite scores never read Q and K: null operands would fault if they did.
-        ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, first_row, keys, causal, cuda::ScoreOperands{}, nullptr),
+        ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, first_row, keys, causal, cuda::ScoreOperands{}, nullptr, nullptr),
                   cudaSuccess);
         ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
         const std::vector<float> got = dev.Read();
@@ -133,7 +133,8 @@ TEST_F(CudaEmulationTest, MaskedSoftmaxRecomputesOverflowedRowsInFloat64) {
       // float64 fallback still reads the block's own rows of Q.
       for (int64_t first_row : {0, 2}) {
         DeviceVector dev(scores);
-        ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, first_row, keys, causal, operands, nullptr), cudaSuccess);
+        ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, first_row, keys, causal, operands, nullptr, nullptr),
+                  cudaSuccess);
         ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
         const std::vector<float> got = dev.Read();
         int overflowed = 0;
@@ -164,16 +165,21 @@ TEST_F(CudaEmulationTest, MaskedSoftmaxRecomputesOverflowedRowsInFloat64) {
   }
 }
 
-TEST_F(CudaEmulationTest, InterleaveHeadsIsTheSummedFormsLayout) {
+// The softmax written into A_cat (the summed form's [n, keys·heads] layout) is the in-place
+// softmax, entry for entry, interleaved: A_cat[q, j·heads + i] = A_i[q, j], causal and not.
+TEST_F(CudaEmulationTest, TheSoftmaxWritesTheSummedFormsLayout) {
   const int64_t heads = 5, n = 7, keys = 11;
   const std::vector<float> scores = testing::RandomVector(rng_, heads * n * keys);
-  DeviceVector in(scores), out(std::vector<float>(heads * n * keys, NAN));
-  ASSERT_EQ(cuda::InterleaveHeads(in.data, heads, n, keys, out.data, nullptr), cudaSuccess);
-  const std::vector<float> got = out.Read();
-  for (int64_t q = 0; q < n; ++q) {
-    for (int64_t j = 0; j < keys; ++j) {
-      for (int64_t i = 0; i < heads; ++i) {
-        ASSERT_EQ(got[q * keys * heads + j * heads + i], scores[(i * n + q) * keys + j]);
+  for (bool causal : {false, true}) {
+    DeviceVector in_place(scores), scratch(scores), a_cat(std::vector<float>(heads * n * keys, NAN));
+    ASSERT_EQ(cuda::MaskedSoftmax(in_place.data, heads, n, 2, keys, causal, {}, nullptr, nullptr), cudaSuccess);
+    ASSERT_EQ(cuda::MaskedSoftmax(scratch.data, heads, n, 2, keys, causal, {}, a_cat.data, nullptr), cudaSuccess);
+    const std::vector<float> want = in_place.Read(), got = a_cat.Read();
+    for (int64_t q = 0; q < n; ++q) {
+      for (int64_t j = 0; j < keys; ++j) {
+        for (int64_t i = 0; i < heads; ++i) {
+          ASSERT_EQ(got[q * keys * heads + j * heads + i], want[(i * n + q) * keys + j]) << q << "," << j << "," << i;
+        }
       }
     }
   }
@@ -695,8 +701,8 @@ TEST_F(CudaQueryRowBlockTest, EveryFormMatchesFloat64Reference) {
               << ", config " << c.ToString();
         }
       }
-      // Per block a masked softmax, and for the summed form the head interleave.
-      EXPECT_EQ(launches[1] - launches[0], extra_blocks * (summed ? 2 : 1)) << name << ", config " << c.ToString();
+      // Per block a masked softmax (for the summed form writing A_cat itself).
+      EXPECT_EQ(launches[1] - launches[0], extra_blocks) << name << ", config " << c.ToString();
     }
   }
 }

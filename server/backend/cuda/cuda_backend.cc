@@ -295,7 +295,8 @@ class Lane final : public DeviceOps {
   // query `first_row`) against k's rows: S_i = scale · Q_i K_g(i)^T ([heads, n, keys] in `s`),
   // then the masked softmax. In column-major terms S_i^T = K_g · Q_i^T: op(K) = T. Heads
   // i = g·group + j share K_g, so each j is one strided batch over the kv heads.
-  Status Scores(const LayerConfig& c, DeviceBlock q, DeviceBlock k, int64_t first_row, bool causal, float* s) {
+  Status Scores(const LayerConfig& c, DeviceBlock q, DeviceBlock k, int64_t first_row, bool causal, float* s,
+                float* a_cat = nullptr) {
     const int64_t n = q.rows, keys = k.rows, dh = c.d_head, group = c.group_size();
     for (int64_t j = 0; j < group; ++j) {
       ATTNSERVE_RETURN_IF_ERROR(GemmStridedBatched(CUBLAS_OP_T, keys, n, dh, c.SoftmaxScale(), k.data, k.ld, dh,
@@ -304,7 +305,7 @@ class Lane final : public DeviceOps {
     }
     const cuda::ScoreOperands operands{.q = q.data, .q_ld = q.ld, .k = k.data, .k_ld = k.ld, .d_head = dh,
                                        .group = group, .scale = c.SoftmaxScale()};
-    CUDA_TRY(cuda::MaskedSoftmax(s, c.heads, n, first_row, keys, causal, operands, stream_));
+    CUDA_TRY(cuda::MaskedSoftmax(s, c.heads, n, first_row, keys, causal, operands, a_cat, stream_));
     return OkStatus();
   }
 
@@ -522,16 +523,16 @@ class Lane final : public DeviceOps {
     return OkStatus();
   }
 
-  // Per range, blocks of query rows: the scores, interleaved into the block's A_cat (a second
-  // score piece), and the head sum as one GEMM into the block's rows of out; then the bias.
+  // Per range, blocks of query rows: the scores, their softmax written straight into the block's
+  // A_cat (a second score piece), and the head sum as one GEMM into the block's rows of out;
+  // then the bias.
   Status SumHeadsProjectingFirst(const FormWeights& f, std::span<const AttentionRange> ranges,
                                  const float* bias) override {
     const LayerConfig& c = f.config;
     for (const AttentionRange& range : ranges) {
       ATTNSERVE_RETURN_IF_ERROR(ForEachBlock(f, range, [&](int64_t row0, int64_t rows, int64_t keys) {
-        ATTNSERVE_RETURN_IF_ERROR(
-            Scores(c, Block(range.q).Rows(row0, rows), Block(range.k).Rows(0, keys), row0, range.sequence->causal, scores_));
-        CUDA_TRY(cuda::InterleaveHeads(scores_, c.heads, rows, keys, a_cat_, stream_));
+        ATTNSERVE_RETURN_IF_ERROR(Scores(c, Block(range.q).Rows(row0, rows), Block(range.k).Rows(0, keys), row0,
+                                         range.sequence->causal, scores_, a_cat_));
         const MatrixView a_cat(a_cat_, rows, keys * c.heads);
         const ConstMatrixView m(range.values.data, keys * c.heads, c.d_model);
         return Gemm(a_cat, m, nullptr, range.out.RowBlock(row0 - range.row0, rows), /*accumulate=*/false);

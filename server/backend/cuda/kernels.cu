@@ -108,7 +108,7 @@ __device__ float ExactExponentials(float* s, int64_t head, int64_t q, int64_t vi
 // One block per row of one head's scores. Row q of a block is query first_row + q of its
 // sequence: the causal mask counts from there, the float64 fallback reads Q's row q.
 __global__ void MaskedSoftmaxKernel(float* scores, int64_t n, int64_t first_row, int64_t keys, bool causal,
-                                    ScoreOperands operands) {
+                                    ScoreOperands operands, int64_t heads, float* a_cat) {
   __shared__ float shared[32];
   const int64_t row = blockIdx.x;  // over heads * n
   const int64_t q = row % n;
@@ -134,17 +134,12 @@ __global__ void MaskedSoftmaxKernel(float* scores, int64_t n, int64_t first_row,
   } else {
     inv = ExactExponentials(s, row / n, q, visible, operands);
   }
-  for (int64_t j = threadIdx.x; j < keys; j += blockDim.x) s[j] = j < visible ? s[j] * inv : 0.0f;
-}
-
-__global__ void InterleaveHeadsKernel(const float* scores, int64_t heads, int64_t n, int64_t keys, float* a_cat) {
-  const int64_t total = heads * n * keys;
-  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
-       idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t q = idx / (keys * heads), rest = idx % (keys * heads);
-    const int64_t j = rest / heads, i = rest % heads;
-    a_cat[idx] = scores[(i * n + q) * keys + j];
+  if (a_cat == nullptr) {
+    for (int64_t j = threadIdx.x; j < keys; j += blockDim.x) s[j] = j < visible ? s[j] * inv : 0.0f;
+    return;
   }
+  float* out = a_cat + q * keys * heads + row / n;  // A_cat[q, j·heads + head]
+  for (int64_t j = threadIdx.x; j < keys; j += blockDim.x) out[j * heads] = j < visible ? s[j] * inv : 0.0f;
 }
 
 __global__ void RopeKernel(float* x, int64_t heads, int64_t d_head, int64_t ld, double theta, RopeRuns runs) {
@@ -195,17 +190,11 @@ cudaError_t AddRowBias(float* y, int64_t rows, int64_t cols, int64_t ld, const f
 }
 
 cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t rows, int64_t first_row, int64_t keys, bool causal,
-                          const ScoreOperands& operands, cudaStream_t stream) {
+                          const ScoreOperands& operands, float* a_cat, cudaStream_t stream) {
   // Short rows get a small block: most threads of a 256-wide block would idle on 16 keys.
   const int threads = keys <= 32 ? 32 : keys <= 128 ? 128 : kThreads;
   ATTNSERVE_LAUNCH(MaskedSoftmaxKernel, static_cast<unsigned>(heads * rows), threads, stream)
-  (scores, rows, first_row, keys, causal, operands);
-  return cudaGetLastError();
-}
-
-cudaError_t InterleaveHeads(const float* scores, int64_t heads, int64_t n, int64_t keys, float* a_cat,
-                            cudaStream_t stream) {
-  ATTNSERVE_LAUNCH(InterleaveHeadsKernel, GridFor(heads * n * keys), kThreads, stream)(scores, heads, n, keys, a_cat);
+  (scores, rows, first_row, keys, causal, operands, heads, a_cat);
   return cudaGetLastError();
 }
 

@@ -23,19 +23,16 @@ struct ScoreOperands {
   float scale = 1.0f;
 };
 
-// In place over `heads` score matrices [rows, keys] stored back to back, a block of one
-// sequence's query rows: row r is query first_row + r, which the causal mask needs (`operands.q`
-// points at the block's first row). Each row becomes the softmax of its visible entries
-// (j ≤ first_row + r when causal, all `keys` otherwise) and 0 elsewhere. The scale is already
+// Over `heads` score matrices [rows, keys] stored back to back, a block of one sequence's query
+// rows: row r is query first_row + r, which the causal mask needs (`operands.q` points at the
+// block's first row). Each row becomes the softmax of its visible entries (j ≤ first_row + r when
+// causal, all `keys` otherwise) and 0 elsewhere: in place when `a_cat` is null, else written to
+// a_cat[r, j·heads + i] (the summed form's [rows, keys·heads] layout; `scores` is then scratch),
+// which saves the summed form a launch and a pass over the scores a block. The scale is already
 // applied by the score GEMM. A row with a non-finite score (q·k past float32's range, inputs from
 // ~1e19 on) is recomputed from `operands` in float64.
 cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t rows, int64_t first_row, int64_t keys, bool causal,
-                          const ScoreOperands& operands, cudaStream_t stream);
-
-// a_cat[q, j·heads + i] = scores[i, q, j]: the summed form's [n, keys·heads] score layout (n the
-// rows of a block of queries).
-cudaError_t InterleaveHeads(const float* scores, int64_t heads, int64_t n, int64_t keys, float* a_cat,
-                            cudaStream_t stream);
+                          const ScoreOperands& operands, float* a_cat, cudaStream_t stream);
 
 // Rows of a matrix in consecutive runs, one a sequence: run s is rows [row0[s], row0[s + 1])
 // (the last run ends at `end`) and its first row is at position[s]. One launch rotates a whole
