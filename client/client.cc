@@ -8,8 +8,6 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/channel_arguments.h>
 
-#include <nlohmann/json.hpp>
-
 #include <bit>
 #include <climits>
 #include <cstring>
@@ -18,9 +16,9 @@
 #include <iterator>
 #include <limits>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
-
 
 namespace attnserve {
 

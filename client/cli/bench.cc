@@ -2,8 +2,6 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
@@ -11,6 +9,7 @@
 #include <fstream>
 #include <limits>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <ostream>
 #include <sstream>
 #include <thread>
@@ -415,14 +414,31 @@ std::string RecordsJson(const std::vector<BenchRecord>& records) {
     const BenchRecord& r = records[i];
     nlohmann::ordered_json codes = nlohmann::ordered_json::object();
     for (const auto& [code, count] : r.error_codes) codes[code] = count;
-    const nlohmann::ordered_json j = {
-        {"layer", r.layer}, {"form", r.form}, {"batch", r.batch}, {"n", r.n}, {"m", r.m}, {"causal", r.causal},
-        {"concurrency", r.concurrency}, {"requests", r.requests}, {"errors", r.errors}, {"error_codes", codes},
-        {"seconds", num(r.seconds)}, {"requests_per_s", num(r.requests_per_s)}, {"tokens_per_s", num(r.tokens_per_s)},
-        {"mean_ms", num(r.mean_ms)}, {"p50_ms", num(r.p50_ms)}, {"p90_ms", num(r.p90_ms)}, {"p95_ms", num(r.p95_ms)},
-        {"p99_ms", num(r.p99_ms)}, {"max_ms", num(r.max_ms)}, {"queue_us", num(r.queue_us)},
-        {"compute_us", num(r.compute_us)}, {"batch_requests", num(r.batch_requests)}, {"samples", r.samples}};
-    s += "  " + j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + (i + 1 < records.size() ? "," : "") + "\n";
+    const nlohmann::ordered_json j = {{"layer", r.layer},
+                                      {"form", r.form},
+                                      {"batch", r.batch},
+                                      {"n", r.n},
+                                      {"m", r.m},
+                                      {"causal", r.causal},
+                                      {"concurrency", r.concurrency},
+                                      {"requests", r.requests},
+                                      {"errors", r.errors},
+                                      {"error_codes", codes},
+                                      {"seconds", num(r.seconds)},
+                                      {"requests_per_s", num(r.requests_per_s)},
+                                      {"tokens_per_s", num(r.tokens_per_s)},
+                                      {"mean_ms", num(r.mean_ms)},
+                                      {"p50_ms", num(r.p50_ms)},
+                                      {"p90_ms", num(r.p90_ms)},
+                                      {"p95_ms", num(r.p95_ms)},
+                                      {"p99_ms", num(r.p99_ms)},
+                                      {"max_ms", num(r.max_ms)},
+                                      {"queue_us", num(r.queue_us)},
+                                      {"compute_us", num(r.compute_us)},
+                                      {"batch_requests", num(r.batch_requests)},
+                                      {"samples", r.samples}};
+    s += "  " + j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + (i + 1 < records.size() ? "," : "") +
+         "\n";
   }
   return s + "]\n";
 }

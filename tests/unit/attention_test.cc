@@ -64,9 +64,13 @@ class NaiveOps final : public DeviceOps {
     y_.assign(tx * d, NAN);
     b.y = MatrixView(y_.data(), tx, d);
     for (size_t r = 0; r < batch.size(); ++r) b.outputs.push_back(b.y.RowBlock(plan.rows.x_row[r], batch[r].n()));
-    mixes_.assign(plan.mix_floats, NAN);
-    b.mixes = mixes_.data();
     return OkStatus();
+  }
+
+  StatusOr<float*> MixBuffer(const BatchPlan& plan) override {
+    calls.push_back("MixBuffer");
+    mixes_.assign(plan.mix_floats, NAN);
+    return mixes_.data();
   }
 
   Status Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate) override {
@@ -152,7 +156,8 @@ class NaiveOps final : public DeviceOps {
     double top = -INFINITY, sum = 0;
     for (int64_t j = 0; j < keys; ++j) {
       double dot = 0;
-      for (int64_t t = 0; t < dh; ++t) dot += static_cast<double>(range.q.at(q, head * dh + t)) * range.k.at(j, kv * dh + t);
+      for (int64_t t = 0; t < dh; ++t)
+        dot += static_cast<double>(range.q.at(q, head * dh + t)) * range.k.at(j, kv * dh + t);
       top = std::max(top, e[j] = c.SoftmaxScale() * dot);
     }
     for (double& v : e) sum += (v = std::exp(v - top));
@@ -165,7 +170,8 @@ class NaiveOps final : public DeviceOps {
 };
 
 LayerConfig Config(int64_t d_model, int64_t heads, int64_t kv_heads, double rope_theta, bool bias) {
-  return *CompleteConfig({.d_model = d_model, .heads = heads, .kv_heads = kv_heads, .bias = bias, .rope_theta = rope_theta});
+  return *CompleteConfig(
+      {.d_model = d_model, .heads = heads, .kv_heads = kv_heads, .bias = bias, .rope_theta = rope_theta});
 }
 
 // A ragged batch: self-attention (causal, with a position offset), cross-attention to a longer
@@ -206,7 +212,8 @@ TEST(AttentionSkeletonTest, EveryFormOverANaiveDeviceMatchesFloat64Reference) {
   std::mt19937_64 rng(testing::TestSeed());
   // With and without biases (the summed form folds the value bias into b_eff, so its
   // sequences may mix first either way), GQA with RoPE, and a single kv head.
-  for (const LayerConfig& c : {Config(32, 4, 4, 0, true), Config(48, 6, 2, 10000.0, false), Config(24, 3, 1, 0, true)}) {
+  for (const LayerConfig& c :
+       {Config(32, 4, 4, 0, true), Config(48, 6, 2, 10000.0, false), Config(24, 3, 1, 0, true)}) {
     const LayerWeights w = RandomLayerWeights(c, rng());
     for (FormCase& fc : EveryFormAndOrder(w)) {
       std::vector<OwnedSequence> owned = RaggedBatch(rng, c.d_model);
@@ -242,14 +249,14 @@ TEST(AttentionSkeletonTest, EachHeadCombineCallsItsOperationsInOrder) {
   // (its value rows are not projected: the value block is the first sequence's, one GEMM), one
   // chunk, one GEMM per head.
   EXPECT_THAT(run(MaterializeSummed(w), {.summed_order = {.mix_first_allowed = true}}),
-              ElementsAre("Prepare", "Gemm", "Gemm", "Rope", "Rope", "Gemm", "SumHeadsProjectingFirst", "Attend(context)",
-                          "Gemm", "Gemm", "Finish"));
+              ElementsAre("Prepare", "Gemm", "Gemm", "Rope", "Rope", "Gemm", "SumHeadsProjectingFirst", "MixBuffer",
+                          "Attend(context)", "Gemm", "Gemm", "Finish"));
 }
 
 TEST(BatchPlanTest, RowsOrdersPartsAndChunksWorkedOutByHand) {
   std::mt19937_64 rng(testing::TestSeed());
   const LayerWeights w = RandomLayerWeights(Config(16, 2, 2, 0, false), rng());
-  const FormWeights summed = MaterializeSummed(w);  // value_cols = h · d = 32
+  const FormWeights summed = MaterializeSummed(w);                                      // value_cols = h · d = 32
   std::vector<OwnedSequence> owned = {RandomSequence(rng, 16, 5, 5, false, false, -1),  // projects first
                                       RandomSequence(rng, 16, 7, 9, true, false, -1),   // n < m: mixes first
                                       RandomSequence(rng, 16, 3, 3, false, true, -1),   // projects first
@@ -300,15 +307,18 @@ TEST(BatchPlanTest, RowsOrdersPartsAndChunksWorkedOutByHand) {
 TEST(AttentionJobTest, HeadsAtFixedStridesAreTheFactoredFormsAndOneKvHeadsContext) {
   const LayerWeights gqa = RandomLayerWeights(Config(24, 6, 2, 0, false), 4);
   const FormWeights factored = MaterializeFactored(gqa), summed = MaterializeSummed(gqa);
-  EXPECT_EQ((AttentionJob{.form = &factored, .values = AttentionValues::kValueBlock}).StridedHeadWidth(), 4);
+  EXPECT_EQ((AttentionJob{.form = &factored, .values = AttentionValues::kValueBlock, .ranges = {}}).StridedHeadWidth(),
+            4);
   // Every head mixes the whole context, but the heads of different kv heads read the same
   // columns: not the strides of a batch over kv heads.
-  EXPECT_EQ((AttentionJob{.form = &summed, .values = AttentionValues::kContext}).StridedHeadWidth(), 0);
+  EXPECT_EQ((AttentionJob{.form = &summed, .values = AttentionValues::kContext, .ranges = {}}).StridedHeadWidth(), 0);
   const LayerWeights mqa = RandomLayerWeights(Config(24, 6, 1, 0, false), 5);
   const FormWeights summed_mqa = MaterializeSummed(mqa);
-  EXPECT_EQ((AttentionJob{.form = &summed_mqa, .values = AttentionValues::kContext}).StridedHeadWidth(), 24);
+  EXPECT_EQ((AttentionJob{.form = &summed_mqa, .values = AttentionValues::kContext, .ranges = {}}).StridedHeadWidth(),
+            24);
   const FormWeights ragged = *MaterializeLowRank(gqa, {4, 3, 4, 4, 2, 4});
-  EXPECT_EQ((AttentionJob{.form = &ragged, .values = AttentionValues::kValueBlock}).StridedHeadWidth(), 0);
+  EXPECT_EQ((AttentionJob{.form = &ragged, .values = AttentionValues::kValueBlock, .ranges = {}}).StridedHeadWidth(),
+            0);
 }
 
 TEST(HeadCombineTest, EveryFormChoosesAndTheWeightsMustAgree) {

@@ -75,8 +75,9 @@ TEST_F(CudaEmulationTest, MaskedSoftmaxMatchesFloat64AtEveryBlockSize) {
         std::vector<float> host = testing::RandomVector(rng_, heads * n * keys, 4.0f);
         DeviceVector dev(host);
         // Finite scores never read Q and K: null operands would fault if they did.
-        ASSERT_EQ(cuda::MaskedSoftmax(dev.data, heads, n, first_row, keys, causal, cuda::ScoreOperands{}, nullptr, nullptr),
-                  cudaSuccess);
+        ASSERT_EQ(
+            cuda::MaskedSoftmax(dev.data, heads, n, first_row, keys, causal, cuda::ScoreOperands{}, nullptr, nullptr),
+            cudaSuccess);
         ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
         const std::vector<float> got = dev.Read();
         for (int64_t row = 0; row < heads * n; ++row) {

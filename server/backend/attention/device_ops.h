@@ -24,10 +24,10 @@ namespace attnserve {
 
 // A form's weights as the device holds them.
 struct DeviceWeights {
-  ConstMatrixView w_in;           // [d_model, in_cols]: W_Q | W_K | the value block's weights
-  const float* b_in = nullptr;    // [in_cols], or null (FormWeights::b_in may cover Q and K only)
-  ConstMatrixView w_out;          // [out_rows, d_model]: concat-then-project forms only
-  const float* b_out = nullptr;   // [d_model], or null
+  ConstMatrixView w_in;          // [d_model, in_cols]: W_Q | W_K | the value block's weights
+  const float* b_in = nullptr;   // [in_cols], or null (FormWeights::b_in may cover Q and K only)
+  ConstMatrixView w_out;         // [out_rows, d_model]: concat-then-project forms only
+  const float* b_out = nullptr;  // [d_model], or null
 };
 
 // The form's weights at the device's copies of FormWeights' w_in, b_in, w_out and b_out: the
@@ -49,15 +49,14 @@ inline DeviceWeights HostWeights(const FormWeights& f) {
 
 // The memory one forward computes in, on the device, as DeviceOps::Prepare laid it out.
 struct ForwardBuffers {
-  ConstMatrixView x;               // the stacked inputs [Tx, d_model]
-  ConstMatrixView c;               // the stacked contexts [Tc, d_model] (x in self-attention)
-  MatrixView q, k;                 // [Tx, q_cols], [Tc, k_cols]; one [Tx, q_cols + k_cols]
-                                   // block (q then k) when every sequence is self-attention
-  MatrixView val;                  // the value block [val_rows, value_cols], contiguous
-  MatrixView o;                    // the heads' outputs [Tx, out_rows] (concat-then-project)
-  MatrixView y;                    // the stacked output [Tx, d_model] (concat-then-project)
-  std::vector<MatrixView> outputs; // each sequence's output rows [n, d_model]
-  float* mixes = nullptr;          // a chunk's mixes (BatchPlan::mix_floats)
+  ConstMatrixView x;                // the stacked inputs [Tx, d_model]
+  ConstMatrixView c;                // the stacked contexts [Tc, d_model] (x in self-attention)
+  MatrixView q, k;                  // [Tx, q_cols], [Tc, k_cols]; one [Tx, q_cols + k_cols]
+                                    // block (q then k) when every sequence is self-attention
+  MatrixView val;                   // the value block [val_rows, value_cols], contiguous
+  MatrixView o;                     // the heads' outputs [Tx, out_rows] (concat-then-project)
+  MatrixView y;                     // the stacked output [Tx, d_model] (concat-then-project)
+  std::vector<MatrixView> outputs;  // each sequence's output rows [n, d_model]
 };
 
 // Rows [row0, row0 + rows) of a matrix, the first of them at `position` (RoPE).
@@ -133,6 +132,12 @@ class DeviceOps {
   // each run's rows from its position on. The runs are a batch's sequences, in row order and
   // back to back, so that a device can rotate them all at once.
   virtual Status Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, std::span<const RopeRun> runs) = 0;
+
+  // The memory a chunk of mix-first parts keeps its mixes in (BatchPlan::mix_floats floats),
+  // asked for once the sequences that project first are done: on the CPU it is the memory their
+  // A_cat had (what one forward holds at once is then the larger of the two, as the memory
+  // budget counts it, not both, nor either during the projections).
+  virtual StatusOr<float*> MixBuffer(const BatchPlan& plan) = 0;
 
   // Runs every range of the job (scores, mask, softmax and mix), in whatever tiles or blocks
   // the device runs them.

@@ -18,8 +18,8 @@ namespace attnserve {
 // What a device lets the plan choose: the summed form's association order (SummedMixesFirst)
 // and the bound on the mixes a chunk of mix-first parts holds at once.
 struct PlanPolicy {
-  SummedOrder summed_order;                       // {}: every summed sequence projects first
-  int64_t max_mix_bytes = int64_t{256} << 20;     // one chunk's mixes [rows, h·d], at least a row
+  SummedOrder summed_order;                    // {}: every summed sequence projects first
+  int64_t max_mix_bytes = int64_t{256} << 20;  // one chunk's mixes [rows, h·d], at least a row
 };
 
 // Query rows [row0, row0 + rows) of a summed sequence that mixes first, and where its mixes

@@ -17,7 +17,8 @@ Status Project(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, con
                std::span<const Sequence> batch, const ForwardBuffers& b) {
   const int64_t qk_cols = f.q_cols + f.k_cols;
   if (plan.rows.all_self) {
-    ATTNSERVE_RETURN_IF_ERROR(ProjectColumns(ops, f, w, b.x, 0, qk_cols, MatrixView(b.q.data, b.q.rows, qk_cols, b.q.ld)));
+    ATTNSERVE_RETURN_IF_ERROR(
+        ProjectColumns(ops, f, w, b.x, 0, qk_cols, MatrixView(b.q.data, b.q.rows, qk_cols, b.q.ld)));
   } else {
     ATTNSERVE_RETURN_IF_ERROR(ProjectColumns(ops, f, w, b.x, 0, f.q_cols, b.q));
     ATTNSERVE_RETURN_IF_ERROR(ProjectColumns(ops, f, w, b.c, f.q_cols, f.k_cols, b.k));
@@ -61,11 +62,11 @@ AttentionRange RangeOf(const BatchPlan& plan, std::span<const Sequence> batch, c
 // Factored and low-rank: O_i = A_i Val_i into O's columns of head i, then Y = O W_out + b.
 Status ConcatThenProject(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, const BatchPlan& plan,
                          std::span<const Sequence> batch, const ForwardBuffers& b) {
-  AttentionJob job{.form = &f, .values = AttentionValues::kValueBlock};
+  AttentionJob job{.form = &f, .values = AttentionValues::kValueBlock, .ranges = {}};
   for (size_t r = 0; r < batch.size(); ++r) {
     const int64_t n = batch[r].n(), m = batch[r].m();
-    job.ranges.push_back(RangeOf(plan, batch, b, r, 0, n, b.val.RowBlock(plan.val_row[r], m),
-                                 b.o.RowBlock(plan.rows.x_row[r], n)));
+    job.ranges.push_back(
+        RangeOf(plan, batch, b, r, 0, n, b.val.RowBlock(plan.val_row[r], m), b.o.RowBlock(plan.rows.x_row[r], n)));
   }
   ATTNSERVE_RETURN_IF_ERROR(ops.Attend(job));
   ATTNSERVE_RETURN_IF_ERROR(ops.Gemm(b.o, w.w_out, w.b_out, b.y, /*accumulate=*/false));
@@ -76,13 +77,13 @@ Status ConcatThenProject(DeviceOps& ops, const FormWeights& f, const DeviceWeigh
 // are the context, into the part's mixes [rows, h·d]; then Y = Σ_i mixes_i W_M_i + b_eff, with
 // W_M_i read straight from the value block's weights.
 Status SumMixingFirst(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, const BatchPlan& plan,
-                      std::span<const Sequence> batch, const ForwardBuffers& b, const MixChunk& chunk) {
-  AttentionJob job{.form = &f, .values = AttentionValues::kContext};
+                      std::span<const Sequence> batch, const ForwardBuffers& b, float* mixes, const MixChunk& chunk) {
+  AttentionJob job{.form = &f, .values = AttentionValues::kContext, .ranges = {}};
   for (size_t i = chunk.first; i < chunk.last; ++i) {
     const MixPart& part = plan.mix_parts[i];
     job.ranges.push_back(RangeOf(plan, batch, b, part.sequence, part.row0, part.rows,
                                  b.c.RowBlock(plan.rows.c_row[part.sequence], batch[part.sequence].m()),
-                                 MatrixView(b.mixes + part.offset, part.rows, f.value_cols)));
+                                 MatrixView(mixes + part.offset, part.rows, f.value_cols)));
   }
   ATTNSERVE_RETURN_IF_ERROR(ops.Attend(job));
   const int64_t value_col0 = f.q_cols + f.k_cols;
@@ -106,12 +107,15 @@ Status SumOfMixes(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, 
   std::vector<AttentionRange> projecting;
   for (size_t r = 0; r < batch.size(); ++r) {
     if (plan.mixes_first[r]) continue;
-    projecting.push_back(RangeOf(plan, batch, b, r, 0, batch[r].n(), b.val.RowBlock(plan.val_row[r], batch[r].m()),
-                                 b.outputs[r]));
+    projecting.push_back(
+        RangeOf(plan, batch, b, r, 0, batch[r].n(), b.val.RowBlock(plan.val_row[r], batch[r].m()), b.outputs[r]));
   }
   if (!projecting.empty()) ATTNSERVE_RETURN_IF_ERROR(ops.SumHeadsProjectingFirst(f, projecting, w.b_out));
-  for (const MixChunk& chunk : plan.mix_chunks) {
-    ATTNSERVE_RETURN_IF_ERROR(SumMixingFirst(ops, f, w, plan, batch, b, chunk));
+  if (!plan.mix_chunks.empty()) {
+    ATTNSERVE_ASSIGN_OR_RETURN(float* const mixes, ops.MixBuffer(plan));
+    for (const MixChunk& chunk : plan.mix_chunks) {
+      ATTNSERVE_RETURN_IF_ERROR(SumMixingFirst(ops, f, w, plan, batch, b, mixes, chunk));
+    }
   }
   return ops.Finish(plan, batch, b, /*stacked=*/false);
 }
@@ -125,8 +129,10 @@ Status RunAttention(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w
   ATTNSERVE_RETURN_IF_ERROR(ops.Prepare(f, plan, batch, buffers));
   ATTNSERVE_RETURN_IF_ERROR(Project(ops, f, w, plan, batch, buffers));
   switch (plan.combine) {
-    case HeadCombine::kConcatThenProject: return ConcatThenProject(ops, f, w, plan, batch, buffers);
-    case HeadCombine::kSumOfMixes: return SumOfMixes(ops, f, w, plan, batch, buffers);
+    case HeadCombine::kConcatThenProject:
+      return ConcatThenProject(ops, f, w, plan, batch, buffers);
+    case HeadCombine::kSumOfMixes:
+      return SumOfMixes(ops, f, w, plan, batch, buffers);
   }
   return InternalError("RunAttention: a head combine without a branch");
 }

@@ -263,7 +263,8 @@ struct AttentionTask {
   int64_t row0, rows;  // the query block, rows of the range's sequence
 };
 
-void AddAttentionTasks(const FormWeights& f, size_t range, int64_t row0, int64_t rows, std::vector<AttentionTask>& tasks) {
+void AddAttentionTasks(const FormWeights& f, size_t range, int64_t row0, int64_t rows,
+                       std::vector<AttentionTask>& tasks) {
   const int64_t set = StackedHeads(f), block = std::max<int64_t>(1, kQueryTile / set);
   for (int64_t b = row0; b < row0 + rows; b += block) {
     for (int64_t head = 0; head < f.config.heads; head += set) {
@@ -285,7 +286,8 @@ void RunAttentionTask(GemmLibrary gemm, const AttentionJob& job, const Attention
   t.out_views.clear();
   for (int64_t i = task.first_head; i < task.first_head + set; ++i) {
     t.q_views.push_back(range.q.RowBlock(task.row0, task.rows).ColBlock(i * dh, dh));
-    t.out_views.push_back(range.out.RowBlock(task.row0 - range.row0, task.rows).ColBlock(job.OutColumn(i), job.Width(i)));
+    t.out_views.push_back(
+        range.out.RowBlock(task.row0 - range.row0, task.rows).ColBlock(job.OutColumn(i), job.Width(i)));
   }
   const int64_t keys = s.visible_keys();
   const ConstMatrixView k = range.k.RowBlock(0, keys).ColBlock(kv * dh, dh);
@@ -363,7 +365,7 @@ class CpuOps final : public DeviceOps {
 
   // The inputs are used where they are (one sequence) or stacked into the scratch; the output of
   // one sequence is written in place. The summed form's A_cat and its mixes share one buffer,
-  // used one after the other (SumHeadsProjectingFirst, then the mix-first chunks).
+  // used one after the other (SumHeadsProjectingFirst, then MixBuffer for the mix-first chunks).
   Status Prepare(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch,
                  ForwardBuffers& b) override {
     const int64_t tx = plan.rows.queries, tc = plan.rows.contexts, d = f.config.d_model;
@@ -389,13 +391,14 @@ class CpuOps final : public DeviceOps {
       b.y = in_place ? batch[0].output : Reserve(scratch_.y, tx, d);
     }
     for (const Sequence& s : batch) b.outputs.push_back(s.output);
-    std::vector<int64_t> a_cat_sizes;
-    for (size_t r = 0; r < batch.size(); ++r) {
-      if (plan.combine == HeadCombine::kSumOfMixes && !plan.mixes_first[r]) a_cat_sizes.push_back(ACatFloats(f, batch[r]));
-    }
-    const int64_t work = std::max(plan.mix_floats, ChunksUnder(a_cat_sizes, ScratchCap()).largest);
-    if (work > 0) b.mixes = Reserve(scratch_.a_cat, work, 1).data;
     return OkStatus();
+  }
+
+  // The A_cat buffer again (SumHeadsProjectingFirst is done with it by now), grown if need be.
+  // Neither is reserved in Prepare: held during the projections, it would add its size to the
+  // peak of the projections' own GEMM packing (12 MiB at bert-base width with Eigen's GEMMs).
+  StatusOr<float*> MixBuffer(const BatchPlan& plan) override {
+    return Reserve(scratch_.a_cat, plan.mix_floats, 1).data;
   }
 
   Status Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate) override {

@@ -1,19 +1,22 @@
 
 #include "server/backend/cuda/cuda_backend.h"
-#include "server/backend/attention/skeleton.h"
-#include "server/backend/cuda/kernels.h"
-#include "server/core/thread_annotations.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
-#include <cublas_v2.h>
-#include <cuda_runtime.h>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include "server/backend/attention/skeleton.h"
+#include "server/backend/cuda/kernels.h"
+#include "server/core/thread_annotations.h"
 
 namespace attnserve {
 namespace {
@@ -319,15 +322,15 @@ class Lane final : public DeviceOps {
     if (w > 0) {
       for (int64_t j = 0; j < group; ++j) {
         ATTNSERVE_RETURN_IF_ERROR(GemmStridedBatched(CUBLAS_OP_N, w, n, keys, 1.0f, values.data, values.ld, w,
-                                                     s + j * n * keys, keys, group * n * keys, out.data + j * w,
-                                                     out.ld, group * w, c.kv_heads));
+                                                     s + j * n * keys, keys, group * n * keys, out.data + j * w, out.ld,
+                                                     group * w, c.kv_heads));
       }
       return OkStatus();
     }
     for (int64_t i = 0; i < c.heads; ++i) {
       const DeviceBlock a{const_cast<float*>(s) + i * n * keys, n, keys, keys};
       ATTNSERVE_RETURN_IF_ERROR(CublasGemm(a, values.Cols(job.ValueColumn(i), job.Width(i)).Rows(0, keys),
-                                     out.Cols(job.OutColumn(i), job.Width(i))));
+                                           out.Cols(job.OutColumn(i), job.Width(i))));
     }
     return OkStatus();
   }
@@ -477,9 +480,11 @@ class Lane final : public DeviceOps {
     b.o = MatrixView(piece[kHeadOutputs], tx, f.out_rows);
     b.y = MatrixView(piece[kOutput], tx, d);
     for (size_t i = 0; i < batch.size(); ++i) b.outputs.push_back(b.y.RowBlock(plan.rows.x_row[i], batch[i].n()));
-    b.mixes = piece[kMixes];
+    mixes_ = piece[kMixes];
     return OkStatus();
   }
+
+  StatusOr<float*> MixBuffer(const BatchPlan&) override { return mixes_; }
 
   Status Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate) override {
     ATTNSERVE_RETURN_IF_ERROR(CublasGemm(Block(x), Block(w), Block(y), 1.0f, accumulate ? 1.0f : 0.0f));
@@ -515,8 +520,8 @@ class Lane final : public DeviceOps {
     const LayerConfig& c = job.form->config;
     for (const AttentionRange& range : job.ranges) {
       ATTNSERVE_RETURN_IF_ERROR(ForEachBlock(*job.form, range, [&](int64_t row0, int64_t rows, int64_t keys) {
-        ATTNSERVE_RETURN_IF_ERROR(
-            Scores(c, Block(range.q).Rows(row0, rows), Block(range.k).Rows(0, keys), row0, range.sequence->causal, scores_));
+        ATTNSERVE_RETURN_IF_ERROR(Scores(c, Block(range.q).Rows(row0, rows), Block(range.k).Rows(0, keys), row0,
+                                         range.sequence->causal, scores_));
         return Mix(job, Block(range.values), scores_, rows, keys, Block(range.out).Rows(row0 - range.row0, rows));
       }));
     }
@@ -570,6 +575,7 @@ class Lane final : public DeviceOps {
     }
     return OkStatus();
   }
+
  private:
   CudaBackendOptions options_;
   std::shared_ptr<DeviceBudget> budget_;
@@ -577,10 +583,11 @@ class Lane final : public DeviceOps {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
   DeviceArray workspace_;
-  // This batch's score pieces and the bound its blocks were cut to (Prepare).
+  // This batch's score pieces, the bound its blocks were cut to, and its mixes piece (Prepare).
   int64_t score_bytes_ = 0;
   float* scores_ = nullptr;
   float* a_cat_ = nullptr;
+  float* mixes_ = nullptr;
   PinnedArray staging_in_, staging_out_;
 };
 
