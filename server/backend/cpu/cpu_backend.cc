@@ -533,6 +533,33 @@ void CpuBackend::ReturnScratch(std::unique_ptr<ForwardScratch> scratch) {
   free_scratch_.push_back(std::move(scratch));
 }
 
+int64_t CpuBackend::ScratchBytes(const FormWeights& f, std::span<const SequenceShape> batch,
+                                 bool self_attention) const {
+  const int64_t formula =
+      ForwardScratchBytes(f, batch, self_attention, threads_, max_score_scratch_bytes_, summed_order_);
+  if (gemm_ != GemmLibrary::kEigen) return formula;
+  // The formula counts 4 MiB of packing per thread (oneDNN's, and Eigen's on small caches); Eigen's
+  // panels grow with the product and the CPU's caches, so its largest GEMM of this forward, per
+  // thread (Gemm splits the columns: a thread's share), replaces that figure.
+  const int64_t d = f.config.d_model;
+  const auto share = [&](int64_t cols) { return (cols + threads_ - 1) / threads_; };
+  const auto packing = [&](int64_t rows, int64_t depth, int64_t cols) {
+    return GemmPackingBytes(GemmLibrary::kEigen, rows, depth, share(cols));
+  };
+  int64_t tx = 0, tc = 0, largest = 0;
+  for (const SequenceShape& s : batch) {
+    tx += s.n;
+    tc += s.m;
+    const int64_t keys = s.keys < 0 ? s.m : s.keys;
+    if (f.concat_then_project()) continue;
+    largest = std::max(largest, SummedMixesFirst(f, s, summed_order_) ? packing(s.n, d, d)  // a head's W_M_i
+                                                                      : packing(s.n, keys * f.config.heads, d));
+  }
+  largest = std::max({largest, packing(tx, d, f.q_cols + f.k_cols), packing(tc, d, f.value_cols)});
+  if (f.concat_then_project()) largest = std::max(largest, packing(tx, f.out_rows, d));
+  return formula + int64_t{threads_} * std::max<int64_t>(0, largest - (int64_t{4} << 20));
+}
+
 int64_t CpuBackend::RetainedScratchBytes() const {
   MutexLock lock(scratch_mu_);
   int64_t bytes = 0;

@@ -50,10 +50,9 @@ class CpuBackend final : public Backend {
   std::string DeviceName() const override { return "cpu"; }
   StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override;
   Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override;
+  // ForwardScratchBytes, with Eigen's GEMM packing where Eigen computes (GemmPackingBytes).
   int64_t ScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch,
-                       bool self_attention) const override {
-    return ForwardScratchBytes(form, batch, self_attention, threads_, max_score_scratch_bytes_, summed_order_);
-  }
+                       bool self_attention) const override;
   // The summed form in the order it runs (SummedMixesFirst).
   double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const override {
     return ForwardFlops(form, batch, summed_order_);

@@ -21,6 +21,19 @@ using MutableMap = Eigen::Map<RowMatrix, 0, Stride>;
 ConstMap AsEigen(ConstMatrixView v) { return ConstMap(v.data, v.rows, v.cols, Stride(v.ld)); }
 MutableMap AsEigen(MatrixView v) { return MutableMap(v.data, v.rows, v.cols, Stride(v.ld)); }
 
+}  // namespace
+
+int64_t GemmPackingBytes(GemmLibrary library, int64_t rows, int64_t depth, int64_t cols) {
+  if (library == GemmLibrary::kOneDnn) return int64_t{4} << 20;
+  // A row-major product is Eigen's column-major yᵀ = wᵀ xᵀ: its lhs is wᵀ [cols, depth] (blocks
+  // of kc × mc), its rhs xᵀ [depth, rows] (panels of kc × nc).
+  Eigen::Index kc = depth, mc = cols, nc = rows;
+  Eigen::internal::computeProductBlockingSizes<float, float, 1, Eigen::Index>(kc, mc, nc, 1);
+  return static_cast<int64_t>((kc * mc + kc * nc) * sizeof(float));
+}
+
+namespace {
+
 void EigenGemm(ConstMatrixView x, ConstMatrixView w, bool transpose_w, float alpha, MatrixView y, bool accumulate) {
   // The scale on the left: Eigen folds it into the GEMM's alpha (on the right it evaluates the
   // product into a temporary of its own first).

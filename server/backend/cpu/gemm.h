@@ -14,6 +14,7 @@
 // Thread-safety: the functions are reentrant; CpuIsaCap is read once, at first use.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -38,6 +39,12 @@ bool BuiltWithOneDnn();
 // at compile time (-march) and is not capped.
 std::string_view CpuIsa();
 bool CpuIsaAllowsAvx512();
+
+// The bytes one GemmOnThisThread call of x [rows, depth] · w [depth, cols] packs its operands
+// into, as the library blocks them for this CPU's caches: Eigen's own blocking sizes
+// (computeProductBlockingSizes; on a CPU with a large L3 a panel of a wide product runs to
+// several MiB), oneDNN's 4 MiB measured by memory_footprint_test, its first call included.
+int64_t GemmPackingBytes(GemmLibrary library, int64_t rows, int64_t depth, int64_t cols);
 
 // y = alpha · x · w, with x [r, k], w [k, c] (or wᵀ when transpose_w: w is [c, k]), y [r, c];
 // every view with its own row stride; with `accumulate`, y += alpha · x · w. Single-threaded:
