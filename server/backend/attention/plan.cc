@@ -17,23 +17,33 @@ void PlanMixParts(const FormWeights& f, std::span<const Sequence> batch, const P
       plan.mix_parts.push_back({.sequence = r, .row0 = row0, .rows = std::min(part_rows, n - row0)});
     }
   }
-  const int64_t cap = policy.max_mix_bytes / static_cast<int64_t>(sizeof(float));
-  size_t first = 0;
-  while (first < plan.mix_parts.size()) {
-    int64_t floats = 0;
-    size_t last = first;
-    do {
-      plan.mix_parts[last].offset = floats;
-      floats += plan.mix_parts[last].rows * f.value_cols;
-      ++last;
-    } while (last < plan.mix_parts.size() && floats + plan.mix_parts[last].rows * f.value_cols <= cap);
-    plan.mix_chunks.push_back({first, last});
-    plan.mix_floats = std::max(plan.mix_floats, floats);
-    first = last;
-  }
+  std::vector<int64_t> floats;
+  for (const MixPart& part : plan.mix_parts) floats.push_back(part.rows * f.value_cols);
+  const Chunks chunks = ChunksUnder(floats, policy.max_mix_bytes / static_cast<int64_t>(sizeof(float)));
+  for (size_t i = 0; i < plan.mix_parts.size(); ++i) plan.mix_parts[i].offset = chunks.offset[i];
+  for (const auto& [first, last] : chunks.bounds) plan.mix_chunks.push_back({first, last});
+  plan.mix_floats = chunks.largest;
 }
 
 }  // namespace
+
+Chunks ChunksUnder(std::span<const int64_t> sizes, int64_t cap) {
+  Chunks chunks;
+  chunks.offset.resize(sizes.size());
+  size_t first = 0;
+  while (first < sizes.size()) {
+    int64_t sum = 0;
+    size_t last = first;
+    do {
+      chunks.offset[last] = sum;
+      sum += sizes[last++];
+    } while (last < sizes.size() && sum + sizes[last] <= cap);
+    chunks.bounds.emplace_back(first, last);
+    chunks.largest = std::max(chunks.largest, sum);
+    first = last;
+  }
+  return chunks;
+}
 
 BatchPlan PlanBatch(const FormWeights& f, std::span<const Sequence> batch, const PlanPolicy& policy) {
   BatchPlan plan;

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "server/core/forms.h"
@@ -53,6 +54,16 @@ struct BatchPlan {
 
   bool value_block_is_whole() const { return val_rows == rows.contexts; }
 };
+
+// Items of these sizes grouped in order into chunks [first, last) whose sum stays within `cap`
+// (an item larger than the cap makes a chunk alone), with where each item starts in its chunk
+// and the largest chunk's sum: the mix-first parts here, the CPU's A_cat chunks too.
+struct Chunks {
+  std::vector<std::pair<size_t, size_t>> bounds;
+  std::vector<int64_t> offset;
+  int64_t largest = 0;
+};
+Chunks ChunksUnder(std::span<const int64_t> sizes, int64_t cap);
 
 BatchPlan PlanBatch(const FormWeights& form, std::span<const Sequence> batch, const PlanPolicy& policy);
 

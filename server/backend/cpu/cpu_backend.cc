@@ -306,31 +306,6 @@ int64_t RowsPerTask(int64_t rows, int threads) {
 // A range's A_cat [n, L·h] (the summed form projecting first), in floats.
 int64_t ACatFloats(const FormWeights& f, const Sequence& s) { return s.n() * s.visible_keys() * f.config.heads; }
 
-// Chunks [first, last) of items of these sizes whose sum stays under `cap` (an item larger than
-// the cap alone), and where each item starts in its chunk.
-struct Chunks {
-  std::vector<std::pair<size_t, size_t>> bounds;
-  std::vector<int64_t> offset;
-  int64_t largest = 0;  // floats of the largest chunk
-};
-Chunks ChunksUnder(std::span<const int64_t> sizes, int64_t cap) {
-  Chunks chunks;
-  chunks.offset.resize(sizes.size());
-  size_t first = 0;
-  while (first < sizes.size()) {
-    int64_t floats = 0;
-    size_t last = first;
-    do {
-      chunks.offset[last] = floats;
-      floats += sizes[last++];
-    } while (last < sizes.size() && floats + sizes[last] <= cap);
-    chunks.bounds.emplace_back(first, last);
-    chunks.largest = std::max(chunks.largest, floats);
-    first = last;
-  }
-  return chunks;
-}
-
 // Project first: A_cat's rows [row0, row0 + rows) of the range's sequence (one task: a block of
 // query rows with every head: the heads of a row interleave in A_cat, so tasks split by head
 // would write the same cache lines from different threads).
