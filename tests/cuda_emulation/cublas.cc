@@ -2,6 +2,7 @@
 // lie inside device memory, batch entries whose outputs overlap refused, then a plain
 // column-major product in float32 (TF32-rounded inputs when asked for), queued on the stream the
 // handle was given (cublasSetStream; the legacy default stream until then).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -152,7 +153,9 @@ void RunGemm(const GemmCall& g, float alpha, float beta) {
   }
 }
 
-cublasStatus_t Gemm(const GemmCall& g) {
+// What every GEMM entry point does first: a lost device, the documented argument checks, the
+// counters, and an injected fault.
+cublasStatus_t Admit(const GemmCall& g) {
   if (internal::StickyError() != cudaSuccess) return CUBLAS_STATUS_EXECUTION_FAILED;
   if (const cublasStatus_t s = Validate(g); s != CUBLAS_STATUS_SUCCESS) return s;
   internal::CountGemm();
@@ -165,6 +168,11 @@ cublasStatus_t Gemm(const GemmCall& g) {
     internal::RaiseFault(cudaErrorLaunchFailure, std::string("injected fault in ") + g.name);
     return CUBLAS_STATUS_EXECUTION_FAILED;
   }
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t Gemm(const GemmCall& g) {
+  if (const cublasStatus_t s = Admit(g); s != CUBLAS_STATUS_SUCCESS) return s;
   if (g.m == 0 || g.n == 0 || g.batch == 0) return CUBLAS_STATUS_SUCCESS;
   const bool ta = g.transa != CUBLAS_OP_N, tb = g.transb != CUBLAS_OP_N;
   const Operand a{"A", g.a, ta ? g.k : g.m, ta ? g.m : g.k, g.lda};
@@ -182,6 +190,62 @@ cublasStatus_t Gemm(const GemmCall& g) {
   GemmCall queued = g;
   queued.alpha = queued.beta = nullptr;
   internal::Enqueue(g.handle->stream, [queued, alpha = *g.alpha, beta = *g.beta] { RunGemm(queued, alpha, beta); });
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+// A pointer-array batch: `g` holds the sizes, leading dimensions, scalars and the arrays' device
+// addresses in a, b and c (read as pointer arrays). The arrays are checked to be device memory
+// now; their entries only when the stream runs the call, since until then an async copy may
+// still be filling them. An entry outside device memory is then an illegal address (a fault),
+// and two entries writing one element are reported as the race they would be on a device.
+cublasStatus_t GemmPointerArrays(const GemmCall& g) {
+  if (const cublasStatus_t s = Admit(g); s != CUBLAS_STATUS_SUCCESS) return s;
+  if (g.m == 0 || g.n == 0 || g.batch == 0) return CUBLAS_STATUS_SUCCESS;
+  const size_t array_bytes = static_cast<size_t>(g.batch) * sizeof(void*);
+  for (const void* array :
+       {static_cast<const void*>(g.a), static_cast<const void*>(g.b), static_cast<const void*>(g.c)}) {
+    if (!internal::IsDeviceRange(array, array_bytes)) {
+      internal::RaiseFault(cudaErrorIllegalAddress, std::string(g.name) + ": a pointer array of " +
+                                                        std::to_string(g.batch) + " entries is not in device memory");
+      return CUBLAS_STATUS_EXECUTION_FAILED;
+    }
+  }
+  GemmCall queued = g;
+  queued.alpha = queued.beta = nullptr;
+  internal::Enqueue(g.handle->stream, [queued, alpha = *g.alpha, beta = *g.beta] {
+    const auto* as = reinterpret_cast<const float* const*>(queued.a);
+    const auto* bs = reinterpret_cast<const float* const*>(queued.b);
+    auto* const* cs = reinterpret_cast<float* const*>(queued.c);
+    const bool ta = queued.transa != CUBLAS_OP_N, tb = queued.transb != CUBLAS_OP_N;
+    auto entry = [&](int e) {
+      GemmCall one = queued;
+      one.a = as[e];
+      one.b = bs[e];
+      one.c = cs[e];
+      one.batch = 1;
+      return one;
+    };
+    std::vector<const float*> written;
+    for (int e = 0; e < queued.batch; ++e) {
+      const GemmCall one = entry(e);
+      const Operand a{"A", one.a, ta ? one.k : one.m, ta ? one.m : one.k, one.lda};
+      const Operand b{"B", one.b, tb ? one.n : one.k, tb ? one.k : one.n, one.ldb};
+      const Operand c{"C", one.c, one.m, one.n, one.ldc};
+      if ((one.k > 0 && (!InDeviceMemory(one, a, 0) || !InDeviceMemory(one, b, 0))) || !InDeviceMemory(one, c, 0)) {
+        return;
+      }
+      for (int j = 0; j < one.n; ++j) {
+        for (int i = 0; i < one.m; ++i) written.push_back(one.c + i + int64_t{j} * one.ldc);
+      }
+    }
+    std::sort(written.begin(), written.end());
+    if (std::adjacent_find(written.begin(), written.end()) != written.end()) {
+      internal::RaiseFault(cudaErrorIllegalAddress,
+                           std::string(queued.name) + ": two entries of the batch write the same element of C");
+      return;
+    }
+    for (int e = 0; e < queued.batch; ++e) RunGemm(entry(e), alpha, beta);
+  });
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -204,33 +268,34 @@ cublasStatus_t CheckTypes(const char* name, cudaDataType at, cudaDataType bt, cu
   return CUBLAS_STATUS_SUCCESS;
 }
 
-// The Ex entry points: 32-bit float operands only, then the common GEMM.
+// The Ex entry points: 32-bit float operands only, then the common GEMM; with `pointer_arrays`,
+// a, b and c are the device addresses of arrays of pointers (cublasGemmBatchedEx).
 cublasStatus_t GemmEx(const char* name, cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
                       int m, int n, int k, const void* alpha, const void* a, cudaDataType a_type, int lda,
                       long long stride_a, const void* b, cudaDataType b_type, int ldb, long long stride_b,
                       const void* beta, void* c, cudaDataType c_type, int ldc, long long stride_c, int batch,
-                      cublasComputeType_t compute, cublasGemmAlgo_t) {
+                      cublasComputeType_t compute, cublasGemmAlgo_t, bool pointer_arrays = false) {
   if (auto s = CheckTypes(name, a_type, b_type, c_type, compute)) return s;
-  return Gemm({.name = name,
-               .handle = handle,
-               .transa = transa,
-               .transb = transb,
-               .m = m,
-               .n = n,
-               .k = k,
-               .alpha = static_cast<const float*>(alpha),
-               .beta = static_cast<const float*>(beta),
-               .a = static_cast<const float*>(a),
-               .lda = lda,
-               .stride_a = stride_a,
-               .b = static_cast<const float*>(b),
-               .ldb = ldb,
-               .stride_b = stride_b,
-               .c = static_cast<float*>(c),
-               .ldc = ldc,
-               .stride_c = stride_c,
-               .batch = batch,
-               .tf32 = UsesTf32(handle, compute)});
+  return (pointer_arrays ? GemmPointerArrays : Gemm)({.name = name,
+                                                      .handle = handle,
+                                                      .transa = transa,
+                                                      .transb = transb,
+                                                      .m = m,
+                                                      .n = n,
+                                                      .k = k,
+                                                      .alpha = static_cast<const float*>(alpha),
+                                                      .beta = static_cast<const float*>(beta),
+                                                      .a = static_cast<const float*>(a),
+                                                      .lda = lda,
+                                                      .stride_a = stride_a,
+                                                      .b = static_cast<const float*>(b),
+                                                      .ldb = ldb,
+                                                      .stride_b = stride_b,
+                                                      .c = static_cast<float*>(c),
+                                                      .ldc = ldc,
+                                                      .stride_c = stride_c,
+                                                      .batch = batch,
+                                                      .tf32 = UsesTf32(handle, compute)});
 }
 
 }  // namespace
@@ -286,4 +351,15 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation
   return cuda_emulation::GemmEx("cublasGemmStridedBatchedEx", handle, transa, transb, m, n, k, alpha, A, Atype, lda,
                                 strideA, B, Btype, ldb, strideB, beta, C, Ctype, ldc, strideC, batchCount, computeType,
                                 algo);
+}
+
+cublasStatus_t cublasGemmBatchedEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m,
+                                   int n, int k, const void* alpha, const void* const Aarray[], cudaDataType Atype,
+                                   int lda, const void* const Barray[], cudaDataType Btype, int ldb, const void* beta,
+                                   void* const Carray[], cudaDataType Ctype, int ldc, int batchCount,
+                                   cublasComputeType_t computeType, cublasGemmAlgo_t algo) {
+  // The arrays' addresses travel in the operand fields; GemmPointerArrays reads them as arrays.
+  return cuda_emulation::GemmEx("cublasGemmBatchedEx", handle, transa, transb, m, n, k, alpha, Aarray, Atype, lda, 0,
+                                Barray, Btype, ldb, 0, beta, const_cast<void**>(Carray), Ctype, ldc, 0, batchCount,
+                                computeType, algo, /*pointer_arrays=*/true);
 }

@@ -327,6 +327,58 @@ TEST_F(CudaEmulationTest, BatchedGemmOutputsMustNotOverlap) {
   cublasDestroy(handle);
 }
 
+// The pointer-array batch reads its arrays from device memory when the stream runs it, as cuBLAS
+// does: arrays on the host are refused at the call, entries are checked when they run, two
+// entries writing one element are reported (a race on a device), and the products are right.
+TEST_F(CudaEmulationTest, PointerArrayGemmsReadTheirArraysFromTheDevice) {
+  cublasHandle_t handle;
+  ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
+  const std::vector<float> ha = testing::RandomVector(rng_, 2 * 3), hb = testing::RandomVector(rng_, 3 * 4);
+  DeviceVector a(ha), b(hb), c(std::vector<float>(16, NAN));
+  const float one = 1, zero = 0;
+  // Entries 0 and 1: C_e = A · B (2x3 by 3x4, column-major), at c and c + 8.
+  auto run = [&](const std::vector<const void*>& pointers) {
+    void* arrays = nullptr;
+    EXPECT_EQ(cudaMalloc(&arrays, pointers.size() * sizeof(void*)), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(arrays, pointers.data(), pointers.size() * sizeof(void*), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    const auto* device = static_cast<const void* const*>(arrays);
+    const cublasStatus_t st = cublasGemmBatchedEx(
+        handle, CUBLAS_OP_N, CUBLAS_OP_N, 2, 4, 3, &one, device, CUDA_R_32F, 2, device + 2, CUDA_R_32F, 3, &zero,
+        const_cast<void* const*>(device + 4), CUDA_R_32F, 2, 2, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    const cudaError_t synced = cudaDeviceSynchronize();
+    cudaFree(arrays);
+    return std::make_pair(st, synced);
+  };
+  auto [ok, ok_sync] = run({a.data, a.data, b.data, b.data, c.data, c.data + 8});
+  ASSERT_EQ(ok, CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(ok_sync, cudaSuccess);
+  const std::vector<float> got = c.Read();
+  for (int e = 0; e < 2; ++e) {
+    for (int j = 0; j < 4; ++j) {
+      for (int i = 0; i < 2; ++i) {
+        double want = 0;
+        for (int p = 0; p < 3; ++p) want += static_cast<double>(ha[i + 2 * p]) * hb[p + 3 * j];
+        EXPECT_NEAR(got[e * 8 + i + 2 * j], want, 1e-5) << "entry " << e << " C(" << i << ", " << j << ")";
+      }
+    }
+  }
+  const void* const on_host[] = {a.data, a.data};
+  EXPECT_EQ(cublasGemmBatchedEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, 2, 4, 3, &one, on_host, CUDA_R_32F, 2, on_host,
+                                CUDA_R_32F, 3, &zero, const_cast<void* const*>(on_host), CUDA_R_32F, 2, 2,
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+            CUBLAS_STATUS_EXECUTION_FAILED);
+  EXPECT_THAT(cuda_emulation::LastDiagnostic(), HasSubstr("pointer array"));
+  cuda_emulation::Reset();
+  auto [overlap, overlap_sync] = run({a.data, a.data, b.data, b.data, c.data, c.data + 2});
+  EXPECT_EQ(overlap, CUBLAS_STATUS_SUCCESS) << "checked when it runs, not at the call";
+  EXPECT_NE(overlap_sync, cudaSuccess);
+  EXPECT_THAT(cuda_emulation::LastDiagnostic(), HasSubstr("write the same element"));
+  cuda_emulation::Reset();
+  cudaGetLastError();
+  cublasDestroy(handle);
+}
+
 // Work is queued on its stream and runs at a synchronisation: a host that reads pinned memory a
 // copy has yet to fill sees NaN, another stream's synchronisation does not run it, its own does;
 // and a cuBLAS handle's GEMMs go on the stream it was given.
@@ -385,10 +437,11 @@ std::unique_ptr<Backend> MakeEmulatedBackend() {
 }
 
 // What one batch costs in launches and GEMM calls, pinned: 70 small GQA requests with RoPE
-// (factored, no bias, one block each). Per batch: [Q | K] and the value block (2 GEMMs), Q and K
-// rotated in one launch each per 64 sequences (2 · 2), per sequence a masked softmax and, per
-// member of a query group (2 here), a strided-batched score GEMM and a mix GEMM; then the
-// output projection. Per-sequence RoPE launches were 2 · 70 = 140 of these before.
+// (factored, no bias, one block each) of 5 shapes, interleaved, causal and not. Per batch: [Q | K]
+// and the value block (2 GEMMs), Q and K rotated in one launch each per 64 sequences (2 · 2);
+// per shape, one pointer-array GEMM for every sequence's and head's scores, one masked softmax,
+// one pointer-array GEMM for the mixes (5 · 3); the output projection (1 GEMM). Per sequence
+// this was 2 · group GEMMs and a softmax: 74 launches and 283 GEMM calls.
 TEST_F(CudaEmulationTest, LaunchesPerBatchArePinned) {
   auto backend = MakeEmulatedBackend();
   ASSERT_NE(backend, nullptr);
@@ -396,21 +449,107 @@ TEST_F(CudaEmulationTest, LaunchesPerBatchArePinned) {
       *CompleteConfig({.d_model = 32, .heads = 4, .kv_heads = 2, .bias = false, .rope_theta = 10000.0}), rng_());
   auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
   ASSERT_TRUE(resident.ok());
-  constexpr int64_t kSequences = 70;
+  constexpr int64_t kSequences = 70, kShapes = 5;
   std::vector<testing::OwnedSequence> seqs;
   std::vector<Sequence> batch;
   for (int64_t i = 0; i < kSequences; ++i) {
-    seqs.push_back(RandomSequence(rng_, 32, 1 + i % 5, 1 + i % 5, false, i % 2 == 0, -1));
+    seqs.push_back(RandomSequence(rng_, 32, 1 + i % kShapes, 1 + i % kShapes, false, i % 2 == 0, -1));
     seqs.back().position_offset = 100 * i;
   }
   for (auto& s : seqs) batch.push_back(s.View());
   cuda_emulation::ResetCounters();
   ASSERT_TRUE(backend->Forward(**resident, batch).ok());
   const auto counters = cuda_emulation::ReadCounters();
-  EXPECT_EQ(counters.kernel_launches, 2 * 2 + kSequences);
-  EXPECT_EQ(counters.gemm_calls, 2 + kSequences * 2 * 2 + 1);
+  EXPECT_EQ(counters.kernel_launches, 2 * 2 + kShapes);
+  EXPECT_EQ(counters.gemm_calls, 2 + kShapes * 2 + 1);
   for (size_t r = 0; r < seqs.size(); ++r) {
     EXPECT_LT(RelativeL2(seqs[r].output.data(), ReferenceForward(w, batch[r])), 1e-5) << "sequence " << r;
+  }
+}
+
+std::vector<std::pair<std::string, FormWeights>> EveryForm(const LayerWeights& w);  // below
+
+// Short sequences that share a shape share their calls in every form and path: the factored
+// form, the summed form projecting first (its A_cat blocks and head sums batched too) and mixing
+// first (the context as every head's values), the low-rank form at full rank and at ragged
+// ranks (one mix call per distinct rank) — over MHA with biases and GQA with RoPE, with causal
+// and plain sequences, padded keys and cross-attention of several shapes in one batch, in an
+// order that interleaves the shapes, against float64. Fewer softmax launches and GEMM calls
+// than sequences show the groups ran.
+TEST_F(CudaEmulationTest, ShortSequencesOfOneShapeShareTheirCalls) {
+  const LayerWeights mha = RandomLayerWeights(*CompleteConfig({.d_model = 40, .heads = 4, .d_head = 10}), rng_());
+  const LayerWeights gqa = RandomLayerWeights(
+      *CompleteConfig({.d_model = 48, .heads = 6, .kv_heads = 2, .d_head = 8, .bias = false, .rope_theta = 10000.0}),
+      rng_());
+  for (const LayerWeights* w : {&mha, &gqa}) {
+    const int64_t d = w->config.d_model;
+    std::vector<testing::OwnedSequence> seqs;
+    for (int i = 0; i < 24; ++i) {
+      switch (i % 4) {
+        case 0:
+          seqs.push_back(RandomSequence(rng_, d, 7, 7, false, true, -1));
+          break;  // causal
+        case 1:
+          seqs.push_back(RandomSequence(rng_, d, 5, 5, false, false, 3));
+          break;  // padded keys
+        case 2:
+          seqs.push_back(RandomSequence(rng_, d, 4, 11, true, false, -1));
+          break;  // cross, n < m
+        default:
+          seqs.push_back(RandomSequence(rng_, d, 7, 7, false, i % 8 == 3, -1));
+          break;
+      }
+      seqs.back().position_offset = 37 * i;
+    }
+    std::vector<Sequence> batch;
+    for (auto& s : seqs) batch.push_back(s.View());
+    std::vector<std::vector<double>> want;
+    for (const Sequence& s : batch) want.push_back(ReferenceForward(*w, s));
+
+    auto forms = EveryForm(*w);
+    std::vector<int64_t> ragged;
+    for (int64_t i = 0; i < w->config.heads; ++i) ragged.push_back(1 + i % 3);
+    auto low = MaterializeLowRank(*w, ragged);
+    ASSERT_TRUE(low.ok());
+    forms.emplace_back("low-rank ragged", std::move(low).value());
+    for (const bool mix_first : {false, true}) {
+      auto made = MakeCudaBackend({.summed_mix_first = mix_first});
+      ASSERT_TRUE(made.ok());
+      for (const auto& [name, form] : forms) {
+        if (mix_first && name != "summed") continue;
+        auto resident = (*made)->Upload(std::make_shared<const FormWeights>(form));
+        ASSERT_TRUE(resident.ok()) << resident.status().ToString();
+        for (auto& s : seqs) std::fill(s.output.begin(), s.output.end(), std::nanf(""));
+        cuda_emulation::ResetCounters();
+        const Status st = (*made)->Forward(**resident, batch);
+        ASSERT_TRUE(st.ok()) << name << ": " << st.ToString();
+        const auto counters = cuda_emulation::ReadCounters();
+        const std::string label = name + (mix_first ? " mixing first" : "") + " " + w->config.ToString();
+        // (Mixing first, each part's h head products are the skeleton's own GEMMs, one each.)
+        if (!mix_first) {
+          EXPECT_LT(counters.gemm_calls, static_cast<int64_t>(seqs.size())) << label;
+        }
+        EXPECT_LT(counters.kernel_launches, static_cast<int64_t>(seqs.size())) << label;
+        for (size_t r = 0; r < seqs.size(); ++r) {
+          if (name == "low-rank ragged") {
+            // Truncated heads: checked against the float64 forward of the truncated matrices.
+            continue;
+          }
+          EXPECT_LT(RelativeL2(seqs[r].output.data(), want[r]), 1e-5) << label << " sequence " << r;
+        }
+        if (name == "low-rank ragged") {
+          // The same form on the per-sequence path (each sequence alone) is the oracle here.
+          for (size_t r = 0; r < seqs.size(); ++r) {
+            testing::OwnedSequence alone = seqs[r];
+            std::fill(alone.output.begin(), alone.output.end(), std::nanf(""));
+            const Sequence one[] = {alone.View()};
+            ASSERT_TRUE((*made)->Forward(**resident, one).ok());
+            EXPECT_LT(RelativeL2(seqs[r].output.data(), alone.output.data(), alone.output.size()), 1e-6)
+                << label << " sequence " << r;
+          }
+        }
+      }
+    }
   }
 }
 
@@ -937,25 +1076,96 @@ TEST_F(CudaDeviceMemoryTest, ARefusedAllocationIsTriedAgainOnce) {
   EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
 }
 
-// Without --max-device-memory-mb the budget is 90 % of the device's memory (cudaMemGetInfo):
-// on an emulated 8 MiB device, a sequence whose scores alone would take all of it runs in
-// blocks, and the backend holds at most 7.2 MiB.
-TEST_F(CudaDeviceMemoryTest, TheDefaultBudgetIsNinetyPercentOfTheDevice) {
-  constexpr int64_t kDevice = 8 << 20;
+// Without --max-device-memory-mb the budget is 90 % of the device memory free at start-up
+// (cudaMemGetInfo): on an emulated 16 MiB device of which another user holds 8 MiB, a sequence
+// whose scores alone would take all of it runs in blocks, and the backend holds at most 7.2 MiB.
+TEST_F(CudaDeviceMemoryTest, TheDefaultBudgetIsNinetyPercentOfTheFreeMemory) {
+  constexpr int64_t kDevice = 16 << 20, kHeldByOthers = 8 << 20;
   cuda_emulation::SetDeviceMemoryBytes(kDevice);
+  ASSERT_EQ(cuda_emulation::LiveDeviceBytes(), 0) << "an earlier test left device memory behind";
+  void* others = nullptr;
+  ASSERT_EQ(cudaMalloc(&others, kHeldByOthers), cudaSuccess);
+  {
+    const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 16, .heads = 2, .d_head = 8}), rng_());
+    auto backend = MakeEmulatedBackend();
+    ASSERT_NE(backend, nullptr);
+    auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+    ASSERT_TRUE(resident.ok()) << resident.status().ToString();
+    testing::OwnedSequence seq = RandomSequence(rng_, w.config.d_model, 1024, 1024, false, false, -1);
+    const Sequence batch[] = {seq.View()};
+    const Status st = backend->Forward(**resident, batch);
+    ASSERT_TRUE(st.ok()) << st.ToString();
+    EXPECT_LT(RelativeL2(seq.output.data(), ReferenceForward(w, seq.View())), 1e-5);
+    const int64_t ours = cuda_emulation::LiveDeviceBytes() - kHeldByOthers;
+    EXPECT_LE(ours, static_cast<int64_t>(kDefaultDeviceMemoryFraction * (kDevice - kHeldByOthers)));
+    EXPECT_GT(ours, static_cast<int64_t>(0.5 * (kDevice - kHeldByOthers))) << "the budget was not used";
+  }
+  cudaFree(others);
+}
+
+// A batch whose workspace does not fit the budget even in blocks of one query row, when half of
+// it would, runs in halves (each a forward of its own: two output projections, not one) instead
+// of failing; every answer is the float64 one and the device never holds more than the budget.
+TEST_F(CudaDeviceMemoryTest, ABatchThatFitsOnlyInPartsRunsInHalves) {
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 32, .heads = 4, .d_head = 8}), rng_());
+  auto weights = std::make_shared<const FormWeights>(MaterializeFactored(w));
+  constexpr int64_t kSequences = 8, kTokens = 64;
+  const int64_t budget = WeightBytes(*weights) + LinearWorkspaceBytes(*weights, kSequences * kTokens) * 6 / 10;
   const int64_t base = cuda_emulation::LiveDeviceBytes();
-  ASSERT_EQ(base, 0) << "an earlier test left device memory behind";
-  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 16, .heads = 2, .d_head = 8}), rng_());
-  auto backend = MakeEmulatedBackend();
+  auto backend = MakeBackendWithDeviceBudget(budget);
   ASSERT_NE(backend, nullptr);
-  auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  auto resident = backend->Upload(weights);
   ASSERT_TRUE(resident.ok()) << resident.status().ToString();
-  testing::OwnedSequence seq = RandomSequence(rng_, w.config.d_model, 1024, 1024, false, false, -1);
-  const Sequence batch[] = {seq.View()};
+  std::vector<testing::OwnedSequence> seqs;
+  std::vector<Sequence> batch;
+  for (int64_t i = 0; i < kSequences; ++i) {
+    seqs.push_back(RandomSequence(rng_, w.config.d_model, kTokens, kTokens, false, i % 2 == 1, -1));
+  }
+  for (auto& s : seqs) batch.push_back(s.View());
+  cuda_emulation::ResetCounters();
   const Status st = backend->Forward(**resident, batch);
   ASSERT_TRUE(st.ok()) << st.ToString();
-  EXPECT_LT(RelativeL2(seq.output.data(), ReferenceForward(w, seq.View())), 1e-5);
-  EXPECT_LE(cuda_emulation::LiveDeviceBytes(), static_cast<int64_t>(kDefaultDeviceMemoryFraction * kDevice));
+  EXPECT_GE(cuda_emulation::ReadCounters().gemm_calls, 2 * 3) << "the batch did not run in parts";
+  for (size_t r = 0; r < seqs.size(); ++r) {
+    EXPECT_LT(RelativeL2(seqs[r].output.data(), ReferenceForward(w, batch[r])), 1e-5) << "sequence " << r;
+  }
+  EXPECT_LE(cuda_emulation::LiveDeviceBytes() - base, budget);
+  EXPECT_TRUE(backend->Healthy());
+  EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+}
+
+// A lane keeps its workspace and pinned staging for the next batch only up to
+// retain_workspace_bytes: after a small batch both stay (the next batch allocates nothing, and
+// the pinned bytes are reported as retained scratch); after a large one the device holds the
+// weights alone again and nothing pinned is retained.
+TEST_F(CudaDeviceMemoryTest, ALargeBatchsMemoryIsReleasedWhenItEnds) {
+  const LayerWeights w = SmallLayer();
+  auto weights = std::make_shared<const FormWeights>(MaterializeSummed(w));
+  const int64_t base = cuda_emulation::LiveDeviceBytes();
+  auto made = MakeCudaBackend({.retain_workspace_bytes = 128 << 10});
+  ASSERT_TRUE(made.ok());
+  Backend& backend = **made;
+  auto resident = backend.Upload(weights);
+  ASSERT_TRUE(resident.ok());
+  testing::OwnedSequence small = RandomSequence(rng_, w.config.d_model, 6, 6, false, true, -1);
+  testing::OwnedSequence large = RandomSequence(rng_, w.config.d_model, 700, 700, false, true, -1);
+  const Sequence small_batch[] = {small.View()}, large_batch[] = {large.View()};
+
+  ASSERT_TRUE(backend.Forward(**resident, small_batch).ok());
+  EXPECT_GT(cuda_emulation::LiveDeviceBytes() - base, WeightBytes(*weights)) << "a small workspace is kept";
+  EXPECT_GT(backend.RetainedScratchBytes(), 0);
+  cuda_emulation::ResetCounters();
+  ASSERT_TRUE(backend.Forward(**resident, small_batch).ok());
+  EXPECT_EQ(cuda_emulation::ReadCounters().device_allocations, 0);
+  EXPECT_EQ(cuda_emulation::ReadCounters().pinned_allocations, 0);
+
+  ASSERT_TRUE(backend.Forward(**resident, large_batch).ok());
+  EXPECT_LT(RelativeL2(large.output.data(), ReferenceForward(w, large.View())), 1e-5);
+  EXPECT_EQ(cuda_emulation::LiveDeviceBytes() - base, WeightBytes(*weights)) << "the large workspace was kept";
+  EXPECT_EQ(backend.RetainedScratchBytes(), 0) << "the large batch's pinned staging was kept";
+  std::fill(small.output.begin(), small.output.end(), std::nanf(""));
+  ASSERT_TRUE(backend.Forward(**resident, small_batch).ok());
+  EXPECT_LT(RelativeL2(small.output.data(), ReferenceForward(w, small.View())), 1e-5);
 }
 
 }  // namespace

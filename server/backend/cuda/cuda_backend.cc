@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -167,27 +168,30 @@ class DeviceArray {
 };
 
 // Page-locked host memory, so copies run asynchronously on the stream.
+template <class T>
 class PinnedArray {
  public:
   PinnedArray() = default;
   PinnedArray(const PinnedArray&) = delete;
   PinnedArray& operator=(const PinnedArray&) = delete;
-  ~PinnedArray() {
-    if (ptr_ != nullptr) cudaFreeHost(ptr_);
-  }
+  ~PinnedArray() { Release(); }
   Status Reserve(size_t count) {
     if (count <= capacity_) return OkStatus();
-    if (ptr_ != nullptr) cudaFreeHost(ptr_);
-    ptr_ = nullptr;
-    capacity_ = 0;
-    CUDA_TRY(cudaMallocHost(&ptr_, count * sizeof(float)));
+    Release();
+    CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&ptr_), count * sizeof(T)));
     capacity_ = count;
     return OkStatus();
   }
-  float* get() const { return ptr_; }
+  void Release() {
+    if (ptr_ != nullptr) cudaFreeHost(ptr_);
+    ptr_ = nullptr;
+    capacity_ = 0;
+  }
+  T* get() const { return ptr_; }
+  int64_t bytes() const { return static_cast<int64_t>(capacity_ * sizeof(T)); }
 
  private:
-  float* ptr_ = nullptr;
+  T* ptr_ = nullptr;
   size_t capacity_ = 0;
 };
 
@@ -294,6 +298,34 @@ class Lane final : public DeviceOps {
     return OkStatus();
   }
 
+  // `c.size()` products C_e = alpha · op(A_e) · B_e, column-major as cuBLAS sees them, in one
+  // call: the pointer arrays are staged in pinned memory and copied to the device in one copy,
+  // each call into slots of the batch's pointer arena of its own (Prepare sized it), so that no
+  // slot is rewritten before the stream has copied it.
+  Status GemmPointerBatched(cublasOperation_t op_a, int64_t m, int64_t n, int64_t k, float alpha,
+                            std::span<const float* const> a, int64_t lda, std::span<const float* const> b, int64_t ldb,
+                            std::span<float* const> c, int64_t ldc) {
+    const int64_t count = static_cast<int64_t>(c.size());
+    if (pointers_used_ + 3 * count > pointer_slots_) {
+      return InternalError("batched GEMM: " + std::to_string(3 * count) + " pointers past the batch's arena of " +
+                           std::to_string(pointer_slots_) + " (" + std::to_string(pointers_used_) + " used)");
+    }
+    const void** host = pointers_host_.get() + pointers_used_;
+    const void** device = pointers_device_ + pointers_used_;
+    pointers_used_ += 3 * count;
+    std::copy(a.begin(), a.end(), host);
+    std::copy(b.begin(), b.end(), host + count);
+    std::copy(c.begin(), c.end(), host + 2 * count);
+    CUDA_TRY(cudaMemcpyAsync(device, host, 3 * count * sizeof(void*), cudaMemcpyHostToDevice, stream_));
+    const float beta = 0.0f;
+    CUBLAS_TRY(cublasGemmBatchedEx(handle_, op_a, CUBLAS_OP_N, static_cast<int>(m), static_cast<int>(n),
+                                   static_cast<int>(k), &alpha, device, CUDA_R_32F, static_cast<int>(lda),
+                                   device + count, CUDA_R_32F, static_cast<int>(ldb), &beta,
+                                   const_cast<void**>(device + 2 * count), CUDA_R_32F, static_cast<int>(ldc),
+                                   static_cast<int>(count), ComputeType(), CUBLAS_GEMM_DEFAULT));
+    return OkStatus();
+  }
+
   // Scores of every head for a block of one sequence's queries (q's rows, the first of them
   // query `first_row`) against k's rows: S_i = scale · Q_i K_g(i)^T ([heads, n, keys] in `s`),
   // then the masked softmax. In column-major terms S_i^T = K_g · Q_i^T: op(K) = T. Heads
@@ -358,47 +390,189 @@ class Lane final : public DeviceOps {
     return OkStatus();
   }
 
+  // Ranges that one batched call of each kind serves: each a single block of query rows, all of
+  // `rows` rows seeing `keys` keys, with the same leading dimensions, their scores side by side
+  // within the score piece, at most kSoftmaxMaxBlocks of them. A batch of short sequences then
+  // costs one score GEMM, one softmax and one mix GEMM per shape, not per sequence, whatever
+  // order the shapes arrive in. A group of one (a range of several blocks among them) runs the
+  // per-sequence path.
+  struct RangeGroup {
+    std::vector<const AttentionRange*> ranges;
+    int64_t rows = 0, keys = 0;
+  };
+
+  std::vector<RangeGroup> GroupRanges(const FormWeights& f, std::span<const AttentionRange> ranges) const {
+    const int64_t heads = f.config.heads;
+    auto same_layout = [](const AttentionRange& a, const AttentionRange& b) {
+      return a.q.ld == b.q.ld && a.k.ld == b.k.ld && a.values.ld == b.values.ld && a.out.ld == b.out.ld;
+    };
+    std::vector<RangeGroup> groups;
+    std::vector<size_t> open;  // groups that may still take a range
+    for (const AttentionRange& range : ranges) {
+      const Sequence& s = *range.sequence;
+      if (range.rows > BlockRows(f, s, score_bytes_)) {
+        groups.push_back({{&range}, 0, 0});
+        continue;
+      }
+      const int64_t keys = s.causal ? std::min(s.visible_keys(), range.row0 + range.rows) : s.visible_keys();
+      const int64_t scores = heads * range.rows * keys;
+      bool placed = false;
+      for (size_t& g : open) {
+        RangeGroup& group = groups[g];
+        const int64_t count = static_cast<int64_t>(group.ranges.size());
+        if (group.rows != range.rows || group.keys != keys || !same_layout(*group.ranges.front(), range)) continue;
+        if (count == cuda::kSoftmaxMaxBlocks || (count + 1) * scores > score_capacity_) continue;
+        group.ranges.push_back(&range);
+        placed = true;
+        break;
+      }
+      if (!placed) {
+        open.push_back(groups.size());
+        groups.push_back({{&range}, range.rows, keys});
+      }
+    }
+    return groups;
+  }
+
+  // Every head's scores and softmax for a group of single-block ranges: one pointer-array GEMM
+  // (entry (r, i): S_ri^T = K_g(i) Q_i^T of range r), one softmax launch; range r's scores at
+  // scores_ + r·heads·rows·keys, and its A_cat (when a_cat is set) at a_cat + r·rows·keys·heads.
+  Status GroupScores(const LayerConfig& c, std::span<const AttentionRange* const> group, int64_t rows, int64_t keys,
+                     float* a_cat) {
+    const int64_t heads = c.heads, dh = c.d_head, per_range = heads * rows * keys;
+    std::vector<const float*> a, b;
+    std::vector<float*> out;
+    cuda::SoftmaxBlocks blocks;
+    for (size_t r = 0; r < group.size(); ++r) {
+      const AttentionRange& range = *group[r];
+      const float* q = range.q.row(range.row0);
+      for (int64_t i = 0; i < heads; ++i) {
+        a.push_back(range.k.data + c.KvHeadOf(i) * dh);
+        b.push_back(q + i * dh);
+        out.push_back(scores_ + r * per_range + i * rows * keys);
+      }
+      blocks.block[blocks.count++] = {.scores = scores_ + r * per_range,
+                                      .a_cat = a_cat == nullptr ? nullptr : a_cat + r * per_range,
+                                      .q = q,
+                                      .k = range.k.data,
+                                      .first_row = range.row0,
+                                      .causal = range.sequence->causal};
+    }
+    const AttentionRange& first = *group.front();
+    ATTNSERVE_RETURN_IF_ERROR(
+        GemmPointerBatched(CUBLAS_OP_T, keys, rows, dh, c.SoftmaxScale(), a, first.k.ld, b, first.q.ld, out, keys));
+    const cuda::ScoreOperands shared{
+        .q_ld = first.q.ld, .k_ld = first.k.ld, .d_head = dh, .group = c.group_size(), .scale = c.SoftmaxScale()};
+    CUDA_TRY(cuda::MaskedSoftmaxBlocks(blocks, heads, rows, keys, shared, stream_));
+    return OkStatus();
+  }
+
+  // The mixes of a group (after GroupScores): O_ri = A_ri · values_ri into range r's out columns
+  // of head i, one pointer-array GEMM per distinct head width (one for every form but the
+  // low-rank one, whose heads' ranks differ). Column-major: O^T = values^T · A^T.
+  Status GroupMix(const AttentionJob& job, std::span<const AttentionRange* const> group, int64_t rows, int64_t keys) {
+    const int64_t heads = job.form->config.heads, per_range = heads * rows * keys;
+    std::vector<int64_t> widths;
+    for (int64_t i = 0; i < heads; ++i) {
+      if (std::find(widths.begin(), widths.end(), job.Width(i)) == widths.end()) widths.push_back(job.Width(i));
+    }
+    for (const int64_t width : widths) {
+      if (width == 0) continue;
+      std::vector<const float*> a, b;
+      std::vector<float*> out;
+      for (size_t r = 0; r < group.size(); ++r) {
+        const AttentionRange& range = *group[r];
+        for (int64_t i = 0; i < heads; ++i) {
+          if (job.Width(i) != width) continue;
+          a.push_back(range.values.data + job.ValueColumn(i));
+          b.push_back(scores_ + r * per_range + i * rows * keys);
+          out.push_back(range.out.data + job.OutColumn(i));
+        }
+      }
+      const AttentionRange& first = *group.front();
+      ATTNSERVE_RETURN_IF_ERROR(
+          GemmPointerBatched(CUBLAS_OP_N, width, rows, keys, 1.0f, a, first.values.ld, b, keys, out, first.out.ld));
+    }
+    return OkStatus();
+  }
+
   // The workspace of one batch: its pieces in floats, each 256-byte aligned in `total`.
-  static constexpr int kPieces = 8;
-  enum Piece { kInputs, kQK, kValues, kScores, kACat, kHeadOutputs, kOutput, kMixes };
+  static constexpr int kPieces = 9;
+  enum Piece { kInputs, kQK, kValues, kScores, kACat, kHeadOutputs, kOutput, kMixes, kPointers };
   struct WorkspacePlan {
     int64_t score_bytes = 0;  // the bound its blocks were cut to
     int64_t sizes[kPieces] = {};
     int64_t total = 0;
   };
   static int64_t Aligned(int64_t floats) { return (floats + 63) / 64 * 64; }
+  static int64_t Bytes(const WorkspacePlan& w) { return w.total * static_cast<int64_t>(sizeof(float)); }
+  static constexpr int64_t kFloatsPerPointer = sizeof(void*) / sizeof(float);
 
-  // Makes the workspace hold the plan `plan_for(max_score_workspace_bytes)` within the device
-  // memory budget: when it does not fit, the idle lanes' workspaces are taken back; when it
-  // still does not, the blocks get as many query rows as the room left holds (at least one);
-  // failing that, RESOURCE_EXHAUSTED with the figures.
+  // The workspace `batch` needs with its blocks cut to `score_bytes` (0: one query row a block).
+  // Inputs and (when staged) contexts share the first piece, in that order; contexts are staged
+  // only when some differ from the inputs.
+  static WorkspacePlan PlanWorkspace(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch,
+                                     int64_t score_bytes) {
+    const LayerConfig& c = f.config;
+    const int64_t d = c.d_model, tx = plan.rows.queries;
+    const int64_t c_rows = plan.rows.all_self ? 0 : plan.rows.contexts;
+    // The score piece holds the largest block, or more: the blocks of a group of short
+    // sequences side by side (GroupRanges), up to all of the batch's within the bound.
+    const int64_t copies = f.concat_then_project() ? 1 : 2;
+    int64_t max_scores = 0, all_scores = 0;
+    for (const Sequence& s : batch) {
+      max_scores = std::max(max_scores, c.heads * BlockRows(f, s, score_bytes) * s.visible_keys());
+      all_scores += c.heads * s.n() * s.visible_keys();
+    }
+    max_scores = std::max(max_scores, std::min<int64_t>(all_scores, score_bytes / (copies * sizeof(float))));
+    // The batched GEMMs' pointer arrays: three pointers an entry, at most 2·heads + 1 entries a
+    // range (scores, mixes, the summed head sum), a range a sequence or a mix-first part.
+    const int64_t pointer_slots = 3 * (2 * c.heads + 1) * static_cast<int64_t>(batch.size() + plan.mix_parts.size());
+    WorkspacePlan w{
+        score_bytes,
+        {(tx + c_rows) * d, plan.qk_floats, plan.value_floats, max_scores, f.concat_then_project() ? 0 : max_scores,
+         plan.o_floats, tx * d, plan.mix_floats, pointer_slots * kFloatsPerPointer}};
+    for (int64_t size : w.sizes) w.total += Aligned(size);
+    return w;
+  }
+
+  // Makes the workspace hold the plan `plan_for(max_score_workspace_bytes)` within the lane's
+  // bound and the device memory budget: when it does not fit the budget, the idle lanes'
+  // workspaces are taken back; when it still does not (or passes the lane's bound), the blocks
+  // get as many query rows as the room left holds (at least one); failing that,
+  // RESOURCE_EXHAUSTED with the figures.
   template <class PlanFor>
   StatusOr<WorkspacePlan> FitWorkspace(PlanFor plan_for) {
     WorkspacePlan plan = plan_for(options_.max_score_workspace_bytes);
-    if (static_cast<size_t>(plan.total) <= workspace_.capacity()) return plan;
+    const int64_t lane_bound = options_.max_lane_workspace_bytes;
     Status st;
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      st = workspace_.Reserve(plan.total);
-      if (st.ok()) return plan;
-      if (st.code() != StatusCode::kResourceExhausted) return st;
-      cudaGetLastError();  // a cudaMalloc that ran out leaves its error behind
-      if (attempt == 0) reclaim_();
+    if (Bytes(plan) <= lane_bound) {
+      if (static_cast<size_t>(plan.total) <= workspace_.capacity()) return plan;
+      for (int attempt = 0; attempt < 2; ++attempt) {
+        st = workspace_.Reserve(plan.total);
+        if (st.ok()) return plan;
+        if (st.code() != StatusCode::kResourceExhausted) return st;
+        cudaGetLastError();  // a cudaMalloc that ran out leaves its error behind
+        if (attempt == 0) reclaim_();
+      }
     }
-    // The room the budget has left (this lane's workspace is released by now). When the plan
-    // fits it, the device refused, not the budget: smaller blocks would not help.
-    const int64_t room = budget_->limit() - budget_->held();
-    if (plan.total * static_cast<int64_t>(sizeof(float)) <= room) return st;
+    workspace_.Release();
+    // The room the budget has left (this lane's workspace released), within the lane's bound.
+    // When the plan fits it, the device refused, not the budget: smaller blocks would not help.
+    const int64_t budget_room = budget_->limit() - budget_->held();
+    const int64_t room = std::min(budget_room, lane_bound);
+    if (!st.ok() && Bytes(plan) <= room) return st;
     // Smaller blocks: the room less the pieces linear in the tokens, for the two score pieces.
     const WorkspacePlan smallest = plan_for(0);  // one query row per block
     const int64_t linear = smallest.total - Aligned(smallest.sizes[kScores]) - Aligned(smallest.sizes[kACat]);
     const int64_t score_bytes = room - (linear + 2 * 64) * static_cast<int64_t>(sizeof(float));
     plan = plan_for(std::max<int64_t>(0, score_bytes));
-    const int64_t need = plan.total * static_cast<int64_t>(sizeof(float));
-    if (need > room) {
-      return ResourceExhaustedError("device memory: this batch needs " +
-                                    Mib(smallest.total * static_cast<int64_t>(sizeof(float))) +
-                                    " of workspace even in blocks of one query row, and " + Mib(std::max<int64_t>(room, 0)) +
-                                    " is free under " + BudgetText(*budget_) +
+    if (Bytes(plan) > room) {
+      const std::string where = budget_room > lane_bound
+                                    ? Mib(lane_bound) + " is one lane's bound (max_lane_workspace_bytes)"
+                                    : Mib(std::max<int64_t>(room, 0)) + " is free under " + BudgetText(*budget_);
+      return ResourceExhaustedError("device memory: this batch needs " + Mib(Bytes(smallest)) +
+                                    " of workspace even in blocks of one query row, and " + where +
                                     "; send fewer or shorter sequences at once, or raise the budget");
     }
     ATTNSERVE_RETURN_IF_ERROR(workspace_.Reserve(plan.total));
@@ -413,9 +587,46 @@ class Lane final : public DeviceOps {
   Status RunBatch(const CudaResidentForm& r, std::span<const Sequence> batch) {
     CUDA_TRY(cudaSetDevice(options_.device));
     const DeviceWeights w = WeightsAt(r.weights(), r.w_in.get(), r.b_in.get(), r.w_out.get(), r.b_out.get());
-    return RunAttention(*this, r.weights(), w, batch);
+    const Status st = RunWithinBound(r.weights(), w, batch);
+    TrimAfterBatch();
+    return st;
   }
 
+  // Host memory this lane keeps between batches: its pinned staging buffers.
+  int64_t PinnedBytes() const { return staging_in_.bytes() + staging_out_.bytes() + pointers_host_.bytes(); }
+
+ private:
+  // A batch whose workspace does not fit (the lane's bound, or the budget's room while other
+  // lanes hold theirs), even in blocks of one query row, runs in halves, in order, each a forward
+  // of its own: the sequences are independent, and Prepare refused before anything ran. A
+  // sequence that does not fit alone fails with FitWorkspace's figures.
+  Status RunWithinBound(const FormWeights& f, const DeviceWeights& w, std::span<const Sequence> batch) {
+    workspace_refused_ = false;
+    const Status st = RunAttention(*this, f, w, batch);
+    if (st.ok() || !workspace_refused_ || batch.size() < 2) return st;
+    const size_t half = batch.size() / 2;
+    ATTNSERVE_RETURN_IF_ERROR(RunWithinBound(f, w, batch.first(half)));
+    return RunWithinBound(f, w, batch.subspan(half));
+  }
+
+  // What a batch leaves behind is kept for the next one only up to retain_workspace_bytes (device
+  // workspace and pinned staging each): a rare large batch does not hold its memory for good.
+  // The stream is idle here (Finish synchronised it, or the batch failed and MarkFailed will).
+  void TrimAfterBatch() {
+    const int64_t keep = options_.retain_workspace_bytes;
+    if (static_cast<int64_t>(workspace_.capacity() * sizeof(float)) > keep) {
+      cudaStreamSynchronize(stream_);
+      workspace_.Release();
+    }
+    if (PinnedBytes() > keep) {
+      cudaStreamSynchronize(stream_);
+      staging_in_.Release();
+      staging_out_.Release();
+      pointers_host_.Release();
+    }
+  }
+
+ public:
   // A summed sequence mixes first only by shape (n < m) and only when the options allow it
   // (CudaBackendOptions::summed_mix_first): a device holds A_cat a block of query rows at a time
   // (the workspace's score pieces), so mixing first buys FLOPs, not memory. The mixes' bound is
@@ -433,18 +644,13 @@ class Lane final : public DeviceOps {
     const int64_t d = c.d_model, tx = plan.rows.queries, tc = plan.rows.contexts;
     const bool all_self = plan.rows.all_self;
     const int64_t c_rows = all_self ? 0 : tc;  // contexts are staged only when some differ
-    auto plan_for = [&](int64_t score_bytes) {
-      int64_t max_scores = 0;
-      for (const Sequence& s : batch) {
-        max_scores = std::max(max_scores, c.heads * BlockRows(f, s, score_bytes) * s.visible_keys());
-      }
-      WorkspacePlan w{score_bytes,
-                      {(tx + c_rows) * d, plan.qk_floats, plan.value_floats, max_scores,
-                       f.concat_then_project() ? 0 : max_scores, plan.o_floats, tx * d, plan.mix_floats}};
-      for (int64_t size : w.sizes) w.total += Aligned(size);
-      return w;
-    };
-    ATTNSERVE_ASSIGN_OR_RETURN(const WorkspacePlan w, FitWorkspace(plan_for));
+    auto plan_for = [&](int64_t score_bytes) { return PlanWorkspace(f, plan, batch, score_bytes); };
+    StatusOr<WorkspacePlan> fitted = FitWorkspace(plan_for);
+    if (!fitted.ok()) {
+      workspace_refused_ = fitted.status().code() == StatusCode::kResourceExhausted;
+      return fitted.status();
+    }
+    const WorkspacePlan& w = *fitted;
     float* piece[kPieces];
     float* next = workspace_.get();
     for (int p = 0; p < kPieces; ++p) {
@@ -452,8 +658,13 @@ class Lane final : public DeviceOps {
       next += Aligned(w.sizes[p]);
     }
     score_bytes_ = w.score_bytes;
+    score_capacity_ = w.sizes[kScores];
     scores_ = piece[kScores];
     a_cat_ = piece[kACat];
+    pointer_slots_ = w.sizes[kPointers] / kFloatsPerPointer;
+    ATTNSERVE_RETURN_IF_ERROR(pointers_host_.Reserve(pointer_slots_));
+    pointers_device_ = reinterpret_cast<const void**>(piece[kPointers]);
+    pointers_used_ = 0;
 
     ATTNSERVE_RETURN_IF_ERROR(staging_in_.Reserve((tx + c_rows) * d));
     float* h = staging_in_.get();
@@ -518,7 +729,13 @@ class Lane final : public DeviceOps {
   // the mix into the block's rows of out.
   Status Attend(const AttentionJob& job) override {
     const LayerConfig& c = job.form->config;
-    for (const AttentionRange& range : job.ranges) {
+    for (const RangeGroup& g : GroupRanges(*job.form, job.ranges)) {
+      if (g.ranges.size() > 1) {
+        ATTNSERVE_RETURN_IF_ERROR(GroupScores(c, g.ranges, g.rows, g.keys, nullptr));
+        ATTNSERVE_RETURN_IF_ERROR(GroupMix(job, g.ranges, g.rows, g.keys));
+        continue;
+      }
+      const AttentionRange& range = *g.ranges.front();
       ATTNSERVE_RETURN_IF_ERROR(ForEachBlock(*job.form, range, [&](int64_t row0, int64_t rows, int64_t keys) {
         ATTNSERVE_RETURN_IF_ERROR(Scores(c, Block(range.q).Rows(row0, rows), Block(range.k).Rows(0, keys), row0,
                                          range.sequence->causal, scores_));
@@ -534,7 +751,24 @@ class Lane final : public DeviceOps {
   Status SumHeadsProjectingFirst(const FormWeights& f, std::span<const AttentionRange> ranges,
                                  const float* bias) override {
     const LayerConfig& c = f.config;
-    for (const AttentionRange& range : ranges) {
+    for (const RangeGroup& g : GroupRanges(f, ranges)) {
+      if (g.ranges.size() > 1) {
+        // Each range's A_cat [rows, keys·h] by the group's softmax, then every range's head sum
+        // out_r = A_cat_r · [M_1; …; M_h] in one pointer-array GEMM.
+        ATTNSERVE_RETURN_IF_ERROR(GroupScores(c, g.ranges, g.rows, g.keys, a_cat_));
+        const int64_t inner = g.keys * c.heads;
+        std::vector<const float*> m, a;
+        std::vector<float*> out;
+        for (size_t r = 0; r < g.ranges.size(); ++r) {
+          m.push_back(g.ranges[r]->values.data);
+          a.push_back(a_cat_ + r * g.rows * inner);
+          out.push_back(g.ranges[r]->out.data);
+        }
+        ATTNSERVE_RETURN_IF_ERROR(GemmPointerBatched(CUBLAS_OP_N, c.d_model, g.rows, inner, 1.0f, m, c.d_model, a,
+                                                     inner, out, g.ranges.front()->out.ld));
+        continue;
+      }
+      const AttentionRange& range = *g.ranges.front();
       ATTNSERVE_RETURN_IF_ERROR(ForEachBlock(f, range, [&](int64_t row0, int64_t rows, int64_t keys) {
         ATTNSERVE_RETURN_IF_ERROR(Scores(c, Block(range.q).Rows(row0, rows), Block(range.k).Rows(0, keys), row0,
                                          range.sequence->causal, scores_, a_cat_));
@@ -584,11 +818,17 @@ class Lane final : public DeviceOps {
   cublasHandle_t handle_ = nullptr;
   DeviceArray workspace_;
   // This batch's score pieces, the bound its blocks were cut to, and its mixes piece (Prepare).
+  bool workspace_refused_ = false;  // the batch's Prepare found no room (RunWithinBound)
   int64_t score_bytes_ = 0;
+  int64_t score_capacity_ = 0;  // floats
   float* scores_ = nullptr;
   float* a_cat_ = nullptr;
   float* mixes_ = nullptr;
-  PinnedArray staging_in_, staging_out_;
+  // This batch's pointer arena (Prepare): device slots, how many, how many used so far.
+  const void** pointers_device_ = nullptr;
+  int64_t pointer_slots_ = 0, pointers_used_ = 0;
+  PinnedArray<float> staging_in_, staging_out_;
+  PinnedArray<const void*> pointers_host_;  // the pointer arrays of batched GEMMs, staged
 };
 
 class CudaBackend final : public Backend {
@@ -602,8 +842,10 @@ class CudaBackend final : public Backend {
       size_t free = 0, total = 0;
       CUDA_TRY(cudaSetDevice(options_.device));
       CUDA_TRY(cudaMemGetInfo(&free, &total));
-      limit = static_cast<int64_t>(kDefaultDeviceMemoryFraction * static_cast<double>(total));
+      limit = static_cast<int64_t>(kDefaultDeviceMemoryFraction * static_cast<double>(free));
     }
+    options_.max_device_bytes = limit;
+    if (options_.max_lane_workspace_bytes <= 0) options_.max_lane_workspace_bytes = limit;
     budget_ = std::make_shared<DeviceBudget>(limit);
     ATTNSERVE_ASSIGN_OR_RETURN(auto lane, NewLane());
     MutexLock lock(mu_);
@@ -617,6 +859,13 @@ class CudaBackend final : public Backend {
     return ForwardFlops(form, batch, SummedOrderOf(options_));
   }
   bool Healthy() const override { return healthy_.load(); }
+  // The idle lanes' pinned staging (a busy lane's counts once it is back).
+  int64_t RetainedScratchBytes() const override {
+    MutexLock lock(mu_);
+    int64_t bytes = 0;
+    for (const auto& lane : idle_) bytes += lane->PinnedBytes();
+    return bytes;
+  }
 
   StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override {
     if (!form) return InvalidArgumentError("Upload: no form given");
@@ -689,7 +938,7 @@ class CudaBackend final : public Backend {
   CudaBackendOptions options_;
   std::shared_ptr<DeviceBudget> budget_;  // set by Init, shared with the lanes and the weights
   std::atomic<bool> healthy_{true};
-  Mutex mu_;
+  mutable Mutex mu_;
   std::vector<std::unique_ptr<Lane>> idle_ ATTNSERVE_GUARDED_BY(mu_);
 };
 

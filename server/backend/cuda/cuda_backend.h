@@ -29,10 +29,20 @@ struct CudaBackendOptions {
   int64_t max_score_workspace_bytes = int64_t{256} << 20;
   // Device memory the backend may hold, as it counts it: the weights it uploaded and every
   // lane's workspace (not the CUDA context, cuBLAS's own workspace or what others hold). 0:
-  // kDefaultDeviceMemoryFraction of the device's total memory (cudaMemGetInfo) at start-up.
+  // kDefaultDeviceMemoryFraction of the device memory free at start-up (cudaMemGetInfo), so
+  // that what other processes already hold on a shared card is left to them.
   // A batch that would pass it first takes idle lanes' workspaces back, then runs in smaller
   // query-row blocks, and only then fails with RESOURCE_EXHAUSTED; the device keeps serving.
   int64_t max_device_bytes = 0;
+  // One lane's workspace at most (0: max_device_bytes as resolved). A batch past it, or past
+  // the room the budget has left while other lanes hold theirs, runs in smaller query-row
+  // blocks, then in halves of its sequences (each a forward of its own); a sequence that does
+  // not fit alone fails with RESOURCE_EXHAUSTED and the figures.
+  int64_t max_lane_workspace_bytes = 0;
+  // What a lane keeps after a batch for the next one: a device workspace or pinned staging
+  // larger than this is released when its batch ends (as the CPU backend frees scratch above
+  // 256 MiB), so a rare large batch does not hold its memory for good.
+  int64_t retain_workspace_bytes = int64_t{256} << 20;
   // The summed form's association order (SummedMixesFirst): with it, a sequence with fewer
   // queries than keys mixes them first, Y = Σ_i (A_i C) W_M_i (m/n fewer projection FLOPs, one
   // mix GEMM per head instead of strided batches); without it, every summed sequence projects

@@ -105,15 +105,17 @@ __device__ float ExactExponentials(float* s, int64_t head, int64_t q, int64_t vi
   return static_cast<float>(1.0 / sum);
 }
 
-// One block per row of one head's scores. Row q of a block is query first_row + q of its
-// sequence: the causal mask counts from there, the float64 fallback reads Q's row q.
-__global__ void MaskedSoftmaxKernel(float* scores, int64_t n, int64_t first_row, int64_t keys, bool causal,
-                                    ScoreOperands operands, int64_t heads, float* a_cat) {
+// One block per row of one head's scores of one entry of `blocks`. Row q of an entry is query
+// first_row + q of its sequence: the causal mask counts from there, the float64 fallback reads
+// Q's row q.
+__global__ void MaskedSoftmaxKernel(SoftmaxBlocks blocks, int64_t heads, int64_t n, int64_t keys,
+                                    ScoreOperands shared_operands) {
   __shared__ float shared[32];
-  const int64_t row = blockIdx.x;  // over heads * n
+  const SoftmaxBlock& b = blocks.block[blockIdx.x / (heads * n)];
+  const int64_t row = blockIdx.x % (heads * n);  // over heads * n
   const int64_t q = row % n;
-  float* s = scores + row * keys;
-  const int64_t visible = causal ? min(first_row + q + 1, keys) : keys;
+  float* s = b.scores + row * keys;
+  const int64_t visible = b.causal ? min(b.first_row + q + 1, keys) : keys;
   // A non-finite score counts as +inf, so the max also tells whether q·k overflowed float32
   // (inputs from ~1e19 on): inf - inf in the max subtraction would make the row NaN.
   float top = -FLT_MAX;
@@ -132,13 +134,16 @@ __global__ void MaskedSoftmaxKernel(float* scores, int64_t n, int64_t first_row,
     sum = BlockReduce<false>(sum, shared);
     inv = 1.0f / sum;
   } else {
+    ScoreOperands operands = shared_operands;
+    operands.q = b.q;
+    operands.k = b.k;
     inv = ExactExponentials(s, row / n, q, visible, operands);
   }
-  if (a_cat == nullptr) {
+  if (b.a_cat == nullptr) {
     for (int64_t j = threadIdx.x; j < keys; j += blockDim.x) s[j] = j < visible ? s[j] * inv : 0.0f;
     return;
   }
-  float* out = a_cat + q * keys * heads + row / n;  // A_cat[q, j·heads + head]
+  float* out = b.a_cat + q * keys * heads + row / n;  // A_cat[q, j·heads + head]
   for (int64_t j = threadIdx.x; j < keys; j += blockDim.x) out[j * heads] = j < visible ? s[j] * inv : 0.0f;
 }
 
@@ -191,10 +196,20 @@ cudaError_t AddRowBias(float* y, int64_t rows, int64_t cols, int64_t ld, const f
 
 cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t rows, int64_t first_row, int64_t keys, bool causal,
                           const ScoreOperands& operands, float* a_cat, cudaStream_t stream) {
+  SoftmaxBlocks one;
+  one.count = 1;
+  one.block[0] = {
+      .scores = scores, .a_cat = a_cat, .q = operands.q, .k = operands.k, .first_row = first_row, .causal = causal};
+  return MaskedSoftmaxBlocks(one, heads, rows, keys, operands, stream);
+}
+
+cudaError_t MaskedSoftmaxBlocks(const SoftmaxBlocks& blocks, int64_t heads, int64_t rows, int64_t keys,
+                                const ScoreOperands& shared, cudaStream_t stream) {
+  if (blocks.count <= 0 || blocks.count > kSoftmaxMaxBlocks) return cudaErrorInvalidValue;
   // Short rows get a small block: most threads of a 256-wide block would idle on 16 keys.
   const int threads = keys <= 32 ? 32 : keys <= 128 ? 128 : kThreads;
-  ATTNSERVE_LAUNCH(MaskedSoftmaxKernel, static_cast<unsigned>(heads * rows), threads, stream)
-  (scores, rows, first_row, keys, causal, operands, heads, a_cat);
+  ATTNSERVE_LAUNCH(MaskedSoftmaxKernel, static_cast<unsigned>(blocks.count * heads * rows), threads, stream)
+  (blocks, heads, rows, keys, shared);
   return cudaGetLastError();
 }
 

@@ -34,6 +34,27 @@ struct ScoreOperands {
 cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t rows, int64_t first_row, int64_t keys, bool causal,
                           const ScoreOperands& operands, float* a_cat, cudaStream_t stream);
 
+// Blocks of several sequences' query rows, all of one shape ([heads, rows, keys] scores each),
+// in one launch: what MaskedSoftmax does to one block, for up to kSoftmaxMaxBlocks of them. The
+// table travels in the launch's arguments (2.3 KiB of the 4 KiB a launch may carry), so a batch
+// of short sequences costs one softmax launch, not one a sequence.
+inline constexpr int kSoftmaxMaxBlocks = 48;
+struct SoftmaxBlock {
+  float* scores = nullptr;   // [heads, rows, keys], back to back
+  float* a_cat = nullptr;    // [rows, keys·heads], or null: the softmax in place
+  const float* q = nullptr;  // the block's first query row, for the float64 fallback
+  const float* k = nullptr;  // its sequence's first key row
+  int64_t first_row = 0;     // the block's first row's query index (the causal mask)
+  bool causal = false;
+};
+struct SoftmaxBlocks {
+  int count = 0;
+  SoftmaxBlock block[kSoftmaxMaxBlocks] = {};
+};
+// `shared`: q_ld, k_ld, d_head, group and scale of every block (its q and k are ignored).
+cudaError_t MaskedSoftmaxBlocks(const SoftmaxBlocks& blocks, int64_t heads, int64_t rows, int64_t keys,
+                                const ScoreOperands& shared, cudaStream_t stream);
+
 // Rows of a matrix in consecutive runs, one a sequence: run s is rows [row0[s], row0[s + 1])
 // (the last run ends at `end`) and its first row is at position[s]. One launch rotates a whole
 // batch's Q (or K), however many sequences it has, up to kRopeMaxRuns of them; the runs travel in

@@ -66,3 +66,11 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation
                                           long long int strideB, const void* beta, void* C, cudaDataType Ctype, int ldc,
                                           long long int strideC, int batchCount, cublasComputeType_t computeType,
                                           cublasGemmAlgo_t algo);
+
+// The pointer-array batch: entry i multiplies Aarray[i] by Barray[i] into Carray[i], the three
+// arrays themselves in device memory (read when the stream reaches the call, as cuBLAS does).
+cublasStatus_t cublasGemmBatchedEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m,
+                                   int n, int k, const void* alpha, const void* const Aarray[], cudaDataType Atype,
+                                   int lda, const void* const Barray[], cudaDataType Btype, int ldb, const void* beta,
+                                   void* const Carray[], cudaDataType Ctype, int ldc, int batchCount,
+                                   cublasComputeType_t computeType, cublasGemmAlgo_t algo);
