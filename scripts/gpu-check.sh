@@ -1,33 +1,79 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU: build the core-only tree with the CUDA backend, run the unit
 # tests with the CUDA backends required (a skip is a failure), compute-sanitizer (memcheck,
-# racecheck, synccheck) over the CUDA backend tests at small shapes, and benchmark both forms
-# against a cuBLAS SGEMM ceiling (random data) measured in the same run and against PyTorch when
-# the interpreter has torch. A failing step is reported and the later ones still run; the exit
-# status says whether all passed. The whole check keeps within a time budget (570 s: the GPU
-# machine gives one command 10 minutes); a step that would run past it is cut short or skipped,
-# and says so.
+# racecheck, synccheck) over the CUDA backend tests at small shapes, benchmark both forms in FP32
+# and in TF32 against a cuBLAS SGEMM ceiling (random data) measured in the same run, and run
+# PyTorch's SDPA peer in FP32 and in TF32 when the interpreter has torch with CUDA, each paired
+# with our run of the same precision in a table. A failing step is reported and the later ones
+# still run; the exit status says whether all passed.
 #
 #   scripts/gpu-check.sh --prepare   # here: copy Eigen's headers and GoogleTest's sources into
 #                                    # .gpu-carry/ for a machine without Debian's -dev packages
-#   scripts/gpu-check.sh             # there: build, test, sanitize, benchmark; everything it
+#   OUT=/some/dir scripts/gpu-check.sh
+#                                    # there: build, test, sanitize, benchmark; everything it
 #                                    # writes goes under $OUT (else build-gpu/out)
 #
 # Environment:
 #   OUT                            the output folder (summary.txt, every step's log, the JSON)
-#   PYTHON                         the interpreter for the PyTorch peer (default python3)
+#   PYTHON                         the interpreter for the PyTorch peer and the tables (python3)
 #   ATTNSERVE_GPU_CHECK_STEPS      a comma list of build,tests,sanitizer,bench,torch (default all;
-#                                  a rerun after a fix can leave out what already passed)
+#                                  a rerun can leave out what already passed: without `build` it
+#                                  uses the build-gpu/ an earlier run left)
 #   ATTNSERVE_GPU_CHECK_BUDGET_S   the time budget in seconds (default 570)
+#   ATTNSERVE_GPU_CHECK_MIN_TIME_S forward_bench's and the peer's --min-time-s (default theirs, 0.5)
 #   ATTNSERVE_GPU_CHECK_CARRIED=1  build from .gpu-carry/ even where Debian's packages are
 #                                  installed, without oneDNN, as the bare GPU machine does (the
 #                                  dry run of that configuration on a development machine)
 #   ATTNSERVE_CUDA_ARCH            the CUDA architecture (default: the GPU's compute capability)
+#   CUDA_HOME                      where nvcc and compute-sanitizer are looked for when they are
+#                                  not on PATH (default /usr/local/cuda; its bin/)
+#
+# The tools: nvidia-smi (none: the machine is taken as one without a GPU), nvcc (on a GPU machine
+# the build needs it: without it the script says so and stops), cmake and c++ (the build needs
+# them), ninja (else CMake's default generator), ctest (the tests step), compute-sanitizer (else
+# the sanitizer steps say they did not run), timeout (else the steps run without limits, and the
+# summary says so), $PYTHON (else no PyTorch peer and no tables). Each is checked before use, and
+# the summary has a line for each one missing.
+#
+# The time plan. The GPU machine gives one command 10 minutes, hence the default budget of 570 s.
+# The script keeps 5 % of the budget for its own work between steps and the grace after a step is
+# stopped (5 s); the other 95 % is shared among the steps that will run, in proportion to these
+# weights (seconds at the default budget with every step; a step left out gives its share to the
+# others in proportion, so a rerun without the build gives every step 1.8 times as long):
+#
+#   step         GPU   no GPU   what it runs
+#   configure     30       30   cmake (CUDA detection included)
+#   build        210      300   ninja: first backend_test, the CUDA plugin and forward_bench,
+#                               then everything else (all 43 objects on 16 cores; nvcc for one
+#                               architecture)
+#   tests         80      200   ctest -L unit (on a GPU without the emulated suite)
+#   memcheck      40        -   compute-sanitizer over backend_test's cuda instances,
+#   racecheck     35        -     4 random cases, no long or large shapes
+#   synccheck     25        -
+#   bench-fp32    30       60   forward_bench, both forms (and the large shape on a GPU)
+#   bench-tf32    25        -   forward_bench --tf32
+#   torch-fp32    30       60   torch_attention.py (PyTorch SDPA + linear projections)
+#   torch-tf32    25        -   torch_attention.py --tf32
+#   table-fp32     5       10   compare.py: ours against torch, FP32
+#   table-tf32     5        -   compare.py: ours against torch, TF32
+#   (sum)        540      660
+#
+# A step may run for its own share plus whatever the steps before it left unused, never into the
+# shares of the steps after it: its limit is the time left minus the shares of the steps still to
+# come, so a slow build cannot starve the benchmark, and a build that finishes early gives the
+# tests more time. A step cut at its limit says so; a cut build keeps what it compiled, so the
+# same command again goes on from there (on a machine that keeps build-gpu/), and a rerun with
+# ATTNSERVE_GPU_CHECK_STEPS=tests,sanitizer,bench,torch skips the build altogether. Without a GPU
+# the 2-core development machine needs far more than 570 s for the build: set the budget to fit
+# (ATTNSERVE_GPU_CHECK_BUDGET_S=3600).
 #
 # Without a GPU (no nvidia-smi, or it lists none) it runs the half that needs none: the same
 # core-only build (with the CUDA backend when nvcc is present), the unit tests — the CUDA
 # backend's sources run over the host emulation of CUDA (tests/cuda_emulation), the real-device
-# instances skip —, and the benchmark and PyTorch peer on the CPU.
+# instances skip —, and the benchmark and PyTorch peer (FP32) on the CPU.
+#
+# tests/deploy/gpu_check_test.py runs this script over stub tools (no GPU, no compiler): the order
+# of the steps, the summary's lines, the budget, failures, missing tools, the TF32 peer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 carry=.gpu-carry
@@ -47,166 +93,397 @@ if (($#)); then
   exit 2
 fi
 
+budget=${ATTNSERVE_GPU_CHECK_BUDGET_S:-570}
+[[ $budget =~ ^[0-9]+$ ]] || { echo "gpu-check.sh: ATTNSERVE_GPU_CHECK_BUDGET_S=$budget is not a number of seconds" >&2; exit 2; }
+steps=",${ATTNSERVE_GPU_CHECK_STEPS:-build,tests,sanitizer,bench,torch},"
+for step in ${steps//,/ }; do
+  case $step in
+    build | tests | sanitizer | bench | torch) ;;
+    *) echo "gpu-check.sh: unknown step '$step' in ATTNSERVE_GPU_CHECK_STEPS (build,tests,sanitizer,bench,torch)" >&2; exit 2 ;;
+  esac
+done
+want() { [[ $steps == *",$1,"* ]]; }
+min_time=()
+if [[ -n ${ATTNSERVE_GPU_CHECK_MIN_TIME_S:-} ]]; then min_time=(--min-time-s "$ATTNSERVE_GPU_CHECK_MIN_TIME_S"); fi
+
 out=${OUT:-build-gpu/out}
 mkdir -p "$out"
 : > "$out/summary.txt"
-budget=${ATTNSERVE_GPU_CHECK_BUDGET_S:-570}
-steps=",${ATTNSERVE_GPU_CHECK_STEPS:-build,tests,sanitizer,bench,torch},"
-want() { [[ $steps == *",$1,"* ]]; }
 log() { echo "== [${SECONDS}s] $*" | tee -a "$out/summary.txt"; }
-left() { echo $((budget - SECONDS)); }
-# bounded SECONDS COMMAND...: the command, stopped after SECONDS (exit 124) where `timeout`
-# exists; without it the command runs unbounded, and the summary says so once.
+
+status=0     # 1 once a step failed
+cut=()       # the steps stopped at their time limit
+finished=0
+# Whatever ends the script, the summary's last line says how it went.
+# shellcheck disable=SC2317  # run by the EXIT trap
+on_exit() {
+  local rc=$?
+  if ((!finished)); then
+    log "done: FAILED in ${SECONDS}s (budget ${budget}s): the script stopped early (exit $rc)"
+  fi
+}
+trap on_exit EXIT
+finish() {
+  local verdict=passed
+  ((status == 0)) || verdict=FAILED
+  log "done: $verdict in ${SECONDS}s (budget ${budget}s)${cut[*]:+; cut short: ${cut[*]}}"
+  finished=1
+  exit "$status"
+}
+# stop MESSAGE: a condition no later step can run without (no compiler, no Eigen).
+stop() {
+  log "$*"
+  status=1
+  finish
+}
+
+# --- the tools -------------------------------------------------------------------------------
+# `command -v` alone, and a tool's output read whole (never through `grep -q` or `head`, whose
+# early exit would make the writer's SIGPIPE the pipeline's status under pipefail).
+have() { command -v "$1" >/dev/null 2>&1; }
+cuda_bin=${CUDA_HOME:-/usr/local/cuda}/bin
+# find_cuda_tool NAME: its path on PATH or in $CUDA_HOME/bin, or nothing.
+find_cuda_tool() {
+  if have "$1"; then
+    command -v "$1"
+  elif [[ -x $cuda_bin/$1 ]]; then
+    echo "$cuda_bin/$1"
+  fi
+}
 have_timeout=1
-command -v timeout >/dev/null || { have_timeout=0; log "no 'timeout' command: steps run without their time limits"; }
+if ! have timeout; then
+  have_timeout=0
+  log "no 'timeout' command: steps run without their time limits"
+fi
+python=${PYTHON:-python3}
+have_python=1
+if ! have "$python"; then
+  have_python=0
+  log "no $python: no PyTorch peer and no comparison tables (the JSON files hold the figures)"
+fi
+
+gpu=0
+if have nvidia-smi; then
+  gpu_list=$(nvidia-smi -L 2>/dev/null || true)
+  if [[ $gpu_list == GPU* || $gpu_list == *$'\nGPU'* ]]; then
+    gpu=1
+  else
+    log "nvidia-smi lists no GPU"
+  fi
+else
+  log "no nvidia-smi on PATH: taken as a machine without a GPU"
+fi
+if ((gpu)); then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv > "$out/gpu.txt" 2>&1 || true
+  gpus=$(tail -n +2 "$out/gpu.txt" || true)
+  log "GPU: ${gpus//$'\n'/; }"
+  caps=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null || true)
+  cap=${caps%%$'\n'*}
+  cap=${cap//[. ]/}
+  [[ $cap =~ ^[0-9]+$ ]] || cap=90
+  args=(-DATTNSERVE_CORE_ONLY=ON -DATTNSERVE_CUDA=ON -DCMAKE_BUILD_TYPE=Release
+        -DCMAKE_CUDA_ARCHITECTURES="${ATTNSERVE_CUDA_ARCH:-$cap}")
+else
+  log "no NVIDIA GPU here: build, unit tests (CUDA emulated on the CPU) and the CPU benchmark only"
+  args=(-DATTNSERVE_CORE_ONLY=ON -DATTNSERVE_CUDA=AUTO -DCMAKE_BUILD_TYPE=Release)
+fi
+nvcc=$(find_cuda_tool nvcc)
+sanitizer=$(find_cuda_tool compute-sanitizer)
+{
+  for tool in nvidia-smi "$nvcc" cmake c++ ninja ctest "$sanitizer"; do
+    [[ -n $tool ]] && have "$tool" && { echo "## $tool"; "$tool" --version 2>&1 || true; }
+  done
+  echo "## $python"
+  "$python" --version 2>&1 || true
+} > "$out/tools.txt" 2>&1 || true
+
+if want build; then
+  for tool in cmake c++; do
+    have "$tool" || stop "no $tool on PATH: nothing can be built"
+  done
+  if [[ -n $nvcc ]]; then
+    # CMake looks for nvcc on PATH only: one found in $CUDA_HOME/bin is named to it.
+    args+=(-DCMAKE_CUDA_COMPILER="$nvcc")
+    log "nvcc: $nvcc"
+  elif ((gpu)); then
+    stop "no nvcc (not on PATH, not in $cuda_bin): the CUDA backend cannot be built on this GPU machine"
+  else
+    log "no nvcc: the build leaves the CUDA backend out (the emulated one is built all the same)"
+  fi
+  gen=()
+  if have ninja; then gen=(-G Ninja); else log "no ninja: CMake's default generator"; fi
+  carried=${ATTNSERVE_GPU_CHECK_CARRIED:-0}
+  if [[ $carried == 1 || ! -d /usr/include/eigen3 ]]; then
+    [[ -d $carry/eigen3 ]] || stop "no Eigen: neither /usr/include/eigen3 nor $carry/eigen3 (scripts/gpu-check.sh --prepare)"
+    args+=(-DCMAKE_DISABLE_FIND_PACKAGE_Eigen3=ON -DATTNSERVE_EIGEN_INCLUDE_DIR="$PWD/$carry/eigen3")
+  fi
+  if [[ $carried == 1 || ( ! -d /usr/src/googletest && ! -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ) ]]; then
+    [[ -d $carry/googletest ]] || stop "no GoogleTest: neither Debian's package nor $carry/googletest (--prepare)"
+    args+=(-DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON -DATTNSERVE_GTEST_SOURCE_DIR="$PWD/$carry/googletest")
+  fi
+  if [[ $carried == 1 ]]; then args+=(-DATTNSERVE_ONEDNN=OFF); fi
+fi
+if want sanitizer && ((gpu)) && [[ -z $sanitizer ]]; then
+  log "compute-sanitizer not found (not on PATH, not in $cuda_bin): memcheck/racecheck/synccheck not run"
+fi
+
+# --- the plan --------------------------------------------------------------------------------
+declare -A weight=() share=()
+plan=()
+plan_add() { plan+=("$1"); weight[$1]=$2; }
+if ((gpu)); then
+  if want build; then plan_add configure 30; plan_add build 210; fi
+  if want tests; then plan_add tests 80; fi
+  if want sanitizer && [[ -n $sanitizer ]]; then plan_add memcheck 40; plan_add racecheck 35; plan_add synccheck 25; fi
+  if want bench; then plan_add bench-fp32 30; plan_add bench-tf32 25; fi
+  if want torch && ((have_python)); then plan_add torch-fp32 30; plan_add torch-tf32 25; fi
+  if { want bench || want torch; } && ((have_python)); then plan_add table-fp32 5; plan_add table-tf32 5; fi
+else
+  if want build; then plan_add configure 30; plan_add build 300; fi
+  if want tests; then plan_add tests 200; fi
+  if want bench; then plan_add bench-fp32 60; fi
+  if want torch && ((have_python)); then plan_add torch-fp32 60; fi
+  if { want bench || want torch; } && ((have_python)); then plan_add table-fp32 10; fi
+fi
+usable=$((budget * 95 / 100))
+total=0
+for step in "${plan[@]}"; do total=$((total + weight[$step])); done
+line=""
+for step in "${plan[@]}"; do
+  share[$step]=$((usable * weight[$step] / (total > 0 ? total : 1)))
+  line+=" $step ${share[$step]}s,"
+done
+log "plan (budget ${budget}s, ${usable}s shared):${line%,}"
+
+# unplan STEP: a step that will not run after all gives its share to the others.
+unplan() {
+  local step kept=()
+  for step in "${plan[@]}"; do
+    if [[ $step != "$1" ]]; then kept+=("$step"); fi
+  done
+  plan=("${kept[@]}")
+}
+# limit STEP: the seconds STEP may run: the time left less the shares of the planned steps after it.
+limit() {
+  local step after=0 reserve=0 room
+  for step in "${plan[@]}"; do
+    if ((after)); then reserve=$((reserve + share[$step])); fi
+    if [[ $step == "$1" ]]; then after=1; fi
+  done
+  room=$((budget - SECONDS - reserve))
+  echo $((room > 0 ? room : 0))
+}
+# bounded SECONDS COMMAND...: the command, stopped after SECONDS (exit 124; 137 when it ignored
+# SIGTERM for 5 s more) where `timeout` exists; without it the command runs unbounded. With no
+# second left it does not start (`timeout 0` would mean no limit at all).
 bounded() {
   local secs=$1
   shift
   if ((secs < 1)); then
-    log "no time left in the budget for: $*"
+    echo "gpu-check.sh: no time left in the budget for: $*"
     return 124
   fi
-  if ((have_timeout)); then timeout --kill-after=10 "$secs" "$@"; else "$@"; fi
+  if ((have_timeout)); then timeout --kill-after=5 "$secs" "$@"; else "$@"; fi
 }
-# A step's limit: `cap` seconds, or what the budget leaves after `reserve` seconds kept for the
-# steps after it, whichever is less; 0 when there is no time left for it.
-limit() {
-  local cap=$1 reserve=$2 room
-  room=$(($(left) - reserve))
-  ((room > 0)) || room=0
-  echo $((room < cap ? room : cap))
-}
-
-python=${PYTHON:-python3}
-# nvidia-smi's output is read whole, not through `grep -q` or `head`: under pipefail the reader
-# that stops early makes the writer's SIGPIPE the pipeline's status.
-gpu_list=$( (command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null) || true)
-if [[ $gpu_list == GPU* || $gpu_list == *$'\nGPU'* ]]; then
-  gpu=1
-  nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv > "$out/gpu.txt" 2>&1 || true
-  cat "$out/gpu.txt"
-  caps=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null || true)
-  cap=${caps%%$'\n'*}
-  cap=${cap//[. ]/}
-  args=(-DATTNSERVE_CORE_ONLY=ON -DATTNSERVE_CUDA=ON -DCMAKE_BUILD_TYPE=Release
-        -DCMAKE_CUDA_ARCHITECTURES="${ATTNSERVE_CUDA_ARCH:-${cap:-90}}")
-else
-  gpu=0
-  log "no NVIDIA GPU here: build, unit tests (CUDA emulated on the CPU) and the CPU benchmark only"
-  args=(-DATTNSERVE_CORE_ONLY=ON -DATTNSERVE_CUDA=AUTO -DCMAKE_BUILD_TYPE=Release)
-fi
-carried=${ATTNSERVE_GPU_CHECK_CARRIED:-0}
-if [[ $carried == 1 || ! -d /usr/include/eigen3 ]]; then
-  [[ -d $carry/eigen3 ]] || { log "no Eigen: neither /usr/include/eigen3 nor $carry/eigen3 (scripts/gpu-check.sh --prepare)"; exit 1; }
-  args+=(-DCMAKE_DISABLE_FIND_PACKAGE_Eigen3=ON -DATTNSERVE_EIGEN_INCLUDE_DIR="$PWD/$carry/eigen3")
-fi
-if [[ $carried == 1 || ( ! -d /usr/src/googletest && ! -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ) ]]; then
-  [[ -d $carry/googletest ]] || { log "no GoogleTest: neither Debian's package nor $carry/googletest (--prepare)"; exit 1; }
-  args+=(-DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON -DATTNSERVE_GTEST_SOURCE_DIR="$PWD/$carry/googletest")
-fi
-((carried == 1)) && args+=(-DATTNSERVE_ONEDNN=OFF)
-gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
-for tool in cmake c++; do
-  command -v "$tool" >/dev/null || { log "no $tool on PATH: nothing can be built"; exit 1; }
-done
-
-if want build; then
-  log "configure and build (${args[*]})"
-  cmake -S . -B build-gpu "${gen[@]}" "${args[@]}" > "$out/configure.txt" 2>&1 ||
-    { tail -30 "$out/configure.txt" | tee -a "$out/summary.txt"; exit 1; }
-  bounded "$(limit "$budget" 60)" cmake --build build-gpu -j"$(nproc)" > "$out/build.txt" 2>&1 ||
-    { log "build failed (exit $?)"; grep -E "error|Error" -A5 "$out/build.txt" | head -60 | tee -a "$out/summary.txt" || true; exit 1; }
-  log "built"
-fi
-[[ -x build-gpu/tests/backend_test ]] || { log "build-gpu has no backend_test: run the build step"; exit 1; }
-
-status=0
-# ctest's own limit per test, and the step's limit over all of them.
-if want tests; then
-  secs=$( ((gpu)) && limit 240 200 || limit "$budget" 60)
-  if ((gpu)); then
-    # The real-device instances are required: one that skips (no device, no plugin) fails.
-    # The emulated tests are left out: they ran where the emulation is the only device.
-    log "unit tests, CUDA backends required (limit ${secs}s)"
-    ATTNSERVE_REQUIRE_BACKENDS=cuda,cuda-tf32 bounded "$secs" ctest --test-dir build-gpu -L unit -E '^emulated\.' \
-      -j"$(nproc)" --timeout 200 --output-on-failure > "$out/tests.txt" 2>&1 || status=1
-  else
-    log "unit tests, the CUDA backend emulated (limit ${secs}s)"
-    bounded "$secs" ctest --test-dir build-gpu -L unit -j"$(nproc)" --timeout 400 --output-on-failure \
-      > "$out/tests.txt" 2>&1 || status=1
+# begin STEP DESCRIPTION: the step's first line; its limit in $secs. False (and the step's line
+# says it is skipped) when the budget has no second left for it.
+begin() {
+  step_start=$SECONDS
+  secs=$(limit "$1")
+  if ((secs < 1)); then
+    log "$1: skipped, no time left in the budget (${secs}s)"
+    status=1
+    cut+=("$1")
+    return 1
   fi
-  grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Not Run" "$out/tests.txt" | tee -a "$out/summary.txt" || true
-  grep -E "worst relative" "$out/tests.txt" | tee -a "$out/summary.txt" || true
+  log "$1: $2 (limit ${secs}s)"
+}
+# result STEP RC: the step's last line: passed, cut at its limit, or FAILED.
+result() {
+  local took=$((SECONDS - step_start))
+  if (($2 == 0)); then
+    log "$1: passed in ${took}s"
+  elif (($2 == 124 || $2 == 137)); then
+    log "$1: cut at its limit of ${secs}s (exit $2)"
+    cut+=("$1")
+    status=1
+  else
+    log "$1: FAILED (exit $2) in ${took}s"
+    status=1
+  fi
+}
+# notrun STEP WHY: a step that cannot run here; a failure unless `ok` follows.
+notrun() {
+  log "$1: not run, $2"
+  if [[ ${3:-} != ok ]]; then status=1; fi
+}
+
+# --- configure and build ---------------------------------------------------------------------
+if want build; then
+  if begin configure "cmake ${gen[*]} ${args[*]}"; then
+    rc=0
+    bounded "$secs" cmake -S . -B build-gpu "${gen[@]}" "${args[@]}" > "$out/configure.txt" 2>&1 || rc=$?
+    result configure "$rc"
+    if ((rc)); then tail -30 "$out/configure.txt" | tee -a "$out/summary.txt" || true; fi
+  fi
+  if [[ ! -f build-gpu/CMakeCache.txt ]]; then
+    notrun build "no configured build-gpu/"
+  elif begin build "first backend_test, the CUDA plugin and forward_bench, then everything (-j$(nproc))"; then
+    first=(backend_test forward_bench)
+    if ((gpu)); then first+=(attnserve_cuda_plugin); fi
+    rc=0
+    {
+      bounded "$secs" cmake --build build-gpu -j"$(nproc)" --target "${first[@]}" &&
+        bounded "$(limit build)" cmake --build build-gpu -j"$(nproc)"
+    } > "$out/build.txt" 2>&1 || rc=$?
+    result build "$rc"
+    if ((rc == 124 || rc == 137)); then
+      log "build: what it compiled is kept in build-gpu/: the same command again goes on from there"
+    elif ((rc)); then
+      grep -E "error|Error" -A5 "$out/build.txt" > "$out/build-errors.txt" 2>&1 || true
+      head -60 "$out/build-errors.txt" | tee -a "$out/summary.txt" || true
+    fi
+    if ((rc)); then log "the steps below run what build-gpu/ holds: binaries the build did not finish are missing or older"; fi
+  fi
 fi
 
+# --- unit tests ------------------------------------------------------------------------------
+if want tests; then
+  if ! have ctest; then
+    notrun tests "no ctest on PATH"
+  elif [[ ! -f build-gpu/CTestTestfile.cmake ]]; then
+    notrun tests "build-gpu/ has no tests (run the build step)"
+  elif begin tests "ctest -L unit$( ((gpu)) && echo ', CUDA backends required, the emulated suite left out' || echo ', the CUDA backend emulated')"; then
+    # A binary the build did not make shows in ctest as NAME_NOT_BUILT, without the unit label:
+    # -L unit alone would pass over it in silence. (On a GPU the emulated suite is not run.)
+    listing=$(ctest --test-dir build-gpu -N 2>/dev/null || true)
+    missing=()
+    while read -r word; do
+      if [[ -n $word && ! ( $gpu == 1 && $word == cuda_emulated_test_NOT_BUILT ) ]]; then
+        missing+=("${word%_NOT_BUILT}")
+      fi
+    done < <(grep -oE '[A-Za-z0-9_.]+_NOT_BUILT' <<< "$listing" || true)
+    rc=0
+    if ((gpu)); then
+      # The real-device instances are required: one that skips (no device, no plugin) fails.
+      # The emulated tests are left out: they ran where the emulation is the only device.
+      ATTNSERVE_REQUIRE_BACKENDS=cuda,cuda-tf32 bounded "$secs" ctest --test-dir build-gpu -L unit -E '^emulated\.' \
+        -j"$(nproc)" --timeout $((secs < 200 ? secs : 200)) --output-on-failure > "$out/tests.txt" 2>&1 || rc=$?
+    else
+      bounded "$secs" ctest --test-dir build-gpu -L unit -j"$(nproc)" --timeout $((secs < 400 ? secs : 400)) \
+        --output-on-failure > "$out/tests.txt" 2>&1 || rc=$?
+    fi
+    grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Not Run" "$out/tests.txt" | tee -a "$out/summary.txt" || true
+    grep -E "worst relative" "$out/tests.txt" | tee -a "$out/summary.txt" || true
+    if ((${#missing[@]})); then
+      log "tests: not built, so not run: ${missing[*]}"
+      if ((rc == 0)); then rc=1; fi
+    fi
+    result tests "$rc"
+  fi
+fi
+
+# --- compute-sanitizer -----------------------------------------------------------------------
 # compute-sanitizer sees what the emulation cannot: out-of-bounds device accesses, races between
 # threads of a block, missing synchronisation. Over the `cuda` instances of the backend suite at
 # small shapes (4 random cases, no long sequences, no large batch: instrumented kernels run
-# 10–100 times slower), each tool within its share of the budget; a report fails the check.
-sanitizer=$(command -v compute-sanitizer || { [[ -x /usr/local/cuda/bin/compute-sanitizer ]] &&
-  echo /usr/local/cuda/bin/compute-sanitizer; } || true)
+# 10–100 times slower), each tool within its share of the budget; a report fails the check, a
+# tool cut at its limit is not a finding (the summary says it was cut).
 if want sanitizer && ((gpu)) && [[ -n $sanitizer ]]; then
   for tool in memcheck racecheck synccheck; do
-    secs=$(limit 100 90)
-    if ((secs < 20)); then
-      log "compute-sanitizer $tool: skipped, the time budget is spent"
+    if [[ ! -x build-gpu/tests/backend_test ]]; then
+      notrun "$tool" "build-gpu/ has no tests/backend_test"
       continue
     fi
-    log "compute-sanitizer --tool $tool (backend_test, the cuda instances, small shapes; limit ${secs}s)"
-    if ATTNSERVE_REQUIRE_BACKENDS=cuda ATTNSERVE_RANDOM_CASES=4 bounded "$secs" "$sanitizer" --tool "$tool" \
-        --error-exitcode 86 build-gpu/tests/backend_test \
-        --gtest_filter='Backends/BackendTest.*/cuda:-*LargeRagged*:*LongSequences*' \
-        > "$out/sanitizer-$tool.txt" 2>&1; then
-      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED" "$out/sanitizer-$tool.txt" | tail -3 |
-        tee -a "$out/summary.txt" || true
+    begin "$tool" "compute-sanitizer --tool $tool, backend_test's cuda instances at small shapes" || continue
+    rc=0
+    ATTNSERVE_REQUIRE_BACKENDS=cuda ATTNSERVE_RANDOM_CASES=4 bounded "$secs" "$sanitizer" --tool "$tool" \
+      --error-exitcode 86 build-gpu/tests/backend_test \
+      --gtest_filter='Backends/BackendTest.*/cuda:-*LargeRagged*:*LongSequences*' \
+      > "$out/sanitizer-$tool.txt" 2>&1 || rc=$?
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|Race|Hazard|PASSED|FAILED" "$out/sanitizer-$tool.txt" \
+      > "$out/sanitizer-$tool-lines.txt" 2>&1 || true
+    tail -20 "$out/sanitizer-$tool-lines.txt" | tee -a "$out/summary.txt" || true
+    if ((rc == 124 || rc == 137)); then
+      log "$tool: cut at its limit of ${secs}s (exit $rc): not a finding, but not a full run either"
+      cut+=("$tool")
     else
-      rc=$?
-      log "compute-sanitizer $tool: exit $rc ($( ((rc == 124)) && echo 'out of time: not a finding' || echo 'errors or failures'))"
-      grep -E "ERROR SUMMARY|Invalid|Race|Hazard|FAILED" "$out/sanitizer-$tool.txt" | head -20 |
-        tee -a "$out/summary.txt" || true
-      ((rc == 124)) || status=1
+      result "$tool" "$rc"
     fi
   done
-elif want sanitizer && ((gpu)); then
-  log "compute-sanitizer not found: memcheck/racecheck/synccheck not run"
+elif want sanitizer && ((!gpu)); then
+  log "sanitizer: not run, no GPU (compute-sanitizer needs a device)"
 fi
 
+# --- benchmark -------------------------------------------------------------------------------
 # On a GPU every shape, the large one included. On the CPU the large one would take minutes, and
 # both sides use every core (the peer table pairs rows by shape, not by thread count).
 device=cpu shapes=bert-base,gpt2-medium,small-request threads=(--threads "$(nproc)")
-((gpu)) && device=cuda shapes=bert-base,gpt2-medium,small-request,large threads=()
-if want bench; then
-  secs=$( ((gpu)) && limit 120 30 || limit "$budget" 30)
-  log "benchmark fp32 ($device; limit ${secs}s)"
-  bounded "$secs" build-gpu/bench/forward_bench --device "$device" --shapes "$shapes" "${threads[@]}" \
-    --json "$out/$device.json" 2>&1 | tee -a "$out/summary.txt" || status=1
-  if ((gpu)); then
-    secs=$(limit 90 30)
-    log "benchmark tf32 (limit ${secs}s)"
-    bounded "$secs" build-gpu/bench/forward_bench --device cuda --tf32 --shapes "$shapes" \
-      --json "$out/cuda-tf32.json" 2>&1 | tee -a "$out/summary.txt" || status=1
+if ((gpu)); then device=cuda shapes=bert-base,gpt2-medium,small-request,large threads=(); fi
+# bench STEP JSON [--tf32]: forward_bench, both forms, into $out/JSON.
+bench() {
+  local step=$1 json=$2 rc=0
+  shift 2
+  if [[ ! -x build-gpu/bench/forward_bench ]]; then
+    notrun "$step" "build-gpu/ has no bench/forward_bench"
+    return 0
   fi
+  begin "$step" "forward_bench --device $device${*:+ $*} ($shapes)" || return 0
+  rm -f "$out/$json" "$out/$step.txt"
+  bounded "$secs" build-gpu/bench/forward_bench --device "$device" "$@" --shapes "$shapes" "${threads[@]}" \
+    "${min_time[@]}" --json "$out/$json" 2>&1 | tee -a "$out/summary.txt" "$out/$step.txt" || rc=$?
+  result "$step" "$rc"
+}
+if want bench; then
+  bench bench-fp32 "$device.json"
+  if ((gpu)); then bench bench-tf32 cuda-tf32.json --tf32; fi
 fi
 
-if want torch; then
-  peer=()
-  if ! command -v "$python" >/dev/null; then
-    log "no $python: no PyTorch peer and no comparison table (the JSON files above hold the figures)"
-  else
-    if "$python" -c "import torch, sys; sys.exit(0 if '$device' == 'cpu' or torch.cuda.is_available() else 1)" \
-        2>/dev/null; then
-      secs=$( ((gpu)) && limit 120 5 || limit "$budget" 5)
-      log "PyTorch ($device; limit ${secs}s)"
-      bounded "$secs" "$python" bench/peers/torch_attention.py --device "$device" --shapes "$shapes" "${threads[@]}" \
-        --json "$out/torch.json" 2>&1 | tee -a "$out/summary.txt" && peer=("$out/torch.json") || status=1
-    else
-      log "PyTorch ($device) not available to $python: no peer column"
-    fi
-    if [[ -f $out/$device.json ]]; then
-      log "table (fp32, $device)"
-      "$python" bench/peers/compare.py "$out/$device.json" "${peer[@]}" 2>&1 | tee -a "$out/summary.txt" || status=1
-    fi
+# --- PyTorch ---------------------------------------------------------------------------------
+# peer STEP JSON [--tf32]: torch_attention.py into $out/JSON. Exit 3 from it: no torch, or no
+# CUDA in this interpreter: no peer column (not a failure of attnserve's), and no TF32 run.
+torch_missing=0
+peer() {
+  local step=$1 json=$2 rc=0
+  shift 2
+  if ((torch_missing)); then
+    notrun "$step" "PyTorch not available to $python" ok
+    return 0
   fi
+  begin "$step" "torch_attention.py --device $device${*:+ $*} ($shapes)" || return 0
+  rm -f "$out/$json" "$out/$step.txt"
+  bounded "$secs" "$python" bench/peers/torch_attention.py --device "$device" "$@" --shapes "$shapes" \
+    "${threads[@]}" "${min_time[@]}" --json "$out/$json" 2>&1 | tee -a "$out/summary.txt" "$out/$step.txt" || rc=$?
+  if ((rc == 3)); then
+    torch_missing=1
+    unplan torch-tf32
+    log "$step: not run, PyTorch ($device) not available to $python: no peer column"
+    rm -f "$out/$json"
+  else
+    result "$step" "$rc"
+  fi
+}
+if want torch && ((have_python)); then
+  peer torch-fp32 torch.json
+  if ((gpu)); then peer torch-tf32 torch-tf32.json --tf32; fi
 fi
-log "done: $( ((status == 0)) && echo passed || echo FAILED) in ${SECONDS}s (budget ${budget}s)"
-exit $status
+
+# --- tables ----------------------------------------------------------------------------------
+# table NAME OURS PEER: compare.py's table of our JSON against the peer's of the same precision
+# (the peer column empty where there is no peer JSON).
+table() {
+  local name=$1 ours=$2 theirs=$3 rc=0 peer_json=()
+  [[ -f $out/$ours ]] || { log "$name: not run, no $ours"; return 0; }
+  if [[ -f $out/$theirs ]]; then peer_json=("$out/$theirs"); fi
+  begin "$name" "compare.py $ours ${peer_json[*]:-(no peer)}" || return 0
+  rm -f "$out/$name.txt"
+  bounded "$secs" "$python" bench/peers/compare.py "$out/$ours" "${peer_json[@]}" 2>&1 |
+    tee -a "$out/summary.txt" "$out/$name.txt" || rc=$?
+  result "$name" "$rc"
+}
+if { want bench || want torch; } && ((have_python)); then
+  table table-fp32 "$device.json" torch.json
+  if ((gpu)); then table table-tf32 cuda-tf32.json torch-tf32.json; fi
+fi
+
+finish

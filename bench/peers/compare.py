@@ -1,12 +1,30 @@
 """Joins forward_bench's JSON with a peer's (torch_attention.py) into one table of ratios.
 
     python3 bench/peers/compare.py ours.json [peer.json]
+
+Both files must be of one precision: forward_bench's is TF32 when its ceiling was measured with
+TF32 (`ceiling_source` "cublas-tf32 ..."), the peer's says it in `precision` (fp32 when absent,
+as torch_attention.py wrote before it had --tf32). A TF32 run against an FP32 peer, or the other
+way round, is refused (exit 1): its ratios would compare two different computations.
 """
 import json
 import sys
 
-ours = json.load(open(sys.argv[1]))
-peer = {r["shape"]: r for r in json.load(open(sys.argv[2]))} if len(sys.argv) > 2 else {}
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+ours = load(sys.argv[1])
+peer = {r["shape"]: r for r in load(sys.argv[2])} if len(sys.argv) > 2 else {}
+our_precision = "tf32" if any("tf32" in r.get("ceiling_source", "") for r in ours) else "fp32"
+peer_precisions = {r.get("precision", "fp32") for r in peer.values()}
+if peer_precisions - {our_precision}:
+    print(f"compare.py: {sys.argv[1]} is {our_precision}, {sys.argv[2]} is {','.join(sorted(peer_precisions))}:"
+          " not comparable", file=sys.stderr)
+    sys.exit(1)
+print(f"precision: {our_precision}" + (f" (both; torch {next(iter(peer.values())).get('torch', '?')})" if peer else ""))
 print(f"{'shape':14s} {'form':9s} {'device':7s} {'ms':>9s} {'TFLOP/s':>8s} {'ceiling':>8s} {'ratio':>6s}"
       f" {'torch ms':>9s} {'ours/torch':>10s}")
 for r in ours:

@@ -5,13 +5,27 @@ product attention, output projection, fp32. Times include moving the input from 
 the device and the output back (attnserve's Forward does the same); `device_ms` is without.
 
     python3 bench/peers/torch_attention.py --device cuda --json torch.json
+    python3 bench/peers/torch_attention.py --device cuda --tf32 --json torch-tf32.json
+
+FP32 is the default: TF32 is off for both cuBLAS's matmuls and cuDNN, whatever torch's own
+default. `--tf32` allows it for both (torch.backends.cuda.matmul.allow_tf32 and
+torch.backends.cudnn.allow_tf32), the peer of `forward_bench --tf32`; every record says which
+(`precision`: fp32 or tf32). TF32 is a CUDA mode: `--tf32` with `--device cpu` is refused.
+
+Exit status 3, with one line on stderr, when the interpreter has no torch or the device asked
+for is not available to it (scripts/gpu-check.sh then leaves the peer column out).
 """
 import argparse
 import json
+import sys
 import time
 
-import torch
-import torch.nn.functional as F
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError as e:
+    print(f"torch_attention.py: no torch in {sys.executable} ({e})", file=sys.stderr)
+    sys.exit(3)
 
 SHAPES = {  # name: (batch, n, d_model, heads) — the same table as bench/forward_bench.cc
     "bert-base": (8, 128, 768, 12),
@@ -57,13 +71,23 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--min-time-s", type=float, default=0.5)
+    ap.add_argument("--tf32", action="store_true",
+                    help="allow TF32 in cuBLAS matmuls and cuDNN (default: FP32, TF32 off)")
     ap.add_argument("--json")
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    dev = torch.device(args.device)
+    if args.tf32 and dev.type != "cuda":
+        ap.error("--tf32 is a CUDA mode: use it with --device cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print(f"torch_attention.py: torch {torch.__version__} in {sys.executable} has no usable CUDA device",
+              file=sys.stderr)
+        sys.exit(3)
+    # Both switches, both ways: what the run measures never depends on torch's defaults.
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    torch.backends.cudnn.allow_tf32 = args.tf32
+    precision = "tf32" if args.tf32 else "fp32"
     if args.threads:
         torch.set_num_threads(args.threads)
-    dev = torch.device(args.device)
     records = []
     with torch.inference_mode():
         for name in args.shapes.split(","):
@@ -74,11 +98,12 @@ def main():
             end_to_end = median_ms(lambda: forward(x_host.to(dev, non_blocking=True), w, b, heads).cpu(), dev,
                                    args.min_time_s)
             device_only = median_ms(lambda: forward(x_dev, w, b, heads), dev, args.min_time_s)
-            records.append({"shape": name, "peer": "torch-sdpa", "device": args.device, "ms": end_to_end,
-                            "device_ms": device_only, "torch": torch.__version__})
-            print(f"{name:14s} torch sdpa+linear  {end_to_end:9.3f} ms (device only {device_only:.3f} ms)")
+            records.append({"shape": name, "peer": "torch-sdpa", "device": args.device, "precision": precision,
+                            "ms": end_to_end, "device_ms": device_only, "torch": torch.__version__})
+            print(f"{name:14s} torch sdpa+linear {precision}  {end_to_end:9.3f} ms (device only {device_only:.3f} ms)")
     if args.json:
-        json.dump(records, open(args.json, "w"), indent=1)
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
 
 
 if __name__ == "__main__":
