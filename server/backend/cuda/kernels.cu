@@ -111,7 +111,9 @@ __device__ float ExactExponentials(float* s, int64_t head, int64_t q, int64_t vi
 __global__ void MaskedSoftmaxKernel(SoftmaxBlocks blocks, int64_t heads, int64_t n, int64_t keys,
                                     ScoreOperands shared_operands) {
   __shared__ float shared[32];
-  const SoftmaxBlock& b = blocks.block[blockIdx.x / (heads * n)];
+  // The block's entry copied out of the launch's arguments (48 bytes into registers): a
+  // reference into them could make the compiler copy the whole 2.3 KiB table to local memory.
+  const SoftmaxBlock b = blocks.block[blockIdx.x / (heads * n)];
   const int64_t row = blockIdx.x % (heads * n);  // over heads * n
   const int64_t q = row % n;
   float* s = b.scores + row * keys;
