@@ -604,6 +604,18 @@ cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
   return cudaSuccess;
 }
 
+// Queued on the stream like a kernel: it runs when the stream does.
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream) {
+  RETURN_IF_STICKY();
+  if (stream == nullptr) cuda_emulation::internal::CountLegacyStreamWork();
+  if (bytes == 0) return cudaSuccess;
+  if (!internal::IsDeviceRange(ptr, bytes)) {
+    return cuda_emulation::Fail(cudaErrorInvalidValue, "cudaMemsetAsync: range is not inside one device allocation");
+  }
+  internal::Enqueue(stream, [ptr, value, bytes] { std::memset(ptr, value, bytes); });
+  return cudaSuccess;
+}
+
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   return cuda_emulation::Copy(dst, src, bytes, kind, /*async=*/false);
 }

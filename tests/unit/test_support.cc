@@ -74,7 +74,9 @@ std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why) 
   if (name == "cuda" || name == "cuda-tf32") {
 #ifdef ATTNSERVE_CUDA_EMULATED
     // The emulated backend is linked in: it maps no CUDA library.
-    auto backend = MakeCudaBackend({.device = 0, .tf32 = name == "cuda-tf32"});
+    // With guard zones between the workspace's pieces: an overrun inside the one allocation,
+    // which neither the emulation's bounds checks nor ASan see, fails the batch.
+    auto backend = MakeCudaBackend({.device = 0, .tf32 = name == "cuda-tf32", .guard_zones = true});
 #else
     // The real one through the plugin the server loads, as the server loads it.
     auto backend = LoadCudaPlugin(ATTNSERVE_CUDA_PLUGIN_FILE, 0, name == "cuda-tf32");

@@ -506,13 +506,17 @@ class Lane final : public DeviceOps {
   };
   static int64_t Aligned(int64_t floats) { return (floats + 63) / 64 * 64; }
   static int64_t Bytes(const WorkspacePlan& w) { return w.total * static_cast<int64_t>(sizeof(float)); }
+  // With CudaBackendOptions::guard_zones, each piece is followed by at least this many floats of
+  // a known pattern, checked when the batch ends.
+  static constexpr int64_t kGuardFloats = 64;
+  static constexpr int kGuardByte = 0xA5;
   static constexpr int64_t kFloatsPerPointer = sizeof(void*) / sizeof(float);
 
   // The workspace `batch` needs with its blocks cut to `score_bytes` (0: one query row a block).
   // Inputs and (when staged) contexts share the first piece, in that order; contexts are staged
   // only when some differ from the inputs.
   static WorkspacePlan PlanWorkspace(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch,
-                                     int64_t score_bytes) {
+                                     int64_t score_bytes, int64_t guard_floats) {
     const LayerConfig& c = f.config;
     const int64_t d = c.d_model, tx = plan.rows.queries;
     const int64_t c_rows = plan.rows.all_self ? 0 : plan.rows.contexts;
@@ -532,7 +536,7 @@ class Lane final : public DeviceOps {
         score_bytes,
         {(tx + c_rows) * d, plan.qk_floats, plan.value_floats, max_scores, f.concat_then_project() ? 0 : max_scores,
          plan.o_floats, tx * d, plan.mix_floats, pointer_slots * kFloatsPerPointer}};
-    for (int64_t size : w.sizes) w.total += Aligned(size);
+    for (int64_t size : w.sizes) w.total += Aligned(size) + guard_floats;
     return w;
   }
 
@@ -644,7 +648,8 @@ class Lane final : public DeviceOps {
     const int64_t d = c.d_model, tx = plan.rows.queries, tc = plan.rows.contexts;
     const bool all_self = plan.rows.all_self;
     const int64_t c_rows = all_self ? 0 : tc;  // contexts are staged only when some differ
-    auto plan_for = [&](int64_t score_bytes) { return PlanWorkspace(f, plan, batch, score_bytes); };
+    const int64_t guard = options_.guard_zones ? kGuardFloats : 0;
+    auto plan_for = [&](int64_t score_bytes) { return PlanWorkspace(f, plan, batch, score_bytes, guard); };
     StatusOr<WorkspacePlan> fitted = FitWorkspace(plan_for);
     if (!fitted.ok()) {
       workspace_refused_ = fitted.status().code() == StatusCode::kResourceExhausted;
@@ -653,9 +658,16 @@ class Lane final : public DeviceOps {
     const WorkspacePlan& w = *fitted;
     float* piece[kPieces];
     float* next = workspace_.get();
+    guards_.clear();
     for (int p = 0; p < kPieces; ++p) {
       piece[p] = next;
-      next += Aligned(w.sizes[p]);
+      next += Aligned(w.sizes[p]) + guard;
+      // The piece's alignment padding and the guard after it, filled on the stream before any
+      // work of the batch: a kernel or GEMM that writes past its piece changes them.
+      if (guard > 0) {
+        guards_.push_back({piece[p] + w.sizes[p], next - (piece[p] + w.sizes[p])});
+        CUDA_TRY(cudaMemsetAsync(guards_.back().first, kGuardByte, guards_.back().second * sizeof(float), stream_));
+      }
     }
     score_bytes_ = w.score_bytes;
     score_capacity_ = w.sizes[kScores];
@@ -794,6 +806,24 @@ class Lane final : public DeviceOps {
     return OkStatus();
   }
 
+  // The guard zones of this batch's pieces (options_.guard_zones), read back once the stream is
+  // done: INTERNAL naming the piece whose guard a write reached.
+  Status CheckGuards() {
+    static constexpr const char* kNames[kPieces] = {"inputs",         "Q and K", "values", "scores",        "A_cat",
+                                                    "heads' outputs", "output",  "mixes",  "pointer arrays"};
+    for (size_t p = 0; p < guards_.size(); ++p) {
+      std::vector<unsigned char> seen(guards_[p].second * sizeof(float));
+      CUDA_TRY(cudaMemcpy(seen.data(), guards_[p].first, seen.size(), cudaMemcpyDeviceToHost));
+      const auto hit = std::find_if(seen.begin(), seen.end(), [](unsigned char c) { return c != kGuardByte; });
+      if (hit != seen.end()) {
+        return InternalError(std::string("workspace guard zone after the ") + kNames[p] +
+                             " piece overwritten at byte " + std::to_string(hit - seen.begin()) +
+                             ": a write ran past its piece");
+      }
+    }
+    return OkStatus();
+  }
+
   // Every output is in y (ForwardBuffers::outputs are its rows): one copy back, then each
   // sequence's rows from the pinned buffer once the stream has reached it.
   Status Finish(const BatchPlan& plan, std::span<const Sequence> batch, const ForwardBuffers& b, bool) override {
@@ -801,6 +831,7 @@ class Lane final : public DeviceOps {
     ATTNSERVE_RETURN_IF_ERROR(staging_out_.Reserve(tx * d));
     CUDA_TRY(cudaMemcpyAsync(staging_out_.get(), b.y.data, tx * d * sizeof(float), cudaMemcpyDeviceToHost, stream_));
     CUDA_TRY(cudaStreamSynchronize(stream_));
+    ATTNSERVE_RETURN_IF_ERROR(CheckGuards());
     for (size_t i = 0; i < batch.size(); ++i) {
       const Sequence& s = batch[i];
       for (int64_t row = 0; row < s.n(); ++row) {
@@ -826,6 +857,7 @@ class Lane final : public DeviceOps {
   float* mixes_ = nullptr;
   // This batch's pointer arena (Prepare): device slots, how many, how many used so far.
   const void** pointers_device_ = nullptr;
+  std::vector<std::pair<float*, int64_t>> guards_;  // this batch's guard zones (start, floats)
   int64_t pointer_slots_ = 0, pointers_used_ = 0;
   PinnedArray<float> staging_in_, staging_out_;
   PinnedArray<const void*> pointers_host_;  // the pointer arrays of batched GEMMs, staged

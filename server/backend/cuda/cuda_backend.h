@@ -48,6 +48,10 @@ struct CudaBackendOptions {
   // mix GEMM per head instead of strided batches); without it, every summed sequence projects
   // first, whose A_cat is a block of rows at a time here anyway. Off until measured on a device.
   bool summed_mix_first = false;
+  // Guard zones after every piece of a lane's workspace, filled with a pattern before a batch
+  // and checked after it (a write past its piece fails the batch with INTERNAL naming the
+  // piece): for the tests, which run the backend suite so; a device read-back per batch else.
+  bool guard_zones = false;
 };
 
 inline constexpr double kDefaultDeviceMemoryFraction = 0.9;
