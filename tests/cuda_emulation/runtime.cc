@@ -2,6 +2,7 @@
 // checked against the memory spaces they name, streams whose work is queued and runs at
 // synchronisation points, wall-clock events.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <functional>
@@ -75,6 +76,14 @@ struct Streams {
   CUstream_st legacy;
   uint64_t draws = 0;  // device-wide synchronisations so far: each draws its own order
 };
+
+// The schedule's seed (SetScheduleSeed) and the launches run so far, each of which draws from
+// the two.
+std::atomic<uint64_t> schedule_seed{[] {
+  const char* v = std::getenv("ATTNSERVE_SEED");
+  return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 10) : uint64_t{0x5eed};
+}()};
+std::atomic<uint64_t> launches_run{0};
 
 Streams& GetStreams() {
   static Streams* streams = new Streams;  // never destroyed, as State
@@ -342,11 +351,16 @@ void DrainAll() {
   pending.push_back(&streams.legacy);
   // One work item at a time from a stream drawn at random: the streams' work interleaves in an
   // order no caller can count on, as on a device.
-  std::mt19937_64 rng(0x5eed + streams.draws++);
+  std::mt19937_64 rng(schedule_seed.load() + streams.draws++);
   while (!pending.empty()) {
     const size_t i = std::uniform_int_distribution<size_t>(0, pending.size() - 1)(rng);
     if (!RunOne(pending[i])) pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
   }
+}
+
+uint64_t LaunchDraw() {
+  // Distinct launches, and the same launch under distinct seeds, draw unrelated orders.
+  return schedule_seed.load() * 0x9e3779b97f4a7c15ull + launches_run.fetch_add(1);
 }
 
 void CountKernelLaunch() {
@@ -396,6 +410,8 @@ int64_t LiveDeviceBytes() {
   for (const auto& [base, a] : s.allocations) bytes += a.space == Space::kDevice ? static_cast<int64_t>(a.bytes) : 0;
   return bytes;
 }
+
+void SetScheduleSeed(uint64_t seed) { schedule_seed.store(seed); }
 
 void SetStreamSyncHook(std::function<void()> hook) {
   State& s = GetState();

@@ -3,6 +3,8 @@
 // barrier once every thread it names has arrived.
 #include "simt.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -109,6 +111,21 @@ struct Fiber {
   State state = State::kRunnable;
   ThreadCoords coords;
   uint64_t shuffles = 0;  // picks the half of the warp's exchange buffer
+  int position = 0;       // in BlockRun::order
+};
+
+// SplitMix64: the launches' draws, cheap to seed once per launch.
+struct Draw {
+  using result_type = uint64_t;
+  uint64_t state;
+  static constexpr uint64_t min() { return 0; }
+  static constexpr uint64_t max() { return ~uint64_t{0}; }
+  uint64_t operator()() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
 };
 
 // One block being run on this thread.
@@ -122,6 +139,14 @@ struct BlockRun {
   int done = 0;
   std::vector<int> at_warp_barrier;  // per warp
   std::vector<float> exchange;       // [warp][2][lane]
+  // The order threads run in, drawn per block and again at each __syncthreads: the warps in a
+  // random order, each warp's lanes together in a random order. A warp whose shuffle is
+  // released runs on at once (`run_ahead`: up to its next __syncthreads, overtaking the warps
+  // after it) or in the next pass, as a device may schedule warps either way.
+  std::vector<int> order;       // position -> fiber
+  std::vector<int> warp_start;  // per warp: the position of its first lane
+  bool run_ahead = false;
+  Draw draw{0};
 #if defined(CUDA_EMULATION_ASAN)
   const void* scheduler_stack_bottom = nullptr;
   size_t scheduler_stack_size = 0;
@@ -134,13 +159,37 @@ thread_local std::vector<std::unique_ptr<char[]>> stacks;
 
 Fiber& Current() { return run->fibers[run->current]; }
 
-// The next fiber of this pass that can run, after `from`; -1 when the pass is over.
+// The next fiber of this pass that can run, after position `from`; -1 when the pass is over.
 int NextRunnable(const BlockRun& r, int from) {
   if (!r.error.empty()) return -1;
-  for (int t = from + 1; t < static_cast<int>(r.fibers.size()); ++t) {
-    if (r.fibers[t].state == State::kRunnable) return t;
+  for (int p = from + 1; p < static_cast<int>(r.order.size()); ++p) {
+    if (r.fibers[r.order[p]].state == State::kRunnable) return r.order[p];
   }
   return -1;
+}
+
+// Draws the order of the block's threads for the next pass (see BlockRun::order).
+void DrawOrder(BlockRun& r) {
+  const int threads = static_cast<int>(r.fibers.size()), warps = static_cast<int>(r.warp_start.size());
+  std::vector<int> warp_order(warps);
+  for (int w = 0; w < warps; ++w) warp_order[w] = w;
+  std::shuffle(warp_order.begin(), warp_order.end(), r.draw);
+  r.order.clear();
+  for (int w : warp_order) {
+    // The lanes from a drawn one on, up or down: a full shuffle would cost a third more time
+    // in fiber switches (their stacks visited in no order the cache can follow).
+    r.warp_start[w] = static_cast<int>(r.order.size());
+    const int lanes = std::min(threads, (w + 1) * kWarp) - w * kWarp;
+    const uint64_t bits = r.draw();
+    const int first = static_cast<int>(bits % lanes), step = bits & (uint64_t{1} << 63) ? 1 : lanes - 1;
+    for (int i = 0, lane = first; i < lanes; ++i) {
+      r.order.push_back(w * kWarp + lane);
+      lane += step;
+      if (lane >= lanes) lane -= lanes;
+    }
+  }
+  for (int p = 0; p < threads; ++p) r.fibers[r.order[p]].position = p;
+  r.run_ahead = r.draw() & 1;
 }
 
 // From the scheduler into the pass's first runnable fiber; back when the pass is over.
@@ -157,11 +206,13 @@ void EnterFiber(int index) {
   run->current = -1;
 }
 
-// The running fiber waits (or has finished): straight on to the pass's next runnable fiber —
-// one switch, not two through the scheduler — or back to the scheduler after the last.
-void SwitchAway(bool finished) {
+// The running fiber waits (or has finished): straight on to the pass's next runnable fiber after
+// position `from` (by default its own) — one switch, not two through the scheduler — or back to
+// the scheduler after the last.
+void SwitchAway(bool finished, int from = -2) {
   BlockRun* r = run;
-  const int self = r->current, next = NextRunnable(*r, self);
+  const int self = r->current, next = NextRunnable(*r, from == -2 ? r->fibers[self].position : from);
+  if (next == self) return;  // its own warp's shuffle, released: it runs on
   Context& to = next >= 0 ? r->fibers[next].context : r->scheduler;
   r->current = next;
 #if defined(CUDA_EMULATION_ASAN)
@@ -205,6 +256,7 @@ bool ReleaseBarriers(BlockRun& r) {
   if (r.at_block_barrier > 0 && r.at_block_barrier == threads) {
     for (Fiber& f : r.fibers) f.state = State::kRunnable;
     r.at_block_barrier = 0;
+    DrawOrder(r);
     released = true;
   } else if (r.at_block_barrier > 0 && r.at_block_barrier + done == threads && r.error.empty()) {
     r.error = "__syncthreads reached by " + std::to_string(r.at_block_barrier) + " of " + std::to_string(threads) +
@@ -272,9 +324,15 @@ float ShuffleXor(unsigned mask, float value, int lane_mask, int width) {
   float* slots = &r.exchange[(warp * 2 + self.shuffles % 2) * kWarp];
   self.shuffles++;
   slots[lane] = value;
-  r.at_warp_barrier[warp]++;
   self.state = State::kAtWarpBarrier;
-  SwitchAway(false);
+  if (++r.at_warp_barrier[warp] == lanes && r.run_ahead) {
+    // The last lane to arrive releases the shuffle; the warp runs on from its first lane.
+    for (int l = 0; l < lanes; ++l) r.fibers[warp * kWarp + l].state = State::kRunnable;
+    r.at_warp_barrier[warp] = 0;
+    SwitchAway(false, r.warp_start[warp] - 1);
+  } else {
+    SwitchAway(false);
+  }
   // The other half of the buffer takes the next shuffle, so no lane overwrites a value another
   // lane has yet to read.
   return slots[(lane ^ lane_mask) % kWarp];
@@ -329,9 +387,16 @@ void RunBlocks(dim3 grid, dim3 block, const std::function<void()>& body) {
 #endif
   const size_t warps = (threads + kWarp - 1) / kWarp;
   r.exchange.assign(warps * 2 * kWarp, 0.0f);
+  r.warp_start.assign(warps, 0);
+  // The blocks in an order drawn per launch, from the run's seed: a device runs them in any.
+  r.draw.state = internal::LaunchDraw();
+  std::vector<unsigned> blocks(grid.x);
+  for (unsigned b = 0; b < grid.x; ++b) blocks[b] = b;
+  std::shuffle(blocks.begin(), blocks.end(), r.draw);
   BlockRun* outer = run;
   run = &r;
-  for (unsigned b = 0; b < grid.x; ++b) {
+  for (const unsigned b : blocks) {
+    DrawOrder(r);
     r.at_block_barrier = 0;
     r.done = 0;
     r.at_warp_barrier.assign(warps, 0);

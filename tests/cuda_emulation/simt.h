@@ -1,7 +1,8 @@
 // Device-side half of the CUDA emulation: what a .cu file needs to compile as C++ and run on
 // the CPU. Each block's threads run as fibers on the launching thread, so __syncthreads and
 // warp shuffles really wait for every thread they name (an unreached barrier is reported, not
-// hung on); blocks run one after another. Included before the .cu file by its test wrapper.
+// hung on); blocks run one after another, in an order drawn per launch, and a block's threads
+// in an order drawn per block (simt.cc). Included before the .cu file by its test wrapper.
 #pragma once
 
 #include <cfloat>

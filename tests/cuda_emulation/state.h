@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -37,6 +38,10 @@ void Enqueue(cudaStream_t stream, std::function<void()> work);
 // Runs what `stream` has queued; every stream's, for a device-wide synchronisation.
 void DrainStream(cudaStream_t stream);
 void DrainAll();
+
+// A value to seed one launch's draws (the order of its blocks and threads) from: the schedule
+// seed (SetScheduleSeed) mixed with the number of launches run so far.
+uint64_t LaunchDraw();
 
 void CountKernelLaunch();
 void CountGemm();

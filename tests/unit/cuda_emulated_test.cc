@@ -277,6 +277,47 @@ TEST_F(CudaEmulationTest, ABarrierNotAllThreadsReachIsReported) {
   EXPECT_THAT(cuda_emulation::LastDiagnostic(), HasSubstr("__syncthreads reached by 16 of 32 threads"));
 }
 
+// Two rounds through one shared slot, as BlockReduce uses its shared[0]: every thread reads
+// the first round's value, the warps shuffle, thread 0 writes the second. `barrier` puts the
+// __syncthreads between the read and the write that BlockReduce ends with.
+__global__ void SharedSlotReuseKernel(const float* in, float* out, bool barrier) {
+  __shared__ float slot;
+  if (threadIdx.x == 0) slot = in[2 * blockIdx.x];
+  __syncthreads();
+  float v = slot;
+  if (barrier) __syncthreads();
+  v += __shfl_xor_sync(0xffffffffu, v, 1);  // twice the first round's value, in every lane
+  if (threadIdx.x == 0) slot = in[2 * blockIdx.x + 1];
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) out[2 * blockIdx.x + threadIdx.x / 32] = v;
+}
+
+TEST_F(CudaEmulationTest, AWarpMayOvertakeTheOthersUpToTheNextBarrier) {
+  // Without the barrier, a warp scheduled first and run on past its shuffle overwrites the
+  // slot before a later warp has read it: the emulation draws such orders (one block in four
+  // here), as a device may run them. With the barrier every order gives the first round.
+  constexpr int kBlocks = 64;
+  const std::vector<float> in = testing::RandomVector(rng_, 2 * kBlocks);
+  for (const bool barrier : {true, false}) {
+    DeviceVector din(in), dout(std::vector<float>(2 * kBlocks, NAN));
+    cuda_emulation::Launch(SharedSlotReuseKernel, dim3(kBlocks), dim3(64), nullptr)(din.data, dout.data, barrier);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
+    const std::vector<float> got = dout.Read();
+    int overtaken = 0;
+    for (int b = 0; b < kBlocks; ++b) {
+      for (int warp = 0; warp < 2; ++warp) {
+        if (barrier) {
+          EXPECT_EQ(got[2 * b + warp], 2 * in[2 * b]) << "block " << b << " warp " << warp;
+        }
+        overtaken += got[2 * b + warp] == 2 * in[2 * b + 1];
+      }
+    }
+    if (!barrier) {
+      EXPECT_GT(overtaken, 0) << "no warp ran ahead of another in " << kBlocks << " blocks";
+    }
+  }
+}
+
 TEST_F(CudaEmulationTest, GemmArgumentsAreCheckedAsCublasDocumentsThem) {
   cublasHandle_t handle;
   ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);

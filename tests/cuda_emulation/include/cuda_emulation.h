@@ -60,6 +60,13 @@ void InjectFault(Fault fault, int times = 1);
 // caller at the point where its batch has been issued and not yet run. Reset() clears it.
 void SetStreamSyncHook(std::function<void()> hook);
 
+// The seed of the emulated device's schedule: the order a launch runs its blocks in and the
+// threads of a block between barriers, and the order streams' work interleaves at a device-wide
+// synchronisation. Each launch draws its own order from it. ATTNSERVE_SEED until set (a fixed
+// seed without it); the tests set the run's seed (TestSeed), so a replayed seed replays the
+// schedules too. Reset() does not change it.
+void SetScheduleSeed(uint64_t seed);
+
 // Clears sticky errors, pending faults and the device count; keeps allocations and counters.
 void Reset();
 
