@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -152,6 +154,21 @@ struct BlockRun {
   size_t scheduler_stack_size = 0;
 #endif
 };
+
+// Blocks run one at a time in the process: __shared__ variables are plain statics (simt.h).
+std::recursive_mutex blocks_running;
+
+// The __shared__ variables of this module (the linker's bounds of their section; null when the
+// module has none).
+extern "C" char __start_cuda_emulation_shared[] __attribute__((weak));
+extern "C" char __stop_cuda_emulation_shared[] __attribute__((weak));
+
+// What a block finds in shared memory that it has not written: NaN for floats and doubles.
+void PoisonSharedMemory() {
+  if (__start_cuda_emulation_shared == nullptr) return;
+  std::memset(__start_cuda_emulation_shared, 0xff,
+              static_cast<size_t>(__stop_cuda_emulation_shared - __start_cuda_emulation_shared));
+}
 
 thread_local BlockRun* run = nullptr;
 // Stacks are kept between launches of a thread: a launch of 256 threads reuses 16 MiB.
@@ -393,9 +410,11 @@ void RunBlocks(dim3 grid, dim3 block, const std::function<void()>& body) {
   std::vector<unsigned> blocks(grid.x);
   for (unsigned b = 0; b < grid.x; ++b) blocks[b] = b;
   std::shuffle(blocks.begin(), blocks.end(), r.draw);
+  std::lock_guard<std::recursive_mutex> one_block_at_a_time(blocks_running);
   BlockRun* outer = run;
   run = &r;
   for (const unsigned b : blocks) {
+    PoisonSharedMemory();
     DrawOrder(r);
     r.at_block_barrier = 0;
     r.done = 0;

@@ -318,6 +318,27 @@ TEST_F(CudaEmulationTest, AWarpMayOvertakeTheOthersUpToTheNextBarrier) {
   }
 }
 
+// Block 0 alone writes the slot; every block reads it.
+__global__ void ReadsSharedOnlyBlockZeroWroteKernel(float value, float* out) {
+  __shared__ float slot;
+  if (blockIdx.x == 0) slot = value;
+  __syncthreads();
+  if (threadIdx.x == 0) out[blockIdx.x] = slot;
+}
+
+TEST_F(CudaEmulationTest, SharedMemoryABlockDidNotWriteReadsAsNaN) {
+  // Each block of a device has its own shared memory, uninitialised: whichever order the
+  // blocks run in, only block 0 finds the value (a copy kept from block to block would hand it
+  // to every block).
+  const float value = testing::RandomVector(rng_, 1)[0];
+  DeviceVector dout(std::vector<float>(4, 0.0f));
+  cuda_emulation::Launch(ReadsSharedOnlyBlockZeroWroteKernel, dim3(4), dim3(64), nullptr)(value, dout.data);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
+  const std::vector<float> got = dout.Read();
+  EXPECT_EQ(got[0], value);
+  for (int b = 1; b < 4; ++b) EXPECT_TRUE(std::isnan(got[b])) << "block " << b << " read " << got[b];
+}
+
 TEST_F(CudaEmulationTest, GemmArgumentsAreCheckedAsCublasDocumentsThem) {
   cublasHandle_t handle;
   ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
