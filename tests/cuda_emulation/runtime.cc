@@ -60,7 +60,7 @@ struct State {
   int64_t device_memory = kDefaultDeviceMemoryBytes;
   int64_t device_live = 0;  // bytes of the live device allocations
   cudaError_t sticky = cudaSuccess;
-  int pending_fault[5] = {0, 0, 0, 0, 0};  // operations of each kind still to fail
+  int pending_fault[kFaultKinds] = {};  // operations of each kind still to fail
   // From the environment, for a server process that loads the emulated plugin: the GEMM (0 the
   // first) that faults, and GEMMs issued so far; -1 for none.
   int64_t gemm_fault_at = -1, gemms_issued = 0;
@@ -147,6 +147,9 @@ cudaError_t Allocate(void** ptr, size_t bytes, Space space) {
   if (bytes == 0) return cudaSuccess;
   if (space == Space::kDevice && internal::TakeFault(Fault::kOutOfMemory)) {
     return Fail(cudaErrorMemoryAllocation, "cudaMalloc: injected out of memory");
+  }
+  if (space == Space::kPinnedHost && internal::TakeFault(Fault::kPinnedOutOfMemory)) {
+    return Fail(cudaErrorMemoryAllocation, "cudaMallocHost: injected out of memory");
   }
   if (space == Space::kDevice) {
     State& s = GetState();

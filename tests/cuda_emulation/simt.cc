@@ -359,12 +359,14 @@ bool CheckLaunch(dim3 grid, dim3 block) {
   internal::CountKernelLaunch();
   if (internal::StickyError() != cudaSuccess) return false;
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
-  if (threads == 0 || threads > kMaxThreads || grid.x == 0 || grid.y == 0 || grid.z == 0 || block.y != 1 ||
+  // An injected bad configuration fails as a real one does: the launch's error, nothing queued.
+  const bool injected = internal::TakeFault(Fault::kLaunchInvalid);
+  if (injected || threads == 0 || threads > kMaxThreads || grid.x == 0 || grid.y == 0 || grid.z == 0 || block.y != 1 ||
       block.z != 1 || grid.y != 1 || grid.z != 1 || grid.x > 0x7fffffffu) {
     internal::Diagnose("kernel launch: invalid configuration grid " + std::to_string(grid.x) + "x" +
                        std::to_string(grid.y) + "x" + std::to_string(grid.z) + ", block " + std::to_string(block.x) +
                        "x" + std::to_string(block.y) + "x" + std::to_string(block.z) +
-                       " (one-dimensional launches of 1-1024 threads are emulated)");
+                       (injected ? " (injected)" : " (one-dimensional launches of 1-1024 threads are emulated)"));
     internal::SetLastError(cudaErrorInvalidConfiguration);
     return false;
   }

@@ -339,6 +339,21 @@ TEST_F(CudaEmulationTest, SharedMemoryABlockDidNotWriteReadsAsNaN) {
   for (int b = 1; b < 4; ++b) EXPECT_TRUE(std::isnan(got[b])) << "block " << b << " read " << got[b];
 }
 
+TEST_F(CudaEmulationTest, AnInjectedBadLaunchIsReportedOnceAndTheNextLaunchRuns) {
+  // As a launch with a bad configuration: nothing runs, cudaGetLastError reports it once, and
+  // the error is not sticky.
+  const std::vector<float> in = testing::RandomVector(rng_, 2);
+  DeviceVector din(in), dout(std::vector<float>(2, NAN));
+  cuda_emulation::InjectFault(cuda_emulation::Fault::kLaunchInvalid);
+  cuda_emulation::Launch(SharedSlotReuseKernel, dim3(1), dim3(64), nullptr)(din.data, dout.data, true);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_TRUE(std::isnan(dout.Read()[0])) << "a refused launch ran";
+  cuda_emulation::Launch(SharedSlotReuseKernel, dim3(1), dim3(64), nullptr)(din.data, dout.data, true);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
+  EXPECT_EQ(dout.Read()[1], 2 * in[0]);
+}
+
 TEST_F(CudaEmulationTest, GemmArgumentsAreCheckedAsCublasDocumentsThem) {
   cublasHandle_t handle;
   ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
@@ -630,18 +645,26 @@ TEST_F(CudaEmulationTest, ADeviceFaultFailsTheBatchAndMarksTheDeviceUnhealthy) {
   }
 }
 
-// Errors a real device reports and keeps serving after: out of device memory fails the batch
-// with RESOURCE_EXHAUSTED (the client may retry), an invalid cuBLAS argument with INTERNAL; the
-// device stays healthy, the error's leftover does not reach the next call, and the next batch
-// is computed right. Only a lost context (the test above) takes the device out of service.
+// Errors a real device reports and keeps serving after: out of device memory (cudaMalloc), of
+// pinned host memory (cudaMallocHost) or of cuBLAS's own workspace (CUBLAS_STATUS_ALLOC_FAILED)
+// fails the batch with RESOURCE_EXHAUSTED (the client may retry); an invalid cuBLAS argument or
+// a kernel launch's bad configuration with INTERNAL. The device stays healthy, the error's
+// leftover (a failed launch's stays for cudaGetLastError) does not reach the next call, and the
+// next batch is computed right. Only a lost context (the test above) takes the device out of
+// service.
 TEST_F(CudaEmulationTest, ARecoverableErrorFailsTheBatchAndTheDeviceKeepsServing) {
   struct Case {
     cuda_emulation::Fault fault;
     StatusCode code;
     const char* says;
   };
-  for (const Case& c : {Case{cuda_emulation::Fault::kOutOfMemory, StatusCode::kResourceExhausted, "cudaMalloc"},
-                        Case{cuda_emulation::Fault::kGemmInvalid, StatusCode::kInternal, "CUBLAS_STATUS_INVALID_VALUE"}}) {
+  for (const Case& c :
+       {Case{cuda_emulation::Fault::kOutOfMemory, StatusCode::kResourceExhausted, "cudaMalloc"},
+        Case{cuda_emulation::Fault::kGemmInvalid, StatusCode::kInternal, "CUBLAS_STATUS_INVALID_VALUE"},
+        Case{cuda_emulation::Fault::kLaunchInvalid, StatusCode::kInternal, "invalid configuration argument"},
+        Case{cuda_emulation::Fault::kGemmAllocFailed, StatusCode::kResourceExhausted, "CUBLAS_STATUS_ALLOC_FAILED"},
+        Case{cuda_emulation::Fault::kPinnedOutOfMemory, StatusCode::kResourceExhausted, "cudaMallocHost"}}) {
+    SCOPED_TRACE(c.says);
     cuda_emulation::Reset();
     auto backend = MakeEmulatedBackend();
     ASSERT_NE(backend, nullptr);
