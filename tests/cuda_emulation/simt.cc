@@ -4,7 +4,6 @@
 #include "simt.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -142,7 +141,7 @@ struct BlockRun {
   std::vector<int> at_warp_barrier;  // per warp
   std::vector<float> exchange;       // [warp][2][lane]
   // The order threads run in, drawn per block and again at each __syncthreads: the warps in a
-  // random order, each warp's lanes together in a random order. A warp whose shuffle is
+  // random order, each warp's lanes together, from a drawn lane up or down. A warp whose shuffle is
   // released runs on at once (`run_ahead`: up to its next __syncthreads, overtaking the warps
   // after it) or in the next pass, as a device may schedule warps either way.
   std::vector<int> order;       // position -> fiber

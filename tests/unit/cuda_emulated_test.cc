@@ -26,6 +26,10 @@
 #include "server/core/reference.h"
 #include "server/core/spectrum.h"
 #include "tests/unit/test_support.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 // Last: the device-side shim defines CUDA's names (threadIdx, __syncthreads, min) for the
 // test kernels below.
 #include "simt.h"
@@ -407,6 +411,25 @@ TEST_F(CudaEmulationTest, BatchedGemmOutputsMustNotOverlap) {
 // Work is queued on its stream and runs at a synchronisation: a host that reads pinned memory a
 // copy has yet to fill sees NaN, another stream's synchronisation does not run it, its own does;
 // and a cuBLAS handle's GEMMs go on the stream it was given.
+TEST_F(CudaEmulationTest, DeviceMemoryIsPoisonedForTheHost) {
+#if !defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "device memory is poisoned for host code under AddressSanitizer only";
+#else
+  // On a device, host code that dereferences a device pointer faults. Here AddressSanitizer
+  // reports it: device memory is poisoned except while the emulated device works on it (a
+  // stream's work, a synchronous copy), which reads and writes it unreported.
+  const std::vector<float> in = testing::RandomVector(rng_, 2 * 64);
+  DeviceVector din(in), dout(std::vector<float>(2 * 2, NAN));
+  EXPECT_TRUE(__asan_address_is_poisoned(din.data));
+  EXPECT_TRUE(__asan_address_is_poisoned(din.data + in.size() - 1));
+  cuda_emulation::Launch(SharedSlotReuseKernel, dim3(2), dim3(64), nullptr)(din.data, dout.data, true);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << cuda_emulation::LastDiagnostic();
+  EXPECT_EQ(din.Read(), in);
+  EXPECT_EQ(dout.Read()[0], 2 * in[0]);
+  EXPECT_TRUE(__asan_address_is_poisoned(dout.data)) << "poisoned again once the device is done";
+#endif
+}
+
 TEST_F(CudaEmulationTest, StreamsRunTheirWorkAtSynchronisation) {
   cuda_emulation::ResetCounters();
   cudaStream_t mine, other;

@@ -56,7 +56,16 @@ void SetDeviceCount(int count);
 // the next GEMM with CUBLAS_STATUS_ALLOC_FAILED (cuBLAS could not get its own workspace),
 // kPinnedOutOfMemory the next cudaMallocHost with cudaErrorMemoryAllocation.
 // `times` > 1: the next `times` operations of the kind fail.
-enum class Fault { kKernel, kGemm, kCopy, kOutOfMemory, kGemmInvalid, kLaunchInvalid, kGemmAllocFailed, kPinnedOutOfMemory };
+enum class Fault {
+  kKernel,
+  kGemm,
+  kCopy,
+  kOutOfMemory,
+  kGemmInvalid,
+  kLaunchInvalid,
+  kGemmAllocFailed,
+  kPinnedOutOfMemory
+};
 inline constexpr int kFaultKinds = 8;
 void InjectFault(Fault fault, int times = 1);
 
