@@ -112,7 +112,7 @@ struct Fiber {
   State state = State::kRunnable;
   ThreadCoords coords;
   uint64_t shuffles = 0;  // picks the half of the warp's exchange buffer
-  int position = 0;       // in BlockRun::order
+  int next = -1;          // the fiber after it in BlockRun's order; -1 for the last
 };
 
 // SplitMix64: the launches' draws, cheap to seed once per launch.
@@ -144,8 +144,9 @@ struct BlockRun {
   // random order, each warp's lanes together, from a drawn lane up or down. A warp whose shuffle is
   // released runs on at once (`run_ahead`: up to its next __syncthreads, overtaking the warps
   // after it) or in the next pass, as a device may schedule warps either way.
-  std::vector<int> order;       // position -> fiber
-  std::vector<int> warp_start;  // per warp: the position of its first lane
+  int first = 0;                // the first fiber in the order
+  std::vector<int> warp_first;  // per warp: its first fiber in the order
+  std::vector<int> warp_order;
   bool run_ahead = false;
   Draw draw{0};
 #if defined(CUDA_EMULATION_ASAN)
@@ -175,36 +176,38 @@ thread_local std::vector<std::unique_ptr<char[]>> stacks;
 
 Fiber& Current() { return run->fibers[run->current]; }
 
-// The next fiber of this pass that can run, after position `from`; -1 when the pass is over.
-int NextRunnable(const BlockRun& r, int from) {
+// The first fiber of this pass that can run, from fiber `t` on in the order; -1 when the pass
+// is over.
+int NextRunnable(const BlockRun& r, int t) {
   if (!r.error.empty()) return -1;
-  for (int p = from + 1; p < static_cast<int>(r.order.size()); ++p) {
-    if (r.fibers[r.order[p]].state == State::kRunnable) return r.order[p];
+  for (; t >= 0; t = r.fibers[t].next) {
+    if (r.fibers[t].state == State::kRunnable) return t;
   }
   return -1;
 }
 
 // Draws the order of the block's threads for the next pass (see BlockRun::order).
 void DrawOrder(BlockRun& r) {
-  const int threads = static_cast<int>(r.fibers.size()), warps = static_cast<int>(r.warp_start.size());
-  std::vector<int> warp_order(warps);
-  for (int w = 0; w < warps; ++w) warp_order[w] = w;
-  std::shuffle(warp_order.begin(), warp_order.end(), r.draw);
-  r.order.clear();
-  for (int w : warp_order) {
+  const int threads = static_cast<int>(r.fibers.size()), warps = static_cast<int>(r.warp_first.size());
+  r.warp_order.resize(warps);
+  for (int w = 0; w < warps; ++w) r.warp_order[w] = w;
+  std::shuffle(r.warp_order.begin(), r.warp_order.end(), r.draw);
+  int* link = &r.first;  // where the next fiber in the order is to be written
+  for (const int w : r.warp_order) {
     // The lanes from a drawn one on, up or down: a full shuffle would cost a third more time
     // in fiber switches (their stacks visited in no order the cache can follow).
-    r.warp_start[w] = static_cast<int>(r.order.size());
     const int lanes = std::min(threads, (w + 1) * kWarp) - w * kWarp;
     const uint64_t bits = r.draw();
     const int first = static_cast<int>(bits % lanes), step = bits & (uint64_t{1} << 63) ? 1 : lanes - 1;
+    r.warp_first[w] = w * kWarp + first;
     for (int i = 0, lane = first; i < lanes; ++i) {
-      r.order.push_back(w * kWarp + lane);
+      *link = w * kWarp + lane;
+      link = &r.fibers[*link].next;
       lane += step;
       if (lane >= lanes) lane -= lanes;
     }
   }
-  for (int p = 0; p < threads; ++p) r.fibers[r.order[p]].position = p;
+  *link = -1;
   r.run_ahead = r.draw() & 1;
 }
 
@@ -222,12 +225,12 @@ void EnterFiber(int index) {
   run->current = -1;
 }
 
-// The running fiber waits (or has finished): straight on to the pass's next runnable fiber after
-// position `from` (by default its own) — one switch, not two through the scheduler — or back to
-// the scheduler after the last.
+// The running fiber waits (or has finished): straight on to the pass's next runnable fiber from
+// fiber `from` on (by default the one after it) — one switch, not two through the scheduler —
+// or back to the scheduler after the last.
 void SwitchAway(bool finished, int from = -2) {
   BlockRun* r = run;
-  const int self = r->current, next = NextRunnable(*r, from == -2 ? r->fibers[self].position : from);
+  const int self = r->current, next = NextRunnable(*r, from == -2 ? r->fibers[self].next : from);
   if (next == self) return;  // its own warp's shuffle, released: it runs on
   Context& to = next >= 0 ? r->fibers[next].context : r->scheduler;
   r->current = next;
@@ -293,7 +296,7 @@ bool ReleaseBarriers(BlockRun& r) {
 std::string RunBlock(BlockRun& r) {
   const int threads = static_cast<int>(r.fibers.size());
   for (;;) {
-    const int first = NextRunnable(r, -1);
+    const int first = NextRunnable(r, r.first);
     const bool ran = first >= 0;
     if (ran) EnterFiber(first);
     if (!r.error.empty()) return r.error;
@@ -345,7 +348,7 @@ float ShuffleXor(unsigned mask, float value, int lane_mask, int width) {
     // The last lane to arrive releases the shuffle; the warp runs on from its first lane.
     for (int l = 0; l < lanes; ++l) r.fibers[warp * kWarp + l].state = State::kRunnable;
     r.at_warp_barrier[warp] = 0;
-    SwitchAway(false, r.warp_start[warp] - 1);
+    SwitchAway(false, r.warp_first[warp]);
   } else {
     SwitchAway(false);
   }
@@ -405,7 +408,7 @@ void RunBlocks(dim3 grid, dim3 block, const std::function<void()>& body) {
 #endif
   const size_t warps = (threads + kWarp - 1) / kWarp;
   r.exchange.assign(warps * 2 * kWarp, 0.0f);
-  r.warp_start.assign(warps, 0);
+  r.warp_first.assign(warps, 0);
   // The blocks in an order drawn per launch, from the run's seed: a device runs them in any.
   r.draw.state = internal::LaunchDraw();
   std::vector<unsigned> blocks(grid.x);
