@@ -159,9 +159,10 @@ struct BlockRun {
 std::recursive_mutex blocks_running;
 
 // The __shared__ variables of this module (the linker's bounds of their section; null when the
-// module has none).
-extern "C" char __start_cuda_emulation_shared[] __attribute__((weak));
-extern "C" char __stop_cuda_emulation_shared[] __attribute__((weak));
+// module has none). Hidden: a plugin's emulation poisons its own kernels' shared memory, never
+// that of another module loaded in the same process.
+extern "C" char __start_cuda_emulation_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_cuda_emulation_shared[] __attribute__((weak, visibility("hidden")));
 
 // What a block finds in shared memory that it has not written: NaN for floats and doubles.
 void PoisonSharedMemory() {
