@@ -164,6 +164,10 @@ cublasStatus_t Admit(const GemmCall& g) {
     internal::Diagnose(std::string("injected CUBLAS_STATUS_INVALID_VALUE in ") + g.name);
     return CUBLAS_STATUS_INVALID_VALUE;
   }
+  if (internal::TakeFault(Fault::kGemmAllocFailed)) {
+    internal::Diagnose(std::string("injected CUBLAS_STATUS_ALLOC_FAILED in ") + g.name);
+    return CUBLAS_STATUS_ALLOC_FAILED;
+  }
   if (internal::TakeFault(Fault::kGemm)) {
     internal::RaiseFault(cudaErrorLaunchFailure, std::string("injected fault in ") + g.name);
     return CUBLAS_STATUS_EXECUTION_FAILED;

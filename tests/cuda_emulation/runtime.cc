@@ -2,24 +2,30 @@
 // checked against the memory spaces they name, streams whose work is queued and runs at
 // synchronisation points, wall-clock events.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
-#include <deque>
-#include <functional>
-#include <random>
-#include <thread>
-#include <vector>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <new>
+#include <random>
+#include <thread>
+#include <vector>
 
 #include "cuda_emulation.h"
 #include "cuda_runtime_api.h"
 #include "state.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define CUDA_EMULATION_ASAN 1
+#endif
 
 // A stream: its queued work, run in order by whichever thread synchronises it. `mu` is held
 // while the work runs, so a stream's work never runs on two threads at once or out of order.
@@ -59,12 +65,13 @@ struct State {
   int64_t device_memory = kDefaultDeviceMemoryBytes;
   int64_t device_live = 0;  // bytes of the live device allocations
   cudaError_t sticky = cudaSuccess;
-  int pending_fault[5] = {0, 0, 0, 0, 0};  // operations of each kind still to fail
+  int pending_fault[kFaultKinds] = {};  // operations of each kind still to fail
   // From the environment, for a server process that loads the emulated plugin: the GEMM (0 the
   // first) that faults, and GEMMs issued so far; -1 for none.
   int64_t gemm_fault_at = -1, gemms_issued = 0;
   std::string diagnostic;
   std::function<void()> sync_hook;
+  int device_access = 0;  // DeviceAccess objects alive, on every thread
 };
 
 // The streams that exist, and the legacy default stream (stream 0). Its lock comes before a
@@ -75,6 +82,14 @@ struct Streams {
   CUstream_st legacy;
   uint64_t draws = 0;  // device-wide synchronisations so far: each draws its own order
 };
+
+// The schedule's seed (SetScheduleSeed) and the launches run so far, each of which draws from
+// the two.
+std::atomic<uint64_t> schedule_seed{[] {
+  const char* v = std::getenv("ATTNSERVE_SEED");
+  return v != nullptr && *v != '\0' ? std::strtoull(v, nullptr, 10) : uint64_t{0x5eed};
+}()};
+std::atomic<uint64_t> launches_run{0};
 
 Streams& GetStreams() {
   static Streams* streams = new Streams;  // never destroyed, as State
@@ -98,6 +113,20 @@ thread_local cudaError_t last_error = cudaSuccess;
 thread_local int current_device = 0;
 
 constexpr size_t kAlignment = 256;  // cudaMalloc's alignment
+
+// Under AddressSanitizer: marks a device allocation's bytes as the host's to touch or not (the
+// heap's redzones around them stay as they are). Caller holds the lock.
+void PoisonDevice(const char* base, size_t bytes, bool poisoned) {
+#if defined(CUDA_EMULATION_ASAN)
+  if (poisoned) {
+    __asan_poison_memory_region(base, bytes);
+  } else {
+    __asan_unpoison_memory_region(base, bytes);
+  }
+#else
+  (void)base, (void)bytes, (void)poisoned;
+#endif
+}
 
 // The allocation containing p, or nullptr. Caller holds the lock.
 const std::pair<const char* const, Allocation>* Find(State& s, const void* p) {
@@ -139,6 +168,9 @@ cudaError_t Allocate(void** ptr, size_t bytes, Space space) {
   if (space == Space::kDevice && internal::TakeFault(Fault::kOutOfMemory)) {
     return Fail(cudaErrorMemoryAllocation, "cudaMalloc: injected out of memory");
   }
+  if (space == Space::kPinnedHost && internal::TakeFault(Fault::kPinnedOutOfMemory)) {
+    return Fail(cudaErrorMemoryAllocation, "cudaMallocHost: injected out of memory");
+  }
   if (space == Space::kDevice) {
     State& s = GetState();
     std::unique_lock<std::mutex> lock(s.mu);
@@ -158,6 +190,7 @@ cudaError_t Allocate(void** ptr, size_t bytes, Space space) {
   std::lock_guard<std::mutex> lock(s.mu);
   s.allocations[static_cast<const char*>(p)] = {bytes, space};
   if (space == Space::kDevice) s.device_live += static_cast<int64_t>(bytes);
+  if (space == Space::kDevice && s.device_access == 0) PoisonDevice(static_cast<const char*>(p), bytes, true);
   (space == Space::kDevice ? s.counters.device_allocations : s.counters.pinned_allocations)++;
   *ptr = p;
   return cudaSuccess;
@@ -176,6 +209,7 @@ cudaError_t Release(void* ptr, Space space, const char* what) {
       return cudaErrorInvalidValue;
     }
     if (space == Space::kDevice) s.device_live -= static_cast<int64_t>(it->second.bytes);
+    if (space == Space::kDevice) PoisonDevice(it->first, it->second.bytes, false);  // the heap's again
     s.allocations.erase(it);
   }
   ::operator delete(ptr, std::align_val_t(kAlignment));
@@ -233,6 +267,7 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
   }
   if (!async) {  // a synchronous copy waits for the device, as cudaMemcpy does
     internal::DrainAll();
+    internal::DeviceAccess device;
     std::memmove(dst, src, bytes);
     return cudaSuccess;
   }
@@ -244,6 +279,7 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
   } else if (kind == cudaMemcpyDeviceToHost && !pinned) {
     // Into pageable memory the call returns once the copy is done.
     internal::DrainStream(stream);
+    internal::DeviceAccess device;
     std::memmove(dst, src, bytes);
   } else {
     // Into pinned memory the host sees poison until the stream has run the copy: a read before
@@ -329,8 +365,27 @@ bool RunOne(CUstream_st* s) {
 }
 }  // namespace
 
+DeviceAccess::DeviceAccess() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.device_access++ > 0) return;
+  for (const auto& [base, a] : s.allocations) {
+    if (a.space == Space::kDevice) PoisonDevice(base, a.bytes, false);
+  }
+}
+
+DeviceAccess::~DeviceAccess() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (--s.device_access > 0) return;
+  for (const auto& [base, a] : s.allocations) {
+    if (a.space == Space::kDevice) PoisonDevice(base, a.bytes, true);
+  }
+}
+
 void DrainStream(cudaStream_t stream) {
   CUstream_st* s = Resolve(stream);
+  DeviceAccess device;
   while (RunOne(s)) {
   }
 }
@@ -342,11 +397,17 @@ void DrainAll() {
   pending.push_back(&streams.legacy);
   // One work item at a time from a stream drawn at random: the streams' work interleaves in an
   // order no caller can count on, as on a device.
-  std::mt19937_64 rng(0x5eed + streams.draws++);
+  std::mt19937_64 rng(schedule_seed.load() + streams.draws++);
+  DeviceAccess device;
   while (!pending.empty()) {
     const size_t i = std::uniform_int_distribution<size_t>(0, pending.size() - 1)(rng);
     if (!RunOne(pending[i])) pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
   }
+}
+
+uint64_t LaunchDraw() {
+  // Distinct launches, and the same launch under distinct seeds, draw unrelated orders.
+  return schedule_seed.load() * 0x9e3779b97f4a7c15ull + launches_run.fetch_add(1);
 }
 
 void CountKernelLaunch() {
@@ -396,6 +457,8 @@ int64_t LiveDeviceBytes() {
   for (const auto& [base, a] : s.allocations) bytes += a.space == Space::kDevice ? static_cast<int64_t>(a.bytes) : 0;
   return bytes;
 }
+
+void SetScheduleSeed(uint64_t seed) { schedule_seed.store(seed); }
 
 void SetStreamSyncHook(std::function<void()> hook) {
   State& s = GetState();
@@ -600,6 +663,7 @@ cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
     return cuda_emulation::Fail(cudaErrorInvalidValue, "cudaMemset: range is not inside one device allocation");
   }
   internal::DrainAll();
+  internal::DeviceAccess device;
   std::memset(ptr, value, bytes);
   return cudaSuccess;
 }

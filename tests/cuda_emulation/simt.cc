@@ -3,8 +3,11 @@
 // barrier once every thread it names has arrived.
 #include "simt.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -109,6 +112,21 @@ struct Fiber {
   State state = State::kRunnable;
   ThreadCoords coords;
   uint64_t shuffles = 0;  // picks the half of the warp's exchange buffer
+  int next = -1;          // the fiber after it in BlockRun's order; -1 for the last
+};
+
+// SplitMix64: the launches' draws, cheap to seed once per launch.
+struct Draw {
+  using result_type = uint64_t;
+  uint64_t state;
+  static constexpr uint64_t min() { return 0; }
+  static constexpr uint64_t max() { return ~uint64_t{0}; }
+  uint64_t operator()() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
 };
 
 // One block being run on this thread.
@@ -122,11 +140,36 @@ struct BlockRun {
   int done = 0;
   std::vector<int> at_warp_barrier;  // per warp
   std::vector<float> exchange;       // [warp][2][lane]
+  // The order threads run in, drawn per block and again at each __syncthreads: the warps in a
+  // random order, each warp's lanes together, from a drawn lane up or down. A warp whose shuffle is
+  // released runs on at once (`run_ahead`: up to its next __syncthreads, overtaking the warps
+  // after it) or in the next pass, as a device may schedule warps either way.
+  int first = 0;                // the first fiber in the order
+  std::vector<int> warp_first;  // per warp: its first fiber in the order
+  std::vector<int> warp_order;
+  bool run_ahead = false;
+  Draw draw{0};
 #if defined(CUDA_EMULATION_ASAN)
   const void* scheduler_stack_bottom = nullptr;
   size_t scheduler_stack_size = 0;
 #endif
 };
+
+// Blocks run one at a time in the process: __shared__ variables are plain statics (simt.h).
+std::recursive_mutex blocks_running;
+
+// The __shared__ variables of this module (the linker's bounds of their section; null when the
+// module has none). Hidden: a plugin's emulation poisons its own kernels' shared memory, never
+// that of another module loaded in the same process.
+extern "C" char __start_cuda_emulation_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" char __stop_cuda_emulation_shared[] __attribute__((weak, visibility("hidden")));
+
+// What a block finds in shared memory that it has not written: NaN for floats and doubles.
+void PoisonSharedMemory() {
+  if (__start_cuda_emulation_shared == nullptr) return;
+  std::memset(__start_cuda_emulation_shared, 0xff,
+              static_cast<size_t>(__stop_cuda_emulation_shared - __start_cuda_emulation_shared));
+}
 
 thread_local BlockRun* run = nullptr;
 // Stacks are kept between launches of a thread: a launch of 256 threads reuses 16 MiB.
@@ -134,13 +177,39 @@ thread_local std::vector<std::unique_ptr<char[]>> stacks;
 
 Fiber& Current() { return run->fibers[run->current]; }
 
-// The next fiber of this pass that can run, after `from`; -1 when the pass is over.
-int NextRunnable(const BlockRun& r, int from) {
+// The first fiber of this pass that can run, from fiber `t` on in the order; -1 when the pass
+// is over.
+int NextRunnable(const BlockRun& r, int t) {
   if (!r.error.empty()) return -1;
-  for (int t = from + 1; t < static_cast<int>(r.fibers.size()); ++t) {
+  for (; t >= 0; t = r.fibers[t].next) {
     if (r.fibers[t].state == State::kRunnable) return t;
   }
   return -1;
+}
+
+// Draws the order of the block's threads for the next pass (see BlockRun::order).
+void DrawOrder(BlockRun& r) {
+  const int threads = static_cast<int>(r.fibers.size()), warps = static_cast<int>(r.warp_first.size());
+  r.warp_order.resize(warps);
+  for (int w = 0; w < warps; ++w) r.warp_order[w] = w;
+  std::shuffle(r.warp_order.begin(), r.warp_order.end(), r.draw);
+  int* link = &r.first;  // where the next fiber in the order is to be written
+  for (const int w : r.warp_order) {
+    // The lanes from a drawn one on, up or down: a full shuffle would cost a third more time
+    // in fiber switches (their stacks visited in no order the cache can follow).
+    const int lanes = std::min(threads, (w + 1) * kWarp) - w * kWarp;
+    const uint64_t bits = r.draw();
+    const int first = static_cast<int>(bits % lanes), step = bits & (uint64_t{1} << 63) ? 1 : lanes - 1;
+    r.warp_first[w] = w * kWarp + first;
+    for (int i = 0, lane = first; i < lanes; ++i) {
+      *link = w * kWarp + lane;
+      link = &r.fibers[*link].next;
+      lane += step;
+      if (lane >= lanes) lane -= lanes;
+    }
+  }
+  *link = -1;
+  r.run_ahead = r.draw() & 1;
 }
 
 // From the scheduler into the pass's first runnable fiber; back when the pass is over.
@@ -157,11 +226,13 @@ void EnterFiber(int index) {
   run->current = -1;
 }
 
-// The running fiber waits (or has finished): straight on to the pass's next runnable fiber —
-// one switch, not two through the scheduler — or back to the scheduler after the last.
-void SwitchAway(bool finished) {
+// The running fiber waits (or has finished): straight on to the pass's next runnable fiber from
+// fiber `from` on (by default the one after it) — one switch, not two through the scheduler —
+// or back to the scheduler after the last.
+void SwitchAway(bool finished, int from = -2) {
   BlockRun* r = run;
-  const int self = r->current, next = NextRunnable(*r, self);
+  const int self = r->current, next = NextRunnable(*r, from == -2 ? r->fibers[self].next : from);
+  if (next == self) return;  // its own warp's shuffle, released: it runs on
   Context& to = next >= 0 ? r->fibers[next].context : r->scheduler;
   r->current = next;
 #if defined(CUDA_EMULATION_ASAN)
@@ -205,6 +276,7 @@ bool ReleaseBarriers(BlockRun& r) {
   if (r.at_block_barrier > 0 && r.at_block_barrier == threads) {
     for (Fiber& f : r.fibers) f.state = State::kRunnable;
     r.at_block_barrier = 0;
+    DrawOrder(r);
     released = true;
   } else if (r.at_block_barrier > 0 && r.at_block_barrier + done == threads && r.error.empty()) {
     r.error = "__syncthreads reached by " + std::to_string(r.at_block_barrier) + " of " + std::to_string(threads) +
@@ -225,7 +297,7 @@ bool ReleaseBarriers(BlockRun& r) {
 std::string RunBlock(BlockRun& r) {
   const int threads = static_cast<int>(r.fibers.size());
   for (;;) {
-    const int first = NextRunnable(r, -1);
+    const int first = NextRunnable(r, r.first);
     const bool ran = first >= 0;
     if (ran) EnterFiber(first);
     if (!r.error.empty()) return r.error;
@@ -272,9 +344,15 @@ float ShuffleXor(unsigned mask, float value, int lane_mask, int width) {
   float* slots = &r.exchange[(warp * 2 + self.shuffles % 2) * kWarp];
   self.shuffles++;
   slots[lane] = value;
-  r.at_warp_barrier[warp]++;
   self.state = State::kAtWarpBarrier;
-  SwitchAway(false);
+  if (++r.at_warp_barrier[warp] == lanes && r.run_ahead) {
+    // The last lane to arrive releases the shuffle; the warp runs on from its first lane.
+    for (int l = 0; l < lanes; ++l) r.fibers[warp * kWarp + l].state = State::kRunnable;
+    r.at_warp_barrier[warp] = 0;
+    SwitchAway(false, r.warp_first[warp]);
+  } else {
+    SwitchAway(false);
+  }
   // The other half of the buffer takes the next shuffle, so no lane overwrites a value another
   // lane has yet to read.
   return slots[(lane ^ lane_mask) % kWarp];
@@ -284,12 +362,14 @@ bool CheckLaunch(dim3 grid, dim3 block) {
   internal::CountKernelLaunch();
   if (internal::StickyError() != cudaSuccess) return false;
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
-  if (threads == 0 || threads > kMaxThreads || grid.x == 0 || grid.y == 0 || grid.z == 0 || block.y != 1 ||
+  // An injected bad configuration fails as a real one does: the launch's error, nothing queued.
+  const bool injected = internal::TakeFault(Fault::kLaunchInvalid);
+  if (injected || threads == 0 || threads > kMaxThreads || grid.x == 0 || grid.y == 0 || grid.z == 0 || block.y != 1 ||
       block.z != 1 || grid.y != 1 || grid.z != 1 || grid.x > 0x7fffffffu) {
     internal::Diagnose("kernel launch: invalid configuration grid " + std::to_string(grid.x) + "x" +
                        std::to_string(grid.y) + "x" + std::to_string(grid.z) + ", block " + std::to_string(block.x) +
                        "x" + std::to_string(block.y) + "x" + std::to_string(block.z) +
-                       " (one-dimensional launches of 1-1024 threads are emulated)");
+                       (injected ? " (injected)" : " (one-dimensional launches of 1-1024 threads are emulated)"));
     internal::SetLastError(cudaErrorInvalidConfiguration);
     return false;
   }
@@ -329,9 +409,18 @@ void RunBlocks(dim3 grid, dim3 block, const std::function<void()>& body) {
 #endif
   const size_t warps = (threads + kWarp - 1) / kWarp;
   r.exchange.assign(warps * 2 * kWarp, 0.0f);
+  r.warp_first.assign(warps, 0);
+  // The blocks in an order drawn per launch, from the run's seed: a device runs them in any.
+  r.draw.state = internal::LaunchDraw();
+  std::vector<unsigned> blocks(grid.x);
+  for (unsigned b = 0; b < grid.x; ++b) blocks[b] = b;
+  std::shuffle(blocks.begin(), blocks.end(), r.draw);
+  std::lock_guard<std::recursive_mutex> one_block_at_a_time(blocks_running);
   BlockRun* outer = run;
   run = &r;
-  for (unsigned b = 0; b < grid.x; ++b) {
+  for (const unsigned b : blocks) {
+    PoisonSharedMemory();
+    DrawOrder(r);
     r.at_block_barrier = 0;
     r.done = 0;
     r.at_warp_barrier.assign(warps, 0);

@@ -1,7 +1,8 @@
 // Device-side half of the CUDA emulation: what a .cu file needs to compile as C++ and run on
 // the CPU. Each block's threads run as fibers on the launching thread, so __syncthreads and
 // warp shuffles really wait for every thread they name (an unreached barrier is reported, not
-// hung on); blocks run one after another. Included before the .cu file by its test wrapper.
+// hung on); blocks run one after another, in an order drawn per launch, and a block's threads
+// in an order drawn per block (simt.cc). Included before the .cu file by its test wrapper.
 #pragma once
 
 #include <cfloat>
@@ -16,8 +17,11 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-// One copy per launching thread; blocks of a launch run one at a time, so it is the block's.
-#define __shared__ static thread_local
+// One copy in the process, in its own section: blocks run one at a time (RunBlocks holds a
+// process-wide lock), so it is the block's, and before each block the section is filled with
+// NaN (0xff bytes), so a block that reads shared memory it has not written reads poison, as a
+// device's uninitialised shared memory may hold anything.
+#define __shared__ [[gnu::section("cuda_emulation_shared")]] static
 
 namespace cuda_emulation {
 

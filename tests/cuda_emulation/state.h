@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -28,6 +29,18 @@ void Diagnose(const std::string& diagnostic);
 // True (once) when a fault of this kind was injected.
 bool TakeFault(Fault fault);
 
+// Held while the emulated device reads or writes device memory (a stream's work running, a
+// synchronous copy or memset). Under AddressSanitizer device memory is poisoned while no thread
+// holds one, so host code that dereferences a device pointer is reported, as a device's
+// pointer would fault on the host; the heap's own redzones, and so overruns, are untouched.
+class DeviceAccess {
+ public:
+  DeviceAccess();
+  ~DeviceAccess();
+  DeviceAccess(const DeviceAccess&) = delete;
+  DeviceAccess& operator=(const DeviceAccess&) = delete;
+};
+
 // Queues `work` on `stream` (nullptr: the legacy default stream). It runs, in issue order
 // within its stream, at the next synchronisation that covers the stream: cudaStreamSynchronize
 // of it, cudaDeviceSynchronize, a synchronous copy or memset, cudaFree, cudaFreeHost, an
@@ -37,6 +50,10 @@ void Enqueue(cudaStream_t stream, std::function<void()> work);
 // Runs what `stream` has queued; every stream's, for a device-wide synchronisation.
 void DrainStream(cudaStream_t stream);
 void DrainAll();
+
+// A value to seed one launch's draws (the order of its blocks and threads) from: the schedule
+// seed (SetScheduleSeed) mixed with the number of launches run so far.
+uint64_t LaunchDraw();
 
 void CountKernelLaunch();
 void CountGemm();

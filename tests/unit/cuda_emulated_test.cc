@@ -26,6 +26,10 @@
 #include "server/core/reference.h"
 #include "server/core/spectrum.h"
 #include "tests/unit/test_support.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 // Last: the device-side shim defines CUDA's names (threadIdx, __syncthreads, min) for the
 // test kernels below.
 #include "simt.h"
@@ -277,6 +281,83 @@ TEST_F(CudaEmulationTest, ABarrierNotAllThreadsReachIsReported) {
   EXPECT_THAT(cuda_emulation::LastDiagnostic(), HasSubstr("__syncthreads reached by 16 of 32 threads"));
 }
 
+// Two rounds through one shared slot, as BlockReduce uses its shared[0]: every thread reads
+// the first round's value, the warps shuffle, thread 0 writes the second. `barrier` puts the
+// __syncthreads between the read and the write that BlockReduce ends with.
+__global__ void SharedSlotReuseKernel(const float* in, float* out, bool barrier) {
+  __shared__ float slot;
+  if (threadIdx.x == 0) slot = in[2 * blockIdx.x];
+  __syncthreads();
+  float v = slot;
+  if (barrier) __syncthreads();
+  v += __shfl_xor_sync(0xffffffffu, v, 1);  // twice the first round's value, in every lane
+  if (threadIdx.x == 0) slot = in[2 * blockIdx.x + 1];
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) out[2 * blockIdx.x + threadIdx.x / 32] = v;
+}
+
+TEST_F(CudaEmulationTest, AWarpMayOvertakeTheOthersUpToTheNextBarrier) {
+  // Without the barrier, a warp scheduled first and run on past its shuffle overwrites the
+  // slot before a later warp has read it: the emulation draws such orders (one block in four
+  // here), as a device may run them. With the barrier every order gives the first round.
+  constexpr int kBlocks = 64;
+  const std::vector<float> in = testing::RandomVector(rng_, 2 * kBlocks);
+  for (const bool barrier : {true, false}) {
+    DeviceVector din(in), dout(std::vector<float>(2 * kBlocks, NAN));
+    cuda_emulation::Launch(SharedSlotReuseKernel, dim3(kBlocks), dim3(64), nullptr)(din.data, dout.data, barrier);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
+    const std::vector<float> got = dout.Read();
+    int overtaken = 0;
+    for (int b = 0; b < kBlocks; ++b) {
+      for (int warp = 0; warp < 2; ++warp) {
+        if (barrier) {
+          EXPECT_EQ(got[2 * b + warp], 2 * in[2 * b]) << "block " << b << " warp " << warp;
+        }
+        overtaken += got[2 * b + warp] == 2 * in[2 * b + 1];
+      }
+    }
+    if (!barrier) {
+      EXPECT_GT(overtaken, 0) << "no warp ran ahead of another in " << kBlocks << " blocks";
+    }
+  }
+}
+
+// Block 0 alone writes the slot; every block reads it.
+__global__ void ReadsSharedOnlyBlockZeroWroteKernel(float value, float* out) {
+  __shared__ float slot;
+  if (blockIdx.x == 0) slot = value;
+  __syncthreads();
+  if (threadIdx.x == 0) out[blockIdx.x] = slot;
+}
+
+TEST_F(CudaEmulationTest, SharedMemoryABlockDidNotWriteReadsAsNaN) {
+  // Each block of a device has its own shared memory, uninitialised: whichever order the
+  // blocks run in, only block 0 finds the value (a copy kept from block to block would hand it
+  // to every block).
+  const float value = testing::RandomVector(rng_, 1)[0];
+  DeviceVector dout(std::vector<float>(4, 0.0f));
+  cuda_emulation::Launch(ReadsSharedOnlyBlockZeroWroteKernel, dim3(4), dim3(64), nullptr)(value, dout.data);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
+  const std::vector<float> got = dout.Read();
+  EXPECT_EQ(got[0], value);
+  for (int b = 1; b < 4; ++b) EXPECT_TRUE(std::isnan(got[b])) << "block " << b << " read " << got[b];
+}
+
+TEST_F(CudaEmulationTest, AnInjectedBadLaunchIsReportedOnceAndTheNextLaunchRuns) {
+  // As a launch with a bad configuration: nothing runs, cudaGetLastError reports it once, and
+  // the error is not sticky.
+  const std::vector<float> in = testing::RandomVector(rng_, 2);
+  DeviceVector din(in), dout(std::vector<float>(2, NAN));
+  cuda_emulation::InjectFault(cuda_emulation::Fault::kLaunchInvalid);
+  cuda_emulation::Launch(SharedSlotReuseKernel, dim3(1), dim3(64), nullptr)(din.data, dout.data, true);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_TRUE(std::isnan(dout.Read()[0])) << "a refused launch ran";
+  cuda_emulation::Launch(SharedSlotReuseKernel, dim3(1), dim3(64), nullptr)(din.data, dout.data, true);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << cuda_emulation::LastDiagnostic();
+  EXPECT_EQ(dout.Read()[1], 2 * in[0]);
+}
+
 TEST_F(CudaEmulationTest, GemmArgumentsAreCheckedAsCublasDocumentsThem) {
   cublasHandle_t handle;
   ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
@@ -382,6 +463,25 @@ TEST_F(CudaEmulationTest, PointerArrayGemmsReadTheirArraysFromTheDevice) {
 // Work is queued on its stream and runs at a synchronisation: a host that reads pinned memory a
 // copy has yet to fill sees NaN, another stream's synchronisation does not run it, its own does;
 // and a cuBLAS handle's GEMMs go on the stream it was given.
+TEST_F(CudaEmulationTest, DeviceMemoryIsPoisonedForTheHost) {
+#if !defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "device memory is poisoned for host code under AddressSanitizer only";
+#else
+  // On a device, host code that dereferences a device pointer faults. Here AddressSanitizer
+  // reports it: device memory is poisoned except while the emulated device works on it (a
+  // stream's work, a synchronous copy), which reads and writes it unreported.
+  const std::vector<float> in = testing::RandomVector(rng_, 2 * 64);
+  DeviceVector din(in), dout(std::vector<float>(2 * 2, NAN));
+  EXPECT_TRUE(__asan_address_is_poisoned(din.data));
+  EXPECT_TRUE(__asan_address_is_poisoned(din.data + in.size() - 1));
+  cuda_emulation::Launch(SharedSlotReuseKernel, dim3(2), dim3(64), nullptr)(din.data, dout.data, true);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << cuda_emulation::LastDiagnostic();
+  EXPECT_EQ(din.Read(), in);
+  EXPECT_EQ(dout.Read()[0], 2 * in[0]);
+  EXPECT_TRUE(__asan_address_is_poisoned(dout.data)) << "poisoned again once the device is done";
+#endif
+}
+
 TEST_F(CudaEmulationTest, StreamsRunTheirWorkAtSynchronisation) {
   cuda_emulation::ResetCounters();
   cudaStream_t mine, other;
@@ -707,18 +807,26 @@ TEST_F(CudaEmulationTest, ADeviceFaultFailsTheBatchAndMarksTheDeviceUnhealthy) {
   }
 }
 
-// Errors a real device reports and keeps serving after: out of device memory fails the batch
-// with RESOURCE_EXHAUSTED (the client may retry), an invalid cuBLAS argument with INTERNAL; the
-// device stays healthy, the error's leftover does not reach the next call, and the next batch
-// is computed right. Only a lost context (the test above) takes the device out of service.
+// Errors a real device reports and keeps serving after: out of device memory (cudaMalloc), of
+// pinned host memory (cudaMallocHost) or of cuBLAS's own workspace (CUBLAS_STATUS_ALLOC_FAILED)
+// fails the batch with RESOURCE_EXHAUSTED (the client may retry); an invalid cuBLAS argument or
+// a kernel launch's bad configuration with INTERNAL. The device stays healthy, the error's
+// leftover (a failed launch's stays for cudaGetLastError) does not reach the next call, and the
+// next batch is computed right. Only a lost context (the test above) takes the device out of
+// service.
 TEST_F(CudaEmulationTest, ARecoverableErrorFailsTheBatchAndTheDeviceKeepsServing) {
   struct Case {
     cuda_emulation::Fault fault;
     StatusCode code;
     const char* says;
   };
-  for (const Case& c : {Case{cuda_emulation::Fault::kOutOfMemory, StatusCode::kResourceExhausted, "cudaMalloc"},
-                        Case{cuda_emulation::Fault::kGemmInvalid, StatusCode::kInternal, "CUBLAS_STATUS_INVALID_VALUE"}}) {
+  for (const Case& c :
+       {Case{cuda_emulation::Fault::kOutOfMemory, StatusCode::kResourceExhausted, "cudaMalloc"},
+        Case{cuda_emulation::Fault::kGemmInvalid, StatusCode::kInternal, "CUBLAS_STATUS_INVALID_VALUE"},
+        Case{cuda_emulation::Fault::kLaunchInvalid, StatusCode::kInternal, "invalid configuration argument"},
+        Case{cuda_emulation::Fault::kGemmAllocFailed, StatusCode::kResourceExhausted, "CUBLAS_STATUS_ALLOC_FAILED"},
+        Case{cuda_emulation::Fault::kPinnedOutOfMemory, StatusCode::kResourceExhausted, "cudaMallocHost"}}) {
+    SCOPED_TRACE(c.says);
     cuda_emulation::Reset();
     auto backend = MakeEmulatedBackend();
     ASSERT_NE(backend, nullptr);

@@ -9,6 +9,7 @@
 
 #include "server/backend/cpu/cpu_backend.h"
 #if defined(ATTNSERVE_CUDA_EMULATED)
+#include "cuda_emulation.h"
 #include "server/backend/cuda/cuda_backend.h"
 #elif defined(ATTNSERVE_CUDA_PLUGIN_FILE)
 #include "server/backend/select.h"
@@ -163,6 +164,9 @@ uint64_t TestSeed() {
     }
     std::fprintf(stderr, "[ seed     ] %llu (replay with ATTNSERVE_SEED=%llu)\n", static_cast<unsigned long long>(s),
                  static_cast<unsigned long long>(s));
+#if defined(ATTNSERVE_CUDA_EMULATED)
+    cuda_emulation::SetScheduleSeed(s);  // the emulated device's block and thread orders, too
+#endif
     return s;
   }();
   return seed;

@@ -51,14 +51,34 @@ void SetDeviceCount(int count);
 // ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=K instead: its GEMM number K (0 the first) faults.
 // Recoverable errors, which a real device reports and keeps serving after (not sticky):
 // kOutOfMemory fails the next device cudaMalloc with cudaErrorMemoryAllocation, kGemmInvalid
-// the next cuBLAS GEMM with CUBLAS_STATUS_INVALID_VALUE.
+// the next cuBLAS GEMM with CUBLAS_STATUS_INVALID_VALUE, kLaunchInvalid the next kernel launch
+// with cudaErrorInvalidConfiguration (left for cudaGetLastError, nothing queued), kGemmAllocFailed
+// the next GEMM with CUBLAS_STATUS_ALLOC_FAILED (cuBLAS could not get its own workspace),
+// kPinnedOutOfMemory the next cudaMallocHost with cudaErrorMemoryAllocation.
 // `times` > 1: the next `times` operations of the kind fail.
-enum class Fault { kKernel, kGemm, kCopy, kOutOfMemory, kGemmInvalid };
+enum class Fault {
+  kKernel,
+  kGemm,
+  kCopy,
+  kOutOfMemory,
+  kGemmInvalid,
+  kLaunchInvalid,
+  kGemmAllocFailed,
+  kPinnedOutOfMemory
+};
+inline constexpr int kFaultKinds = 8;
 void InjectFault(Fault fault, int times = 1);
 
 // Called first in every cudaStreamSynchronize (an empty function: none): a test's way to hold a
 // caller at the point where its batch has been issued and not yet run. Reset() clears it.
 void SetStreamSyncHook(std::function<void()> hook);
+
+// The seed of the emulated device's schedule: the order a launch runs its blocks in and the
+// threads of a block between barriers, and the order streams' work interleaves at a device-wide
+// synchronisation. Each launch draws its own order from it. ATTNSERVE_SEED until set (a fixed
+// seed without it); the tests set the run's seed (TestSeed), so a replayed seed replays the
+// schedules too. Reset() does not change it.
+void SetScheduleSeed(uint64_t seed);
 
 // Clears sticky errors, pending faults and the device count; keeps allocations and counters.
 void Reset();
