@@ -576,7 +576,11 @@ std::vector<std::pair<std::string, FormWeights>> EveryForm(const LayerWeights& w
 // and plain sequences, padded keys and cross-attention of several shapes in one batch, in an
 // order that interleaves the shapes, against float64. Fewer softmax launches and GEMM calls
 // than sequences show the groups ran.
-TEST_F(CudaEmulationTest, ShortSequencesOfOneShapeShareTheirCalls) {
+// Its own suite: nothing here is concurrent, so the ThreadSanitizer run of CudaEmulationTest
+// (scripts/test) would only pay for its many forwards (28 s there).
+class CudaGroupedBatchTest : public CudaEmulationTest {};
+
+TEST_F(CudaGroupedBatchTest, ShortSequencesOfOneShapeShareTheirCalls) {
   const LayerWeights mha = RandomLayerWeights(*CompleteConfig({.d_model = 40, .heads = 4, .d_head = 10}), rng_());
   const LayerWeights gqa = RandomLayerWeights(
       *CompleteConfig({.d_model = 48, .heads = 6, .kv_heads = 2, .d_head = 8, .bias = false, .rope_theta = 10000.0}),
