@@ -106,6 +106,17 @@ bool InDeviceMemory(const GemmCall& g, const Operand& op, long long stride) {
   return true;
 }
 
+// A, B and C of every entry of the call inside device memory (a fault raised for the first that
+// is not); a matrix of depth k = 0 reads no A or B.
+bool OperandsInDeviceMemory(const GemmCall& g) {
+  const bool ta = g.transa != CUBLAS_OP_N, tb = g.transb != CUBLAS_OP_N;
+  const Operand a{"A", g.a, ta ? g.k : g.m, ta ? g.m : g.k, g.lda};
+  const Operand b{"B", g.b, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb};
+  const Operand c{"C", g.c, g.m, g.n, g.ldc};
+  return (g.k == 0 || (InDeviceMemory(g, a, g.stride_a) && InDeviceMemory(g, b, g.stride_b))) &&
+         InDeviceMemory(g, c, g.stride_c);
+}
+
 // The outputs of a strided batch's entries must not share an element: on a device the entries
 // run side by side and such an element's value would be a race (cuBLAS does not check; the
 // emulation refuses it).
@@ -178,14 +189,7 @@ cublasStatus_t Admit(const GemmCall& g) {
 cublasStatus_t Gemm(const GemmCall& g) {
   if (const cublasStatus_t s = Admit(g); s != CUBLAS_STATUS_SUCCESS) return s;
   if (g.m == 0 || g.n == 0 || g.batch == 0) return CUBLAS_STATUS_SUCCESS;
-  const bool ta = g.transa != CUBLAS_OP_N, tb = g.transb != CUBLAS_OP_N;
-  const Operand a{"A", g.a, ta ? g.k : g.m, ta ? g.m : g.k, g.lda};
-  const Operand b{"B", g.b, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb};
-  const Operand c{"C", g.c, g.m, g.n, g.ldc};
-  if ((g.k > 0 && (!InDeviceMemory(g, a, g.stride_a) || !InDeviceMemory(g, b, g.stride_b))) ||
-      !InDeviceMemory(g, c, g.stride_c)) {
-    return CUBLAS_STATUS_EXECUTION_FAILED;
-  }
+  if (!OperandsInDeviceMemory(g)) return CUBLAS_STATUS_EXECUTION_FAILED;
   if (OutputsOverlap(g)) {
     return Invalid(g.name, "the outputs of the batch entries overlap (ldc=" + std::to_string(g.ldc) +
                                ", strideC=" + std::to_string(g.stride_c) + ", m=" + std::to_string(g.m) +
@@ -220,7 +224,6 @@ cublasStatus_t GemmPointerArrays(const GemmCall& g) {
     const auto* as = reinterpret_cast<const float* const*>(queued.a);
     const auto* bs = reinterpret_cast<const float* const*>(queued.b);
     auto* const* cs = reinterpret_cast<float* const*>(queued.c);
-    const bool ta = queued.transa != CUBLAS_OP_N, tb = queued.transb != CUBLAS_OP_N;
     auto entry = [&](int e) {
       GemmCall one = queued;
       one.a = as[e];
@@ -232,12 +235,7 @@ cublasStatus_t GemmPointerArrays(const GemmCall& g) {
     std::vector<const float*> written;
     for (int e = 0; e < queued.batch; ++e) {
       const GemmCall one = entry(e);
-      const Operand a{"A", one.a, ta ? one.k : one.m, ta ? one.m : one.k, one.lda};
-      const Operand b{"B", one.b, tb ? one.n : one.k, tb ? one.k : one.n, one.ldb};
-      const Operand c{"C", one.c, one.m, one.n, one.ldc};
-      if ((one.k > 0 && (!InDeviceMemory(one, a, 0) || !InDeviceMemory(one, b, 0))) || !InDeviceMemory(one, c, 0)) {
-        return;
-      }
+      if (!OperandsInDeviceMemory(one)) return;
       for (int j = 0; j < one.n; ++j) {
         for (int i = 0; i < one.m; ++i) written.push_back(one.c + i + int64_t{j} * one.ldc);
       }

@@ -848,8 +848,8 @@ class Lane final : public DeviceOps {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
   DeviceArray workspace_;
-  // This batch's score pieces, the bound its blocks were cut to, and its mixes piece (Prepare).
   bool workspace_refused_ = false;  // the batch's Prepare found no room (RunWithinBound)
+  // This batch's score pieces, the bound its blocks were cut to, and its mixes piece (Prepare).
   int64_t score_bytes_ = 0;
   int64_t score_capacity_ = 0;  // floats
   float* scores_ = nullptr;
