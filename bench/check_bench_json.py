@@ -23,3 +23,17 @@ for r in records:
     assert r["ceiling_source"].split()[0] in {"eigen", "onednn", "blis"}, r
     assert r["isa"] in {"avx512", "avx2", "generic"} and r["gemm"] in {"eigen", "onednn"}, r
 print("forward_bench JSON ok:", records)
+
+# The long sweep, at two short lengths: every point's time from this process, its RSS growth from
+# a child process of its own (--rss-point); a child that failed would report -1.
+with tempfile.NamedTemporaryFile(suffix=".json") as out:
+    subprocess.run([bench, "--sweep", "long", "--lengths", "256,512", "--threads", "1", "--min-time-s", "0",
+                    "--json", out.name], check=True, stdout=subprocess.DEVNULL)
+    long_records = json.load(open(out.name))
+assert len(long_records) == 2 * 2 * 2, f"expected 2 layers x 2 lengths x 2 forms, got {len(long_records)}"
+for r in long_records:
+    assert r["sweep"] == "long" and r["ms"] > 0 and r["gflops"] > 0, r
+    assert r["rss_growth_mb"] > 0, f"no RSS growth measured (the child process failed?): {r}"
+    if r["form"] == "factored":  # tiled: never the n x L x heads scores
+        assert r["rss_growth_mb"] < r["all_scores_mb"] + 8, r
+print("forward_bench --sweep long JSON ok:", long_records)

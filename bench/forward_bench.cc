@@ -17,9 +17,11 @@
 // The long-sequence sweep: n = L for a BERT-base-width layer and a LLaMA-like one (d 2048, 16
 // heads, 4 KV heads, causal, RoPE), both forms: time, GFLOP/s (the visible scores only, for a
 // causal layer) and the peak RSS growth of one call, measured around a fresh backend's first
-// call (the memory the tiled attention needs, against n · L · heads scores it never holds).
+// call in a child process (the memory the tiled attention needs, against n · L · heads scores it
+// never holds); the time is measured in this process, under glibc's default allocator.
 #include <malloc.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <Eigen/Core>
 #include <algorithm>
@@ -91,6 +93,7 @@ struct Options {
   bool tf32 = false;
   std::string sweep;                                     // "long": the long-sequence sweep
   std::vector<int64_t> lengths = {512, 2048, 8192, 16384};  // its n = L
+  std::string rss_point;  // internal: one point's RSS growth in a child process (RssPointMain)
 };
 
 std::vector<std::string> Split(const std::string& s) {
@@ -357,57 +360,123 @@ double UsefulFlops(const Backend& backend, const FormWeights& f, int64_t n, bool
   return without + (causal ? attention * static_cast<double>(n + 1) / (2.0 * static_cast<double>(n)) : attention);
 }
 
-// One (layer, n, form) point: a fresh backend (no scratch kept from an earlier point), the peak
-// RSS growth of its first call, then the time of the calls after it.
-LongRecord RunLongPoint(const Options& opt, int threads, const LongLayer& layer, const LayerWeights& weights,
-                        int64_t n, Form form, const std::string& order) {
+int Usage(const char* why);
+
+// One (layer, n, form) point's backend, weights and one sequence, ready to call.
+struct LongPoint {
+  std::unique_ptr<Backend> backend;
+  std::shared_ptr<const FormWeights> form;
+  std::shared_ptr<const ResidentForm> resident;
+  std::vector<float> input, output;
+  Sequence sequence;
+
+  void Call() {
+    Status st = backend->Forward(*resident, {&sequence, 1});
+    if (!st.ok()) {
+      std::cerr << st.ToString() << "\n";
+      std::exit(1);
+    }
+  }
+};
+
+std::unique_ptr<LongPoint> MakeLongPoint(const Options& opt, int threads, const LongLayer& layer,
+                                         const LayerWeights& weights, int64_t n, Form form, const std::string& order) {
+  auto point = std::make_unique<LongPoint>();
   auto backend = MakeBenchBackend(opt, threads, opt.gemms[0], order);
   if (!backend.ok()) {
     std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
     std::exit(1);
   }
-  auto f = std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(weights)
-                                                                       : MaterializeSummed(weights));
-  auto resident = (*backend)->Upload(f);
+  point->backend = std::move(*backend);
+  point->form = std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(weights)
+                                                                           : MaterializeSummed(weights));
+  auto resident = point->backend->Upload(point->form);
+  if (!resident.ok()) {
+    std::cerr << "forward_bench: " << resident.status().ToString() << "\n";
+    std::exit(1);
+  }
+  point->resident = std::move(*resident);
   const int64_t d = layer.config.d_model;
   std::mt19937_64 rng(3);
   std::normal_distribution<float> normal;
-  std::vector<float> input(n * d), output(n * d, 0.5f);  // touched now: not counted as growth
-  for (float& x : input) x = normal(rng);
-  Sequence s;
-  s.input = ConstMatrixView(input.data(), n, d);
-  s.output = MatrixView(output.data(), n, d);
-  s.causal = layer.causal;
-  const auto call = [&] {
-    Status st = (*backend)->Forward(**resident, {&s, 1});
-    if (!st.ok()) {
-      std::cerr << st.ToString() << "\n";
-      std::exit(1);
-    }
-  };
+  point->input.resize(n * d);
+  point->output.assign(n * d, 0.5f);  // touched now: not counted as growth
+  for (float& x : point->input) x = normal(rng);
+  point->sequence.input = ConstMatrixView(point->input.data(), n, d);
+  point->sequence.output = MatrixView(point->output.data(), n, d);
+  point->sequence.causal = layer.causal;
+  return point;
+}
+
+// The peak RSS growth of a fresh backend's first call, in MiB. Runs in a process of its own
+// (this binary again, `--rss-point`, RssPointMain): there large blocks are mapped at malloc and
+// returned at free (a 64 KiB mmap threshold), so the peak is the call's own and not memory an
+// earlier point left in the allocator. The timing stays in this process, under glibc's default
+// allocator as the server runs: under the 64 KiB threshold every oneDNN call mapped and faulted
+// in its packing buffers again, and the d768 layer's factored form took 1.4–1.5× its time
+// (n = 2048, 2 threads: 106 against 73 ms).
+double RssGrowthInChildMb(const Options& opt, int threads, size_t layer, int64_t n, Form form, const std::string& order) {
+  char self[4096];
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (len <= 0) return -1;
+  self[len] = '\0';
+  const std::string command = std::string(self) + " --gemm " + opt.gemms[0] + " --rss-point " + std::to_string(layer) +
+                              "," + std::to_string(n) + "," + std::string(FormName(form)) + "," + order + "," +
+                              std::to_string(threads);
+  FILE* child = popen(command.c_str(), "r");
+  if (child == nullptr) return -1;
+  double growth = -1;
+  if (std::fscanf(child, "rss_growth_mb %lf", &growth) != 1) growth = -1;
+  return pclose(child) == 0 ? growth : -1;
+}
+
+// `--rss-point LAYER,N,FORM,ORDER,THREADS`: one point's first call under the 64 KiB mmap
+// threshold, its peak RSS growth printed for RssGrowthInChildMb.
+int RssPointMain(const Options& opt, const std::string& spec) {
+  mallopt(M_MMAP_THRESHOLD, 64 * 1024);
+  mallopt(M_TRIM_THRESHOLD, 64 * 1024);
+  const std::vector<std::string> f = Split(spec);
+  if (f.size() != 5) return Usage("--rss-point: expected LAYER,N,FORM,ORDER,THREADS");
+  const size_t index = std::stoul(f[0]);
+  if (index >= std::size(kLongLayers)) return Usage("--rss-point: no such layer");
+  const LongLayer& layer = kLongLayers[index];
+  const LayerConfig config = *CompleteConfig(layer.config);
+  const LayerWeights weights = RandomLayerWeights(config, 1);
+  const Form form = f[2] == FormName(Form::kFactored) ? Form::kFactored : Form::kSummed;
+  const LongLayer complete{layer.name, config, layer.causal};
+  // What a process pays once, not a call: the OpenMP team's threads and oneDNN's JIT kernels,
+  // made by a short call on a backend of its own, gone before the measured one.
+  MakeLongPoint(opt, std::stoi(f[4]), complete, weights, 64, form, f[3])->Call();
+  auto point = MakeLongPoint(opt, std::stoi(f[4]), complete, weights, std::stoll(f[1]), form, f[3]);
   std::ofstream("/proc/self/clear_refs") << "5";  // the peak (VmHWM) restarts from the current RSS
   const double before = StatusMb("VmRSS:");
-  call();
-  const double growth = StatusMb("VmHWM:") - before;
+  point->Call();
+  std::printf("rss_growth_mb %.3f\n", StatusMb("VmHWM:") - before);
+  return 0;
+}
+
+// One (layer, n, form) point: its RSS growth from a child process, then here a fresh backend's
+// first call (scratch allocated, pages touched) and the time of the calls after it.
+LongRecord RunLongPoint(const Options& opt, int threads, size_t layer_index, const LongLayer& layer,
+                        const LayerWeights& weights, int64_t n, Form form, const std::string& order) {
+  const double growth = RssGrowthInChildMb(opt, threads, layer_index, n, form, order);
+  auto point = MakeLongPoint(opt, threads, layer, weights, n, form, order);
+  point->Call();
   // Long points take seconds a call: time one more; short ones as everywhere else.
   double seconds = 0;
   if (n > 2048) {
     const auto t0 = std::chrono::steady_clock::now();
-    call();
+    point->Call();
     seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   } else {
-    seconds = MedianSeconds(call, opt.min_time_s);
+    seconds = MedianSeconds([&] { point->Call(); }, opt.min_time_s);
   }
   const double scores_mb = static_cast<double>(n) * static_cast<double>(n) * layer.config.heads * 4 / 1048576.0;
   return {layer.name, std::string(FormName(form)), order, n, threads, seconds * 1e3,
-          UsefulFlops(**backend, *f, n, layer.causal) / seconds * 1e-9, 0, growth, scores_mb};
+          UsefulFlops(*point->backend, *point->form, n, layer.causal) / seconds * 1e-9, 0, growth, scores_mb};
 }
 
 int RunLongSweep(const Options& opt) {
-  // Large blocks from mmap and back to the system at free: a point's peak is its own, not memory
-  // an earlier point left in the allocator.
-  mallopt(M_MMAP_THRESHOLD, 64 * 1024);
-  mallopt(M_TRIM_THRESHOLD, 64 * 1024);
   const std::vector<GemmLibraryUnderTest> libraries = CeilingLibraries();
   const std::string isa(CpuIsa());
   std::vector<LongRecord> records;
@@ -417,14 +486,15 @@ int RunLongSweep(const Options& opt) {
     std::printf("\n%-22s %-24s %6s %7s %10s %9s %7s %12s %14s %12s   (ceiling %.1f GFLOP/s: %s; CPU kernels: %s)\n",
                 "layer", "form", "n", "threads", "ms", "GFLOP/s", "ratio", "RSS growth", "MiB per 1k tok",
                 "n·L·h scores", ceiling->gflops, ceiling->source.c_str(), isa.c_str());
-    for (const LongLayer& layer : kLongLayers) {
+    for (size_t layer_index = 0; layer_index < std::size(kLongLayers); ++layer_index) {
+      const LongLayer& layer = kLongLayers[layer_index];
       const LayerConfig config = *CompleteConfig(layer.config);
       const LayerWeights weights = RandomLayerWeights(config, 1);
       for (int64_t n : opt.lengths) {
         std::vector<std::pair<Form, std::string>> runs = {{Form::kFactored, "auto"}};
         for (const std::string& order : opt.summed_orders) runs.emplace_back(Form::kSummed, order);
         for (const auto& [form, order] : runs) {
-          LongRecord r = RunLongPoint(opt, threads, {layer.name, config, layer.causal}, weights, n, form, order);
+          LongRecord r = RunLongPoint(opt, threads, layer_index, {layer.name, config, layer.causal}, weights, n, form, order);
           r.ceiling_gflops = ceiling->gflops;
           const std::string label = form == Form::kSummed && order != "auto" ? r.form + "/" + order : r.form;
           std::printf("%-22s %-24s %6lld %7d %10.1f %9.1f %7.3f %8.1f MiB %14.2f %8.0f MiB\n", r.layer.c_str(),
@@ -489,6 +559,8 @@ int Main(int argc, char** argv) {
       opt.gemms = Split(value);
     } else if (arg == "--summed-order") {
       opt.summed_orders = Split(value);
+    } else if (arg == "--rss-point") {
+      opt.rss_point = value;
     } else if (arg == "--sweep") {
       if (value != "long") return Usage(("--sweep: expected long, got " + value).c_str());
       opt.sweep = value;
@@ -503,6 +575,7 @@ int Main(int argc, char** argv) {
     }
   }
   const bool on_cpu = opt.device == "cpu";
+  if (!opt.rss_point.empty()) return RssPointMain(opt, opt.rss_point);
   if (opt.sweep == "long") {
     if (!on_cpu) return Usage("--sweep long: the CPU backend only (it measures the process's RSS)");
     return RunLongSweep(opt);

@@ -1,10 +1,12 @@
 // The CPU backend's own kernels against float64, at the edges of their blocking.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -12,6 +14,7 @@
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cpu/gemm.h"
 #include "server/backend/cpu/skinny_gemm.h"
+#include "server/backend/cpu/softmax_rows.h"
 #include "server/core/forms.h"
 #include "server/core/reference.h"
 #include "tests/unit/test_support.h"
@@ -143,6 +146,78 @@ TEST(CpuIsaTest, TheAvx2CapHoldsTheKernelsToAvx2) {
   EXPECT_FALSE(CpuIsaAllowsAvx512());
   EXPECT_FALSE(SkinnyGemmAvailable());
   EXPECT_EQ(CpuIsa(), __builtin_cpu_supports("avx2") ? "avx2" : "generic");
+  EXPECT_NE(SoftmaxRowsIsa(), "avx512");
+}
+
+// The softmax's row kernels (softmax_rows.h) run on the widest ISA allowed: this test runs under
+// both (cpu_kernels_avx2 caps it), so each path meets the same checks.
+TEST(SoftmaxRowsTest, TheKernelsRunOnTheWidestAllowedIsa) {
+  if (CpuIsaAllowsAvx512()) {
+    EXPECT_EQ(SoftmaxRowsIsa(), "avx512");
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    EXPECT_EQ(SoftmaxRowsIsa(), "avx2");
+  }
+}
+
+// Row lengths at and around every vector width and unrolling (8, 16, 32 lanes), and long rows.
+std::vector<int64_t> SoftmaxRowLengths() {
+  std::vector<int64_t> lengths;
+  for (int64_t n = 1; n <= 70; ++n) lengths.push_back(n);
+  for (int64_t n : {127, 128, 129, 511, 512, 513, 1000}) lengths.push_back(n);
+  return lengths;
+}
+
+TEST(SoftmaxRowsTest, TheRowMaxIsTheMaxAndAnyNonFiniteScoreMakesItNaN) {
+  std::mt19937_64 rng(testing::TestSeed());
+  const float specials[] = {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN()};
+  for (int64_t n : SoftmaxRowLengths()) {
+    std::vector<float> row = testing::RandomVector(rng, n, std::ldexp(1.0f, static_cast<int>(rng() % 40) - 20));
+    if (rng() % 2) std::transform(row.begin(), row.end(), row.begin(), [](float v) { return -std::abs(v) - 1; });
+    ASSERT_EQ(RowMaxOrNaN(row.data(), n), *std::max_element(row.begin(), row.end())) << "n = " << n;
+    for (float special : specials) {
+      // Every position of short rows (the tails), drawn ones of long rows.
+      for (int64_t at = 0; at < n; at += n <= 70 ? 1 : 1 + static_cast<int64_t>(rng() % 37)) {
+        std::vector<float> bad = row;
+        bad[at] = special;
+        ASSERT_TRUE(std::isnan(RowMaxOrNaN(bad.data(), n))) << "n = " << n << ", " << special << " at " << at;
+      }
+    }
+  }
+}
+
+// exp(s − top) against float64's exp of the same float32 difference, each value within 2 ulp (relative 2^-22), or within
+// float32's smallest normal where the result is below it (a lane may flush a denormal to 0);
+// the sum within the bound of n float32 additions in any order; nothing written past the row.
+TEST(SoftmaxRowsTest, ExpAndSumMatchFloat64AtEveryLengthAndRange) {
+  std::mt19937_64 rng(testing::TestSeed());
+  double worst_ulps = 0;
+  for (int64_t n : SoftmaxRowLengths()) {
+    for (float spread : {1.0f, 20.0f, 90.0f, 200.0f}) {  // the scores' range below the max
+      std::uniform_real_distribution<float> below(-spread, 0.0f);
+      const float top = std::uniform_real_distribution<float>(-50.0f, 50.0f)(rng);
+      std::vector<float> row(static_cast<size_t>(n) + 8, 12345.0f);  // 8 guards past the row
+      for (int64_t j = 0; j < n; ++j) row[j] = top + below(rng);
+      row[rng() % n] = top;
+      const std::vector<float> scores = row;
+      const float sum = ExpShiftedAndSum(row.data(), n, top);
+      double exact_sum = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const double exact = std::exp(static_cast<double>(scores[j] - top));
+        exact_sum += exact;
+        const double error = std::abs(row[j] - exact);
+        if (exact >= std::numeric_limits<float>::min()) {
+          worst_ulps = std::max(worst_ulps, error / (exact * std::ldexp(1.0, -23)));
+          ASSERT_LE(error, exact * std::ldexp(1.0, -22)) << "n = " << n << ", exp(" << scores[j] - top << ")";
+        } else {
+          ASSERT_LE(error, std::numeric_limits<float>::min()) << "n = " << n << ", exp(" << scores[j] - top << ")";
+        }
+      }
+      EXPECT_LE(std::abs(sum - exact_sum), (n + 2) * std::ldexp(1.0, -23) * exact_sum) << "n = " << n;
+      for (size_t g = n; g < row.size(); ++g) ASSERT_EQ(row[g], 12345.0f) << "wrote past a row of " << n;
+    }
+  }
+  RecordProperty("worst_ulps", std::to_string(worst_ulps));
 }
 
 // The backend keeps a forward's scratch for the next call, without zeroing it. A reused scratch

@@ -12,6 +12,7 @@
 #include "server/backend/attention/skeleton.h"
 #include "server/backend/cpu/gemm.h"
 #include "server/backend/cpu/skinny_gemm.h"
+#include "server/backend/cpu/softmax_rows.h"
 #include "server/core/rope.h"
 
 namespace attnserve {
@@ -140,16 +141,6 @@ void SoftmaxRowInFloat64(const QRow& q, const KRows& k, double scale, ARow&& out
   for (int64_t j = 0; j < visible; ++j) out(j) = static_cast<float>(e[j] / sum);
 }
 
-// The max of a row of scores, or NaN when any score is not finite: a dot product that overflowed
-// float32 on the way (±inf, or inf − inf = NaN), whose true value may be anything, the row's
-// max included — so the row is recomputed in float64. Two vectorised passes (the max and the
-// min, both propagating NaN); allFinite() was a scalar loop, 60% of the softmax's time.
-template <typename Row>
-float RowMax(const Row& row) {
-  const float top = row.template maxCoeff<Eigen::PropagateNaN>();
-  return std::isfinite(row.template minCoeff<Eigen::PropagateNaN>()) ? top : std::numeric_limits<float>::quiet_NaN();
-}
-
 // A = softmax(scale · Q_i K_g(i)^T + mask) for the query rows [row0, row0 + rows) of the
 // range's sequence, into `a` [rows, keys]. `keys` are those the block's last row sees: a causal
 // block skips the keys none of its rows sees, and within the block a key a row does not see is 0.
@@ -164,11 +155,10 @@ void HeadScores(GemmLibrary gemm, const FormWeights& f, const AttentionRange& ra
   GemmOnThisThread(gemm, q, k, /*transpose_w=*/true, c.SoftmaxScale(), MatrixView(a.data(), rows, keys));
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t visible = VisibleKeys(s, row0 + row);
-    auto v = a.row(row).head(visible).array();
-    const float top = RowMax(v);
+    float* const scores = a.row(row).data();
+    const float top = RowMaxOrNaN(scores, visible);
     if (std::isfinite(top)) {
-      v = (v - top).exp();
-      v /= v.sum();
+      a.row(row).head(visible) /= ExpShiftedAndSum(scores, visible, top);
     } else {
       SoftmaxRowInFloat64(AsEigen(q).row(row), AsEigen(k).topRows(visible), c.SoftmaxScale(), a.row(row).head(visible));
     }
@@ -221,19 +211,18 @@ void AttendTiled(GemmLibrary gemm, const Sequence& s, float scale, std::span<con
                      MatrixView(t.s.data(), stacked, width));
     for (int64_t r = 0; r < stacked; ++r) {
       const int64_t seen = std::clamp<int64_t>(VisibleKeys(s, row0 + r % rows) - k0, 0, width);
-      auto p = t.s.row(r).head(seen).array();
+      float* const p = t.s.row(r).data();
       t.s.row(r).tail(width - seen).setZero();
       if (seen == 0) continue;  // a causal row that sees none of this tile: its output stands
-      const float tile_top = RowMax(p);
+      const float tile_top = RowMaxOrNaN(p, seen);
       if (!std::isfinite(tile_top)) {
         t.exact.push_back(r);  // once per tile that overflows: made unique below
-        p.setZero();
+        t.s.row(r).head(seen).setZero();
         continue;
       }
       const float top = std::max(t.max(r), tile_top);
       const float rescale = std::exp(t.max(r) - top);  // 0 on the first tile (max = -inf)
-      p = (p - top).exp();
-      t.sum(r) = t.sum(r) * rescale + p.sum();
+      t.sum(r) = t.sum(r) * rescale + ExpShiftedAndSum(p, seen, top);
       t.max(r) = top;
       if (k0 > 0) AsEigen(acc).row(r) *= rescale;
     }
