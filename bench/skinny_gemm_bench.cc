@@ -46,9 +46,11 @@ int main() {
   const Weights weights[] = {{"bert W_in", 768, 2304, 2304},       {"bert W_O", 768, 768, 768},
                              {"bert summed W_M", 768, 9216, 10752}, {"gpt2-m W_in", 1024, 3072, 3072},
                              {"gpt2-m W_O", 1024, 1024, 1024},      {"gpt2-m summed W_M", 1024, 16384, 18432}};
-  std::printf("%-18s %5s %10s %10s %14s %5s\n", "weights", "rows", "eigen ms", "skinny ms", "eigen/skinny", "pays");
+  const bool onednn = attnserve::BuiltWithOneDnn();
+  std::printf("%-18s %5s %10s %10s %10s %14s %15s %5s\n", "weights", "rows", "eigen ms", "onednn ms", "skinny ms",
+              "eigen/skinny", "onednn/skinny", "used");
   for (const Weights& wt : weights) {
-    for (int64_t rows : {1, 4, 8, 16, 32}) {
+    for (int64_t rows : {1, 2, 4, 8, 12, 16, 32}) {
       const RowMatrix x = RowMatrix::Random(rows, wt.depth), w = RowMatrix::Random(wt.depth, wt.ld);
       RowMatrix y1(rows, wt.cols), y2(rows, wt.cols);
       const ConstMatrixView wv(w.data(), wt.depth, wt.cols, wt.ld);
@@ -56,11 +58,19 @@ int main() {
         y1.noalias() = x * Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>(w.data(), wt.depth, wt.cols,
                                                                                 Eigen::OuterStride<>(wt.ld));
       });
+      const double dnnl = onednn ? BestMs([&] {
+        attnserve::GemmOnThisThread(attnserve::GemmLibrary::kOneDnn, ConstMatrixView(x.data(), rows, wt.depth), wv,
+                                    /*transpose_w=*/false, 1.0f, MatrixView(y1.data(), rows, wt.cols));
+      })
+                                 : 0.0;
       const double skinny = BestMs([&] {
         attnserve::SkinnyGemm(ConstMatrixView(x.data(), rows, wt.depth), wv, MatrixView(y2.data(), rows, wt.cols));
       });
-      std::printf("%-18s %5ld %10.3f %10.3f %14.2f %5s\n", wt.name, static_cast<long>(rows), eigen, skinny,
-                  eigen / skinny, attnserve::SkinnyGemmPays(rows, wt.cols) ? "yes" : "no");
+      // "used": whether the backend would run SkinnyGemm here with its default library.
+      const bool used = attnserve::UseSkinnyGemm(onednn ? attnserve::GemmLibrary::kOneDnn : attnserve::GemmLibrary::kEigen,
+                                                 rows, wt.cols);
+      std::printf("%-18s %5ld %10.3f %10.3f %10.3f %14.2f %15.2f %5s\n", wt.name, static_cast<long>(rows), eigen, dnnl,
+                  skinny, eigen / skinny, onednn ? dnnl / skinny : 0.0, used ? "yes" : "no");
     }
   }
   return 0;

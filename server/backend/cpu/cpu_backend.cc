@@ -58,15 +58,6 @@ struct Compute {
   SummedOrder summed_order;  // when the summed form mixes first (SummedMixesFirst)
 };
 
-// Where the backend's own SkinnyGemm beats the GEMM library for a block of x's rows × `cols`
-// columns of w (docs/benchmarks.md, "The GEMM library"): against Eigen from 2 to 16 rows, against
-// oneDNN only at 2–4 rows (from 8 rows oneDNN is up to 1.7× faster).
-
-bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols) {
-  constexpr int64_t kMaxRowsAgainstOneDnn = 4;
-  return SkinnyGemmPays(rows, cols) && (library == GemmLibrary::kEigen || rows <= kMaxRowsAgainstOneDnn);
-}
-
 // y = x · w (+ bias) with the threads splitting w's columns: each thread streams its own share
 // of the weights once. (A split by rows of y, Eigen's own, makes every thread pack the whole
 // weight matrix when the batch has few tokens: 2 threads were 3x slower than 1 there.)

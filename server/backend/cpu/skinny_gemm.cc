@@ -100,6 +100,10 @@ void SkinnyGemm(ConstMatrixView, ConstMatrixView, MatrixView) {}
 
 #endif
 
+bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols) {
+  return SkinnyGemmPays(rows, cols) && (library == GemmLibrary::kEigen || rows <= kSkinnyGemmMaxRowsAgainstOneDnn);
+}
+
 bool SkinnyGemmPays(int64_t rows, int64_t cols) {
   return SkinnyGemmAvailable() && rows >= kSkinnyGemmMinRows && rows <= kSkinnyGemmMaxRows &&
          cols <= kSkinnyGemmMaxCols;

@@ -8,6 +8,7 @@
 // (docs/benchmarks.md, "The skinny GEMM").
 #pragma once
 
+#include "server/backend/cpu/gemm.h"
 #include "server/core/tensor.h"
 
 namespace attnserve {
@@ -21,6 +22,12 @@ namespace attnserve {
 // thread the summed form got 1.2× slower with it.
 bool SkinnyGemmPays(int64_t rows, int64_t cols);
 constexpr int64_t kSkinnyGemmMinRows = 2, kSkinnyGemmMaxRows = 16, kSkinnyGemmMaxCols = 4096;
+
+// Whether the backend runs SkinnyGemm for a block of `rows` rows of x × `cols` columns of w when
+// its GEMM library is `library`: where it pays against Eigen (SkinnyGemmPays), and against
+// oneDNN only up to kSkinnyGemmMaxRowsAgainstOneDnn rows (docs/benchmarks.md, "The skinny GEMM").
+bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols);
+constexpr int64_t kSkinnyGemmMaxRowsAgainstOneDnn = 4;
 
 // True when the kernel can run here: an x86-64 build with GCC, on a CPU with AVX-512
 // (whatever -march the rest of the build used).
