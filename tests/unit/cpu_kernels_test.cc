@@ -186,9 +186,10 @@ TEST(SoftmaxRowsTest, TheRowMaxIsTheMaxAndAnyNonFiniteScoreMakesItNaN) {
   }
 }
 
-// exp(s − top) against float64's exp of the same float32 difference, each value within 2 ulp (relative 2^-22), or within
-// float32's smallest normal where the result is below it (a lane may flush a denormal to 0);
-// the sum within the bound of n float32 additions in any order; nothing written past the row.
+// exp(s − top) against float64's exp of the same float32 difference: each value within 2 ulp
+// (relative 2^-22), or within float32's smallest normal where the result is below it (a lane may
+// flush a denormal to 0); the sum within the bound of n float32 additions in any order; nothing
+// written past the row.
 TEST(SoftmaxRowsTest, ExpAndSumMatchFloat64AtEveryLengthAndRange) {
   std::mt19937_64 rng(testing::TestSeed());
   double worst_ulps = 0;
