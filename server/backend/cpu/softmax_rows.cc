@@ -138,8 +138,10 @@ namespace avx2 {
 
 constexpr float kLowest = -87.33654f;  // exp(kLowest) = 2^-126, float32's smallest normal
 
-// exp(x) for x ≤ 0 in 8 lanes; 2^n built in the exponent field, so below kLowest the lane is 0
-// (exp there is a denormal or 0 in float32: at most 2^-126 absolute, against a row sum ≥ 1).
+// exp(x) for x ≤ 0 in 8 lanes: avx512::Exp's reduction and polynomial step for step (each ISA's
+// intrinsics are their own types and target, so the two cannot share one body). 2^n is built in
+// the exponent field, so below kLowest the lane is 0 (exp there is a denormal or 0 in float32: at
+// most 2^-126 absolute, against a row sum ≥ 1).
 [[gnu::always_inline]] inline __m256 Exp(__m256 x) {
   const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(kLowest), _CMP_LT_OQ);
   x = _mm256_max_ps(x, _mm256_set1_ps(kLowest));

@@ -10,8 +10,9 @@
 //
 // Accuracy: exp is Cephes' polynomial on r ∈ [−ln2/2, ln2/2] after n = round(x·log2 e), the
 // polynomial Eigen's own float exp uses, within 2 ulp of the float64 exp over the range the
-// softmax feeds it (x ≤ 0); below −87.3 (AVX2) or −103.9 (AVX-512, with denormals) it gives 0,
-// below float32's smallest exp result either way. Sums run in 8 or 16 lanes, then across.
+// softmax feeds it (x ≤ 0). Below −87.3 the AVX2 kernel gives 0 (exp there is under float32's
+// smallest normal, 2^-126); the AVX-512 one gives denormals down to −104 and 0 below, where exp
+// rounds to 0 anyway. Sums run in 8 or 16 lanes, then across.
 // Thread-safety: pure functions; the kernel choice is made once, at first use.
 #pragma once
 
