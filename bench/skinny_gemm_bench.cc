@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <string>
 
 #include "server/backend/cpu/skinny_gemm.h"
 
@@ -33,9 +34,10 @@ int main() {
   using attnserve::ConstMatrixView;
   using attnserve::MatrixView;
   if (!attnserve::SkinnyGemmAvailable()) {
-    std::printf("this build has no SkinnyGemm (compiled without AVX-512)\n");
+    std::printf("no SkinnyGemm here (not an x86-64 GCC build, or a CPU without AVX2 and FMA)\n");
     return 0;
   }
+  std::printf("SkinnyGemm kernel: %s\n", std::string(attnserve::SkinnyGemmIsa()).c_str());
   Eigen::setNbThreads(1);
   // The weight blocks a request multiplies: fused W_Q|W_K|W_V and W_O of the factored form,
   // and the summed form's value block (h·d wide), at BERT-base and GPT-2-medium widths.

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -66,22 +67,24 @@ bool ProductMatchesFloat64(std::mt19937_64& rng, int64_t rows, int64_t k, int64_
 }
 
 // Every row count the kernel takes (its 6-row blocks and their remainders), column counts on
-// both sides of its 16-float registers and 64-column blocks, and strided views.
+// both sides of its registers (8 floats in AVX2, 16 in AVX-512) and column blocks (16 and 64),
+// and strided views. Under ATTNSERVE_CPU_ISA=avx2 (cpu_kernels_avx2) it is the AVX2 kernel.
 TEST(SkinnyGemmTest, MatchesFloat64AtEveryBlockEdge) {
-  if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX-512 here, or capped by ATTNSERVE_CPU_ISA=avx2: the general GEMM is used instead";
+  if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 with FMA here: the general GEMM is used instead";
+  std::printf("skinny GEMM kernel: %s\n", std::string(SkinnyGemmIsa()).c_str());  // for scripts/test-report
   std::mt19937_64 rng(testing::TestSeed());
   int checked = 0;
   constexpr int64_t kMaxRows = 32;  // beyond where it pays: the kernel itself takes any size
   const Product skinny = [](ConstMatrixView x, ConstMatrixView w, MatrixView y) { SkinnyGemm(x, w, y); };
   for (int64_t rows = 1; rows <= kMaxRows; ++rows) {
-    for (int64_t cols : {1, 15, 16, 17, 63, 64, 65, 130}) {
+    for (int64_t cols : {1, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 130}) {
       for (int64_t k : {1, 7, 96}) {
         ASSERT_TRUE(ProductMatchesFloat64(rng, rows, k, cols, /*transpose_w=*/false, 1.0f, skinny));
         ++checked;
       }
     }
   }
-  EXPECT_EQ(checked, kMaxRows * 8 * 3);
+  EXPECT_EQ(checked, kMaxRows * 13 * 3);
 }
 
 // Every GEMM library of this build, through the one entry point the backend calls: both
@@ -144,7 +147,11 @@ TEST(CpuIsaTest, TheAvx2CapHoldsTheKernelsToAvx2) {
     GTEST_SKIP() << "runs capped under ATTNSERVE_CPU_ISA=avx2 (the cpu_kernels_avx2 test)";
   }
   EXPECT_FALSE(CpuIsaAllowsAvx512());
-  EXPECT_FALSE(SkinnyGemmAvailable());
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  EXPECT_EQ(SkinnyGemmIsa(), avx2 ? "avx2" : "none");
+  // With oneDNN the AVX2 kernel is never chosen (it measured slower); against Eigen it is.
+  EXPECT_FALSE(UseSkinnyGemm(GemmLibrary::kOneDnn, 4, 768));
+  EXPECT_EQ(UseSkinnyGemm(GemmLibrary::kEigen, 4, 768), avx2);
   EXPECT_EQ(CpuIsa(), __builtin_cpu_supports("avx2") ? "avx2" : "generic");
   EXPECT_NE(SoftmaxRowsIsa(), "avx512");
 }

@@ -2,9 +2,9 @@
 
 #include "server/backend/cpu/gemm.h"
 
-// The kernel is compiled for AVX-512 whatever the build's own flags, and used only when the CPU
-// running it has AVX-512 (checked once): a portable build (ATTNSERVE_NATIVE=OFF, the container
-// images) still gets it on the hosts that can run it.
+// The kernels are compiled for their ISA (AVX-512, or AVX2 with FMA) whatever the build's own
+// flags, and one is chosen once for the CPU running them: a portable build (ATTNSERVE_NATIVE=OFF,
+// the container images) still gets them on the hosts that can run them.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define ATTNSERVE_SKINNY_GEMM 1
 #include <immintrin.h>
@@ -15,9 +15,33 @@
 namespace attnserve {
 
 #if defined(ATTNSERVE_SKINNY_GEMM)
+namespace {
+
+// y = x · w block by block for an ISA's kernel: each block of kCols columns of w against x's rows,
+// kRows at a time, then the rows left over (fewer than kRows) in one smaller block.
+// `RowBlocks<R>::Run(x, w, y, r0, r_end, c0, cols)` runs rows [r0, r_end) R at a time.
+template <template <int> class RowBlocks, int kRows, int kCols>
+void EachBlock(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
+  static_assert(kRows == 6, "the leftover switch below is written for 6-row blocks");
+  const int64_t full = x.rows / kRows * kRows;
+  for (int64_t c0 = 0; c0 < w.cols; c0 += kCols) {
+    const int cols = static_cast<int>(std::min<int64_t>(kCols, w.cols - c0));
+    RowBlocks<kRows>::Run(x, w, y, 0, full, c0, cols);
+    switch (x.rows - full) {
+      case 5: RowBlocks<5>::Run(x, w, y, full, x.rows, c0, cols); break;
+      case 4: RowBlocks<4>::Run(x, w, y, full, x.rows, c0, cols); break;
+      case 3: RowBlocks<3>::Run(x, w, y, full, x.rows, c0, cols); break;
+      case 2: RowBlocks<2>::Run(x, w, y, full, x.rows, c0, cols); break;
+      case 1: RowBlocks<1>::Run(x, w, y, full, x.rows, c0, cols); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
 #pragma GCC push_options
 #pragma GCC target("avx512f")
-namespace {
+namespace avx512 {
 
 constexpr int kBlockCols = 64;  // four 16-float registers per row
 constexpr int kBlockRows = 6;   // 6 × 4 accumulators + 4 of w + 1 broadcast fit in 32 registers
@@ -56,52 +80,133 @@ template <int R>
   }
 }
 
-// All of x's rows against columns [c0, c0 + cols) of w, R rows at a time.
+// x's rows [r0, r_end) against columns [c0, c0 + cols) of w, R rows at a time (EachBlock).
 template <int R>
-void RowBlocks(ConstMatrixView x, ConstMatrixView w, MatrixView y, int64_t r0, int64_t r_end, int64_t c0,
-               int cols) {
-  for (; r0 + R <= r_end; r0 += R) {
-    Block<R>(x.data + r0 * x.ld, x.ld, w.data + c0, w.ld, y.data + r0 * y.ld + c0, y.ld, x.cols, cols);
+struct RowBlocks {
+  static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, int64_t r0, int64_t r_end, int64_t c0,
+                  int cols) {
+    for (; r0 + R <= r_end; r0 += R) {
+      Block<R>(x.data + r0 * x.ld, x.ld, w.data + c0, w.ld, y.data + r0 * y.ld + c0, y.ld, x.cols, cols);
+    }
   }
+};
+
+void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
+  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y);
+}
+
+}  // namespace avx512
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+
+// The same kernel in 16 AVX2 registers: blocks of 6 rows of x × 16 columns of w (6 × 2
+// accumulators + 2 of w + 1 broadcast), so that a request of up to 6 rows still reads each of
+// w's rows once. A 16-column block is one 64-byte line of each of w's rows.
+constexpr int kBlockCols = 16;
+constexpr int kBlockRows = 6;
+constexpr int64_t kPrefetchRows = 12;
+
+// Lanes [0, left) of 8 on, as _mm256_maskload_ps/_mm256_maskstore_ps take them.
+__m256i LaneMask(int left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+template <int R>
+[[gnu::always_inline]] inline void Block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+                                         int64_t ldy, int64_t k_total, int cols) {
+  const __m256i mask[2] = {LaneMask(cols), LaneMask(cols - 8)};
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  if (cols == kBlockCols) {  // the common case: unmasked loads
+    for (int64_t k = 0; k < k_total; ++k) {
+      const float* wk = w + k * ldw;
+      _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchRows * ldw), _MM_HINT_T0);
+      const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+        acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < k_total; ++k) {
+      const float* wk = w + k * ldw;
+      const __m256 w0 = _mm256_maskload_ps(wk, mask[0]), w1 = _mm256_maskload_ps(wk + 8, mask[1]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+        acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_maskstore_ps(y + r * ldy, mask[0], acc[r][0]);
+    _mm256_maskstore_ps(y + r * ldy + 8, mask[1], acc[r][1]);
+  }
+}
+
+// x's rows [r0, r_end) against columns [c0, c0 + cols) of w, R rows at a time (EachBlock).
+template <int R>
+struct RowBlocks {
+  static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, int64_t r0, int64_t r_end, int64_t c0,
+                  int cols) {
+    for (; r0 + R <= r_end; r0 += R) {
+      Block<R>(x.data + r0 * x.ld, x.ld, w.data + c0, w.ld, y.data + r0 * y.ld + c0, y.ld, x.cols, cols);
+    }
+  }
+};
+
+void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
+  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y);
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+namespace {
+
+using Kernel = void (*)(ConstMatrixView, ConstMatrixView, MatrixView);
+struct Chosen {
+  Kernel kernel;
+  std::string_view isa;
+};
+
+// Once: AVX-512 where the CPU has it and ATTNSERVE_CPU_ISA does not cap it (CpuIsaAllowsAvx512,
+// gemm.h), else AVX2 with FMA, else none (the general GEMM is used).
+const Chosen& Choose() {
+  static const Chosen chosen = []() -> Chosen {
+    if (CpuIsaAllowsAvx512()) return {avx512::SkinnyGemm, "avx512"};
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {avx2::SkinnyGemm, "avx2"};
+    return {nullptr, "none"};
+  }();
+  return chosen;
 }
 
 }  // namespace
 
+void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y) { Choose().kernel(x, w, y); }
 
-void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
-  const int64_t full = x.rows / kBlockRows * kBlockRows;
-  for (int64_t c0 = 0; c0 < w.cols; c0 += kBlockCols) {
-    const int cols = static_cast<int>(std::min<int64_t>(kBlockCols, w.cols - c0));
-    RowBlocks<kBlockRows>(x, w, y, 0, full, c0, cols);
-    switch (x.rows - full) {  // the last rows, fewer than a block
-      case 5: RowBlocks<5>(x, w, y, full, x.rows, c0, cols); break;
-      case 4: RowBlocks<4>(x, w, y, full, x.rows, c0, cols); break;
-      case 3: RowBlocks<3>(x, w, y, full, x.rows, c0, cols); break;
-      case 2: RowBlocks<2>(x, w, y, full, x.rows, c0, cols); break;
-      case 1: RowBlocks<1>(x, w, y, full, x.rows, c0, cols); break;
-      default: break;
-    }
-  }
-}
+bool SkinnyGemmAvailable() { return Choose().kernel != nullptr; }
 
-#pragma GCC pop_options
-
-bool SkinnyGemmAvailable() {
-  // CpuIsaAllowsAvx512: the CPU has AVX-512 and ATTNSERVE_CPU_ISA does not cap it (gemm.h).
-  static const bool available = CpuIsaAllowsAvx512();
-  return available;
-}
+std::string_view SkinnyGemmIsa() { return Choose().isa; }
 
 #else
 
 bool SkinnyGemmAvailable() { return false; }
+
+std::string_view SkinnyGemmIsa() { return "none"; }
 
 void SkinnyGemm(ConstMatrixView, ConstMatrixView, MatrixView) {}
 
 #endif
 
 bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols) {
-  return SkinnyGemmPays(rows, cols) && (library == GemmLibrary::kEigen || rows <= kSkinnyGemmMaxRowsAgainstOneDnn);
+  if (!SkinnyGemmPays(rows, cols)) return false;
+  return library == GemmLibrary::kEigen || (SkinnyGemmIsa() == "avx512" && rows <= kSkinnyGemmMaxRowsAgainstOneDnn);
 }
 
 bool SkinnyGemmPays(int64_t rows, int64_t cols) {

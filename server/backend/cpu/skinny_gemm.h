@@ -3,8 +3,9 @@
 // A general GEMM (Eigen's) first copies w into panels that suit its micro-kernel; for a large x
 // that copy is paid back many times, for a few rows it is most of the cost: the product reads w
 // once while the packing reads and writes it again. This kernel streams w straight from its
-// rows: blocks of 6 rows of x × 64 columns of w in 24 AVX-512 registers, with w's rows
-// prefetched ahead (they lie a page or more apart). Where it pays was measured, not assumed
+// rows: blocks of 6 rows of x × 64 columns of w in 24 AVX-512 registers (× 16 columns in 12
+// AVX2 registers on a CPU without AVX-512), with w's rows prefetched ahead (they lie a page or
+// more apart). Where it pays was measured, not assumed
 // (docs/benchmarks.md, "The skinny GEMM").
 #pragma once
 
@@ -13,8 +14,8 @@
 
 namespace attnserve {
 
-// Whether SkinnyGemm beats the general GEMM for an x of `rows` rows times `cols` columns of w:
-// this CPU has AVX-512, 2 ≤ rows ≤ 16 and cols ≤ 4096. Measured at BERT-base
+// Whether SkinnyGemm beats Eigen's general GEMM for an x of `rows` rows times `cols` columns of
+// w: the kernel runs here (SkinnyGemmAvailable), 2 ≤ rows ≤ 16 and cols ≤ 4096. Measured at BERT-base
 // and GPT-2-medium weight blocks, one thread (bench/skinny_gemm_bench): 1.2–3.2× faster from 2 to
 // 16 rows; at 1 row Eigen's matrix-vector product is as fast (0.88–1.11), at 32 rows it depends
 // on the width (0.78–1.30). The column limit keeps out the summed form's value block (9216 and
@@ -25,13 +26,19 @@ constexpr int64_t kSkinnyGemmMinRows = 2, kSkinnyGemmMaxRows = 16, kSkinnyGemmMa
 
 // Whether the backend runs SkinnyGemm for a block of `rows` rows of x × `cols` columns of w when
 // its GEMM library is `library`: where it pays against Eigen (SkinnyGemmPays), and against
-// oneDNN only up to kSkinnyGemmMaxRowsAgainstOneDnn rows (docs/benchmarks.md, "The skinny GEMM").
+// oneDNN only with the AVX-512 kernel, up to kSkinnyGemmMaxRowsAgainstOneDnn rows. The AVX2
+// kernel ran at 0.7–1.0 of oneDNN's AVX2 GEMM from 2 to 16 rows on a Zen 3, so with oneDNN it is
+// not used there (docs/benchmarks.md, "The skinny GEMM").
 bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols);
 constexpr int64_t kSkinnyGemmMaxRowsAgainstOneDnn = 4;
 
-// True when the kernel can run here: an x86-64 build with GCC, on a CPU with AVX-512
-// (whatever -march the rest of the build used).
+// True when the kernel can run here: an x86-64 build with GCC, on a CPU with AVX-512 or with
+// AVX2 and FMA (whatever -march the rest of the build used). ATTNSERVE_CPU_ISA=avx2 keeps it to
+// AVX2 (gemm.h).
 bool SkinnyGemmAvailable();
+
+// The kernel's ISA, chosen once: "avx512", "avx2" or "none".
+std::string_view SkinnyGemmIsa();
 
 // y = x · w; x is [rows, k], w is [k, cols], y is [rows, cols], each with its own row stride.
 // Requires SkinnyGemmAvailable(); any size works, SkinnyGemmPays says when it is the faster.
