@@ -12,7 +12,7 @@ using RowMatrixF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::R
 using ConstMapF = Eigen::Map<const RowMatrixF>;
 
 // Copies `src` ([d, cols], row-major) into columns [col0, col0 + cols) of `dst` ([d, ld]).
-void PlaceColumns(const std::vector<float>& src, int64_t d, int64_t cols, std::vector<float>& dst,
+void PlaceColumns(const std::vector<float>& src, int64_t d, int64_t cols, AlignedFloats& dst,
                   int64_t ld, int64_t col0) {
   for (int64_t r = 0; r < d; ++r) {
     std::copy(src.begin() + r * cols, src.begin() + (r + 1) * cols, dst.begin() + r * ld + col0);
@@ -97,7 +97,7 @@ FormWeights MaterializeFactored(const LayerWeights& w) {
     f.value_width.push_back(c.d_head);
     f.mix_offset.push_back(i * c.d_head);
   }
-  f.w_out = w.w_o;
+  f.w_out.assign(w.w_o.begin(), w.w_o.end());
   f.out_rows = c.heads * c.d_head;
   f.b_out = w.b_o;
   return f;

@@ -20,6 +20,7 @@
 
 #include "server/core/layer.h"
 #include "server/core/status.h"
+#include "server/core/tensor.h"
 
 namespace attnserve {
 
@@ -44,7 +45,8 @@ struct FormWeights {
   Form form = Form::kFactored;
   LayerConfig config;
   // [d_model, in_cols], in_cols = q_cols + k_cols + value_cols, columns [W_Q | W_K | value].
-  std::vector<float> w_in;
+  // On a cache line (AlignedFloats), as is w_out.
+  AlignedFloats w_in;
   // Bias of W_in's first b_in.size() columns: [q_cols + k_cols] plus, for the factored form,
   // the value bias; the summed and low-rank forms fold the value bias into b_out instead.
   // Empty when the layer has no bias.
@@ -55,7 +57,7 @@ struct FormWeights {
   std::vector<int64_t> value_offset, value_width, mix_offset;
   // [out_rows, d_model]: W_O (factored, out_rows = h·d_h) or the stacked Q_i (lowrank, = R);
   // empty for the summed form, whose head sum needs no output projection.
-  std::vector<float> w_out;
+  AlignedFloats w_out;
   int64_t out_rows = 0;
   std::vector<float> b_out;  // [d_model]: b_O or b_eff; empty when the layer has no bias
 

@@ -3,7 +3,9 @@
 // Thread-safety: a view is a pointer and a shape; whoever owns the memory decides.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <vector>
 
 namespace attnserve {
@@ -34,6 +36,30 @@ struct MatrixViewT {
 
 using MatrixView = MatrixViewT<float>;
 using ConstMatrixView = MatrixViewT<const float>;
+
+// An allocator whose blocks start on a cache line (64 bytes: also one AVX-512 register). glibc
+// hands out large blocks 16 bytes past a page boundary, so every row of a weight matrix whose
+// stride is a multiple of 64 bytes sat 16 bytes off a line: each 32-byte load a GEMM kernel took
+// from it straddled two lines every other time. oneDNN's SGEMM for a request of 4–16 tokens,
+// which streams the weights without copying them, ran 1.17–1.21× slower so (docs/benchmarks.md,
+// "Weights on cache lines").
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlignment{64};
+
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}  // NOLINT(google-explicit-constructor)
+
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlignment)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, kAlignment); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+};
+
+// Float storage for what the CPU kernels read as matrices: weights and forward scratch.
+using AlignedFloats = std::vector<float, CacheLineAllocator<float>>;
 
 inline MatrixView ViewOf(std::vector<float>& v, int64_t rows, int64_t cols) {
   return {v.data(), rows, cols};

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <utility>
 #include <vector>
@@ -130,6 +131,27 @@ TEST(FormsTest, SummedFormMatchesItsDefinition) {
   // Q and K columns are the layer's own.
   EXPECT_EQ(f.w_in[3 * cols + 7], w.w_q[3 * 30 + 7]);
   EXPECT_EQ(f.w_in[2 * cols + f.q_cols + 4], w.w_k[2 * kvc + 4]);
+}
+
+// Every form's weight matrices start on a cache line (AlignedFloats), whatever the allocator
+// would have given: the CPU kernels' loads from their rows then never straddle two lines.
+TEST(FormsTest, WeightMatricesStartOnACacheLine) {
+  auto c = CompleteConfig({.d_model = 64, .heads = 4, .kv_heads = 4, .d_head = 16});
+  ASSERT_TRUE(c.ok());
+  const LayerWeights w = RandomLayerWeights(*c, 7);
+  auto low_rank = MaterializeLowRank(w, {3, 1, 2, 4});
+  ASSERT_TRUE(low_rank.ok()) << low_rank.status().ToString();
+  for (const FormWeights& f : {MaterializeFactored(w), MaterializeSummed(w), *low_rank}) {
+    SCOPED_TRACE(std::string(FormName(f.form)));
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(f.w_in.data()) % 64, 0u);
+    if (!f.w_out.empty()) {
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(f.w_out.data()) % 64, 0u);
+    }
+  }
+  for (size_t floats : {1, 5, 4096, 1 << 20}) {  // small blocks and the large ones mmap serves
+    AlignedFloats v(floats, 1.0f);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(v.data()) % 64, 0u) << floats << " floats";
+  }
 }
 
 // Parameter counts of ARCHITECTURE §1: factored 2·d·h·d_h for V and O, summed h·d² instead.

@@ -22,7 +22,8 @@ namespace attnserve {
 // block alone (40 MB at bert-base, summed) was paged in and zeroed by the kernel every time:
 // 20% of the summed form's time there (perf: clear_page_erms, exc_page_fault).
 struct ForwardScratch {
-  std::vector<float> x, c, q, k, val, o, y, a_cat;  // a_cat also holds the summed form's mixes
+  // On cache lines (AlignedFloats): Q, K and the value block are the scores' and mixes' operands.
+  AlignedFloats x, c, q, k, val, o, y, a_cat;  // a_cat also holds the summed form's mixes
 
   int64_t Bytes() const {
     size_t floats = 0;
@@ -82,14 +83,14 @@ void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, const float* bias, 
 
 // `buffer` grown to at least `count` floats, as a [rows, cols] view. Buffers only grow: one that
 // is reused is neither paged in by the kernel nor zeroed again (see ForwardScratch).
-MatrixView Reserve(std::vector<float>& buffer, int64_t rows, int64_t cols) {
+MatrixView Reserve(AlignedFloats& buffer, int64_t rows, int64_t cols) {
   if (static_cast<int64_t>(buffer.size()) < rows * cols) buffer.resize(rows * cols);
   return MatrixView(buffer.data(), rows, cols);
 }
 
 // The stacked rows of several blocks as one view: the block itself when there is one, else a
 // copy into `storage`.
-ConstMatrixView StackRows(const std::vector<ConstMatrixView>& blocks, std::vector<float>& storage) {
+ConstMatrixView StackRows(const std::vector<ConstMatrixView>& blocks, AlignedFloats& storage) {
   if (blocks.size() == 1) return blocks[0];
   int64_t rows = 0;
   for (const auto& b : blocks) rows += b.rows;

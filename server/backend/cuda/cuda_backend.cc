@@ -153,7 +153,7 @@ class DeviceArray {
   // Queued on `stream`: a plain cudaMemcpy runs on the legacy default stream, which the
   // backend's non-blocking stream does not wait for, and from pageable memory it may return
   // before the data has reached the device.
-  Status Upload(const std::vector<float>& host, cudaStream_t stream) {
+  Status Upload(std::span<const float> host, cudaStream_t stream) {
     if (host.empty()) return OkStatus();
     ATTNSERVE_RETURN_IF_ERROR(Reserve(host.size()));
     CUDA_TRY(cudaMemcpyAsync(ptr_, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
