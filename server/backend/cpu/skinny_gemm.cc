@@ -150,6 +150,9 @@ template <int R>
 }
 
 // x's rows [r0, r_end) against columns [c0, c0 + cols) of w, R rows at a time (EachBlock).
+// The same loop as the AVX-512 one, written again on purpose: GCC inlines an always_inline
+// Block only into a caller compiled for the same target, so the loop must live in each ISA's
+// region (a shared template outside them fails to build).
 template <int R>
 struct RowBlocks {
   static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, int64_t r0, int64_t r_end, int64_t c0,
