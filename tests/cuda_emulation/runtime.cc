@@ -22,7 +22,7 @@
 #include "cuda_runtime_api.h"
 #include "state.h"
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(ATTNSERVE_ASAN)
 #include <sanitizer/asan_interface.h>
 #define CUDA_EMULATION_ASAN 1
 #endif

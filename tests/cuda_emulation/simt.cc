@@ -13,14 +13,14 @@
 
 #include "state.h"
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(ATTNSERVE_ASAN)
 #include <pthread.h>
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define CUDA_EMULATION_ASAN 1
 #endif
 
-#if defined(__SANITIZE_THREAD__)
+#if defined(ATTNSERVE_TSAN)
 #include <sanitizer/tsan_interface.h>
 #define CUDA_EMULATION_TSAN 1
 #endif

@@ -503,9 +503,14 @@ class Soak:
         out = self.cli("load", "gpt2", "safetensors:small.gpt2.safetensors,heads=4")
         if out.returncode != 0:
             raise AssertionError("attnserve-cli load gpt2 from the model dir: " + out.stdout + out.stderr)
+        # GCC links a sanitizer's runtime as a shared library (it shows in the maps); clang links
+        # it into the executable, whose symbols then hold its entry point.
         with open(f"/proc/{self.server.pid}/maps") as f:
             maps = f.read()
-        self.sanitized = [s for s in ("asan", "tsan", "msan") if f"lib{s}" in maps or f"{s}_rtl" in maps]
+        with open(f"/proc/{self.server.pid}/exe", "rb") as f:
+            exe = f.read()
+        self.sanitized = [s for s in ("asan", "tsan", "msan")
+                          if f"lib{s}" in maps or f"{s}_rtl" in maps or f"__{s}_init".encode() in exe]
         self.figures["sanitizer_runtime"] = self.sanitized
 
     def start_prometheus(self):

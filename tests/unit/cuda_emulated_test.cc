@@ -27,7 +27,7 @@
 #include "server/core/spectrum.h"
 #include "tests/unit/test_support.h"
 
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(ATTNSERVE_ASAN)
 #include <sanitizer/asan_interface.h>
 #endif
 // Last: the device-side shim defines CUDA's names (threadIdx, __syncthreads, min) for the
@@ -464,7 +464,7 @@ TEST_F(CudaEmulationTest, PointerArrayGemmsReadTheirArraysFromTheDevice) {
 // copy has yet to fill sees NaN, another stream's synchronisation does not run it, its own does;
 // and a cuBLAS handle's GEMMs go on the stream it was given.
 TEST_F(CudaEmulationTest, DeviceMemoryIsPoisonedForTheHost) {
-#if !defined(__SANITIZE_ADDRESS__)
+#if !defined(ATTNSERVE_ASAN)
   GTEST_SKIP() << "device memory is poisoned for host code under AddressSanitizer only";
 #else
   // On a device, host code that dereferences a device pointer faults. Here AddressSanitizer

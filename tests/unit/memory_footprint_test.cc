@@ -74,7 +74,7 @@ void Measure(const Case& c, int fd) {
 }
 
 TEST(MemoryFootprintTest, FormulaCoversTheMeasuredPeakWithoutWaste) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if defined(ATTNSERVE_ASAN) || defined(ATTNSERVE_TSAN)
   // The sanitizers' allocators add redzones and hold freed blocks in quarantine: RSS no longer
   // measures what the program allocates. The plain build runs this test.
   GTEST_SKIP() << "RSS is not the program's allocations under a sanitizer's allocator";

@@ -5,7 +5,8 @@
 // The kernels are compiled for their ISA (AVX-512, or AVX2 with FMA) whatever the build's own
 // flags, and one is chosen once for the CPU running them: a portable build (ATTNSERVE_NATIVE=OFF,
 // the container images) still gets them on the hosts that can run them.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include "server/backend/cpu/isa_target.h"
+#if defined(ATTNSERVE_X86_KERNELS)
 #define ATTNSERVE_SKINNY_GEMM 1
 #include <immintrin.h>
 
@@ -39,8 +40,7 @@ void EachBlock(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
 }
 
 }  // namespace
-#pragma GCC push_options
-#pragma GCC target("avx512f")
+ATTNSERVE_TARGET_AVX512_BEGIN
 namespace avx512 {
 
 constexpr int kBlockCols = 64;  // four 16-float registers per row
@@ -97,10 +97,9 @@ void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
 
 }  // namespace avx512
 
-#pragma GCC pop_options
+ATTNSERVE_TARGET_END
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
+ATTNSERVE_TARGET_AVX2_FMA_BEGIN
 namespace avx2 {
 
 // The same kernel in 16 AVX2 registers: blocks of 6 rows of x × 16 columns of w (6 × 2
@@ -168,7 +167,7 @@ void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
 }
 
 }  // namespace avx2
-#pragma GCC pop_options
+ATTNSERVE_TARGET_END
 
 namespace {
 

@@ -8,7 +8,8 @@
 
 // As the skinny GEMM: the vector kernels are compiled for their ISA whatever the build's own
 // flags, and chosen only on a CPU that runs them, so a portable build gets them too.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include "server/backend/cpu/isa_target.h"
+#if defined(ATTNSERVE_X86_KERNELS)
 #define ATTNSERVE_SOFTMAX_ROWS_VECTOR 1
 #include <immintrin.h>
 #endif
@@ -46,8 +47,7 @@ float ExpShiftedAndSum(float* p, int64_t n, float top) {
 }  // namespace generic
 
 #if defined(ATTNSERVE_SOFTMAX_ROWS_VECTOR)
-#pragma GCC push_options
-#pragma GCC target("avx512f")
+ATTNSERVE_TARGET_AVX512_BEGIN
 namespace avx512 {
 
 // exp(x) for x ≤ 0 in 16 lanes; _mm512_scalef_ps applies 2^n with denormals and underflow to 0,
@@ -130,10 +130,9 @@ float ExpShiftedAndSum(float* p, int64_t n, float top) {
 }
 
 }  // namespace avx512
-#pragma GCC pop_options
+ATTNSERVE_TARGET_END
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
+ATTNSERVE_TARGET_AVX2_FMA_BEGIN
 namespace avx2 {
 
 constexpr float kLowest = -87.33654f;  // exp(kLowest) = 2^-126, float32's smallest normal
@@ -213,7 +212,7 @@ float ExpShiftedAndSum(float* p, int64_t n, float top) {
 }
 
 }  // namespace avx2
-#pragma GCC pop_options
+ATTNSERVE_TARGET_END
 #endif  // ATTNSERVE_SOFTMAX_ROWS_VECTOR
 
 struct Kernels {

@@ -1,0 +1,27 @@
+#pragma once
+
+// Regions of a source file compiled for one x86 ISA, under GCC and clang alike. The CPU kernels
+// (skinny_gemm.cc, softmax_rows.cc) are compiled for their ISA whatever the build's own flags
+// and chosen at run time only on a CPU that runs them, so a portable build gets them too. The
+// sanitized trees are built with clang (scripts/sanitized-build): the kernels must be there too,
+// or the sanitizers would never see them.
+//
+//   ATTNSERVE_TARGET_AVX512_BEGIN  ... ATTNSERVE_TARGET_END
+//   ATTNSERVE_TARGET_AVX2_FMA_BEGIN ... ATTNSERVE_TARGET_END
+//
+// GCC's pragma applies to every function after it; clang's attribute to every function
+// declared in the region (lambdas included), which is how the kernels are written.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define ATTNSERVE_X86_KERNELS 1
+#if defined(__clang__)
+#define ATTNSERVE_TARGET_AVX512_BEGIN \
+  _Pragma("clang attribute push(__attribute__((target(\"avx512f\"))), apply_to = function)")
+#define ATTNSERVE_TARGET_AVX2_FMA_BEGIN \
+  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
+#define ATTNSERVE_TARGET_END _Pragma("clang attribute pop")
+#else
+#define ATTNSERVE_TARGET_AVX512_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f\")")
+#define ATTNSERVE_TARGET_AVX2_FMA_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+#define ATTNSERVE_TARGET_END _Pragma("GCC pop_options")
+#endif
+#endif
