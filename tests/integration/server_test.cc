@@ -1455,8 +1455,12 @@ TEST(LowRankServerTest, TheLowRankFormIsServedAndCompared) {
       EXPECT_EQ(f.ranks_size(), 4) << layer << ": one rank per head";
       for (int64_t r : f.ranks()) kept += r;
     }
-    if (layer == "full") EXPECT_EQ(kept, 4 * 16) << "full energy keeps every head's whole rank";
-    if (layer == "cut") EXPECT_LE(kept, 8) << "the budget bounds the ranks kept";
+    if (layer == "full") {
+      EXPECT_EQ(kept, 4 * 16) << "full energy keeps every head's whole rank";
+    }
+    if (layer == "cut") {
+      EXPECT_LE(kept, 8) << "the budget bounds the ranks kept";
+    }
   }
   // Full energy keeps every singular value: the layer itself, up to float32 and SVD rounding.
   EXPECT_LT(error_to_exact["full"], 1e-4);

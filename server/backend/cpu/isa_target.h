@@ -9,8 +9,9 @@
 //   ATTNSERVE_TARGET_AVX512_BEGIN  ... ATTNSERVE_TARGET_END
 //   ATTNSERVE_TARGET_AVX2_FMA_BEGIN ... ATTNSERVE_TARGET_END
 //
-// GCC's pragma applies to every function after it; clang's attribute to every function
-// declared in the region (lambdas included), which is how the kernels are written.
+// GCC's pragma applies to every function after it until the pop; clang's attribute to every
+// function declared in the region. The kernels are plain functions and function templates, so
+// the two agree on them.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define ATTNSERVE_X86_KERNELS 1
 #if defined(__clang__)
