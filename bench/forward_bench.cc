@@ -6,7 +6,9 @@
 //                 [--json FILE] [--shapes a,b] [--gemm auto,eigen,onednn]
 // --gemm runs the CPU backend with each GEMM library in turn (gemm.h), against one ceiling;
 // --summed-order auto,project-first,mix-first the summed form in each association order (the cross-*
-// shapes sweep n/m). GFLOP/s count what the backend ran (Backend::Flops).
+// shapes sweep n/m); --value-group-mib N the summed form's value groups (CpuBackendOptions::
+// summed_value_group_bytes; 0: one sequence a group). GFLOP/s count what the backend ran
+// (Backend::Flops).
 // The CPU ceiling is the fastest of every SGEMM library the build found (Eigen always; oneDNN
 // and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
 // own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
@@ -90,6 +92,7 @@ struct Options {
   std::string device = "cpu";
   std::vector<std::string> gemms = {"auto"};  // the CPU backend's GEMM libraries to run, in turn
   std::vector<std::string> summed_orders = {"auto"};  // auto, project-first, mix-first: in turn
+  int64_t value_group_bytes = CpuBackendOptions{}.summed_value_group_bytes;  // --value-group-mib
   bool tf32 = false;
   std::string sweep;                                     // "long": the long-sequence sweep
   std::vector<int64_t> lengths = {512, 2048, 8192, 16384};  // its n = L
@@ -217,8 +220,8 @@ StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int thre
     if (order == Order::kAuto && summed_order != "auto") {
       return InvalidArgumentError("--summed-order: expected auto, project-first or mix-first, got " + summed_order);
     }
-    return std::unique_ptr<Backend>(
-        std::make_unique<CpuBackend>(CpuBackendOptions{.threads = threads, .gemm = library, .summed_order = order}));
+    return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(CpuBackendOptions{
+        .threads = threads, .gemm = library, .summed_order = order, .summed_value_group_bytes = opt.value_group_bytes}));
   }
 #ifdef ATTNSERVE_HAVE_CUDA
   if (opt.device.rfind("cuda", 0) == 0) {
@@ -525,6 +528,7 @@ int Usage(const char* why) {
                "                     [--json FILE] [--shapes bert-base,gpt2-medium,small-request,large]\n"
                "                     [--gemm auto,eigen,onednn]   (the CPU backend's GEMM libraries, in turn)\n"
                "                     [--summed-order auto,project-first,mix-first]   (the summed form's association order)\n"
+               "                     [--value-group-mib 64]   (the summed form's value groups; 0: a sequence each)\n"
                "       forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]\n"
                "                     [--summed-order auto,mix-first]\n";
   return 2;
@@ -559,6 +563,13 @@ int Main(int argc, char** argv) {
       opt.gemms = Split(value);
     } else if (arg == "--summed-order") {
       opt.summed_orders = Split(value);
+    } else if (arg == "--value-group-mib") {
+      char* end = nullptr;
+      const long long mib = std::strtoll(value.c_str(), &end, 10);
+      if (end == value.c_str() || *end != '\0' || mib < 0 || mib > (int64_t{1} << 40)) {
+        return Usage(("--value-group-mib: expected a whole number of MiB from 0, got " + value).c_str());
+      }
+      opt.value_group_bytes = mib == 0 ? 1 : mib << 20;
     } else if (arg == "--rss-point") {
       opt.rss_point = value;
     } else if (arg == "--sweep") {

@@ -155,20 +155,37 @@ int64_t SummedRowsPerPart(const FormWeights& f, int64_t max_score_scratch_bytes)
   return std::max<int64_t>(1, max_score_scratch_bytes / row_bytes);
 }
 
+std::vector<std::pair<size_t, size_t>> ValueGroups(std::span<const int64_t> rows, int64_t max_rows) {
+  std::vector<std::pair<size_t, size_t>> groups;
+  int64_t held = 0;  // the last group's rows
+  for (size_t r = 0; r < rows.size(); ++r) {
+    if (rows[r] < 0) continue;
+    if (groups.empty() || held + rows[r] > max_rows) {
+      groups.emplace_back(r, r);
+      held = 0;
+    }
+    groups.back().second = r + 1;
+    held += rows[r];
+  }
+  return groups;
+}
+
 int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape> batch, bool self_attention,
-                            int threads, int64_t max_score_scratch_bytes, const SummedOrder& order) {
+                            int threads, int64_t max_score_scratch_bytes, const SummedOrder& order,
+                            int64_t max_value_group_bytes) {
   if (batch.empty()) return 0;
   const int64_t d = f.config.d_model, heads = f.config.heads, dh = f.config.d_head;
   // The summed form's per-part work: A_cat [n, L·h] of a sequence that projects first, the
   // heads' mixes [rows, h·d] of a part of at most SummedRowsPerPart rows when it mixes first
   // (and then no value rows of its own).
-  int64_t tx = 0, tc = 0, value_rows = 0, max_block_scores = 0, work_total = 0, work_largest = 0;
+  int64_t tx = 0, tc = 0, max_block_scores = 0, work_total = 0, work_largest = 0;
+  std::vector<int64_t> sequence_value_rows;
   for (const SequenceShape& s : batch) {
     const int64_t keys = s.keys < 0 ? s.m : s.keys;
     const bool mix_first = SummedMixesFirst(f, s, order);
     tx += s.n;
     tc += s.m;
-    value_rows += mix_first ? 0 : s.m;
+    sequence_value_rows.push_back(mix_first ? -1 : s.m);
     if (f.form == Form::kSummed && !mix_first) {
       max_block_scores = std::max(max_block_scores, kSummedBlockRows * keys);  // HeadScores' block
       work_total += s.n * keys * heads;
@@ -177,6 +194,16 @@ int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape>
       work_total += s.n * f.value_cols;
       work_largest = std::max(work_largest, std::min(s.n, SummedRowsPerPart(f, max_score_scratch_bytes)) * f.value_cols);
     }
+  }
+  // The value block holds the largest group of value rows (the concat-then-project forms: all).
+  const int64_t value_row_bytes = std::max<int64_t>(1, f.value_cols * static_cast<int64_t>(sizeof(float)));
+  const int64_t max_group_rows =
+      f.concat_then_project() ? INT64_MAX : std::max<int64_t>(1, max_value_group_bytes / value_row_bytes);
+  int64_t value_rows = 0;
+  for (const auto& [first, last] : ValueGroups(sequence_value_rows, max_group_rows)) {
+    int64_t rows = 0;
+    for (size_t r = first; r < last; ++r) rows += sequence_value_rows[r];
+    value_rows = std::max(value_rows, rows);
   }
   int64_t widest_values = 0;
   for (int64_t w : f.value_width) widest_values = std::max(widest_values, w);

@@ -16,6 +16,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "server/core/layer.h"
@@ -137,6 +138,14 @@ inline constexpr int64_t kSummedBlockRows = 64;
 // parts and its working memory stays bounded.
 int64_t SummedRowsPerPart(const FormWeights& form, int64_t max_score_scratch_bytes);
 
+// The value groups of a batch (docs/architecture.md, "The attention skeleton"): `rows[r]` is
+// sequence r's value rows, or negative for a sequence that has none (the summed form mixing
+// first, which a group passes over). The sequences are cut, in order, into groups
+// [first, last) whose value rows stay within `max_rows` together (a sequence with more is a
+// group alone). The value block holds one group at a time: the plan's groups
+// (backend/attention/plan.h) and the memory formula below both come from here.
+std::vector<std::pair<size_t, size_t>> ValueGroups(std::span<const int64_t> rows, int64_t max_rows);
+
 // FLOPs (multiply and add counted as 2) that a forward of these sequences does in this form:
 // the projections, the scores, the mix and the output projection. Masked scores are counted
 // as computed where the backend computes them (it skips keys beyond key_length only). With
@@ -146,8 +155,8 @@ double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batc
 
 // Bytes of host scratch the CPU backend allocates for one Forward of `batch` in this form
 // (server/backend/cpu/cpu_backend.cc, whose allocations this follows line by line): the stacked
-// inputs, Q and K, the value block (m · h · d_model floats in the summed form, for the sequences
-// that project first), the heads' outputs and the stacked output (factored, low rank), a score
+// inputs, Q and K, the value block (m · h · d_model floats in the summed form, for the largest
+// group of sequences that project first, under `max_value_group_bytes`: ValueGroups), the heads' outputs and the stacked output (factored, low rank), a score
 // tile per thread (kQueryTile × kKeyTile, with its stacked queries and running output; a summed
 // sequence that projects first holds a block of rows × L instead), and the summed form's chunk
 // of A_cat or mixes (at most `max_score_scratch_bytes`, or one sequence's n · L · h A_cat when
@@ -155,6 +164,7 @@ double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batc
 // wherever mixing first is allowed. `self_attention` says whether the context is the input.
 // The memory budget admits requests by this figure (docs/reliability.md compares it with RSS).
 int64_t ForwardScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch, bool self_attention,
-                            int threads, int64_t max_score_scratch_bytes, const SummedOrder& order = {});
+                            int threads, int64_t max_score_scratch_bytes, const SummedOrder& order = {},
+                            int64_t max_value_group_bytes = INT64_MAX);
 
 }  // namespace attnserve

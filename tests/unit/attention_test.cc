@@ -201,8 +201,12 @@ std::vector<FormCase> EveryFormAndOrder(const LayerWeights& w) {
                              .max_mix_bytes = 2 * summed.value_cols * int64_t{sizeof(float)}};
   const PlanPolicy by_shape{.summed_order = {.mix_first_allowed = true}};  // n < m mixes first
   std::vector<int64_t> full(w.config.heads, w.config.d_head);
+  // Project first, each sequence's value rows a group of its own (a bound of 1 byte).
+  const PlanPolicy one_by_one{.summed_order = {}, .max_value_group_bytes = 1};
   return {{"factored", MaterializeFactored(w), project_first},
+          {"factored, the summed form's groups asked for", MaterializeFactored(w), one_by_one},
           {"summed, project first", summed, project_first},
+          {"summed, project first one sequence at a time", summed, one_by_one},
           {"summed, mix first in parts", summed, mix_first},
           {"summed, each sequence by its shape", summed, by_shape},
           {"lowrank at full rank", *MaterializeLowRank(w, full), project_first}};
@@ -251,6 +255,11 @@ TEST(AttentionSkeletonTest, EachHeadCombineCallsItsOperationsInOrder) {
   EXPECT_THAT(run(MaterializeSummed(w), {.summed_order = {.mix_first_allowed = true}}),
               ElementsAre("Prepare", "Gemm", "Gemm", "Rope", "Rope", "Gemm", "SumHeadsProjectingFirst", "MixBuffer",
                           "Attend(context)", "Gemm", "Gemm", "Finish"));
+  // Summed, project first, a value group per sequence: each group's value rows, then its head
+  // sum, before the next group's.
+  EXPECT_THAT(run(MaterializeSummed(w), {.summed_order = {}, .max_value_group_bytes = 1}),
+              ElementsAre("Prepare", "Gemm", "Gemm", "Rope", "Rope", "Gemm", "SumHeadsProjectingFirst", "Gemm",
+                          "SumHeadsProjectingFirst", "Finish"));
 }
 
 TEST(BatchPlanTest, RowsOrdersPartsAndChunksWorkedOutByHand) {
@@ -275,7 +284,13 @@ TEST(BatchPlanTest, RowsOrdersPartsAndChunksWorkedOutByHand) {
   EXPECT_EQ(plan.rows.contexts, 21);
   EXPECT_FALSE(plan.rows.all_self);
   EXPECT_THAT(plan.mixes_first, ElementsAre(false, true, false, true));
-  EXPECT_THAT(plan.val_row, ElementsAre(0, 5, 5, 8));
+  // Sequences 0 and 2 project first: one value group (no bound), which passes over sequence 1
+  // (it mixes first, and has no value rows); 5 + 3 rows.
+  ASSERT_EQ(plan.value_groups.size(), 1u);
+  EXPECT_EQ(plan.value_groups[0].first, 0u);
+  EXPECT_EQ(plan.value_groups[0].last, 3u);
+  EXPECT_EQ(plan.value_groups[0].rows, 8);
+  EXPECT_THAT(plan.val_row, ElementsAre(0, 0, 5, 0));
   EXPECT_EQ(plan.val_rows, 8);
   EXPECT_FALSE(plan.value_block_is_whole());
   ASSERT_EQ(plan.mix_parts.size(), 3u);
@@ -302,6 +317,38 @@ TEST(BatchPlanTest, RowsOrdersPartsAndChunksWorkedOutByHand) {
   EXPECT_TRUE(factored.value_block_is_whole());
   EXPECT_TRUE(factored.mix_parts.empty());
   EXPECT_EQ(factored.o_floats, 16 * 16);
+}
+
+TEST(BatchPlanTest, SummedValueGroupsStayUnderTheirBoundAndAOversizedSequenceIsAlone) {
+  std::mt19937_64 rng(testing::TestSeed());
+  const LayerWeights w = RandomLayerWeights(Config(16, 2, 2, 0, false), rng());
+  const FormWeights summed = MaterializeSummed(w);  // value rows of 32 floats
+  std::vector<OwnedSequence> owned = {RandomSequence(rng, 16, 3, 3, false, false, -1),
+                                      RandomSequence(rng, 16, 4, 4, false, false, -1),
+                                      RandomSequence(rng, 16, 9, 9, false, false, -1),
+                                      RandomSequence(rng, 16, 2, 2, false, false, -1)};
+  std::vector<Sequence> batch;
+  for (auto& s : owned) batch.push_back(s.View());
+  // 8 rows of 32 floats: 3 + 4 rows share a group, the 9-row sequence passes the bound alone,
+  // the last 2 rows start a group of their own.
+  const PlanPolicy policy{.summed_order = {}, .max_value_group_bytes = 8 * 32 * 4};
+  const BatchPlan plan = PlanBatch(summed, batch, policy);
+  ASSERT_EQ(plan.value_groups.size(), 3u);
+  std::vector<std::vector<int64_t>> groups;
+  for (const ValueGroup& g : plan.value_groups) {
+    groups.push_back({static_cast<int64_t>(g.first), static_cast<int64_t>(g.last), g.rows});
+  }
+  EXPECT_THAT(groups, ElementsAre(ElementsAre(0, 2, 7), ElementsAre(2, 3, 9), ElementsAre(3, 4, 2)));
+  EXPECT_THAT(plan.val_row, ElementsAre(0, 3, 0, 0));
+  EXPECT_EQ(plan.val_rows, 9);
+  EXPECT_EQ(plan.value_floats, 9 * 32);
+  EXPECT_FALSE(plan.value_block_is_whole());
+  // With no bound the batch is one group, the whole value block; the factored form ignores the
+  // bound (its heads read their own columns of every row: one GEMM).
+  EXPECT_TRUE(PlanBatch(summed, batch, {}).value_block_is_whole());
+  const BatchPlan factored = PlanBatch(MaterializeFactored(w), batch, policy);
+  EXPECT_TRUE(factored.value_block_is_whole());
+  EXPECT_THAT(factored.val_row, ElementsAre(0, 3, 7, 16));
 }
 
 TEST(AttentionJobTest, HeadsAtFixedStridesAreTheFactoredFormsAndOneKvHeadsContext) {

@@ -199,6 +199,37 @@ TEST(FormsTest, FlopCountsFollowTheFormulas) {
   EXPECT_EQ(ForwardFlops(MaterializeFactored(w), two), 20608);
 }
 
+TEST(FormsTest, ValueGroupsCutRunsUnderTheBound) {
+  using Groups = std::vector<std::pair<size_t, size_t>>;
+  const int64_t rows[] = {3, 4, 9, -1, 2, 2, 5};
+  // 8 rows at most: 3 + 4, then 9 alone (over the bound), then 2 + 2 (a sequence with no
+  // value rows is passed over: no group starts there), then 5 (2 + 2 + 5 > 8).
+  EXPECT_EQ(ValueGroups(rows, 8), (Groups{{0, 2}, {2, 3}, {4, 6}, {6, 7}}));
+  const int64_t gap[] = {3, -1, 4};
+  EXPECT_EQ(ValueGroups(gap, 8), (Groups{{0, 3}}));
+  EXPECT_EQ(ValueGroups(rows, INT64_MAX), (Groups{{0, 7}}));
+  EXPECT_EQ(ValueGroups(rows, 1), (Groups{{0, 1}, {1, 2}, {2, 3}, {4, 5}, {5, 6}, {6, 7}}));
+  const int64_t none[] = {-1, -1};
+  EXPECT_TRUE(ValueGroups(none, 8).empty());
+}
+
+// The memory formula's value block is the largest group's: a summed batch of four sequences
+// under a bound of one sequence's value rows needs 3/4 of the whole block less.
+TEST(FormsTest, ScratchFormulaCountsOneValueGroup) {
+  std::mt19937_64 rng(testing::TestSeed());
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 32, .heads = 4}), rng());
+  const FormWeights summed = MaterializeSummed(w), factored = MaterializeFactored(w);
+  const std::vector<SequenceShape> batch(4, SequenceShape{.n = 16, .m = 16});
+  const int64_t row_bytes = summed.value_cols * 4, one_sequence = 16 * row_bytes;
+  const int64_t whole = ForwardScratchBytes(summed, batch, true, 1, INT64_MAX);
+  EXPECT_EQ(whole - ForwardScratchBytes(summed, batch, true, 1, INT64_MAX, {}, one_sequence), 3 * one_sequence);
+  // Two sequences a group: half the block.
+  EXPECT_EQ(whole - ForwardScratchBytes(summed, batch, true, 1, INT64_MAX, {}, 2 * one_sequence), 2 * one_sequence);
+  // The factored form's value block is always whole.
+  EXPECT_EQ(ForwardScratchBytes(factored, batch, true, 1, INT64_MAX),
+            ForwardScratchBytes(factored, batch, true, 1, INT64_MAX, {}, one_sequence));
+}
+
 TEST(StatusTest, CodesHaveGrpcNamesAndValues) {
   EXPECT_EQ(StatusCodeName(StatusCode::kResourceExhausted), "RESOURCE_EXHAUSTED");
   EXPECT_EQ(static_cast<int>(StatusCode::kUnavailable), 14);

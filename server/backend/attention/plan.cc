@@ -25,6 +25,24 @@ void PlanMixParts(const FormWeights& f, std::span<const Sequence> batch, const P
   plan.mix_floats = chunks.largest;
 }
 
+// The project-first sequences in value groups under the policy's bound (ValueGroups).
+void PlanValueGroups(const FormWeights& f, std::span<const Sequence> batch, const PlanPolicy& policy, BatchPlan& plan) {
+  const int64_t row_bytes = std::max<int64_t>(1, f.value_cols * static_cast<int64_t>(sizeof(float)));
+  std::vector<int64_t> rows;
+  for (size_t r = 0; r < batch.size(); ++r) rows.push_back(plan.mixes_first[r] ? -1 : batch[r].m());
+  plan.val_row.assign(batch.size(), 0);
+  for (const auto& [first, last] : ValueGroups(rows, std::max<int64_t>(1, policy.max_value_group_bytes / row_bytes))) {
+    ValueGroup group{.first = first, .last = last, .rows = 0};
+    for (size_t r = first; r < last; ++r) {
+      if (rows[r] < 0) continue;
+      plan.val_row[r] = group.rows;
+      group.rows += rows[r];
+    }
+    plan.val_rows = std::max(plan.val_rows, group.rows);
+    plan.value_groups.push_back(group);
+  }
+}
+
 }  // namespace
 
 Chunks ChunksUnder(std::span<const int64_t> sizes, int64_t cap) {
@@ -51,11 +69,13 @@ BatchPlan PlanBatch(const FormWeights& f, std::span<const Sequence> batch, const
   plan.rows = StackedRows(batch);
   const int64_t tx = plan.rows.queries, tc = plan.rows.contexts;
   for (const Sequence& s : batch) {
-    const bool mix_first = SummedMixesFirst(f, {.n = s.n(), .m = s.m(), .keys = s.visible_keys()}, policy.summed_order);
-    plan.mixes_first.push_back(mix_first);
-    plan.val_row.push_back(plan.val_rows);
-    if (!mix_first) plan.val_rows += s.m();
+    plan.mixes_first.push_back(
+        SummedMixesFirst(f, {.n = s.n(), .m = s.m(), .keys = s.visible_keys()}, policy.summed_order));
   }
+  // The concat-then-project forms mix every head's own value columns: one group of all.
+  PlanPolicy grouping = policy;
+  if (plan.combine == HeadCombine::kConcatThenProject) grouping.max_value_group_bytes = INT64_MAX;
+  PlanValueGroups(f, batch, grouping, plan);
   PlanMixParts(f, batch, policy, plan);
   plan.qk_floats = plan.rows.all_self ? tx * (f.q_cols + f.k_cols) : tx * f.q_cols + tc * f.k_cols;
   plan.value_floats = plan.val_rows * f.value_cols;

@@ -16,11 +16,17 @@
 
 namespace attnserve {
 
-// What a device lets the plan choose: the summed form's association order (SummedMixesFirst)
-// and the bound on the mixes a chunk of mix-first parts holds at once.
+// What a device lets the plan choose: the summed form's association order (SummedMixesFirst),
+// the bound on the mixes a chunk of mix-first parts holds at once, and the bound on the value
+// rows a group of project-first sequences holds at once.
 struct PlanPolicy {
   SummedOrder summed_order;                    // {}: every summed sequence projects first
   int64_t max_mix_bytes = int64_t{256} << 20;  // one chunk's mixes [rows, h·d], at least a row
+  // The summed form's value rows (h·d columns each: 64 MiB for gpt2-medium's 4 × 256 tokens)
+  // are projected and read back by the head sum one group at a time, so that a device whose
+  // caches hold a group reads them back from cache: at most this many bytes, or one sequence.
+  // The default is one group for the batch (a GPU, whose value block is in its memory anyway).
+  int64_t max_value_group_bytes = INT64_MAX;
 };
 
 // Query rows [row0, row0 + rows) of a summed sequence that mixes first, and where its mixes
@@ -36,12 +42,23 @@ struct MixChunk {
   size_t first = 0, last = 0;
 };
 
+// Sequences [first, last) of the batch whose value rows (rows of them in all) the value block
+// holds at once, from its row 0 (ValueGroups): the concat-then-project forms' one group of the
+// whole batch, or a group of the summed form's project-first sequences under
+// PlanPolicy::max_value_group_bytes (a sequence among them that mixes first has no value rows).
+struct ValueGroup {
+  size_t first = 0, last = 0;
+  int64_t rows = 0;
+};
+
 struct BatchPlan {
   HeadCombine combine = HeadCombine::kConcatThenProject;
   BatchRows rows;  // each sequence's first query row (X, Q, O, Y) and context row (C, K)
-  // Summed sequences that mix their keys first need no value rows of their own: val_row is each
-  // sequence's first row in the value block, which holds val_rows rows of the others.
+  // Summed sequences that mix their keys first need no value rows of their own. The others are
+  // in value groups; val_row is each one's first row in the value block while its group is
+  // there (0 for a sequence that mixes first), and val_rows the largest group's rows.
   std::vector<bool> mixes_first;
+  std::vector<ValueGroup> value_groups;
   std::vector<int64_t> val_row;
   int64_t val_rows = 0;
   std::vector<MixPart> mix_parts;
@@ -52,7 +69,8 @@ struct BatchPlan {
   // outputs live is the device's choice: DeviceOps::Prepare.)
   int64_t qk_floats = 0, value_floats = 0, o_floats = 0, mix_floats = 0;
 
-  bool value_block_is_whole() const { return val_rows == rows.contexts; }
+  // One group holds every sequence's value rows (the concat-then-project forms always).
+  bool value_block_is_whole() const { return value_groups.size() == 1 && val_rows == rows.contexts; }
 };
 
 // Items of these sizes grouped in order into chunks [first, last) whose sum stays within `cap`

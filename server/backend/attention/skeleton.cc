@@ -12,7 +12,9 @@ Status ProjectColumns(DeviceOps& ops, const FormWeights& f, const DeviceWeights&
 }
 
 // Q and K of every token (one GEMM for both in self-attention: they come from the same rows),
-// rotated (each sequence from its position); then the value block of the sequences that project their values.
+// rotated (each sequence from its position); then, for the concat-then-project forms, the value
+// block of every sequence in one GEMM (the summed form projects its values group by group:
+// SumOfMixes).
 Status Project(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, const BatchPlan& plan,
                std::span<const Sequence> batch, const ForwardBuffers& b) {
   const int64_t qk_cols = f.q_cols + f.k_cols;
@@ -34,15 +36,8 @@ Status Project(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, con
     ATTNSERVE_RETURN_IF_ERROR(ops.Rope(b.q, c.heads, c.d_head, c.rope_theta, queries));
     ATTNSERVE_RETURN_IF_ERROR(ops.Rope(b.k, c.kv_heads, c.d_head, c.rope_theta, keys));
   }
-  // One GEMM over every context row when the value block holds them all, else one per sequence
-  // it holds (a summed sequence that mixes first needs none).
-  if (plan.value_block_is_whole()) return ProjectColumns(ops, f, w, b.c, qk_cols, f.value_cols, b.val);
-  for (size_t r = 0; r < batch.size(); ++r) {
-    if (plan.mixes_first[r]) continue;
-    ATTNSERVE_RETURN_IF_ERROR(ProjectColumns(ops, f, w, b.c.RowBlock(plan.rows.c_row[r], batch[r].m()), qk_cols,
-                                             f.value_cols, b.val.RowBlock(plan.val_row[r], batch[r].m())));
-  }
-  return OkStatus();
+  if (plan.combine != HeadCombine::kConcatThenProject) return OkStatus();
+  return ProjectColumns(ops, f, w, b.c, qk_cols, f.value_cols, b.val);  // the plan's one group: every row
 }
 
 // Sequence r's rows of Q and K, and its query rows [row0, row0 + rows) as a range with `values`
@@ -100,17 +95,41 @@ Status SumMixingFirst(DeviceOps& ops, const FormWeights& f, const DeviceWeights&
   return OkStatus();
 }
 
-// Summed: the sequences that project first in one call (the device holds their A_cat), then
+// A value group's rows of the value block: one GEMM per run of its sequences that project
+// first (back to back in the stacked contexts and in the value block; a sequence that mixes
+// first ends a run).
+Status ProjectValueGroup(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, const BatchPlan& plan,
+                         std::span<const Sequence> batch, const ForwardBuffers& b, const ValueGroup& group) {
+  for (size_t r = group.first; r < group.last;) {
+    if (plan.mixes_first[r]) {
+      ++r;
+      continue;
+    }
+    const size_t run_first = r;
+    int64_t rows = 0;
+    for (; r < group.last && !plan.mixes_first[r]; ++r) rows += batch[r].m();
+    ATTNSERVE_RETURN_IF_ERROR(ProjectColumns(ops, f, w, b.c.RowBlock(plan.rows.c_row[run_first], rows),
+                                             f.q_cols + f.k_cols, f.value_cols,
+                                             b.val.RowBlock(plan.val_row[run_first], rows)));
+  }
+  return OkStatus();
+}
+
+// Summed: the sequences that project first, group by group (the group's value rows, then the
+// device's head sum over them, while they are in its caches; the device holds A_cat), then
 // those that mix first, chunk by chunk.
 Status SumOfMixes(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, const BatchPlan& plan,
                   std::span<const Sequence> batch, const ForwardBuffers& b) {
-  std::vector<AttentionRange> projecting;
-  for (size_t r = 0; r < batch.size(); ++r) {
-    if (plan.mixes_first[r]) continue;
-    projecting.push_back(
-        RangeOf(plan, batch, b, r, 0, batch[r].n(), b.val.RowBlock(plan.val_row[r], batch[r].m()), b.outputs[r]));
+  for (const ValueGroup& group : plan.value_groups) {
+    ATTNSERVE_RETURN_IF_ERROR(ProjectValueGroup(ops, f, w, plan, batch, b, group));
+    std::vector<AttentionRange> projecting;
+    for (size_t r = group.first; r < group.last; ++r) {
+      if (plan.mixes_first[r]) continue;
+      projecting.push_back(
+          RangeOf(plan, batch, b, r, 0, batch[r].n(), b.val.RowBlock(plan.val_row[r], batch[r].m()), b.outputs[r]));
+    }
+    ATTNSERVE_RETURN_IF_ERROR(ops.SumHeadsProjectingFirst(f, projecting, w.b_out));
   }
-  if (!projecting.empty()) ATTNSERVE_RETURN_IF_ERROR(ops.SumHeadsProjectingFirst(f, projecting, w.b_out));
   if (!plan.mix_chunks.empty()) {
     ATTNSERVE_ASSIGN_OR_RETURN(float* const mixes, ops.MixBuffer(plan));
     for (const MixChunk& chunk : plan.mix_chunks) {

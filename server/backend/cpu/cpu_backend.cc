@@ -312,11 +312,16 @@ void ScoreIntoACat(GemmLibrary gemm, const FormWeights& f, const AttentionRange&
 // runs as an OpenMP loop of tiled tasks (AttendTiled).
 class CpuOps final : public DeviceOps {
  public:
-  CpuOps(Compute run, int64_t max_score_scratch_bytes, ForwardScratch& scratch)
-      : run_(run), max_score_scratch_bytes_(max_score_scratch_bytes), scratch_(scratch) {}
+  CpuOps(Compute run, int64_t max_score_scratch_bytes, int64_t value_group_bytes, ForwardScratch& scratch)
+      : run_(run),
+        max_score_scratch_bytes_(max_score_scratch_bytes),
+        value_group_bytes_(value_group_bytes),
+        scratch_(scratch) {}
 
   PlanPolicy Policy() const override {
-    return {.summed_order = run_.summed_order, .max_mix_bytes = max_score_scratch_bytes_};
+    return {.summed_order = run_.summed_order,
+            .max_mix_bytes = max_score_scratch_bytes_,
+            .max_value_group_bytes = value_group_bytes_};
   }
 
   // The inputs are used where they are (one sequence) or stacked into the scratch; the output of
@@ -445,6 +450,7 @@ class CpuOps final : public DeviceOps {
 
   const Compute run_;
   const int64_t max_score_scratch_bytes_;
+  const int64_t value_group_bytes_;
   ForwardScratch& scratch_;
 };
 
@@ -466,6 +472,7 @@ CpuBackend::CpuBackend(CpuBackendOptions options)
       gemm_(options.gemm),
       max_score_scratch_bytes_(options.max_score_scratch_bytes),
       max_retained_scratch_bytes_(options.max_retained_scratch_bytes),
+      summed_value_group_bytes_(options.summed_value_group_bytes),
       summed_order_(OrderOf(options)) {
   // Every GEMM here splits its own work across threads (Gemm above); Eigen's own split by
   // output rows is pathological for few rows (16 tokens × 9216 columns: 4× slower on 2 threads
@@ -492,7 +499,8 @@ void CpuBackend::ReturnScratch(std::unique_ptr<ForwardScratch> scratch) {
 int64_t CpuBackend::ScratchBytes(const FormWeights& f, std::span<const SequenceShape> batch,
                                  bool self_attention) const {
   const int64_t formula =
-      ForwardScratchBytes(f, batch, self_attention, threads_, max_score_scratch_bytes_, summed_order_);
+      ForwardScratchBytes(f, batch, self_attention, threads_, max_score_scratch_bytes_, summed_order_,
+                          summed_value_group_bytes_);
   if (gemm_ != GemmLibrary::kEigen) return formula;
   // The formula counts 4 MiB of packing per thread (oneDNN's, and Eigen's on small caches); Eigen's
   // panels grow with the product and the CPU's caches, so its largest GEMM of this forward, per
@@ -541,7 +549,7 @@ Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequenc
     std::unique_ptr<ForwardScratch>& scratch;
     ~Return() { backend->ReturnScratch(std::move(scratch)); }
   } give_back{this, scratch};
-  CpuOps ops(run, max_score_scratch_bytes_, *scratch);
+  CpuOps ops(run, max_score_scratch_bytes_, summed_value_group_bytes_, *scratch);
   return RunAttention(ops, f, HostWeights(f), batch);
 }
 

@@ -38,6 +38,14 @@ struct CpuBackendOptions {
   // project-first holds each sequence's whole A_cat, however long).
   enum class SummedOrderChoice { kAuto, kProjectFirst, kMixFirst };
   SummedOrderChoice summed_order = SummedOrderChoice::kAuto;
+  // The summed form projects the value rows of its project-first sequences (h·d columns each:
+  // 16 MiB for one gpt2-medium sequence of 256 tokens) and sums their heads a group of
+  // sequences at a time, at most this many bytes of value rows or one sequence
+  // (PlanPolicy::max_value_group_bytes), so that a batch's value block does not grow with the
+  // batch: the memory budget counts one group (ScratchBytes). Smaller groups measured no faster
+  // (docs/benchmarks.md, "The summed form's value groups"): the head sum does 128 FLOPs per
+  // byte of value rows it reads, so it does not wait for memory wherever they come from.
+  int64_t summed_value_group_bytes = int64_t{64} << 20;
 };
 
 struct ForwardScratch;
@@ -71,6 +79,7 @@ class CpuBackend final : public Backend {
   GemmLibrary gemm_;
   int64_t max_score_scratch_bytes_;
   int64_t max_retained_scratch_bytes_;
+  int64_t summed_value_group_bytes_;
   SummedOrder summed_order_;
   mutable Mutex scratch_mu_;
   std::vector<std::unique_ptr<ForwardScratch>> free_scratch_ ATTNSERVE_GUARDED_BY(scratch_mu_);
