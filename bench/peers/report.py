@@ -1,15 +1,24 @@
 """Joins one run of bench/peers/run.sh into Markdown tables (docs/benchmarks.md pastes them).
 
-    python3 report.py ours.json peers.json serving.json [serving-batching.json]
+    python3 report.py --ours ours-1.json [ours-2.json ...] --peers peers-1.json [peers-2.json ...]
+                      [--serving serving.json [serving-batching.json ...]]
 
-ours.json     forward_bench --json (attnserve's in-process forward, both forms)
-peers.json    cpu_peers.py --json (torch-mha, torch-sdpa, ort-graph, ort-attention)
-serving*.json attnserve-cli bench --json, factored form, concurrency 1, at the small-request shape
-              (serving-noop.json: against --noop-server, the bench's own cost)
-Ratios are ours/theirs in time: below 1 means attnserve is faster.
+--ours     forward_bench --json (attnserve's in-process forward, both forms), one file a round
+--peers    cpu_peers.py --json (torch-mha, torch-sdpa, ort-graph, ort-attention), one file a round,
+           in the same order: ours-R and peers-R were measured in turn, close in time
+--serving  attnserve-cli bench --json, factored form, concurrency 1, at the small-request shape
+           (serving-noop.json: against --noop-server, the bench's own cost)
+
+Ratios are ours/theirs in time: below 1 means attnserve is faster. Each ratio is taken within a
+round (ours in round R over the peer in round R, and over round R's best peer), then the median
+over the rounds is printed, so that the machine's drift between rounds cancels; with several
+rounds a last column gives the min-max of ours/best over the rounds. The forward time table is
+the median over the rounds of each implementation's time. With one round the tables are those of
+a single measurement.
 """
+import argparse
 import json
-import sys
+import statistics
 
 PEERS = ["torch-mha", "torch-sdpa", "ort-graph", "ort-attention"]
 SHAPE_LABELS = {"bert-base": "bert-base 8×128, d=768, h=12", "gpt2-medium": "gpt2-medium 4×256, d=1024, h=16",
@@ -22,38 +31,76 @@ def load(path):
 
 
 def main():
-    ours = {(r["shape"], r["form"]): r for r in load(sys.argv[1])}
-    peers = {(r["shape"], r["peer"]): r for r in load(sys.argv[2])}
-    shapes = [s for s in SHAPE_LABELS if any(k[0] == s for k in ours)]
-    threads = sorted({r["threads"] for r in ours.values()})
+    ap = argparse.ArgumentParser(description="Markdown tables of one bench/peers/run.sh run.")
+    ap.add_argument("--ours", nargs="+", required=True, help="forward_bench --json files, one a round")
+    ap.add_argument("--peers", nargs="+", required=True, help="cpu_peers.py --json files, one a round")
+    ap.add_argument("--serving", nargs="*", default=[], help="attnserve-cli bench --json files")
+    args = ap.parse_args()
+    if len(args.ours) != len(args.peers):
+        ap.error(f"{len(args.ours)} --ours files but {len(args.peers)} --peers files: one of each a round")
 
-    print(f"Forward time, ms (median), {','.join(map(str, threads))} threads:\n")
+    # Per round: {(shape, form): ms} and {(shape, peer): ms}.
+    ours_rounds = [{(r["shape"], r["form"]): r["ms"] for r in load(p)} for p in args.ours]
+    peers_rounds = [{(r["shape"], r["peer"]): r["ms"] for r in load(p)} for p in args.peers]
+    rounds = len(ours_rounds)
+    threads = sorted({r["threads"] for p in args.ours for r in load(p)})
+    shapes = [s for s in SHAPE_LABELS if any(k[0] == s for k in ours_rounds[0])]
+
+    def median_ms(per_round, key):  # the median over the rounds that measured `key`, or None
+        values = [t[key] for t in per_round if key in t]
+        return statistics.median(values) if values else None
+
+    ours = {k: median_ms(ours_rounds, k) for k in {k for t in ours_rounds for k in t}}
+    peers = {k: median_ms(peers_rounds, k) for k in {k for t in peers_rounds for k in t}}
+
+    over = f" over {rounds} rounds" if rounds > 1 else ""
+    print(f"Forward time, ms (median{over}), {','.join(map(str, threads))} threads:\n")
     print("| shape | attnserve factored | attnserve summed | " + " | ".join(PEERS) + " |")
     print("|---|" + "---:|" * (2 + len(PEERS)))
     for s in shapes:
-        cells = [f"{ours[(s, f)]['ms']:.3f}" for f in ("factored", "summed")]
-        cells += [f"{peers[(s, p)]['ms']:.3f}" if (s, p) in peers else "–" for p in PEERS]
+        cells = [f"{ours[(s, f)]:.3f}" for f in ("factored", "summed")]
+        cells += [f"{peers[(s, p)]:.3f}" if (s, p) in peers else "–" for p in PEERS]
         print(f"| {SHAPE_LABELS[s]} | " + " | ".join(cells) + " |")
 
-    print("\nours/theirs (time ratio; < 1: attnserve faster), and against the best peer:\n")
-    print("| shape | form | " + " | ".join(PEERS) + " | best peer | ours/best |")
-    print("|---|---|" + "---:|" * (len(PEERS) + 2))
+    if rounds > 1:
+        print(f"\nours/theirs (time ratio; < 1: attnserve faster), and against the best peer; each the median over "
+              f"the {rounds} rounds of the ratio within a round (ours/best: against that round's best peer):\n")
+        print("| shape | form | " + " | ".join(PEERS) + " | best peer | ours/best | ours/best min–max |")
+        print("|---|---|" + "---:|" * (len(PEERS) + 3))
+    else:
+        print("\nours/theirs (time ratio; < 1: attnserve faster), and against the best peer:\n")
+        print("| shape | form | " + " | ".join(PEERS) + " | best peer | ours/best |")
+        print("|---|---|" + "---:|" * (len(PEERS) + 2))
     for s in shapes:
         present = [p for p in PEERS if (s, p) in peers]
-        best = min(present, key=lambda p: peers[(s, p)]["ms"])
+        # Each round's best peer; the column names the one fastest over the rounds (its median time).
+        round_best = [min((p for p in PEERS if (s, p) in t), key=lambda p: t[(s, p)], default=None)
+                      for t in peers_rounds]
+        best = min(present, key=lambda p: peers[(s, p)])
+        best_cell = f"{best} ({peers[(s, best)]:.3f} ms)"
+        if rounds > 1 and any(b != best for b in round_best):
+            best_cell += f", best in {sum(b == best for b in round_best)}/{rounds} rounds"
         for f in ("factored", "summed"):
-            mine = ours[(s, f)]["ms"]
-            cells = [f"{mine / peers[(s, p)]['ms']:.2f}" if (s, p) in peers else "–" for p in PEERS]
-            print(f"| {s} | {f} | " + " | ".join(cells) +
-                  f" | {best} ({peers[(s, best)]['ms']:.3f} ms) | **{mine / peers[(s, best)]['ms']:.2f}** |")
+            def ratios(peer_of_round):  # ours/peer within each round that measured both
+                return [o[(s, f)] / t[(s, peer_of_round(i))] for i, (o, t) in enumerate(zip(ours_rounds, peers_rounds))
+                        if (s, f) in o and peer_of_round(i) is not None and (s, peer_of_round(i)) in t]
+            cells = []
+            for p in PEERS:
+                r = ratios(lambda i, p=p: p)
+                cells.append(f"{statistics.median(r):.2f}" if r else "–")
+            to_best = ratios(lambda i: round_best[i])
+            line = f"| {s} | {f} | " + " | ".join(cells) + f" | {best_cell} | **{statistics.median(to_best):.2f}** |"
+            if rounds > 1:
+                line += f" {min(to_best):.2f}–{max(to_best):.2f} |"
+            print(line)
 
-    if len(sys.argv) > 3:
-        inproc = ours[("small-request", "factored")]["ms"] * 1000
+    if args.serving:
+        inproc = ours[("small-request", "factored")] * 1000
         print("\nServing overhead at small-request (1×16, d=768), factored, concurrency 1, loopback gRPC:\n")
         print("| server batching | client p50 µs | client p90 µs | server queue_us | server compute_us |"
               " in-process forward µs | overhead (p50 − in-process) µs |")
         print("|---|---:|---:|---:|---:|---:|---:|")
-        for path in sys.argv[3:]:
+        for path in args.serving:
             recs = [r for r in load(path) if r["form"] == "factored" and r["concurrency"] == 1]
             if not recs:
                 continue
