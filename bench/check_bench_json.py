@@ -24,6 +24,19 @@ for r in records:
     assert r["isa"] in {"avx512", "avx2", "generic"} and r["gemm"] in {"eigen", "onednn"}, r
 print("forward_bench JSON ok:", records)
 
+# One form alone (a profile's run), with a pause before each timed call and one sequence a value
+# group; a bad value is refused with the flag's name.
+with tempfile.NamedTemporaryFile(suffix=".json") as out:
+    subprocess.run([bench, "--shapes", "small-request", "--threads", "1", "--min-time-s", "0", "--forms", "summed",
+                    "--idle-us", "200", "--value-group-mib", "0", "--json", out.name], check=True,
+                   stdout=subprocess.DEVNULL)
+    alone = json.load(open(out.name))
+assert [r["form"] for r in alone] == ["summed"] and alone[0]["ms"] > 0, alone
+for flag, value in (("--forms", "lowrank"), ("--idle-us", "-1"), ("--value-group-mib", "x")):
+    bad = subprocess.run([bench, flag, value], capture_output=True, text=True)
+    assert bad.returncode == 2 and flag in bad.stderr, (flag, bad.returncode, bad.stderr)
+print("forward_bench --forms, --idle-us, --value-group-mib ok")
+
 # The long sweep, at two short lengths: every point's time from this process, its RSS growth from
 # a child process of its own (--rss-point); a child that failed would report -1.
 with tempfile.NamedTemporaryFile(suffix=".json") as out:

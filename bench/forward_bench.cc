@@ -8,7 +8,9 @@
 // --summed-order auto,project-first,mix-first the summed form in each association order (the cross-*
 // shapes sweep n/m); --value-group-mib N the summed form's value groups (CpuBackendOptions::
 // summed_value_group_bytes; 0: one sequence a group). GFLOP/s count what the backend ran
-// (Backend::Flops).
+// (Backend::Flops). --forms factored (or summed) runs one form; --idle-us N pauses N µs before
+// each timed call, as a server idles between lone requests (the OpenMP team sleeps, the caches
+// cool), so that the in-process time can be compared with a served one on equal terms.
 // The CPU ceiling is the fastest of every SGEMM library the build found (Eigen always; oneDNN
 // and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
 // own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
@@ -30,6 +32,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <thread>
 #include <cstring>
 #include <fstream>
 #include <iostream>
@@ -93,6 +96,8 @@ struct Options {
   std::vector<std::string> gemms = {"auto"};  // the CPU backend's GEMM libraries to run, in turn
   std::vector<std::string> summed_orders = {"auto"};  // auto, project-first, mix-first: in turn
   int64_t value_group_bytes = CpuBackendOptions{}.summed_value_group_bytes;  // --value-group-mib
+  std::vector<Form> forms = {Form::kFactored, Form::kSummed};                 // --forms (a profile of one)
+  int64_t idle_us = 0;  // --idle-us: a pause before each timed call, as between served requests
   bool tf32 = false;
   std::string sweep;                                     // "long": the long-sequence sweep
   std::vector<int64_t> lengths = {512, 2048, 8192, 16384};  // its n = L
@@ -106,13 +111,16 @@ std::vector<std::string> Split(const std::string& s) {
   return out;
 }
 
-// Median seconds of `fn` over repetitions lasting at least min_time_s (and 5 runs).
+// Median seconds of `fn` over repetitions lasting at least min_time_s (and 5 runs), with
+// `idle_us` of sleep before each (untimed): a served request's pause between calls, in which
+// the OpenMP team goes to sleep and the caches cool (--idle-us).
 template <typename Fn>
-double MedianSeconds(Fn fn, double min_time_s) {
+double MedianSeconds(Fn fn, double min_time_s, int64_t idle_us = 0) {
   fn();  // warm caches, allocate scratch
   std::vector<double> times;
   const auto start = std::chrono::steady_clock::now();
   while (times.size() < 5 || std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < min_time_s) {
+    if (idle_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(idle_us));
     const auto t0 = std::chrono::steady_clock::now();
     fn();
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -249,7 +257,7 @@ StatusOr<Ceiling> MeasureCeiling(const Options& opt, int threads, const std::vec
 }
 
 std::vector<Record> RunShape(const BenchShape& shape, Backend& backend, int threads, double ceiling,
-                             double min_time_s) {
+                             double min_time_s, const std::vector<Form>& forms, int64_t idle_us) {
   const LayerConfig config = *CompleteConfig({.d_model = shape.d_model, .heads = shape.heads});
   const LayerWeights weights = RandomLayerWeights(config, 1);
   std::mt19937_64 rng(2);
@@ -269,7 +277,7 @@ std::vector<Record> RunShape(const BenchShape& shape, Backend& backend, int thre
     shapes.push_back({.n = shape.n, .m = shape.m > 0 ? shape.m : shape.n});
   }
   std::vector<Record> records;
-  for (Form form : {Form::kFactored, Form::kSummed}) {
+  for (Form form : forms) {
     auto f = std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(weights)
                                                                          : MaterializeSummed(weights));
     auto resident = backend.Upload(f);
@@ -285,7 +293,7 @@ std::vector<Record> RunShape(const BenchShape& shape, Backend& backend, int thre
             std::exit(1);
           }
         },
-        min_time_s);
+        min_time_s, idle_us);
     const double gflops = backend.Flops(*f, shapes) / s * 1e-9;  // what this backend ran
     records.push_back({shape.name, std::string(FormName(form)), backend.DeviceName(), threads, s * 1e3, gflops, ceiling, "", ""});
   }
@@ -528,6 +536,8 @@ int Usage(const char* why) {
                "                     [--json FILE] [--shapes bert-base,gpt2-medium,small-request,large]\n"
                "                     [--gemm auto,eigen,onednn]   (the CPU backend's GEMM libraries, in turn)\n"
                "                     [--summed-order auto,project-first,mix-first]   (the summed form's association order)\n"
+               "                     [--forms factored,summed]   (one form alone: for a profile)\n"
+               "                     [--idle-us 0]   (a pause before each timed call, as between served requests)\n"
                "                     [--value-group-mib 64]   (the summed form's value groups; 0: a sequence each)\n"
                "       forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]\n"
                "                     [--summed-order auto,mix-first]\n";
@@ -563,6 +573,18 @@ int Main(int argc, char** argv) {
       opt.gemms = Split(value);
     } else if (arg == "--summed-order") {
       opt.summed_orders = Split(value);
+    } else if (arg == "--forms") {
+      opt.forms.clear();
+      for (const auto& name : Split(value)) {
+        const std::optional<Form> form = ParseForm(name);
+        if (!form || *form == Form::kLowRank) {
+          return Usage(("--forms: expected factored and/or summed, got " + name).c_str());
+        }
+        opt.forms.push_back(*form);
+      }
+    } else if (arg == "--idle-us") {
+      opt.idle_us = std::atoll(value.c_str());
+      if (opt.idle_us < 0 || opt.idle_us > 1000000) return Usage(("--idle-us: expected 0 to 1000000, got " + value).c_str());
     } else if (arg == "--value-group-mib") {
       char* end = nullptr;
       const long long mib = std::strtoll(value.c_str(), &end, 10);
@@ -628,7 +650,7 @@ int Main(int argc, char** argv) {
         std::string library = on_cpu ? std::string(GemmLibraryName(static_cast<CpuBackend&>(**backend).gemm())) : gemm;
         if (order != "auto") library += "/" + order;
         for (const BenchShape* shape : chosen) {
-          for (auto& r : RunShape(*shape, **backend, threads, before->gflops, opt.min_time_s)) {
+          for (auto& r : RunShape(*shape, **backend, threads, before->gflops, opt.min_time_s, opt.forms, opt.idle_us)) {
             r.gemm = library;
             group.push_back(r);
           }
@@ -650,8 +672,8 @@ int Main(int argc, char** argv) {
     }
     std::printf("\n");
   }
-  std::printf("\nsummed / factored time:\n");
-  for (size_t i = 0; i + 1 < records.size(); i += 2) {
+  if (opt.forms.size() == 2 && opt.forms[0] == Form::kFactored) std::printf("\nsummed / factored time:\n");
+  for (size_t i = 0; opt.forms.size() == 2 && opt.forms[0] == Form::kFactored && i + 1 < records.size(); i += 2) {
     std::printf("  %-14s %-7s threads=%d  %.2fx\n", records[i].shape.c_str(), records[i].gemm.c_str(),
                 records[i].threads, records[i + 1].ms / records[i].ms);
   }

@@ -12,6 +12,10 @@
 # (attnserve_stage_seconds, scraped before and after each measured run) gives the stage table:
 # where a served call's time goes. A second client, Python grpcio (bench/serving_client.py), then
 # measures served and floor p50 against the first variant's server and `attnserve-cli noop-server`.
+#   The in-process forward is measured a second way too: with IDLE_US (default 300) of sleep
+# before each timed call (forward_bench --idle-us), about the pause a server has between one
+# lone client's requests. On a host whose L3 is shared, the weights (9.4 MB here) go cold in that
+# pause; the difference between the two in-process figures is that cost, not the server's.
 #   Then concurrency 32 against the first variant's server: achieved GFLOP/s (requests/s times
 # the request's FLOPs) against the best SGEMM ceiling forward_bench measured before and after.
 #
@@ -26,6 +30,7 @@ BUILD=${1:-build}
 ROUNDS=${2:-3}
 THREADS=${THREADS:-2}
 DURATION=${DURATION:-4s}
+IDLE_US=${IDLE_US:-300}
 VARIANTS=${VARIANTS:-"defaults:"}
 OUT=$BUILD/serving-out
 CLI=$BUILD/client/attnserve-cli
@@ -65,6 +70,8 @@ bench() {  # NAME CONCURRENCY [EXTRA...]: one measured bench run against $target
 
 echo "== machine: $(lscpu | sed -n 's/^Model name: *//p'), $THREADS threads, $(date -u +%F)"
 "$BUILD/bench/forward_bench" --threads "$THREADS" --shapes small-request --json "$OUT/inprocess.json" >/dev/null
+"$BUILD/bench/forward_bench" --threads "$THREADS" --shapes small-request --forms factored --idle-us "$IDLE_US" \
+  --json "$OUT/inprocess-idle.json" >/dev/null
 for round in $(seq 1 "$ROUNDS"); do
   for variant in $VARIANTS; do
     name=${variant%%:*}

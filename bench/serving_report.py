@@ -2,7 +2,8 @@
 
     python3 serving_report.py OUT_DIR ROUNDS NAME:FLAGS...
 
-OUT_DIR holds inprocess.json (forward_bench --json, small-request), per round NAME-R.json (the
+OUT_DIR holds inprocess.json (forward_bench --json, small-request), inprocess-idle.json (the
+same after a pause before each call, --idle-us), per round NAME-R.json (the
 served bench of each server variant), NAME-R.before.prom / .after.prom (its scrapes),
 floor-R.json (the no-op server), and c32.json (concurrency 32 against the default server).
 Each figure is the best p50 over the rounds; the stage table is the mean per call of the round
@@ -69,6 +70,17 @@ def main():
     print(f"\n(in-process: the lower of forward_bench's medians before and after the runs, "
           f"{inproc['ms'] * 1000:.0f} and {inproc_after['ms'] * 1000:.0f} µs; floors per round: "
           f"{', '.join(f'{f:.0f}' for f in floors)} µs)")
+
+    try:
+        idle = factored(f"{out}/inprocess-idle.json")
+        idle_us = idle["ms"] * 1000
+        best_p50 = min(factored(f"{out}/{v}-{best_round[v]}.json")["p50_ms"] * 1000 for v in variants)
+        print(f"\nThe same forward in-process after an idle pause before each call (forward_bench --idle-us): "
+              f"{idle_us:.0f} µs, against {inproc_us:.0f} µs back to back: {idle_us - inproc_us:.0f} µs is the "
+              f"pause's own cost (cold caches, a sleeping team), not the server's. Served p50 − idle in-process "
+              f"− floor: **{best_p50 - idle_us - floor_us:.0f} µs**.")
+    except FileNotFoundError:
+        pass
 
     print("\nWhere a served call's time goes (attnserve_stage_seconds, mean µs per call, the best round):\n")
     print("| stage | " + " | ".join(variants) + " |")
