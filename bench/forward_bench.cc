@@ -71,6 +71,9 @@ const BenchShape kShapes[] = {
     {"gpt2-medium", 4, 256, 1024, 16},
     {"small-request", 1, 16, 768, 12},
     {"large", 32, 512, 1024, 16, 0, false},  // GPU-sized; on the CPU only when asked by --shapes
+    // The batch a busy server forms from 1×16 requests at concurrency 32 (about 22 of them,
+    // docs/benchmarks.md, "Serving overhead"): what that batch costs in-process.
+    {"small-batch", 22, 16, 768, 12, 0, false},
     // The summed form's association order against n/m (cross-attention over 512 keys): asked by
     // --shapes, with --summed-order auto,project-first.
     {"cross-8x512", 1, 8, 768, 12, 512, false},
