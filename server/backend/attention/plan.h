@@ -23,9 +23,9 @@ struct PlanPolicy {
   SummedOrder summed_order;                    // {}: every summed sequence projects first
   int64_t max_mix_bytes = int64_t{256} << 20;  // one chunk's mixes [rows, h·d], at least a row
   // The summed form's value rows (h·d columns each: 64 MiB for gpt2-medium's 4 × 256 tokens)
-  // are projected and read back by the head sum one group at a time, so that a device whose
-  // caches hold a group reads them back from cache: at most this many bytes, or one sequence.
-  // The default is one group for the batch (a GPU, whose value block is in its memory anyway).
+  // are projected and read back by the head sum one group at a time, at most this many bytes
+  // or one sequence, so that the value block does not grow with the batch. The default is one
+  // group for the batch (the CUDA lane, whose workspace is sized per batch).
   int64_t max_value_group_bytes = INT64_MAX;
 };
 

@@ -116,8 +116,8 @@ Status ProjectValueGroup(DeviceOps& ops, const FormWeights& f, const DeviceWeigh
 }
 
 // Summed: the sequences that project first, group by group (the group's value rows, then the
-// device's head sum over them, while they are in its caches; the device holds A_cat), then
-// those that mix first, chunk by chunk.
+// device's head sum over them; the device holds A_cat), then those that mix first, chunk by
+// chunk.
 Status SumOfMixes(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, const BatchPlan& plan,
                   std::span<const Sequence> batch, const ForwardBuffers& b) {
   for (const ValueGroup& group : plan.value_groups) {
