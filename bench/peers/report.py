@@ -40,10 +40,11 @@ def main():
         ap.error(f"{len(args.ours)} --ours files but {len(args.peers)} --peers files: one of each a round")
 
     # Per round: {(shape, form): ms} and {(shape, peer): ms}.
-    ours_rounds = [{(r["shape"], r["form"]): r["ms"] for r in load(p)} for p in args.ours]
+    ours_records = [load(p) for p in args.ours]
+    ours_rounds = [{(r["shape"], r["form"]): r["ms"] for r in records} for records in ours_records]
     peers_rounds = [{(r["shape"], r["peer"]): r["ms"] for r in load(p)} for p in args.peers]
     rounds = len(ours_rounds)
-    threads = sorted({r["threads"] for p in args.ours for r in load(p)})
+    threads = sorted({r["threads"] for records in ours_records for r in records})
     shapes = [s for s in SHAPE_LABELS if any(k[0] == s for k in ours_rounds[0])]
 
     def median_ms(per_round, key):  # the median over the rounds that measured `key`, or None
