@@ -1,13 +1,17 @@
 // skinny_gemm_bench: the CPU backend's SkinnyGemm against Eigen's general GEMM on one thread,
 // x of few rows times weights as wide as a layer's fused projections, as a time ratio measured
 // in the same run (docs/benchmarks.md, "The skinny GEMM"): the measurements behind
-// SkinnyGemmPays.
+// SkinnyGemmPays. With --tiles, attention's two products per tile instead (docs/benchmarks.md,
+// "Attention's own kernel"): the scores S = scale · Q Kᵀ and the mix O += P V at the tile shapes
+// of the bert-base, gpt2-medium, 1×16 and long-sequence layers (d_h = 64), oneDNN's GEMM against
+// the kernel the backend runs (TransposeScaled and SkinnyGemm).
 //
-//   skinny_gemm_bench
+//   skinny_gemm_bench [--tiles]
 #include <Eigen/Core>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "server/backend/cpu/skinny_gemm.h"
@@ -28,17 +32,62 @@ double BestMs(F f) {
   return best;
 }
 
+using attnserve::ConstMatrixView;
+using attnserve::MatrixView;
+
+// One attention tile at d_h = 64: `rows` query rows against `keys` keys, both products timed
+// with the GEMM library (oneDNN where the build has it, else Eigen, as the backend chose before)
+// and with the backend's own kernel, in GFLOP/s.
+void TileProducts() {
+  const auto library = attnserve::BuiltWithOneDnn() ? attnserve::GemmLibrary::kOneDnn : attnserve::GemmLibrary::kEigen;
+  const std::string name(attnserve::GemmLibraryName(library));
+  struct Tile {
+    const char* layer;
+    int64_t rows, keys;
+  };
+  const Tile tiles[] = {{"1x16", 16, 16}, {"bert-base", 128, 128}, {"gpt2-medium", 256, 256}, {"long", 256, 512}};
+  constexpr int64_t kHead = 64, kLd = 2304;  // a head's columns of Q|K|V rows, as the backend reads them
+  constexpr float kScale = 0.125f;
+  std::printf("%-12s %5s %5s %16s %14s %10s %16s %14s %10s\n", "tile", "rows", "keys", ("scores " + name).c_str(),
+              "scores own", "own/lib", ("mix " + name).c_str(), "mix own", "own/lib");
+  for (const Tile& t : tiles) {
+    const RowMatrix q = RowMatrix::Random(t.rows, kLd), k = RowMatrix::Random(t.keys, kLd), v = RowMatrix::Random(t.keys, kLd);
+    RowMatrix s(t.rows, t.keys), kt(kHead, t.keys), o = RowMatrix::Random(t.rows, kHead);
+    const ConstMatrixView qv(q.data(), t.rows, kHead, kLd), kv(k.data(), t.keys, kHead, kLd), vv(v.data(), t.keys, kHead, kLd);
+    const MatrixView sv(s.data(), t.rows, t.keys), ov(o.data(), t.rows, kHead);
+    const double lib_scores = BestMs([&] { attnserve::GemmOnThisThread(library, qv, kv, /*transpose_w=*/true, kScale, sv); });
+    const double own_scores = BestMs([&] {
+      attnserve::TransposeScaled(kv, kScale, MatrixView(kt.data(), kHead, t.keys));
+      attnserve::SkinnyGemm(qv, ConstMatrixView(kt.data(), kHead, t.keys), sv);
+    });
+    const double lib_mix = BestMs([&] { attnserve::GemmOnThisThread(library, sv, vv, false, 1.0f, ov, /*accumulate=*/true); });
+    const double own_mix = BestMs([&] { attnserve::SkinnyGemm(sv, vv, ov, /*accumulate=*/true); });
+    const double mflop = 2.0 * static_cast<double>(t.rows * t.keys * kHead) * 1e-6;  // per product: / ms = GFLOP/s
+    std::printf("%-12s %5ld %5ld %16.1f %14.1f %10.2f %16.1f %14.1f %10.2f\n", t.layer, static_cast<long>(t.rows),
+                static_cast<long>(t.keys), mflop / lib_scores, mflop / own_scores, lib_scores / own_scores,
+                mflop / lib_mix, mflop / own_mix, lib_mix / own_mix);
+  }
+}
+
 }  // namespace
 
-int main() {
-  using attnserve::ConstMatrixView;
-  using attnserve::MatrixView;
+int main(int argc, char** argv) {
+  const bool tiles = argc == 2 && std::strcmp(argv[1], "--tiles") == 0;
+  if (argc > 2 || (argc == 2 && !tiles)) {
+    std::fprintf(stderr, "usage: skinny_gemm_bench [--tiles]   (got '%s')\n", argv[1]);
+    return 2;
+  }
   if (!attnserve::SkinnyGemmAvailable()) {
     std::printf("no SkinnyGemm here (not an x86-64 GCC build, or a CPU without AVX2 and FMA)\n");
     return 0;
   }
   std::printf("SkinnyGemm kernel: %s\n", std::string(attnserve::SkinnyGemmIsa()).c_str());
   Eigen::setNbThreads(1);
+  if (tiles) {
+    std::printf("attention's tile products, d_h = 64, one thread, GFLOP/s (best of 150):\n");
+    TileProducts();
+    return 0;
+  }
   // The weight blocks a request multiplies: fused W_Q|W_K|W_V and W_O of the factored form,
   // and the summed form's value block (h·d wide), at BERT-base and GPT-2-medium widths.
   struct Weights {

@@ -207,9 +207,10 @@ int64_t ForwardScratchBytes(const FormWeights& f, std::span<const SequenceShape>
   }
   int64_t widest_values = 0;
   for (int64_t w : f.value_width) widest_values = std::max(widest_values, w);
-  // A tiled task's scores, its stacked queries and its running output (stacked heads only).
+  // A tiled task's scores, its key tile transposed (Kᵀ, for the backend's own kernel), its
+  // stacked queries and its running output (stacked heads only).
   const int64_t stacked = StackedHeads(f);
-  const int64_t tile = kQueryTile * (kKeyTile + (stacked > 1 ? dh + widest_values : 0));
+  const int64_t tile = kQueryTile * (kKeyTile + (stacked > 1 ? dh + widest_values : 0)) + kKeyTile * dh;
   const int64_t per_thread = std::max(tile, max_block_scores);
   const bool many = batch.size() > 1;
   int64_t floats = 0;

@@ -23,14 +23,14 @@
 namespace attnserve {
 namespace {
 
-// y = alpha · x · op(w) by `product` on random strided views, checked element by element against
+// y = alpha · x · op(w) (y += with `accumulate`) by `product` on random strided views, checked element by element against
 // float64 within the classic bound of a float32 dot product in any order, FMA or not: k + 1
 // roundings of at most 2^-24 each, relative to Σ|x·w| (a relative error alone would fail a
 // correct kernel whenever the sum cancels, as a random draw can make it). Also checks that
 // nothing is written past the view. Returns false after the first failure (already reported).
 using Product = std::function<void(ConstMatrixView x, ConstMatrixView w, MatrixView y)>;
 bool ProductMatchesFloat64(std::mt19937_64& rng, int64_t rows, int64_t k, int64_t cols, bool transpose_w, float alpha,
-                           const Product& product) {
+                           const Product& product, bool accumulate = false) {
   const int64_t ldx = k + rows % 3, ldy = cols + 2;
   const int64_t w_rows = transpose_w ? cols : k, w_cols = transpose_w ? k : cols, ldw = w_cols + 5;
   const std::vector<float> x = testing::RandomVector(rng, rows * ldx), w = testing::RandomVector(rng, w_rows * ldw);
@@ -42,7 +42,7 @@ bool ProductMatchesFloat64(std::mt19937_64& rng, int64_t rows, int64_t k, int64_
                             std::to_string(cols) + (transpose_w ? " (w transposed)" : "");
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
-      double sum = 0, magnitude = 0;
+      double sum = accumulate ? before[r * ldy + c] : 0.0, magnitude = std::abs(sum);
       for (int64_t p = 0; p < k; ++p) {
         const double wv = transpose_w ? w[c * ldw + p] : w[p * ldw + c];
         const double term = static_cast<double>(alpha) * x[r * ldx + p] * wv;
@@ -85,6 +85,51 @@ TEST(SkinnyGemmTest, MatchesFloat64AtEveryBlockEdge) {
     }
   }
   EXPECT_EQ(checked, kMaxRows * 13 * 3);
+}
+
+// y += x · w, as attention's tiles add each key tile's mix to the rows' output: the shapes of
+// those tiles (rows of a query block, a key tile's depth, d_v columns) and every block edge.
+TEST(SkinnyGemmTest, AccumulatesAtEveryBlockEdge) {
+  if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 with FMA here: the general GEMM is used instead";
+  std::mt19937_64 rng(testing::TestSeed());
+  int checked = 0;
+  const Product add = [](ConstMatrixView x, ConstMatrixView w, MatrixView y) { SkinnyGemm(x, w, y, true); };
+  for (int64_t rows : {1, 5, 6, 7, 12, 40}) {
+    for (int64_t cols : {1, 9, 16, 33, 64, 80}) {
+      for (int64_t k : {1, 64, 130, 512}) {
+        ASSERT_TRUE(ProductMatchesFloat64(rng, rows, k, cols, /*transpose_w=*/false, 1.0f, add, /*accumulate=*/true));
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 6 * 6 * 4);
+}
+
+// kt = scale · kᵀ from strided key tiles: row and column counts on both sides of its 8 × 8
+// blocks, each element the scaled one exactly (one rounding, as float32 scale · k is), and no
+// write outside kt's view.
+TEST(TransposeScaledTest, EveryElementScaledAndNothingPastTheView) {
+  if (!SkinnyGemmAvailable()) GTEST_SKIP() << "no AVX2 with FMA here: the general GEMM is used instead";
+  std::mt19937_64 rng(testing::TestSeed());
+  const float scale = 0.125f * 1.1f;
+  int checked = 0;
+  for (int64_t rows : {1, 7, 8, 9, 16, 17, 130}) {
+    for (int64_t cols : {1, 7, 8, 9, 64, 70}) {
+      const int64_t ldk = cols + 3, ldt = rows + 5;
+      const std::vector<float> k = testing::RandomVector(rng, rows * ldk);
+      std::vector<float> kt = testing::RandomVector(rng, cols * ldt);
+      const std::vector<float> before = kt;
+      TransposeScaled(ConstMatrixView(k.data(), rows, cols, ldk), scale, MatrixView(kt.data(), cols, rows, ldt));
+      for (int64_t t = 0; t < cols; ++t) {
+        for (int64_t j = 0; j < ldt; ++j) {
+          const float want = j < rows ? scale * k[j * ldk + t] : before[t * ldt + j];
+          ASSERT_EQ(kt[t * ldt + j], want) << rows << "x" << cols << " at kt[" << t << ", " << j << "]";
+        }
+      }
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 7 * 6);
 }
 
 // Every GEMM library of this build, through the one entry point the backend calls: both

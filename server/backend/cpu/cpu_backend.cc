@@ -7,6 +7,8 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <vector>
 
 #include "server/backend/attention/skeleton.h"
@@ -71,13 +73,18 @@ void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, const float* bias, 
   for (int64_t t = 0; t < chunks; ++t) {
     const int64_t c0 = t * chunk_cols, count = std::min(chunk_cols, w.cols - c0);
     if (count <= 0) continue;
-    if (!accumulate && UseSkinnyGemm(run.gemm, x.rows, count)) {
-      SkinnyGemm(x, w.ColBlock(c0, count), y.ColBlock(c0, count));
+    const MatrixView block = y.ColBlock(c0, count);
+    // The bias written first and the product added to it: one pass over y fewer than adding the
+    // bias after (3-5 % of a projection's time at bert-base widths, one thread).
+    const bool bias_first = bias != nullptr && !accumulate;
+    if (bias_first) AsEigen(block).rowwise() = BiasMap(bias + c0, count);
+    if (UseSkinnyGemm(run.gemm, x.rows, count)) {
+      SkinnyGemm(x, w.ColBlock(c0, count), block, accumulate || bias_first);
     } else {
-      GemmOnThisThread(run.gemm, x, w.ColBlock(c0, count), /*transpose_w=*/false, 1.0f, y.ColBlock(c0, count),
-                       accumulate);
+      GemmOnThisThread(run.gemm, x, w.ColBlock(c0, count), /*transpose_w=*/false, 1.0f, block,
+                       accumulate || bias_first);
     }
-    if (bias != nullptr) AsEigen(y.ColBlock(c0, count)).rowwise() += BiasMap(bias + c0, count);
+    if (bias != nullptr && !bias_first) AsEigen(block).rowwise() += BiasMap(bias + c0, count);
   }
 }
 
@@ -88,10 +95,27 @@ MatrixView Reserve(AlignedFloats& buffer, int64_t rows, int64_t cols) {
   return MatrixView(buffer.data(), rows, cols);
 }
 
-// The stacked rows of several blocks as one view: the block itself when there is one, else a
-// copy into `storage`.
+// The blocks as one view when each starts where the one before it ends, all with one row
+// stride: the sequences of one request, decoded into one buffer, or one block alone. Else
+// nothing: they need a copy.
+template <typename T>
+std::optional<MatrixViewT<T>> OneBlock(std::span<const MatrixViewT<T>> blocks) {
+  if (blocks.empty()) return std::nullopt;
+  const MatrixViewT<T>& first = blocks[0];
+  int64_t rows = 0;
+  for (const MatrixViewT<T>& b : blocks) {
+    if (b.data == nullptr || b.ld != first.ld || b.cols != first.cols || b.data != first.data + rows * first.ld) {
+      return std::nullopt;
+    }
+    rows += b.rows;
+  }
+  return MatrixViewT<T>(first.data, rows, first.cols, first.ld);
+}
+
+// The stacked rows of several blocks as one view: the blocks themselves when they already lie
+// so (OneBlock), else a copy into `storage`.
 ConstMatrixView StackRows(const std::vector<ConstMatrixView>& blocks, AlignedFloats& storage) {
-  if (blocks.size() == 1) return blocks[0];
+  if (const auto whole = OneBlock<const float>(blocks)) return *whole;
   int64_t rows = 0;
   for (const auto& b : blocks) rows += b.rows;
   const int64_t cols = blocks[0].cols;
@@ -161,6 +185,7 @@ void HeadScores(GemmLibrary gemm, const FormWeights& f, const AttentionRange& ra
 // A thread's working memory for tiled attention, kept across its tasks.
 struct TileScratch {
   RowMatrix s;                   // one tile's scores, then its probabilities [stacked rows, keys]
+  RowMatrix kt;                  // the tile's keys transposed and scaled, [d_h, keys] (OwnTileKernel)
   RowMatrix q, o;                // the stacked heads' queries and running output (G > 1 only)
   Eigen::VectorXf max, sum;      // the online softmax's running max and sum, per stacked row
   std::vector<int64_t> exact;    // stacked rows whose float32 scores were not all finite
@@ -168,6 +193,19 @@ struct TileScratch {
   std::vector<ConstMatrixView> q_views;  // a task's heads' queries and outputs (RunAttentionTask),
   std::vector<MatrixView> out_views;     // kept so that a task allocates nothing
 };
+
+// Whether attention's two products per tile run on the backend's own register-blocked kernel
+// (SkinnyGemm) rather than the GEMM library. A tile's operands are already in cache (a query
+// block, a key tile and its values, at most 512 KiB), so packing them, as a library GEMM does on
+// every call, is cost without return. Measured at d_h = 64, one thread (docs/benchmarks.md,
+// "Attention's own kernel"): the AVX-512 kernel 1.03× oneDNN on the scores and 1.09–1.10× on
+// the mix; the AVX2 one (6 × 16 blocks) 0.62–0.67× and 0.78–0.86×, so AVX2 keeps the library.
+// The scores take it from kOwnScoresMinKeys keys: fewer fill part of its 64-column block only
+// (0.45× at 16 keys). The mix takes it for values of at most kOwnMixMaxCols columns: the kernel
+// reads the value tile once per 64 columns, which for the summed form's context values
+// (d_model wide) would stream from L3.
+bool OwnTileKernel() { return SkinnyGemmIsa() == "avx512"; }
+constexpr int64_t kOwnScoresMinKeys = 64, kOwnMixMaxCols = 256;
 
 // One attention task: the query rows [row0, row0 + rows) of a sequence, for a set of heads that
 // share their keys `k` [L, d_h] and values `v` [L, d_v] (StackedHeads), with `q[g]` the rows'
@@ -199,8 +237,16 @@ void AttendTiled(GemmLibrary gemm, const Sequence& s, float scale, std::span<con
   for (int64_t k0 = 0; k0 < keys; k0 += kKeyTile) {
     const int64_t width = std::min(kKeyTile, keys - k0);
     t.s.resize(stacked, width);
-    GemmOnThisThread(gemm, queries, k.RowBlock(k0, width), /*transpose_w=*/true, scale,
-                     MatrixView(t.s.data(), stacked, width));
+    const MatrixView scores(t.s.data(), stacked, width);
+    if (OwnTileKernel() && width >= kOwnScoresMinKeys) {
+      // The key tile as the kernel's right operand, [d_h, keys] with the keys contiguous; the
+      // scale folded in there costs nothing and leaves the product a plain one.
+      t.kt.resize(dh, width);
+      TransposeScaled(k.RowBlock(k0, width), scale, MatrixView(t.kt.data(), dh, width));
+      SkinnyGemm(queries, ConstMatrixView(t.kt.data(), dh, width), scores);
+    } else {
+      GemmOnThisThread(gemm, queries, k.RowBlock(k0, width), /*transpose_w=*/true, scale, scores);
+    }
     for (int64_t r = 0; r < stacked; ++r) {
       const int64_t seen = std::clamp<int64_t>(VisibleKeys(s, row0 + r % rows) - k0, 0, width);
       float* const p = t.s.row(r).data();
@@ -219,8 +265,13 @@ void AttendTiled(GemmLibrary gemm, const Sequence& s, float scale, std::span<con
       if (k0 > 0) AsEigen(acc).row(r) *= rescale;
     }
     // The first tile sets the output (every row sees key 0), later ones add to it.
-    GemmOnThisThread(gemm, ConstMatrixView(t.s.data(), stacked, width), v.RowBlock(k0, width),
-                     /*transpose_w=*/false, 1.0f, acc, /*accumulate=*/k0 > 0);
+    const ConstMatrixView probabilities(t.s.data(), stacked, width);
+    if (OwnTileKernel() && dv <= kOwnMixMaxCols) {
+      SkinnyGemm(probabilities, v.RowBlock(k0, width), acc, /*accumulate=*/k0 > 0);
+    } else {
+      GemmOnThisThread(gemm, probabilities, v.RowBlock(k0, width), /*transpose_w=*/false, 1.0f, acc,
+                       /*accumulate=*/k0 > 0);
+    }
   }
   for (int64_t r = 0; r < stacked; ++r) AsEigen(acc).row(r) /= t.sum(r);
   std::sort(t.exact.begin(), t.exact.end());
@@ -324,8 +375,8 @@ class CpuOps final : public DeviceOps {
             .max_value_group_bytes = value_group_bytes_};
   }
 
-  // The inputs are used where they are (one sequence) or stacked into the scratch; the output of
-  // one sequence is written in place. The summed form's A_cat and its mixes share one buffer,
+  // The inputs are used where they are (one sequence, or sequences that lie one after another:
+  // OneBlock) or stacked into the scratch; the output is written in place the same way. The summed form's A_cat and its mixes share one buffer,
   // used one after the other (SumHeadsProjectingFirst, then MixBuffer for the mix-first chunks).
   Status Prepare(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch,
                  ForwardBuffers& b) override {
@@ -348,8 +399,10 @@ class CpuOps final : public DeviceOps {
     b.val = Reserve(scratch_.val, plan.val_rows, f.value_cols);
     if (plan.combine == HeadCombine::kConcatThenProject) {
       b.o = Reserve(scratch_.o, tx, f.out_rows);
-      const bool in_place = batch.size() == 1 && !batch[0].output.empty();
-      b.y = in_place ? batch[0].output : Reserve(scratch_.y, tx, d);
+      std::vector<MatrixView> outputs;
+      for (const Sequence& s : batch) outputs.push_back(s.output);
+      const std::optional<MatrixView> in_place = OneBlock<float>(outputs);
+      b.y = in_place ? *in_place : Reserve(scratch_.y, tx, d);
     }
     for (const Sequence& s : batch) b.outputs.push_back(s.output);
     return OkStatus();

@@ -22,18 +22,18 @@ namespace {
 // kRows at a time, then the rows left over (fewer than kRows) in one smaller block.
 // `RowBlocks<R>::Run(x, w, y, r0, r_end, c0, cols)` runs rows [r0, r_end) R at a time.
 template <template <int> class RowBlocks, int kRows, int kCols>
-void EachBlock(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
+void EachBlock(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate) {
   static_assert(kRows == 6, "the leftover switch below is written for 6-row blocks");
   const int64_t full = x.rows / kRows * kRows;
   for (int64_t c0 = 0; c0 < w.cols; c0 += kCols) {
     const int cols = static_cast<int>(std::min<int64_t>(kCols, w.cols - c0));
-    RowBlocks<kRows>::Run(x, w, y, 0, full, c0, cols);
+    RowBlocks<kRows>::Run(x, w, y, 0, full, c0, cols, accumulate);
     switch (x.rows - full) {
-      case 5: RowBlocks<5>::Run(x, w, y, full, x.rows, c0, cols); break;
-      case 4: RowBlocks<4>::Run(x, w, y, full, x.rows, c0, cols); break;
-      case 3: RowBlocks<3>::Run(x, w, y, full, x.rows, c0, cols); break;
-      case 2: RowBlocks<2>::Run(x, w, y, full, x.rows, c0, cols); break;
-      case 1: RowBlocks<1>::Run(x, w, y, full, x.rows, c0, cols); break;
+      case 5: RowBlocks<5>::Run(x, w, y, full, x.rows, c0, cols, accumulate); break;
+      case 4: RowBlocks<4>::Run(x, w, y, full, x.rows, c0, cols, accumulate); break;
+      case 3: RowBlocks<3>::Run(x, w, y, full, x.rows, c0, cols, accumulate); break;
+      case 2: RowBlocks<2>::Run(x, w, y, full, x.rows, c0, cols, accumulate); break;
+      case 1: RowBlocks<1>::Run(x, w, y, full, x.rows, c0, cols, accumulate); break;
       default: break;
     }
   }
@@ -47,10 +47,11 @@ constexpr int kBlockCols = 64;  // four 16-float registers per row
 constexpr int kBlockRows = 6;   // 6 × 4 accumulators + 4 of w + 1 broadcast fit in 32 registers
 constexpr int64_t kPrefetchRows = 12;
 
-// Rows [0, R) of x times columns [0, cols) of w (cols ≤ 64; the rest masked off). Inlined into
-// its caller: only there does GCC keep the 24 accumulators in registers (called out of line,
-// it spilled them to the stack on every step of k, at half the speed).
-template <int R>
+// Rows [0, R) of x times columns [0, cols) of w (cols ≤ 64; the rest masked off), added to y's
+// block with kAccumulate. Inlined into its caller: only there does GCC keep the 24 accumulators
+// in registers (called out of line, it spilled them to the stack on every step of k, at half
+// the speed).
+template <int R, bool kAccumulate>
 [[gnu::always_inline]] inline void Block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t k_total,
            int cols) {
   __mmask16 mask[4];
@@ -60,7 +61,9 @@ template <int R>
   }
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      acc[r][j] = kAccumulate ? _mm512_maskz_loadu_ps(mask[j], y + r * ldy + 16 * j) : _mm512_setzero_ps();
+    }
   }
   for (int64_t k = 0; k < k_total; ++k) {
     const float* wk = w + k * ldw;
@@ -84,15 +87,21 @@ template <int R>
 template <int R>
 struct RowBlocks {
   static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, int64_t r0, int64_t r_end, int64_t c0,
-                  int cols) {
+                  int cols, bool accumulate) {
     for (; r0 + R <= r_end; r0 += R) {
-      Block<R>(x.data + r0 * x.ld, x.ld, w.data + c0, w.ld, y.data + r0 * y.ld + c0, y.ld, x.cols, cols);
+      const float* const xr = x.data + r0 * x.ld;
+      float* const yr = y.data + r0 * y.ld + c0;
+      if (accumulate) {
+        Block<R, true>(xr, x.ld, w.data + c0, w.ld, yr, y.ld, x.cols, cols);
+      } else {
+        Block<R, false>(xr, x.ld, w.data + c0, w.ld, yr, y.ld, x.cols, cols);
+      }
     }
   }
 };
 
-void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
-  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y);
+void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate) {
+  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y, accumulate);
 }
 
 }  // namespace avx512
@@ -114,12 +123,16 @@ __m256i LaneMask(int left) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-template <int R>
+template <int R, bool kAccumulate>
 [[gnu::always_inline]] inline void Block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
                                          int64_t ldy, int64_t k_total, int cols) {
   const __m256i mask[2] = {LaneMask(cols), LaneMask(cols - 8)};
   __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 2; ++j) {
+      acc[r][j] = kAccumulate ? _mm256_maskload_ps(y + r * ldy + 8 * j, mask[j]) : _mm256_setzero_ps();
+    }
+  }
   if (cols == kBlockCols) {  // the common case: unmasked loads
     for (int64_t k = 0; k < k_total; ++k) {
       const float* wk = w + k * ldw;
@@ -155,15 +168,54 @@ template <int R>
 template <int R>
 struct RowBlocks {
   static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, int64_t r0, int64_t r_end, int64_t c0,
-                  int cols) {
+                  int cols, bool accumulate) {
     for (; r0 + R <= r_end; r0 += R) {
-      Block<R>(x.data + r0 * x.ld, x.ld, w.data + c0, w.ld, y.data + r0 * y.ld + c0, y.ld, x.cols, cols);
+      const float* const xr = x.data + r0 * x.ld;
+      float* const yr = y.data + r0 * y.ld + c0;
+      if (accumulate) {
+        Block<R, true>(xr, x.ld, w.data + c0, w.ld, yr, y.ld, x.cols, cols);
+      } else {
+        Block<R, false>(xr, x.ld, w.data + c0, w.ld, yr, y.ld, x.cols, cols);
+      }
     }
   }
 };
 
-void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
-  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y);
+void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate) {
+  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y, accumulate);
+}
+
+// kt = scale · kᵀ in 8 × 8 blocks transposed in registers: each of k's rows is read along its
+// length and each of kt's rows written along its length (an element-wise transpose read k's
+// columns across rows a page apart: 3 % of a bert-base forward). AVX-512 machines run it too.
+void TransposeScaled(ConstMatrixView k, float scale, MatrixView kt) {
+  const __m256 s = _mm256_set1_ps(scale);
+  const int64_t rows8 = k.rows / 8 * 8, cols8 = k.cols / 8 * 8;
+  for (int64_t j0 = 0; j0 < rows8; j0 += 8) {
+    for (int64_t t0 = 0; t0 < cols8; t0 += 8) {
+      __m256 r[8], u[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(k.data + (j0 + i) * k.ld + t0);
+      for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved
+        u[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        u[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {  // then quads, each 128-bit lane on its own
+        r[i] = _mm256_shuffle_ps(u[i], u[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(u[i], u[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(u[i + 1], u[i + 3], 0xEE);
+      }
+      for (int i = 0; i < 4; ++i) {  // then the lanes: column i from the low halves, i + 4 the high
+        u[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+        u[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+      }
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt.data + (t0 + i) * kt.ld + j0, _mm256_mul_ps(s, u[i]));
+    }
+  }
+  // The edges: the rows past the last whole block of 8, and the columns past it in every row.
+  for (int64_t j = 0; j < k.rows; ++j) {
+    for (int64_t t = j < rows8 ? cols8 : 0; t < k.cols; ++t) kt.data[t * kt.ld + j] = scale * k.data[j * k.ld + t];
+  }
 }
 
 }  // namespace avx2
@@ -171,7 +223,7 @@ ATTNSERVE_TARGET_END
 
 namespace {
 
-using Kernel = void (*)(ConstMatrixView, ConstMatrixView, MatrixView);
+using Kernel = void (*)(ConstMatrixView, ConstMatrixView, MatrixView, bool);
 struct Chosen {
   Kernel kernel;
   std::string_view isa;
@@ -190,7 +242,11 @@ const Chosen& Choose() {
 
 }  // namespace
 
-void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y) { Choose().kernel(x, w, y); }
+void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate) {
+  Choose().kernel(x, w, y, accumulate);
+}
+
+void TransposeScaled(ConstMatrixView k, float scale, MatrixView kt) { avx2::TransposeScaled(k, scale, kt); }
 
 bool SkinnyGemmAvailable() { return Choose().kernel != nullptr; }
 
@@ -202,7 +258,9 @@ bool SkinnyGemmAvailable() { return false; }
 
 std::string_view SkinnyGemmIsa() { return "none"; }
 
-void SkinnyGemm(ConstMatrixView, ConstMatrixView, MatrixView) {}
+void SkinnyGemm(ConstMatrixView, ConstMatrixView, MatrixView, bool) {}
+
+void TransposeScaled(ConstMatrixView, float, MatrixView) {}
 
 #endif
 

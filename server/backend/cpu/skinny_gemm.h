@@ -40,8 +40,14 @@ bool SkinnyGemmAvailable();
 // The kernel's ISA, chosen once: "avx512", "avx2" or "none".
 std::string_view SkinnyGemmIsa();
 
-// y = x · w; x is [rows, k], w is [k, cols], y is [rows, cols], each with its own row stride.
-// Requires SkinnyGemmAvailable(); any size works, SkinnyGemmPays says when it is the faster.
-void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y);
+// y = x · w (y += x · w with `accumulate`); x is [rows, k], w is [k, cols], y is [rows, cols],
+// each with its own row stride. Requires SkinnyGemmAvailable(); any size works. SkinnyGemmPays
+// says when it beats a packing GEMM on weights streamed from memory; attention's tiles, whose
+// operands are already in cache, use it at any row count (AttendTiled, cpu_backend.cc).
+void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate = false);
+
+// kt = scale · kᵀ, k [rows, cols] into kt [cols, rows]: attention's key tile as SkinnyGemm's
+// right operand, with the softmax's scale folded in. Requires SkinnyGemmAvailable().
+void TransposeScaled(ConstMatrixView k, float scale, MatrixView kt);
 
 }  // namespace attnserve
