@@ -199,7 +199,9 @@ struct TileScratch {
 // block, a key tile and its values, at most 512 KiB), so packing them, as a library GEMM does on
 // every call, is cost without return. Measured at d_h = 64, one thread (docs/benchmarks.md,
 // "Attention's own kernel"): the AVX-512 kernel 1.03× oneDNN on the scores and 1.09–1.10× on
-// the mix; the AVX2 one (6 × 16 blocks) 0.62–0.67× and 0.78–0.86×, so AVX2 keeps the library.
+// the mix. The AVX2 one (6 × 16 blocks), on the same Zen 4 capped at AVX2, 0.86–1.04× and
+// 0.97–1.22× oneDNN's AVX2 GEMM: not a clear win, and not measured on an AVX2-only CPU, so AVX2
+// keeps the library.
 // The scores take it from kOwnScoresMinKeys keys: fewer fill part of its 64-column block only
 // (0.45× at 16 keys). The mix takes it for values of at most kOwnMixMaxCols columns: the kernel
 // reads the value tile once per 64 columns, which for the summed form's context values
