@@ -48,8 +48,13 @@ class NaiveOps final : public DeviceOps {
     b.x = ConstMatrixView(x_.data(), tx, d);
     b.c = ConstMatrixView(c_.data(), tc, d);
     // NaN, not zeros: a buffer the skeleton forgets to fill shows in the answer.
-    qk_.assign(plan.qk_floats, NAN);
-    if (plan.rows.all_self) {
+    qk_.assign(plan.qk_floats + (plan.qkv_one_block ? plan.value_floats : 0), NAN);
+    if (plan.qkv_one_block) {
+      const MatrixView qkv(qk_.data(), tx, f.in_cols());
+      b.q = qkv.ColBlock(0, f.q_cols);
+      b.k = qkv.ColBlock(f.q_cols, f.k_cols);
+      b.val = qkv.ColBlock(f.q_cols + f.k_cols, f.value_cols);
+    } else if (plan.rows.all_self) {
       const MatrixView qk(qk_.data(), tx, f.q_cols + f.k_cols);
       b.q = qk.ColBlock(0, f.q_cols);
       b.k = qk.ColBlock(f.q_cols, f.k_cols);
@@ -57,8 +62,10 @@ class NaiveOps final : public DeviceOps {
       b.q = MatrixView(qk_.data(), tx, f.q_cols);
       b.k = MatrixView(qk_.data() + tx * f.q_cols, tc, f.k_cols);
     }
-    val_.assign(plan.value_floats, NAN);
-    b.val = MatrixView(val_.data(), plan.val_rows, f.value_cols);
+    if (!plan.qkv_one_block) {
+      val_.assign(plan.value_floats, NAN);
+      b.val = MatrixView(val_.data(), plan.val_rows, f.value_cols);
+    }
     o_.assign(plan.o_floats, NAN);
     b.o = MatrixView(o_.data(), tx, f.out_rows);
     y_.assign(tx * d, NAN);
@@ -203,13 +210,17 @@ std::vector<FormCase> EveryFormAndOrder(const LayerWeights& w) {
   std::vector<int64_t> full(w.config.heads, w.config.d_head);
   // Project first, each sequence's value rows a group of its own (a bound of 1 byte).
   const PlanPolicy one_by_one{.summed_order = {}, .max_value_group_bytes = 1};
+  // Q, K and the value block as one matrix where the plan allows it (self-attention batches).
+  const PlanPolicy one_block{.summed_order = {}, .qkv_one_block = true};
   return {{"factored", MaterializeFactored(w), project_first},
+          {"factored, Q|K|V one block where allowed", MaterializeFactored(w), one_block},
           {"factored, the summed form's groups asked for", MaterializeFactored(w), one_by_one},
           {"summed, project first", summed, project_first},
           {"summed, project first one sequence at a time", summed, one_by_one},
           {"summed, mix first in parts", summed, mix_first},
           {"summed, each sequence by its shape", summed, by_shape},
-          {"lowrank at full rank", *MaterializeLowRank(w, full), project_first}};
+          {"lowrank at full rank", *MaterializeLowRank(w, full), project_first},
+          {"lowrank at full rank, Q|K|V one block where allowed", *MaterializeLowRank(w, full), one_block}};
 }
 
 TEST(AttentionSkeletonTest, EveryFormOverANaiveDeviceMatchesFloat64Reference) {
@@ -220,17 +231,44 @@ TEST(AttentionSkeletonTest, EveryFormOverANaiveDeviceMatchesFloat64Reference) {
        {Config(32, 4, 4, 0, true), Config(48, 6, 2, 10000.0, false), Config(24, 3, 1, 0, true)}) {
     const LayerWeights w = RandomLayerWeights(c, rng());
     for (FormCase& fc : EveryFormAndOrder(w)) {
-      std::vector<OwnedSequence> owned = RaggedBatch(rng, c.d_model);
-      std::vector<Sequence> batch;
-      for (auto& s : owned) batch.push_back(s.View());
-      NaiveOps ops(fc.policy);
-      ASSERT_TRUE(RunAttention(ops, fc.form, HostWeights(fc.form), batch).ok()) << fc.name;
-      for (size_t r = 0; r < batch.size(); ++r) {
-        EXPECT_LT(RelativeL2(owned[r].output.data(), ReferenceForward(w, batch[r])), 1e-5)
-            << fc.name << ", sequence " << r << ", " << c.ToString();
+      for (const bool self_only : {false, true}) {  // self-only: the batch Q|K|V one block may take
+        std::vector<OwnedSequence> owned = RaggedBatch(rng, c.d_model);
+        if (self_only) owned.erase(owned.begin() + 1);  // its one cross-attention sequence
+        std::vector<Sequence> batch;
+        for (auto& s : owned) batch.push_back(s.View());
+        NaiveOps ops(fc.policy);
+        ASSERT_TRUE(RunAttention(ops, fc.form, HostWeights(fc.form), batch).ok()) << fc.name;
+        for (size_t r = 0; r < batch.size(); ++r) {
+          EXPECT_LT(RelativeL2(owned[r].output.data(), ReferenceForward(w, batch[r])), 1e-5)
+              << fc.name << (self_only ? ", self-attention only" : "") << ", sequence " << r << ", " << c.ToString();
+        }
       }
     }
   }
+}
+
+// Q, K and the value block are one matrix only where one GEMM can project them: the device
+// allows it, every sequence is self-attention, the form concatenates then projects, and b_in
+// covers every column of W_in or none.
+TEST(BatchPlanTest, QkvOneBlockOnlyWhereOneGemmProjectsAllThree) {
+  std::mt19937_64 rng(testing::TestSeed());
+  const LayerWeights biased = RandomLayerWeights(Config(16, 2, 2, 0, true), rng());
+  const LayerWeights plain = RandomLayerWeights(Config(16, 2, 2, 0, false), rng());
+  std::vector<OwnedSequence> owned = RaggedBatch(rng, 16);
+  std::vector<Sequence> ragged, self;
+  for (size_t r = 0; r < owned.size(); ++r) {
+    ragged.push_back(owned[r].View());
+    if (r != 1) self.push_back(owned[r].View());  // all but the cross-attention sequence
+  }
+  const PlanPolicy allowed{.summed_order = {}, .qkv_one_block = true};
+  std::vector<int64_t> full(2, 8);
+  EXPECT_TRUE(PlanBatch(MaterializeFactored(biased), self, allowed).qkv_one_block);
+  EXPECT_TRUE(PlanBatch(MaterializeFactored(plain), self, allowed).qkv_one_block);
+  EXPECT_TRUE(PlanBatch(*MaterializeLowRank(plain, full), self, allowed).qkv_one_block);
+  EXPECT_FALSE(PlanBatch(MaterializeFactored(biased), self, {}).qkv_one_block);        // the device's call
+  EXPECT_FALSE(PlanBatch(MaterializeFactored(biased), ragged, allowed).qkv_one_block);  // a cross-attention sequence
+  EXPECT_FALSE(PlanBatch(MaterializeSummed(biased), self, allowed).qkv_one_block);      // the head sum projects its own
+  EXPECT_FALSE(PlanBatch(*MaterializeLowRank(biased, full), self, allowed).qkv_one_block);  // b_in: Q and K only
 }
 
 // The operations each head combine asks for, in order: the skeleton's shape, pinned.

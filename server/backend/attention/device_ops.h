@@ -53,7 +53,8 @@ struct ForwardBuffers {
   ConstMatrixView c;                // the stacked contexts [Tc, d_model] (x in self-attention)
   MatrixView q, k;                  // [Tx, q_cols], [Tc, k_cols]; one [Tx, q_cols + k_cols]
                                     // block (q then k) when every sequence is self-attention
-  MatrixView val;                   // the value block [val_rows, value_cols], contiguous
+  MatrixView val;                   // the value block [val_rows, value_cols], contiguous; the
+                                    // last columns of q's block when plan.qkv_one_block
   MatrixView o;                     // the heads' outputs [Tx, out_rows] (concat-then-project)
   MatrixView y;                     // the stacked output [Tx, d_model] (concat-then-project)
   std::vector<MatrixView> outputs;  // each sequence's output rows [n, d_model]

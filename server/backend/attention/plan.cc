@@ -77,6 +77,8 @@ BatchPlan PlanBatch(const FormWeights& f, std::span<const Sequence> batch, const
   if (plan.combine == HeadCombine::kConcatThenProject) grouping.max_value_group_bytes = INT64_MAX;
   PlanValueGroups(f, batch, grouping, plan);
   PlanMixParts(f, batch, policy, plan);
+  plan.qkv_one_block = policy.qkv_one_block && plan.rows.all_self && plan.combine == HeadCombine::kConcatThenProject &&
+                       (f.b_in.empty() || static_cast<int64_t>(f.b_in.size()) == f.in_cols());
   plan.qk_floats = plan.rows.all_self ? tx * (f.q_cols + f.k_cols) : tx * f.q_cols + tc * f.k_cols;
   plan.value_floats = plan.val_rows * f.value_cols;
   plan.o_floats = plan.combine == HeadCombine::kConcatThenProject ? tx * f.out_rows : 0;

@@ -27,6 +27,10 @@ struct PlanPolicy {
   // or one sequence, so that the value block does not grow with the batch. The default is one
   // group for the batch (the CUDA lane, whose workspace is sized per batch).
   int64_t max_value_group_bytes = INT64_MAX;
+  // Whether the device can hold Q, K and the value block as one [T, in_cols] matrix, so that a
+  // self-attention batch of a concat-then-project form projects all three in one GEMM
+  // (BatchPlan::qkv_one_block).
+  bool qkv_one_block = false;
 };
 
 // Query rows [row0, row0 + rows) of a summed sequence that mixes first, and where its mixes
@@ -68,6 +72,15 @@ struct BatchPlan {
   // outputs O (concat-then-project forms), the largest chunk's mixes. (Where the inputs and the
   // outputs live is the device's choice: DeviceOps::Prepare.)
   int64_t qk_floats = 0, value_floats = 0, o_floats = 0, mix_floats = 0;
+
+  // Q, K and the value block as one [Tx, in_cols] matrix (columns q, k, then the values), all
+  // three projected by one GEMM: where the device allows it (PlanPolicy::qkv_one_block), every
+  // sequence is self-attention, the form concatenates then projects (one value group of every
+  // row, in the query rows' order), and b_in covers all of W_in's columns or none (a bias of Q
+  // and K alone would need two GEMMs). The input is then read and packed once, not twice: one
+  // thread's share of gpt2-medium's Q|K|V, [1024, 1024] · [1024, 1536], measured 1.03–1.07×
+  // faster in one GEMM than in two (docs/benchmarks.md, "Attention's own kernel").
+  bool qkv_one_block = false;
 
   // One group holds every sequence's value rows (the concat-then-project forms always).
   bool value_block_is_whole() const { return value_groups.size() == 1 && val_rows == rows.contexts; }

@@ -11,16 +11,16 @@ Status ProjectColumns(DeviceOps& ops, const FormWeights& f, const DeviceWeights&
   return ops.Gemm(x, w.w_in.ColBlock(col0, count), has_bias ? w.b_in + col0 : nullptr, y, /*accumulate=*/false);
 }
 
-// Q and K of every token (one GEMM for both in self-attention: they come from the same rows),
-// rotated (each sequence from its position); then, for the concat-then-project forms, the value
-// block of every sequence in one GEMM (the summed form projects its values group by group:
-// SumOfMixes).
+// Q and K of every token (one GEMM for both in self-attention: they come from the same rows;
+// with the value block too where the plan holds them as one block), rotated (each sequence from
+// its position); then, for the concat-then-project forms, the value block of every sequence in
+// one GEMM (the summed form projects its values group by group: SumOfMixes).
 Status Project(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, const BatchPlan& plan,
                std::span<const Sequence> batch, const ForwardBuffers& b) {
   const int64_t qk_cols = f.q_cols + f.k_cols;
   if (plan.rows.all_self) {
-    ATTNSERVE_RETURN_IF_ERROR(
-        ProjectColumns(ops, f, w, b.x, 0, qk_cols, MatrixView(b.q.data, b.q.rows, qk_cols, b.q.ld)));
+    const int64_t cols = plan.qkv_one_block ? f.in_cols() : qk_cols;
+    ATTNSERVE_RETURN_IF_ERROR(ProjectColumns(ops, f, w, b.x, 0, cols, MatrixView(b.q.data, b.q.rows, cols, b.q.ld)));
   } else {
     ATTNSERVE_RETURN_IF_ERROR(ProjectColumns(ops, f, w, b.x, 0, f.q_cols, b.q));
     ATTNSERVE_RETURN_IF_ERROR(ProjectColumns(ops, f, w, b.c, f.q_cols, f.k_cols, b.k));
@@ -36,7 +36,7 @@ Status Project(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, con
     ATTNSERVE_RETURN_IF_ERROR(ops.Rope(b.q, c.heads, c.d_head, c.rope_theta, queries));
     ATTNSERVE_RETURN_IF_ERROR(ops.Rope(b.k, c.kv_heads, c.d_head, c.rope_theta, keys));
   }
-  if (plan.combine != HeadCombine::kConcatThenProject) return OkStatus();
+  if (plan.combine != HeadCombine::kConcatThenProject || plan.qkv_one_block) return OkStatus();
   return ProjectColumns(ops, f, w, b.c, qk_cols, f.value_cols, b.val);  // the plan's one group: every row
 }
 

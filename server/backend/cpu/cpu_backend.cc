@@ -374,7 +374,8 @@ class CpuOps final : public DeviceOps {
   PlanPolicy Policy() const override {
     return {.summed_order = run_.summed_order,
             .max_mix_bytes = max_score_scratch_bytes_,
-            .max_value_group_bytes = value_group_bytes_};
+            .max_value_group_bytes = value_group_bytes_,
+            .qkv_one_block = true};
   }
 
   // The inputs are used where they are (one sequence, or sequences that lie one after another:
@@ -390,7 +391,12 @@ class CpuOps final : public DeviceOps {
     }
     b.x = StackRows(xs, scratch_.x);
     b.c = plan.rows.all_self ? b.x : StackRows(cs, scratch_.c);
-    if (plan.rows.all_self) {
+    if (plan.qkv_one_block) {
+      const MatrixView qkv = Reserve(scratch_.q, tx, f.in_cols());
+      b.q = qkv.ColBlock(0, f.q_cols);
+      b.k = qkv.ColBlock(f.q_cols, f.k_cols);
+      b.val = qkv.ColBlock(f.q_cols + f.k_cols, f.value_cols);
+    } else if (plan.rows.all_self) {
       const MatrixView qk = Reserve(scratch_.q, tx, f.q_cols + f.k_cols);
       b.q = qk.ColBlock(0, f.q_cols);
       b.k = qk.ColBlock(f.q_cols, f.k_cols);
@@ -398,7 +404,7 @@ class CpuOps final : public DeviceOps {
       b.q = Reserve(scratch_.q, tx, f.q_cols);
       b.k = Reserve(scratch_.k, tc, f.k_cols);
     }
-    b.val = Reserve(scratch_.val, plan.val_rows, f.value_cols);
+    if (!plan.qkv_one_block) b.val = Reserve(scratch_.val, plan.val_rows, f.value_cols);
     if (plan.combine == HeadCombine::kConcatThenProject) {
       b.o = Reserve(scratch_.o, tx, f.out_rows);
       std::vector<MatrixView> outputs;
