@@ -405,14 +405,12 @@ class CpuOps final : public DeviceOps {
       b.k = Reserve(scratch_.k, tc, f.k_cols);
     }
     if (!plan.qkv_one_block) b.val = Reserve(scratch_.val, plan.val_rows, f.value_cols);
+    for (const Sequence& s : batch) b.outputs.push_back(s.output);
     if (plan.combine == HeadCombine::kConcatThenProject) {
       b.o = Reserve(scratch_.o, tx, f.out_rows);
-      std::vector<MatrixView> outputs;
-      for (const Sequence& s : batch) outputs.push_back(s.output);
-      const std::optional<MatrixView> in_place = OneBlock<float>(outputs);
+      const std::optional<MatrixView> in_place = OneBlock<float>(b.outputs);
       b.y = in_place ? *in_place : Reserve(scratch_.y, tx, d);
     }
-    for (const Sequence& s : batch) b.outputs.push_back(s.output);
     return OkStatus();
   }
 

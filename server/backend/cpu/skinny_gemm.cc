@@ -18,24 +18,35 @@ namespace attnserve {
 #if defined(ATTNSERVE_SKINNY_GEMM)
 namespace {
 
-// y = x · w block by block for an ISA's kernel: each block of kCols columns of w against x's rows,
-// kRows at a time, then the rows left over (fewer than kRows) in one smaller block.
-// `RowBlocks<R>::Run(x, w, y, r0, r_end, c0, cols)` runs rows [r0, r_end) R at a time.
-template <template <int> class RowBlocks, int kRows, int kCols>
-void EachBlock(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate) {
+// y = x · w (y += x · w with kAccumulate) block by block for an ISA's kernel: each block of
+// kCols columns of w against x's rows, kRows at a time, then the rows left over (fewer than
+// kRows) in one smaller block. `RowBlocks<R, kAccumulate>::Run(x, w, y, r0, r_end, c0, cols)`
+// runs rows [r0, r_end) R at a time.
+template <template <int, bool> class RowBlocks, int kRows, int kCols, bool kAccumulate>
+void EachBlockOf(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
   static_assert(kRows == 6, "the leftover switch below is written for 6-row blocks");
   const int64_t full = x.rows / kRows * kRows;
   for (int64_t c0 = 0; c0 < w.cols; c0 += kCols) {
     const int cols = static_cast<int>(std::min<int64_t>(kCols, w.cols - c0));
-    RowBlocks<kRows>::Run(x, w, y, 0, full, c0, cols, accumulate);
+    RowBlocks<kRows, kAccumulate>::Run(x, w, y, 0, full, c0, cols);
     switch (x.rows - full) {
-      case 5: RowBlocks<5>::Run(x, w, y, full, x.rows, c0, cols, accumulate); break;
-      case 4: RowBlocks<4>::Run(x, w, y, full, x.rows, c0, cols, accumulate); break;
-      case 3: RowBlocks<3>::Run(x, w, y, full, x.rows, c0, cols, accumulate); break;
-      case 2: RowBlocks<2>::Run(x, w, y, full, x.rows, c0, cols, accumulate); break;
-      case 1: RowBlocks<1>::Run(x, w, y, full, x.rows, c0, cols, accumulate); break;
+      case 5: RowBlocks<5, kAccumulate>::Run(x, w, y, full, x.rows, c0, cols); break;
+      case 4: RowBlocks<4, kAccumulate>::Run(x, w, y, full, x.rows, c0, cols); break;
+      case 3: RowBlocks<3, kAccumulate>::Run(x, w, y, full, x.rows, c0, cols); break;
+      case 2: RowBlocks<2, kAccumulate>::Run(x, w, y, full, x.rows, c0, cols); break;
+      case 1: RowBlocks<1, kAccumulate>::Run(x, w, y, full, x.rows, c0, cols); break;
       default: break;
     }
+  }
+}
+
+// The run-time `accumulate` made a template argument once here, for both ISAs' kernels.
+template <template <int, bool> class RowBlocks, int kRows, int kCols>
+void EachBlock(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate) {
+  if (accumulate) {
+    EachBlockOf<RowBlocks, kRows, kCols, true>(x, w, y);
+  } else {
+    EachBlockOf<RowBlocks, kRows, kCols, false>(x, w, y);
   }
 }
 
@@ -84,18 +95,13 @@ template <int R, bool kAccumulate>
 }
 
 // x's rows [r0, r_end) against columns [c0, c0 + cols) of w, R rows at a time (EachBlock).
-template <int R>
+template <int R, bool kAccumulate>
 struct RowBlocks {
   static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, int64_t r0, int64_t r_end, int64_t c0,
-                  int cols, bool accumulate) {
+                  int cols) {
     for (; r0 + R <= r_end; r0 += R) {
-      const float* const xr = x.data + r0 * x.ld;
-      float* const yr = y.data + r0 * y.ld + c0;
-      if (accumulate) {
-        Block<R, true>(xr, x.ld, w.data + c0, w.ld, yr, y.ld, x.cols, cols);
-      } else {
-        Block<R, false>(xr, x.ld, w.data + c0, w.ld, yr, y.ld, x.cols, cols);
-      }
+      Block<R, kAccumulate>(x.data + r0 * x.ld, x.ld, w.data + c0, w.ld, y.data + r0 * y.ld + c0, y.ld, x.cols,
+                            cols);
     }
   }
 };
@@ -188,18 +194,13 @@ template <int R, bool kAccumulate>
 // The same loop as the AVX-512 one, written again on purpose: GCC inlines an always_inline
 // Block only into a caller compiled for the same target, so the loop must live in each ISA's
 // region (a shared template outside them fails to build).
-template <int R>
+template <int R, bool kAccumulate>
 struct RowBlocks {
   static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, int64_t r0, int64_t r_end, int64_t c0,
-                  int cols, bool accumulate) {
+                  int cols) {
     for (; r0 + R <= r_end; r0 += R) {
-      const float* const xr = x.data + r0 * x.ld;
-      float* const yr = y.data + r0 * y.ld + c0;
-      if (accumulate) {
-        Block<R, true>(xr, x.ld, w.data + c0, w.ld, yr, y.ld, x.cols, cols);
-      } else {
-        Block<R, false>(xr, x.ld, w.data + c0, w.ld, yr, y.ld, x.cols, cols);
-      }
+      Block<R, kAccumulate>(x.data + r0 * x.ld, x.ld, w.data + c0, w.ld, y.data + r0 * y.ld + c0, y.ld, x.cols,
+                            cols);
     }
   }
 };
