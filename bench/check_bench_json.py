@@ -11,7 +11,7 @@ with tempfile.NamedTemporaryFile(suffix=".json") as out:
                    check=True, stdout=subprocess.DEVNULL)
     records = json.load(open(out.name))
 fields = {"shape", "form", "threads", "ms", "gflops", "ceiling_gflops", "ratio_to_ceiling", "ceiling_source", "isa",
-          "gemm"}
+          "gemm", "weights"}
 assert len(records) == 2, f"expected 2 records (factored, summed), got {len(records)}"
 assert {r["form"] for r in records} == {"factored", "summed"}, records
 for r in records:
@@ -22,20 +22,23 @@ for r in records:
     # The ceiling names its library and shape; the ISA is what the CPU kernels may use.
     assert r["ceiling_source"].split()[0] in {"eigen", "onednn", "blis"}, r
     assert r["isa"] in {"avx512", "avx2", "generic"} and r["gemm"] in {"eigen", "onednn"}, r
+    # The default packs the weights wherever the CPU kernels run (AVX2 or AVX-512).
+    assert r["weights"] == ("plain" if r["isa"] == "generic" else "packed"), r
 print("forward_bench JSON ok:", records)
 
 # One form alone (a profile's run), with a pause before each timed call and one sequence a value
 # group; a bad value is refused with the flag's name.
 with tempfile.NamedTemporaryFile(suffix=".json") as out:
     subprocess.run([bench, "--shapes", "small-request", "--threads", "1", "--min-time-s", "0", "--forms", "summed",
-                    "--idle-us", "200", "--value-group-mib", "0", "--json", out.name], check=True,
+                    "--idle-us", "200", "--value-group-mib", "0", "--weight-layout", "plain", "--json", out.name],
+                   check=True,
                    stdout=subprocess.DEVNULL)
     alone = json.load(open(out.name))
-assert [r["form"] for r in alone] == ["summed"] and alone[0]["ms"] > 0, alone
-for flag, value in (("--forms", "lowrank"), ("--idle-us", "-1"), ("--value-group-mib", "x")):
+assert [r["form"] for r in alone] == ["summed"] and alone[0]["ms"] > 0 and alone[0]["weights"] == "plain", alone
+for flag, value in (("--forms", "lowrank"), ("--idle-us", "-1"), ("--value-group-mib", "x"), ("--weight-layout", "x")):
     bad = subprocess.run([bench, flag, value], capture_output=True, text=True)
     assert bad.returncode == 2 and flag in bad.stderr, (flag, bad.returncode, bad.stderr)
-print("forward_bench --forms, --idle-us, --value-group-mib ok")
+print("forward_bench --forms, --idle-us, --value-group-mib, --weight-layout ok")
 
 # The long sweep, at two short lengths: every point's time from this process, its RSS growth from
 # a child process of its own (--rss-point); a child that failed would report -1.

@@ -3,8 +3,10 @@
 // and noisy, so only ratios measured together mean much).
 //
 //   forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]
-//                 [--json FILE] [--shapes a,b] [--gemm auto,eigen,onednn]
+//                 [--json FILE] [--shapes a,b] [--gemm auto,eigen,onednn] [--weight-layout auto,plain]
 // --gemm runs the CPU backend with each GEMM library in turn (gemm.h), against one ceiling;
+// --weight-layout with its weights packed (auto: where its own kernel runs) and row-major (plain)
+// in turn (packed_weights.h; the JSON's `weights` says which ran);
 // --summed-order auto,project-first,mix-first the summed form in each association order (the cross-*
 // shapes sweep n/m); --value-group-mib N the summed form's value groups (CpuBackendOptions::
 // summed_value_group_bytes; 0: one sequence a group). GFLOP/s count what the backend ran
@@ -88,6 +90,7 @@ struct Record {
   int threads;
   double ms, gflops, ceiling_gflops;
   std::string ceiling_source, gemm;  // gemm: the backend's GEMM library (cublas on a GPU)
+  std::string weights = "plain";     // packed or plain: how the CPU backend held the weights
 };
 
 struct Options {
@@ -98,6 +101,7 @@ struct Options {
   std::string device = "cpu";
   std::vector<std::string> gemms = {"auto"};  // the CPU backend's GEMM libraries to run, in turn
   std::vector<std::string> summed_orders = {"auto"};  // auto, project-first, mix-first: in turn
+  std::vector<std::string> weight_layouts = {"auto"};  // auto, packed, plain: in turn
   int64_t value_group_bytes = CpuBackendOptions{}.summed_value_group_bytes;  // --value-group-mib
   std::vector<Form> forms = {Form::kFactored, Form::kSummed};                 // --forms (a profile of one)
   int64_t idle_us = 0;  // --idle-us: a pause before each timed call, as between served requests
@@ -221,9 +225,11 @@ Ceiling BestGemm(const std::vector<GemmLibraryUnderTest>& libraries, const std::
 }
 
 StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int threads, const std::string& gemm,
-                                                    const std::string& summed_order) {
+                                                    const std::string& summed_order,
+                                                    const std::string& weight_layout = "auto") {
   if (opt.device == "cpu") {
     ATTNSERVE_ASSIGN_OR_RETURN(const GemmLibrary library, ParseGemmLibrary(gemm));
+    ATTNSERVE_ASSIGN_OR_RETURN(const WeightLayout layout, ParseWeightLayout(weight_layout));
     using Order = CpuBackendOptions::SummedOrderChoice;
     const Order order = summed_order == "project-first" ? Order::kProjectFirst
                         : summed_order == "mix-first"   ? Order::kMixFirst
@@ -232,7 +238,11 @@ StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int thre
       return InvalidArgumentError("--summed-order: expected auto, project-first or mix-first, got " + summed_order);
     }
     return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(CpuBackendOptions{
-        .threads = threads, .gemm = library, .summed_order = order, .summed_value_group_bytes = opt.value_group_bytes}));
+        .threads = threads,
+        .gemm = library,
+        .weight_layout = layout,
+        .summed_order = order,
+        .summed_value_group_bytes = opt.value_group_bytes}));
   }
 #ifdef ATTNSERVE_HAVE_CUDA
   if (opt.device.rfind("cuda", 0) == 0) {
@@ -332,9 +342,9 @@ void WriteJson(const std::string& path, const std::vector<Record>& records, cons
     std::snprintf(line, size,
                   "{\"shape\": \"%s\", \"form\": \"%s\", \"device\": \"%s\", \"threads\": %d, \"ms\": %.4f, "
                   "\"gflops\": %.2f, \"ceiling_gflops\": %.2f, \"ratio_to_ceiling\": %.4f, \"ceiling_source\": \"%s\", "
-                  "\"isa\": \"%s\", \"gemm\": \"%s\"}",
+                  "\"isa\": \"%s\", \"gemm\": \"%s\", \"weights\": \"%s\"}",
                   r.shape.c_str(), r.form.c_str(), r.device.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops,
-                  r.gflops / r.ceiling_gflops, r.ceiling_source.c_str(), isa.c_str(), r.gemm.c_str());
+                  r.gflops / r.ceiling_gflops, r.ceiling_source.c_str(), isa.c_str(), r.gemm.c_str(), r.weights.c_str());
   });
 }
 
@@ -539,6 +549,7 @@ int Usage(const char* why) {
                "                     [--json FILE] [--shapes bert-base,gpt2-medium,small-request,large]\n"
                "                     [--gemm auto,eigen,onednn]   (the CPU backend's GEMM libraries, in turn)\n"
                "                     [--summed-order auto,project-first,mix-first]   (the summed form's association order)\n"
+               "                     [--weight-layout auto,plain]   (the CPU backend's weights packed or row-major, in turn)\n"
                "                     [--forms factored,summed]   (one form alone: for a profile)\n"
                "                     [--idle-us 0]   (a pause before each timed call, as between served requests)\n"
                "                     [--value-group-mib 64]   (the summed form's value groups; 0: a sequence each)\n"
@@ -574,6 +585,11 @@ int Main(int argc, char** argv) {
       opt.shapes = Split(value);
     } else if (arg == "--gemm") {
       opt.gemms = Split(value);
+    } else if (arg == "--weight-layout") {
+      opt.weight_layouts = Split(value);
+      for (const std::string& l : opt.weight_layouts) {
+        if (!ParseWeightLayout(l).ok()) return Usage(("--weight-layout: expected auto, packed or plain, got " + l).c_str());
+      }
     } else if (arg == "--summed-order") {
       opt.summed_orders = Split(value);
     } else if (arg == "--forms") {
@@ -644,18 +660,23 @@ int Main(int argc, char** argv) {
     }
     std::vector<Record> group;
     for (const std::string& gemm : opt.gemms) {
-      for (const std::string& order : opt.summed_orders) {
-        auto backend = MakeBenchBackend(opt, threads, gemm, order);
-        if (!backend.ok()) {
-          std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
-          return 1;
-        }
-        std::string library = on_cpu ? std::string(GemmLibraryName(static_cast<CpuBackend&>(**backend).gemm())) : gemm;
-        if (order != "auto") library += "/" + order;
-        for (const BenchShape* shape : chosen) {
-          for (auto& r : RunShape(*shape, **backend, threads, before->gflops, opt.min_time_s, opt.forms, opt.idle_us)) {
-            r.gemm = library;
-            group.push_back(r);
+      for (const std::string& layout : on_cpu ? opt.weight_layouts : std::vector<std::string>{"auto"}) {
+        for (const std::string& order : opt.summed_orders) {
+          auto backend = MakeBenchBackend(opt, threads, gemm, order, layout);
+          if (!backend.ok()) {
+            std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
+            return 1;
+          }
+          std::string library = on_cpu ? std::string(GemmLibraryName(static_cast<CpuBackend&>(**backend).gemm())) : gemm;
+          if (order != "auto") library += "/" + order;
+          const bool packed =
+              on_cpu && static_cast<CpuBackend&>(**backend).weight_layout() == WeightLayout::kPacked;
+          for (const BenchShape* shape : chosen) {
+            for (auto& r : RunShape(*shape, **backend, threads, before->gflops, opt.min_time_s, opt.forms, opt.idle_us)) {
+              r.gemm = library;
+              r.weights = packed ? "packed" : "plain";
+              group.push_back(r);
+            }
           }
         }
       }
@@ -664,13 +685,13 @@ int Main(int argc, char** argv) {
     if (ceiling.library != nullptr) {
       ceiling.gflops = std::max(ceiling.gflops, GemmGflops(*ceiling.library, ceiling.shape, threads, opt.min_time_s));
     }
-    std::printf("\n%-38s %-9s %-20s %7s %9s %9s %9s %7s   (ceiling: %s; CPU kernels: %s)\n", "shape", "form", "gemm",
-                "threads", "ms", "GFLOP/s", "ceiling", "ratio", ceiling.source.c_str(), isa.c_str());
+    std::printf("\n%-38s %-9s %-20s %-7s %7s %9s %9s %9s %7s   (ceiling: %s; CPU kernels: %s)\n", "shape", "form",
+                "gemm", "weights", "threads", "ms", "GFLOP/s", "ceiling", "ratio", ceiling.source.c_str(), isa.c_str());
     for (auto& r : group) {
       r.ceiling_gflops = ceiling.gflops;
       r.ceiling_source = ceiling.source;
-      std::printf("%-38s %-9s %-20s %7d %9.3f %9.1f %9.1f %7.3f\n", ShapeLabel(r.shape).c_str(), r.form.c_str(),
-                  r.gemm.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops, r.gflops / r.ceiling_gflops);
+      std::printf("%-38s %-9s %-20s %-7s %7d %9.3f %9.1f %9.1f %7.3f\n", ShapeLabel(r.shape).c_str(), r.form.c_str(),
+                  r.gemm.c_str(), r.weights.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops, r.gflops / r.ceiling_gflops);
       records.push_back(r);
     }
     std::printf("\n");

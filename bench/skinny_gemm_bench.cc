@@ -6,13 +6,17 @@
 // of the bert-base, gpt2-medium, 1×16 and long-sequence layers (d_h = 64), oneDNN's GEMM against
 // the kernel the backend runs (TransposeScaled and SkinnyGemm).
 //
-//   skinny_gemm_bench [--tiles]
+// With --packed, the projections on weights packed once (PanelGemm) against the library on the
+// row-major weights, 1 to 1024 rows (docs/benchmarks.md, "Weights packed once").
+//
+//   skinny_gemm_bench [--tiles | --packed]
 #include <Eigen/Core>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "server/backend/cpu/skinny_gemm.h"
 
@@ -69,12 +73,50 @@ void TileProducts() {
   }
 }
 
+// The projections on weights packed once (PackPanels, PanelGemm) against the GEMM library on
+// the row-major weights (oneDNN where the build has it, else Eigen), one thread, at the weight
+// blocks of bert-base and gpt2-medium and from 1 to 1024 rows: the measurement behind
+// PanelGemmPays (docs/benchmarks.md, "Weights packed once"). Best of 150 for each, the two
+// alternated over 3 rounds.
+void PackedWeightsTable() {
+  const auto library = attnserve::BuiltWithOneDnn() ? attnserve::GemmLibrary::kOneDnn : attnserve::GemmLibrary::kEigen;
+  const std::string name(attnserve::GemmLibraryName(library));
+  struct Weights {
+    const char* name;
+    int64_t depth, cols;
+  };
+  const Weights weights[] = {{"bert W_in", 768, 2304}, {"bert W_O", 768, 768}, {"gpt2-m W_in", 1024, 3072},
+                             {"gpt2-m W_O", 1024, 1024}};
+  std::printf("%-12s %5s %12s %12s %10s %5s\n", "weights", "rows", (name + " ms").c_str(), "packed ms",
+              "lib/packed", "used");
+  for (const Weights& wt : weights) {
+    const RowMatrix w = RowMatrix::Random(wt.depth, wt.cols);
+    const ConstMatrixView wv(w.data(), wt.depth, wt.cols);
+    const attnserve::PackedWeights packed = attnserve::PackPanels(wv, attnserve::PanelWidth());
+    const attnserve::PackedBlock block = *packed.Find(wv);
+    for (int64_t rows : {1, 4, 16, 64, 256, 1024}) {
+      const RowMatrix x = RowMatrix::Random(rows, wt.depth);
+      RowMatrix y(rows, wt.cols);
+      const ConstMatrixView xv(x.data(), rows, wt.depth);
+      const MatrixView yv(y.data(), rows, wt.cols);
+      double lib = 1e30, own = 1e30;
+      for (int round = 0; round < 3; ++round) {
+        lib = std::min(lib, BestMs([&] { attnserve::GemmOnThisThread(library, xv, wv, /*transpose_w=*/false, 1.0f, yv); }));
+        own = std::min(own, BestMs([&] { attnserve::PanelGemm(xv, block, yv); }));
+      }
+      std::printf("%-12s %5ld %12.3f %12.3f %10.2f %5s\n", wt.name, static_cast<long>(rows), lib, own, lib / own,
+                  attnserve::PanelGemmPays(rows) ? "yes" : "no");
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const bool tiles = argc == 2 && std::strcmp(argv[1], "--tiles") == 0;
-  if (argc > 2 || (argc == 2 && !tiles)) {
-    std::fprintf(stderr, "usage: skinny_gemm_bench [--tiles]   (got '%s')\n", argv[1]);
+  const bool packed = argc == 2 && std::strcmp(argv[1], "--packed") == 0;
+  if (argc > 2 || (argc == 2 && !tiles && !packed)) {
+    std::fprintf(stderr, "usage: skinny_gemm_bench [--tiles | --packed]   (got '%s')\n", argv[1]);
     return 2;
   }
   if (!attnserve::SkinnyGemmAvailable()) {
@@ -83,6 +125,12 @@ int main(int argc, char** argv) {
   }
   std::printf("SkinnyGemm kernel: %s\n", std::string(attnserve::SkinnyGemmIsa()).c_str());
   Eigen::setNbThreads(1);
+  if (packed) {
+    std::printf("projections on weights packed in panels of %ld, one thread (best of 3 rounds of 150):\n",
+                static_cast<long>(attnserve::PanelWidth()));
+    PackedWeightsTable();
+    return 0;
+  }
   if (tiles) {
     std::printf("attention's tile products, d_h = 64, one thread, GFLOP/s (best of 150):\n");
     TileProducts();

@@ -176,6 +176,7 @@ Status Server::Build() {
       ChooseBackend(DeviceChoice{.device = options_.device,
                                  .cpu_threads = options_.threads,
                                  .cpu_gemm = options_.cpu_gemm,
+                                 .cpu_weight_layout = options_.cpu_weight_layout,
                                  .tf32 = options_.gpu_math == "tf32",
                                  .max_device_bytes = int64_t{options_.max_device_memory_mb} << 20});
   if (!chosen.ok()) return InContext("cannot use the device: ", chosen.status());

@@ -71,6 +71,11 @@ Status CheckCpuGemm(const std::string& what, const std::string& gemm) {
   return st.ok() ? st : InvalidArgumentError(what + ": " + st.message());
 }
 
+Status CheckCpuWeightLayout(const std::string& what, const std::string& layout) {
+  Status st = ValidateCpuWeightLayout(layout);
+  return st.ok() ? st : InvalidArgumentError(what + ": " + st.message());
+}
+
 Status CheckGpuMath(const std::string& what, const std::string& mode) {
   if (mode == "fp32" || mode == "tf32") return OkStatus();
   return InvalidArgumentError(what + ": expected fp32 or tf32, got '" + mode + "'");
@@ -164,6 +169,10 @@ const Setting kSettings[] = {
     {"--threads", "threads", "N", &O::threads, 0, 1024, nullptr, nullptr, "CPU backend threads per Forward (0: every core)"},
     {"--cpu-gemm", "cpu_gemm", "LIB", &O::cpu_gemm, 0, 0, CheckCpuGemm, nullptr,
      "auto, eigen or onednn: the CPU backend's GEMM library (auto: oneDNN when the build has it, else Eigen)"},
+    {"--cpu-weight-layout", "cpu_weight_layout", "LAYOUT", &O::cpu_weight_layout, 0, 0, CheckCpuWeightLayout, nullptr,
+     "auto, packed or plain: packed keeps a copy of each layer's projection weights in panels for the CPU "
+     "backend's own kernel (as many bytes again; auto: where the CPU has AVX2 and FMA), plain the row-major "
+     "weights only"},
     {"--workers", "workers", "N", &O::workers, 1, 256, nullptr, nullptr, "batches computed side by side"},
     {"--max-batch-requests", "max_batch_requests", "N", &O::max_batch_requests, 1, 4096, nullptr, nullptr,
      "requests in one batch at most (1: no batching)"},

@@ -21,6 +21,9 @@ class ResidentForm {
  public:
   virtual ~ResidentForm() = default;
   virtual const FormWeights& weights() const = 0;
+  // Host memory this form holds: its weights, and any copy of them the backend made (the CPU
+  // backend's packed panels). The layer store's --max-layer-mb and attnserve_layer_bytes count it.
+  virtual int64_t HostBytes() const { return weights().Bytes(); }
 };
 
 class Backend {

@@ -25,9 +25,12 @@ int CudaIndex(const std::string& device) {
 
 StatusOr<ChosenBackend> Cpu(const DeviceChoice& choice, std::string why) {
   ATTNSERVE_ASSIGN_OR_RETURN(const GemmLibrary gemm, ParseGemmLibrary(choice.cpu_gemm));
-  auto cpu = std::make_unique<CpuBackend>(CpuBackendOptions{.threads = choice.cpu_threads, .gemm = gemm});
+  ATTNSERVE_ASSIGN_OR_RETURN(const WeightLayout layout, ParseWeightLayout(choice.cpu_weight_layout));
+  auto cpu = std::make_unique<CpuBackend>(
+      CpuBackendOptions{.threads = choice.cpu_threads, .gemm = gemm, .weight_layout = layout});
   const std::string blas(GemmLibraryName(gemm));
-  why += " (" + std::to_string(cpu->threads()) + " threads, " + blas + " GEMMs, " + std::string(CpuIsa()) + ")";
+  why += " (" + std::to_string(cpu->threads()) + " threads, " + blas + " GEMMs, " +
+         (layout == WeightLayout::kPacked ? "weights packed, " : "weights row-major, ") + std::string(CpuIsa()) + ")";
   return ChosenBackend{std::move(cpu), std::move(why), blas};
 }
 
@@ -88,6 +91,8 @@ Status ValidateDevice(const std::string& device) {
 }
 
 Status ValidateCpuGemm(const std::string& gemm) { return ParseGemmLibrary(gemm).status(); }
+
+Status ValidateCpuWeightLayout(const std::string& layout) { return ParseWeightLayout(layout).status(); }
 
 StatusOr<ChosenBackend> ChooseBackend(const DeviceChoice& choice) {
   ATTNSERVE_RETURN_IF_ERROR(ValidateDevice(choice.device));

@@ -14,6 +14,8 @@ struct DeviceChoice {
   std::string device = "auto";  // auto: a usable GPU when there is one, else the CPU
   int cpu_threads = 0;          // the CPU backend's threads (0: every core)
   std::string cpu_gemm = "auto";  // the CPU backend's GEMM library: auto, eigen or onednn
+  // How the CPU backend holds the weights: auto, packed or plain (packed_weights.h).
+  std::string cpu_weight_layout = "auto";
   bool tf32 = false;            // GPU GEMMs on TF32 tensor cores
   // Device memory the GPU backend may hold (weights and workspaces); 0: its default share of
   // the device (CudaBackendOptions::max_device_bytes).
@@ -31,6 +33,9 @@ Status ValidateDevice(const std::string& device);
 
 // Checks the CPU GEMM library's name: "auto", "eigen" or "onednn" (when this build has oneDNN).
 Status ValidateCpuGemm(const std::string& gemm);
+
+// Checks the CPU weight layout: "auto", "packed" (where the backend's own kernel runs) or "plain".
+Status ValidateCpuWeightLayout(const std::string& layout);
 
 // An explicit cuda with no usable GPU (or a build without CUDA) fails with UNAVAILABLE saying
 // why; auto falls back to the CPU and says why in `why`.

@@ -97,7 +97,7 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
        "Shadow runs not done: the shadow queue was full, or the mirror failed."},
       {"attnserve_layer_parameters", "gauge", {"layer", "form"}, "Parameters of a loaded layer's form."},
       {"attnserve_layer_bytes", "gauge", {"layer", "form", "device"},
-       "Bytes of a loaded layer's form resident on its device."},
+       "Bytes of host memory a loaded layer's form holds: its weights, and the CPU backend's packed copy of them."},
       {"attnserve_routing_weight", "gauge", {"layer", "form"},
        "Share of unspecified-form requests routed to a form (layer \"*\": the default route)."},
       {"attnserve_build_info", "gauge", {"version", "device", "blas"}, "Always 1; the labels describe the build."},

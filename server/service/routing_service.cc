@@ -52,7 +52,7 @@ void ReportLayerMetrics(const Layer& layer, Metrics& metrics) {
   metrics.RemoveLayer(layer.name);
   for (const auto& [form, resident] : layer.forms) {
     const FormWeights& w = resident->weights();
-    metrics.SetLayerForm(layer.name, form, layer.device, w.Parameters(), w.Bytes());
+    metrics.SetLayerForm(layer.name, form, layer.device, w.Parameters(), resident->HostBytes());
   }
 }
 

@@ -443,7 +443,7 @@ void FillLayerInfo(const Layer& layer, v1::LayerInfo* info) {
     v1::FormInfo* f = info->add_forms();
     f->set_form(ToProtoForm(form));
     f->set_parameters(w.Parameters());
-    f->set_bytes(w.Bytes());
+    f->set_bytes(resident->HostBytes());
     f->set_device(layer.device);
     const SequenceShape shape{kFlopsReferenceLength, kFlopsReferenceLength, -1};
     f->set_flops_per_token(ForwardFlops(w, std::span<const SequenceShape>(&shape, 1)) /

@@ -90,7 +90,7 @@ namespace {
 
 int64_t LayerBytes(const Layer& layer) {
   int64_t bytes = 0;
-  for (const auto& [form, resident] : layer.forms) bytes += resident->weights().Bytes();
+  for (const auto& [form, resident] : layer.forms) bytes += resident->HostBytes();
   return bytes;
 }
 

@@ -240,7 +240,9 @@ TEST(RoutingServerTest, ShadowsOfRotaryCrossAttentionKeepThePositionOffset) {
 }
 
 TEST(RoutingServerTest, RefusalsAndLayerGaugesInTheScrape) {
-  Server server({"--admin-token", testing::kTestAdminToken, "--layer", kLayer});
+  // The weights row-major only, so that attnserve_layer_bytes is the weights' own bytes (the
+  // packed copy's are checked in ServerTest.LayerInfo).
+  Server server({"--admin-token", testing::kTestAdminToken, "--layer", kLayer, "--cpu-weight-layout", "plain"});
   ASSERT_NE(server.process, nullptr);
   Client& client = server.client();
   v1::ForwardResponse resp;

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -471,8 +472,23 @@ TEST_F(ServerTest, LayerInfo) {
   ASSERT_TRUE(forms.count(v1::FORM_FACTORED) && forms.count(v1::FORM_SUMMED));
   EXPECT_EQ(forms[v1::FORM_FACTORED].parameters(), factored);
   EXPECT_EQ(forms[v1::FORM_SUMMED].parameters(), summed);
+  // The bytes are the weights and, on a CPU with AVX2 and FMA, their packed copy
+  // (--cpu-weight-layout auto): [rows, cols] matrices in whole panels of 64 columns on AVX-512,
+  // 16 on AVX2 (server/backend/cpu/packed_weights.h). Factored: W_in [d, q + 2kv], W_O [q, d];
+  // summed: W_in [d, q + kv + h·d].
+  const char* cap = std::getenv("ATTNSERVE_CPU_ISA");
+  const bool capped = cap != nullptr && std::string(cap) == "avx2";
+  const int64_t panel = !capped && __builtin_cpu_supports("avx512f")                         ? 64
+                        : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 16
+                                                                                          : 0;
+  const auto packed_floats = [&](int64_t rows, int64_t cols) {
+    return panel == 0 ? 0 : rows * ((cols + panel - 1) / panel) * panel;
+  };
+  const std::map<v1::Form, int64_t> packed = {
+      {v1::FORM_FACTORED, packed_floats(d, q + 2 * kv) + packed_floats(q, d)},
+      {v1::FORM_SUMMED, packed_floats(d, q + kv + 6 * d)}};
   for (auto& [form, f] : forms) {
-    EXPECT_EQ(f.bytes(), 4 * f.parameters());
+    EXPECT_EQ(f.bytes(), 4 * (f.parameters() + packed.at(form))) << "panel width " << panel;
     EXPECT_EQ(f.device(), "cpu");
     EXPECT_EQ(f.flops_reference_length(), 128);
     EXPECT_GT(f.flops_per_token(), 0);

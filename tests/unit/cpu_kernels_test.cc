@@ -105,6 +105,122 @@ TEST(SkinnyGemmTest, AccumulatesAtEveryBlockEdge) {
   EXPECT_EQ(checked, 6 * 6 * 4);
 }
 
+// y = x · w on weights packed once (PackPanels, PanelGemm) against float64: w lies inside a larger
+// source at a row offset and at a column offset of whole panels, as the blocks of W_in the
+// projections multiply do (the value block at q_cols + k_cols, a summed head's W_M_i), and the
+// block is found as the backend finds it (PackedWeights::Find). Every row count of the kernel's
+// blocks, column counts on both sides of a panel, with and without accumulating.
+TEST(PanelGemmTest, MatchesFloat64AtEveryPanelEdgeAndOffset) {
+  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: the weights stay row-major";
+  const int64_t width = PanelWidth();
+  EXPECT_EQ(width, SkinnyGemmIsa() == "avx512" ? 64 : 16);
+  std::mt19937_64 rng(testing::TestSeed());
+  int checked = 0;
+  for (bool accumulate : {false, true}) {
+    for (int64_t rows = 1; rows <= 20; ++rows) {
+      for (int64_t cols : {1, 15, 16, 17, 63, 64, 65, 130}) {
+        for (int64_t k : {1, 7, 96}) {
+          const int64_t row0 = rows % 3, col0 = (rows % 2) * width;  // offsets of 0 and 1 panel
+          const Product packed = [&](ConstMatrixView x, ConstMatrixView w, MatrixView y) {
+            // The source: w at (row0, col0) of a larger matrix with more columns on the right.
+            const int64_t src_rows = row0 + w.rows + 2, src_cols = col0 + w.cols + 3;
+            std::vector<float> src = testing::RandomVector(rng, src_rows * src_cols);
+            for (int64_t r = 0; r < w.rows; ++r) {
+              std::copy_n(w.data + r * w.ld, w.cols, src.data() + (row0 + r) * src_cols + col0);
+            }
+            const PackedWeights pw = PackPanels(ConstMatrixView(src.data(), src_rows, src_cols), width);
+            const auto block = pw.Find(ConstMatrixView(src.data() + row0 * src_cols + col0, w.rows, w.cols, src_cols));
+            ASSERT_TRUE(block.has_value());
+            EXPECT_EQ(block->row0, row0);
+            EXPECT_EQ(block->col0, col0);
+            PanelGemm(x, *block, y, accumulate);
+          };
+          ASSERT_TRUE(ProductMatchesFloat64(rng, rows, k, cols, /*transpose_w=*/false, 1.0f, packed, accumulate));
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(checked, 2 * 20 * 8 * 3);
+}
+
+// Find names a block only of the matrix packed, with its row stride, starting on a panel's first
+// column and inside its rows and columns: anything else (attention's activations passed to the
+// same Gemm, a column block starting mid-panel) is multiplied row-major by the library.
+TEST(PackedWeightsTest, FindNamesOnlyWholePanelBlocksOfTheSource) {
+  std::mt19937_64 rng(testing::TestSeed());
+  constexpr int64_t kRows = 10, kCols = 100, kWidth = 16;
+  const std::vector<float> src = testing::RandomVector(rng, kRows * kCols), other = src;
+  const ConstMatrixView w(src.data(), kRows, kCols);
+  const PackedWeights pw = PackPanels(w, kWidth);
+  ASSERT_EQ(pw.Bytes(), static_cast<int64_t>(7 * kRows * kWidth * sizeof(float)));  // 100 columns: 7 panels
+  // The layout: each panel's rows one after another, zeros past the last column.
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t c = 0; c < 7 * kWidth; ++c) {
+      const float want = c < kCols ? src[r * kCols + c] : 0.0f;
+      ASSERT_EQ(pw.PanelRow(c / kWidth, r)[c % kWidth], want) << r << ", " << c;
+    }
+  }
+  const auto whole = pw.Find(w);
+  ASSERT_TRUE(whole.has_value());
+  EXPECT_EQ(whole->rows, kRows);
+  EXPECT_EQ(whole->cols, kCols);
+  const auto block = pw.Find(w.RowBlock(3, 4).ColBlock(32, 50));
+  ASSERT_TRUE(block.has_value());
+  EXPECT_EQ(block->row0, 3);
+  EXPECT_EQ(block->col0, 32);
+  EXPECT_EQ(block->cols, 50);
+  EXPECT_FALSE(pw.Find(w.ColBlock(8, 16)).has_value()) << "starts mid-panel";
+  EXPECT_FALSE(pw.Find(ConstMatrixView(other.data(), kRows, kCols)).has_value()) << "other memory, same contents";
+  EXPECT_FALSE(pw.Find(ConstMatrixView(src.data(), 5, 20, 20)).has_value()) << "another row stride";
+  EXPECT_FALSE(pw.Find(ConstMatrixView(src.data() + kCols, kRows, kCols)).has_value()) << "past the last row";
+  EXPECT_FALSE(PackedWeights().Find(w).has_value()) << "nothing packed";
+}
+
+TEST(WeightLayoutTest, NamesParseAndBadNamesSayWhatIsAccepted) {
+  EXPECT_EQ(*ParseWeightLayout("plain"), WeightLayout::kPlain);
+  EXPECT_EQ(*ParseWeightLayout("auto"), PanelWidth() > 0 ? WeightLayout::kPacked : WeightLayout::kPlain);
+  EXPECT_EQ(CpuBackend().weight_layout(), *ParseWeightLayout("auto"));
+  const auto packed = ParseWeightLayout("packed");
+  if (PanelWidth() > 0) {
+    EXPECT_EQ(*packed, WeightLayout::kPacked);
+  } else {
+    ASSERT_FALSE(packed.ok());
+    EXPECT_NE(packed.status().message().find("cannot run here"), std::string::npos);
+  }
+  const auto bad = ParseWeightLayout("blocked");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message(), "cpu weight layout: expected auto, packed or plain, got 'blocked'");
+}
+
+// The packed copy is host memory the form holds (ResidentForm::HostBytes: the layer store's
+// bound and attnserve_layer_bytes count it), and both layouts compute the same layer.
+TEST(WeightLayoutTest, PackedWeightsCountInHostBytesAndAgreeWithPlain) {
+  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: the weights stay row-major";
+  const LayerConfig config = *CompleteConfig({.d_model = 96, .heads = 3});
+  const LayerWeights weights = RandomLayerWeights(config, testing::TestSeed());
+  auto f = std::make_shared<const FormWeights>(MaterializeFactored(weights));
+  CpuBackend packed({.weight_layout = WeightLayout::kPacked}), plain({.weight_layout = WeightLayout::kPlain});
+  auto on_packed = packed.Upload(f), on_plain = plain.Upload(f);
+  ASSERT_TRUE(on_packed.ok() && on_plain.ok());
+  EXPECT_EQ((*on_plain)->HostBytes(), f->Bytes());
+  // W_in [96, 288] and W_out [96, 96] packed: whole panels, so at least the weights' bytes again.
+  EXPECT_GE((*on_packed)->HostBytes(), 2 * f->Bytes() - static_cast<int64_t>(f->b_in.size() + f->b_out.size()) * 4);
+  std::mt19937_64 rng(testing::TestSeed());
+  for (int64_t n : {1, 5, 16, 40}) {
+    const std::vector<float> input = testing::RandomVector(rng, n * 96);
+    std::vector<float> out_packed(n * 96), out_plain(n * 96);
+    Sequence s;
+    s.input = ConstMatrixView(input.data(), n, 96);
+    s.output = MatrixView(out_packed.data(), n, 96);
+    ASSERT_TRUE(packed.Forward(**on_packed, std::span<const Sequence>(&s, 1)).ok());
+    s.output = MatrixView(out_plain.data(), n, 96);
+    ASSERT_TRUE(plain.Forward(**on_plain, std::span<const Sequence>(&s, 1)).ok());
+    for (int64_t i = 0; i < n * 96; ++i) ASSERT_NEAR(out_packed[i], out_plain[i], 1e-4f * (1 + std::abs(out_plain[i]))) << n << " " << i;
+  }
+}
+
 // kt = scale · kᵀ from strided key tiles: row and column counts on both sides of its 8 × 8
 // blocks, each element the scaled one exactly (one rounding, as float32 scale · k is), and no
 // write outside kt's view.

@@ -187,6 +187,20 @@ TEST(ServerOptionsTest, MaxDeviceMemoryFromFlagAndYaml) {
               HasSubstr("gpu.yaml: max_device_memory_mb"));
 }
 
+TEST(ServerOptionsTest, CpuWeightLayoutFromFlagAndYaml) {
+  auto defaults = Parse({});
+  ASSERT_TRUE(defaults.ok()) << defaults.status().ToString();
+  EXPECT_EQ(defaults->cpu_weight_layout, "auto");
+  auto o = Parse({"--cpu-weight-layout", "plain"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->cpu_weight_layout, "plain");
+  ServerOptions from_yaml;
+  ASSERT_TRUE(ApplyYamlConfig("cpu_weight_layout: plain\n", "cpu.yaml", &from_yaml).ok());
+  EXPECT_EQ(from_yaml.cpu_weight_layout, "plain");
+  EXPECT_THAT(Parse({"--cpu-weight-layout", "blocked"}).status().message(),
+              HasSubstr("--cpu-weight-layout: cpu weight layout: expected auto, packed or plain, got 'blocked'"));
+}
+
 // docs/service.md's flag table and the settings table in server_options.cc say the same thing:
 // every flag and its YAML key in a row, and no row for a flag the server does not have.
 TEST(ServerOptionsTest, TheDocumentedFlagTableIsTheCodes) {

@@ -67,11 +67,12 @@ OwnedSequence RandomSequence(std::mt19937_64& rng, int64_t d_model, int64_t n, i
 
 std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why) {
   if (name == "cpu") return std::make_unique<CpuBackend>();
-  // Eigen's GEMMs, and the summed form's value rows projected and summed one sequence at a time
-  // (the default groups hold 16 MiB of them: the whole batch at the suite's shapes).
+  // Eigen's GEMMs on the row-major weights (the portable path: the default "cpu" packs them where
+  // its own kernel runs), and the summed form's value rows projected and summed one sequence at
+  // a time (the default groups hold 16 MiB of them: the whole batch at the suite's shapes).
   if (name == "cpu-eigen") {
-    return std::make_unique<CpuBackend>(
-        CpuBackendOptions{.gemm = GemmLibrary::kEigen, .summed_value_group_bytes = 1});
+    return std::make_unique<CpuBackend>(CpuBackendOptions{
+        .gemm = GemmLibrary::kEigen, .weight_layout = WeightLayout::kPlain, .summed_value_group_bytes = 1});
   }
   // A 64 KiB bound on the summed form's working memory: every summed sequence then mixes first,
   // tiled, in parts of a few rows — the path a long sequence takes, at the suite's short shapes.

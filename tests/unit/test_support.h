@@ -35,8 +35,8 @@ struct OwnedSequence {
 OwnedSequence RandomSequence(std::mt19937_64& rng, int64_t d_model, int64_t n, int64_t m, bool cross,
                              bool causal, int64_t key_length);
 
-// The backends this build can run: "cpu" (its default GEMM library: oneDNN when built with it),
-// "cpu-eigen" and "cpu-tiled" (the summed form always mixing first, tiled, in parts) always, "cuda" and "cuda-tf32" when compiled in. Returns nullptr and sets `why`
+// The backends this build can run: "cpu" (its defaults: oneDNN when built with it, the weights
+// packed where its own kernel runs), "cpu-eigen" (Eigen on row-major weights) and "cpu-tiled" (the summed form always mixing first, tiled, in parts) always, "cuda" and "cuda-tf32" when compiled in. Returns nullptr and sets `why`
 // when the backend cannot run here (the test then skips, saying why).
 std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why);
 

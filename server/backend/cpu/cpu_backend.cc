@@ -45,13 +45,29 @@ using BiasMap = Eigen::Map<const Eigen::RowVectorXf>;
 ConstMap AsEigen(ConstMatrixView v) { return ConstMap(v.data, v.rows, v.cols, Stride(v.ld)); }
 MutableMap AsEigen(MatrixView v) { return MutableMap(v.data, v.rows, v.cols, Stride(v.ld)); }
 
+// A form as the CPU backend holds it: its weights, and with WeightLayout::kPacked their
+// projection matrices packed into panels as well (packed_weights.h).
 class CpuResidentForm final : public ResidentForm {
  public:
-  explicit CpuResidentForm(std::shared_ptr<const FormWeights> w) : w_(std::move(w)) {}
+  CpuResidentForm(std::shared_ptr<const FormWeights> w, int64_t panel_width) : w_(std::move(w)) {
+    if (panel_width <= 0) return;
+    const DeviceWeights host = HostWeights(*w_);
+    w_in_ = PackPanels(host.w_in, panel_width);
+    if (!host.w_out.empty()) w_out_ = PackPanels(host.w_out, panel_width);
+  }
   const FormWeights& weights() const override { return *w_; }
+  int64_t HostBytes() const override { return w_->Bytes() + w_in_.Bytes() + w_out_.Bytes(); }
+
+  // The packed block of W_in or W_out that `w` views (PackedWeights::Find); nothing when the
+  // weights are not packed or `w` is not a block of them.
+  std::optional<PackedBlock> Packed(ConstMatrixView w) const {
+    if (auto block = w_in_.Find(w)) return block;
+    return w_out_.Find(w);
+  }
 
  private:
   std::shared_ptr<const FormWeights> w_;
+  PackedWeights w_in_, w_out_;
 };
 
 // How a forward computes: which GEMM library, on how many threads, in which summed order.
@@ -65,7 +81,11 @@ struct Compute {
 // of the weights once. (A split by rows of y, Eigen's own, makes every thread pack the whole
 // weight matrix when the batch has few tokens: 2 threads were 3x slower than 1 there.)
 // With `accumulate`, y += x · w instead.
-void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate = false) {
+// `packed`, where given, is w packed (CpuResidentForm::Packed): the column split falls on its
+// panels (kColumnAlign is a multiple of every PanelWidth), and PanelGemm computes where it pays.
+void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, std::optional<PackedBlock> packed, const float* bias,
+          MatrixView y, bool accumulate = false) {
+  if (packed && !PanelGemmPays(x.rows)) packed.reset();
   constexpr int64_t kColumnAlign = 64;  // whole cache lines and register blocks per thread
   const int64_t chunks = std::min<int64_t>(run.threads, (w.cols + kColumnAlign - 1) / kColumnAlign);
   const int64_t chunk_cols = ((w.cols + chunks - 1) / chunks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
@@ -78,7 +98,9 @@ void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, const float* bias, 
     // bias after (3-5 % of a projection's time at bert-base widths, one thread).
     const bool bias_first = bias != nullptr && !accumulate;
     if (bias_first) AsEigen(block).rowwise() = BiasMap(bias + c0, count);
-    if (UseSkinnyGemm(run.gemm, x.rows, count)) {
+    if (packed) {
+      PanelGemm(x, packed->ColBlock(c0, count), block, accumulate || bias_first);
+    } else if (UseSkinnyGemm(run.gemm, x.rows, count)) {
       SkinnyGemm(x, w.ColBlock(c0, count), block, accumulate || bias_first);
     } else {
       GemmOnThisThread(run.gemm, x, w.ColBlock(c0, count), /*transpose_w=*/false, 1.0f, block,
@@ -365,8 +387,10 @@ void ScoreIntoACat(GemmLibrary gemm, const FormWeights& f, const AttentionRange&
 // runs as an OpenMP loop of tiled tasks (AttendTiled).
 class CpuOps final : public DeviceOps {
  public:
-  CpuOps(Compute run, int64_t max_score_scratch_bytes, int64_t value_group_bytes, ForwardScratch& scratch)
+  CpuOps(Compute run, const CpuResidentForm* resident, int64_t max_score_scratch_bytes, int64_t value_group_bytes,
+         ForwardScratch& scratch)
       : run_(run),
+        resident_(resident),
         max_score_scratch_bytes_(max_score_scratch_bytes),
         value_group_bytes_(value_group_bytes),
         scratch_(scratch) {}
@@ -422,7 +446,7 @@ class CpuOps final : public DeviceOps {
   }
 
   Status Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate) override {
-    attnserve::Gemm(run_, x, w, bias, y, accumulate);
+    attnserve::Gemm(run_, x, w, resident_ != nullptr ? resident_->Packed(w) : std::nullopt, bias, y, accumulate);
     return OkStatus();
   }
 
@@ -483,7 +507,7 @@ class CpuOps final : public DeviceOps {
         const int64_t keys = range.sequence->visible_keys();
         const ConstMatrixView a(work + chunks.offset[i], range.rows, keys * heads);
         const ConstMatrixView m(range.values.data, keys * heads, d);
-        attnserve::Gemm({run_.gemm, gemm_threads, run_.summed_order}, a, m, bias, range.out);
+        attnserve::Gemm({run_.gemm, gemm_threads, run_.summed_order}, a, m, std::nullopt, bias, range.out);
       };
       if (last - first == 1) {
         head_sum(first, run_.threads);  // one range: its GEMM's columns across the threads
@@ -508,6 +532,7 @@ class CpuOps final : public DeviceOps {
   int64_t ScratchCap() const { return max_score_scratch_bytes_ / static_cast<int64_t>(sizeof(float)); }
 
   const Compute run_;
+  const CpuResidentForm* resident_;  // null for a form another backend uploaded: nothing packed
   const int64_t max_score_scratch_bytes_;
   const int64_t value_group_bytes_;
   ForwardScratch& scratch_;
@@ -529,6 +554,7 @@ SummedOrder OrderOf(const CpuBackendOptions& options) {
 CpuBackend::CpuBackend(CpuBackendOptions options)
     : threads_(options.threads > 0 ? options.threads : omp_get_max_threads()),
       gemm_(options.gemm),
+      weight_layout_(options.weight_layout),
       max_score_scratch_bytes_(options.max_score_scratch_bytes),
       max_retained_scratch_bytes_(options.max_retained_scratch_bytes),
       summed_value_group_bytes_(options.summed_value_group_bytes),
@@ -593,7 +619,8 @@ int64_t CpuBackend::RetainedScratchBytes() const {
 StatusOr<std::shared_ptr<const ResidentForm>> CpuBackend::Upload(std::shared_ptr<const FormWeights> form) {
   if (!form) return InvalidArgumentError("Upload: no form given");
   ATTNSERVE_RETURN_IF_ERROR(CheckHeadCombine(*form));
-  return std::shared_ptr<const ResidentForm>(std::make_shared<CpuResidentForm>(std::move(form)));
+  const int64_t panel_width = weight_layout_ == WeightLayout::kPacked ? PanelWidth() : 0;
+  return std::shared_ptr<const ResidentForm>(std::make_shared<CpuResidentForm>(std::move(form), panel_width));
 }
 
 Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequence> batch) {
@@ -608,7 +635,8 @@ Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequenc
     std::unique_ptr<ForwardScratch>& scratch;
     ~Return() { backend->ReturnScratch(std::move(scratch)); }
   } give_back{this, scratch};
-  CpuOps ops(run, max_score_scratch_bytes_, summed_value_group_bytes_, *scratch);
+  CpuOps ops(run, dynamic_cast<const CpuResidentForm*>(&resident), max_score_scratch_bytes_,
+             summed_value_group_bytes_, *scratch);
   return RunAttention(ops, f, HostWeights(f), batch);
 }
 

@@ -15,6 +15,7 @@
 
 #include "server/backend/backend.h"
 #include "server/backend/cpu/gemm.h"
+#include "server/backend/cpu/packed_weights.h"
 #include "server/core/thread_annotations.h"
 
 namespace attnserve {
@@ -23,6 +24,11 @@ struct CpuBackendOptions {
   int threads = 0;  // 0: all cores OpenMP sees
   // Which library computes the GEMMs (gemm.h): oneDNN when the build has it, else Eigen.
   GemmLibrary gemm = BuiltWithOneDnn() ? GemmLibrary::kOneDnn : GemmLibrary::kEigen;
+  // kPacked: Upload packs each form's projection weights into panels (packed_weights.h), and
+  // the projections run on the backend's own kernel where it beats the library (PanelGemmPays);
+  // a second copy of the weights in host memory. kPlain: the library on the row-major weights.
+  // The default packs where the kernel runs (ParseWeightLayout("auto")).
+  WeightLayout weight_layout = *ParseWeightLayout("auto");
   // Upper bound on the summed form's working memory held at once: the A_cat [n, L·h] of the
   // sequences that project first, the mixes [rows, h·d] of those that mix first. A sequence
   // whose A_cat alone would pass it mixes first, tiled, in parts of rows under the bound
@@ -68,6 +74,7 @@ class CpuBackend final : public Backend {
 
   int threads() const { return threads_; }
   GemmLibrary gemm() const { return gemm_; }
+  WeightLayout weight_layout() const { return weight_layout_; }
   // The scratch kept between calls, in bytes.
   int64_t RetainedScratchBytes() const override;
 
@@ -77,6 +84,7 @@ class CpuBackend final : public Backend {
 
   int threads_;
   GemmLibrary gemm_;
+  WeightLayout weight_layout_;
   int64_t max_score_scratch_bytes_;
   int64_t max_retained_scratch_bytes_;
   int64_t summed_value_group_bytes_;

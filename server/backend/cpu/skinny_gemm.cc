@@ -272,6 +272,20 @@ void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumul
 
 void TransposeScaled(ConstMatrixView k, float scale, MatrixView kt) { avx2::TransposeScaled(k, scale, kt); }
 
+int64_t PanelWidth() {
+  const std::string_view isa = Choose().isa;
+  return isa == "avx512" ? avx512::kBlockCols : isa == "avx2" ? avx2::kBlockCols : 0;
+}
+
+void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accumulate) {
+  const int64_t width = w.weights->width;
+  for (int64_t c = 0; c < w.cols; c += width) {
+    const int64_t count = std::min(width, w.cols - c);
+    const ConstMatrixView panel(w.weights->PanelRow((w.col0 + c) / width, w.row0), w.rows, count, width);
+    Choose().kernel(x, panel, y.ColBlock(c, count), accumulate);
+  }
+}
+
 bool SkinnyGemmAvailable() { return Choose().kernel != nullptr; }
 
 std::string_view SkinnyGemmIsa() { return Choose().isa; }
@@ -286,11 +300,20 @@ void SkinnyGemm(ConstMatrixView, ConstMatrixView, MatrixView, bool) {}
 
 void TransposeScaled(ConstMatrixView, float, MatrixView) {}
 
+int64_t PanelWidth() { return 0; }
+
+void PanelGemm(ConstMatrixView, const PackedBlock&, MatrixView, bool) {}
+
 #endif
 
 bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols) {
   if (!SkinnyGemmPays(rows, cols)) return false;
   return library == GemmLibrary::kEigen || (SkinnyGemmIsa() == "avx512" && rows <= kSkinnyGemmMaxRowsAgainstOneDnn);
+}
+
+bool PanelGemmPays(int64_t rows) {
+  const std::string_view isa = SkinnyGemmIsa();
+  return isa == "avx512" || (isa == "avx2" && rows <= kPanelGemmMaxRowsAvx2);
 }
 
 bool SkinnyGemmPays(int64_t rows, int64_t cols) {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "server/backend/cpu/gemm.h"
+#include "server/backend/cpu/packed_weights.h"
 #include "server/core/tensor.h"
 
 namespace attnserve {
@@ -45,6 +46,21 @@ std::string_view SkinnyGemmIsa();
 // says when it beats a packing GEMM on weights streamed from memory; attention's tiles, whose
 // operands are already in cache, use it at any row count (AttendTiled, cpu_backend.cc).
 void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate = false);
+
+// The panel width this CPU's kernel reads packed weights in (PackPanels): one block of its
+// columns, 64 (AVX-512) or 16 (AVX2); 0 where no kernel runs.
+int64_t PanelWidth();
+
+// y = x · w (y += x · w with `accumulate`) for weights packed at PanelWidth(): the kernel runs
+// panel by panel, each streamed from one contiguous run (packed_weights.h). x is [rows, w.rows],
+// y [rows, w.cols]. Requires SkinnyGemmAvailable().
+void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accumulate = false);
+
+// Whether PanelGemm on packed weights beats the GEMM library on the row-major ones for an x of
+// `rows` rows (docs/benchmarks.md, "Weights packed once"): with the AVX-512 kernel at every row
+// count measured; with the AVX2 one up to kPanelGemmMaxRowsAvx2 rows.
+bool PanelGemmPays(int64_t rows);
+constexpr int64_t kPanelGemmMaxRowsAvx2 = 64;
 
 // kt = scale · kᵀ, k [rows, cols] into kt [cols, rows]: attention's key tile as SkinnyGemm's
 // right operand, with the softmax's scale folded in. Requires SkinnyGemmAvailable().
