@@ -105,7 +105,7 @@ void PackedWeightsTable() {
         own = std::min(own, BestMs([&] { attnserve::PanelGemm(xv, block, yv); }));
       }
       std::printf("%-12s %5ld %12.3f %12.3f %10.2f %5s\n", wt.name, static_cast<long>(rows), lib, own, lib / own,
-                  attnserve::PanelGemmPays(rows) ? "yes" : "no");
+                  attnserve::PanelGemmPays(rows, wt.cols) ? "yes" : "no");
     }
   }
 }

@@ -144,6 +144,28 @@ TEST(PanelGemmTest, MatchesFloat64AtEveryPanelEdgeAndOffset) {
   EXPECT_EQ(checked, 2 * 20 * 8 * 3);
 }
 
+// Where the backend multiplies packed weights (PanelGemmPays), as measured: the AVX-512 kernel at
+// any row count up to kPanelGemmMaxRows; the AVX2 one from 64 rows, or from 4 where the
+// row-major rows lie a multiple of 4 KiB apart (gpt2-medium's 1024 floats, not bert-base's 768).
+// cpu_kernels_avx2 runs it capped to AVX2.
+TEST(PanelGemmTest, PaysWhereItWasMeasuredToWin) {
+  const std::string_view isa = SkinnyGemmIsa();
+  EXPECT_FALSE(PanelGemmPays(kPanelGemmMaxRows + 1, 1024));
+  if (isa == "avx512") {
+    for (int64_t rows : {1, 4, 16, 64, 256}) EXPECT_TRUE(PanelGemmPays(rows, 768)) << rows;
+  } else if (isa == "avx2") {
+    EXPECT_FALSE(PanelGemmPays(1, 1024));
+    EXPECT_TRUE(PanelGemmPays(4, 1024));
+    EXPECT_TRUE(PanelGemmPays(4, 3072));
+    EXPECT_FALSE(PanelGemmPays(16, 768));
+    EXPECT_FALSE(PanelGemmPays(63, 2304));
+    EXPECT_TRUE(PanelGemmPays(64, 2304));
+    EXPECT_TRUE(PanelGemmPays(256, 768));
+  } else {
+    EXPECT_FALSE(PanelGemmPays(16, 1024));
+  }
+}
+
 // Find names a block only of the matrix packed, with its row stride, starting on a panel's first
 // column and inside its rows and columns: anything else (attention's activations passed to the
 // same Gemm, a column block starting mid-panel) is multiplied row-major by the library.

@@ -85,7 +85,7 @@ struct Compute {
 // panels (kColumnAlign is a multiple of every PanelWidth), and PanelGemm computes where it pays.
 void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, std::optional<PackedBlock> packed, const float* bias,
           MatrixView y, bool accumulate = false) {
-  if (packed && !PanelGemmPays(x.rows)) packed.reset();
+  if (packed && !PanelGemmPays(x.rows, w.ld)) packed.reset();
   constexpr int64_t kColumnAlign = 64;  // whole cache lines and register blocks per thread
   const int64_t chunks = std::min<int64_t>(run.threads, (w.cols + kColumnAlign - 1) / kColumnAlign);
   const int64_t chunk_cols = ((w.cols + chunks - 1) / chunks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;

@@ -9,7 +9,7 @@
 // the kernel streams and the hardware prefetchers follow. Measured against oneDNN's SGEMM on the
 // row-major weights, one thread (docs/benchmarks.md, "Weights packed once"): 1.2–2.0× at 4–64
 // tokens on gpt2-medium's weights, level or slightly ahead at bert-base's and at 1024 tokens
-// (AVX-512); on the AVX2 kernel (PanelGemmPays) only where it wins.
+// (AVX-512); the AVX2 kernel runs only where it won (PanelGemmPays).
 // The packed copy is a second copy of the weights in host memory (ResidentForm::HostBytes);
 // --cpu-weight-layout plain keeps only the row-major one.
 // Thread-safety: immutable once packed; any number of forwards read it at once.

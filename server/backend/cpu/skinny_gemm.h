@@ -56,11 +56,19 @@ int64_t PanelWidth();
 // y [rows, w.cols]. Requires SkinnyGemmAvailable().
 void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accumulate = false);
 
-// Whether PanelGemm on packed weights beats the GEMM library on the row-major ones for an x of
-// `rows` rows (docs/benchmarks.md, "Weights packed once"): with the AVX-512 kernel at every row
-// count measured; with the AVX2 one up to kPanelGemmMaxRowsAvx2 rows.
-bool PanelGemmPays(int64_t rows);
-constexpr int64_t kPanelGemmMaxRowsAvx2 = 64;
+// Whether PanelGemm on packed weights beats the GEMM library on the row-major ones (their rows
+// `row_major_ld` floats apart) for an x of `rows` rows (docs/benchmarks.md, "Weights packed
+// once"), up to kPanelGemmMaxRows rows:
+//   - the AVX-512 kernel: from 1 row (0.94–1.60× oneDNN alone, one thread; 1.0–1.6 from 4 rows);
+//   - the AVX2 one from kPanelGemmMinRowsAvx2 rows (1.04–2.10×), and from
+//     kPanelGemmMinRowsAliasedAvx2 rows where the row-major rows lie a multiple of 4 KiB apart
+//     (gpt2-medium's 1024 floats: 1.4–2.0×; each row the library's kernel walks down falls in the
+//     same cache sets). At bert-base's 768 floats and 1–16 rows it ran at 0.64–0.95×: the library
+//     keeps those.
+// Beyond kPanelGemmMaxRows the library keeps the product: alone the kernel was level with it at
+// 1024 rows (1.01–1.04×), but a whole bert-base forward of 1024 tokens ran 1–3 % slower with it.
+bool PanelGemmPays(int64_t rows, int64_t row_major_ld);
+constexpr int64_t kPanelGemmMinRowsAvx2 = 64, kPanelGemmMinRowsAliasedAvx2 = 4, kPanelGemmMaxRows = 256;
 
 // kt = scale · kᵀ, k [rows, cols] into kt [cols, rows]: attention's key tile as SkinnyGemm's
 // right operand, with the softmax's scale folded in. Requires SkinnyGemmAvailable().
