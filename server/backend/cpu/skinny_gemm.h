@@ -66,7 +66,8 @@ void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accum
 //     same cache sets). At bert-base's 768 floats and 1–16 rows it ran at 0.64–0.95×: the library
 //     keeps those.
 // Beyond kPanelGemmMaxRows the library keeps the product: alone the kernel was level with it at
-// 1024 rows (1.01–1.04×), but a whole bert-base forward of 1024 tokens ran 1–3 % slower with it.
+// 1024 rows (1.01–1.04×), but whole forwards of 1024 tokens (bert-base, gpt2-medium, one thread,
+// orders alternated) ran 1–2 % slower with it.
 bool PanelGemmPays(int64_t rows, int64_t row_major_ld);
 constexpr int64_t kPanelGemmMinRowsAvx2 = 64, kPanelGemmMinRowsAliasedAvx2 = 4, kPanelGemmMaxRows = 256;
 
