@@ -76,6 +76,9 @@ const BenchShape kShapes[] = {
     // The batch a busy server forms from 1×16 requests at concurrency 32 (about 22 of them,
     // docs/benchmarks.md, "Serving overhead"): what that batch costs in-process.
     {"small-batch", 22, 16, 768, 12, 0, false},
+    // A 1×16 request to gpt2-medium's layer: its weights' rows lie 4 KiB apart, where packing
+    // them once pays most (docs/benchmarks.md, "Weights packed once"); asked by --shapes.
+    {"gpt2-request", 1, 16, 1024, 16, 0, false},
     // The summed form's association order against n/m (cross-attention over 512 keys): asked by
     // --shapes, with --summed-order auto,project-first.
     {"cross-8x512", 1, 8, 768, 12, 512, false},
