@@ -43,7 +43,7 @@ using attnserve::MatrixView;
 // with the GEMM library (oneDNN where the build has it, else Eigen, as the backend chose before)
 // and with the backend's own kernel, in GFLOP/s.
 void TileProducts() {
-  const auto library = attnserve::BuiltWithOneDnn() ? attnserve::GemmLibrary::kOneDnn : attnserve::GemmLibrary::kEigen;
+  const attnserve::GemmLibrary library = *attnserve::ParseGemmLibrary("auto");  // the backend's default
   const std::string name(attnserve::GemmLibraryName(library));
   struct Tile {
     const char* layer;
@@ -79,7 +79,7 @@ void TileProducts() {
 // PanelGemmPays (docs/benchmarks.md, "Weights packed once"). Best of 150 for each, the two
 // alternated over 3 rounds.
 void PackedWeightsTable() {
-  const auto library = attnserve::BuiltWithOneDnn() ? attnserve::GemmLibrary::kOneDnn : attnserve::GemmLibrary::kEigen;
+  const attnserve::GemmLibrary library = *attnserve::ParseGemmLibrary("auto");  // the backend's default
   const std::string name(attnserve::GemmLibraryName(library));
   struct Weights {
     const char* name;

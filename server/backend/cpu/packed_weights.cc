@@ -20,8 +20,6 @@ StatusOr<WeightLayout> ParseWeightLayout(std::string_view name) {
 
 PackedWeights PackPanels(ConstMatrixView w, int64_t width) {
   PackedWeights p;
-  p.rows = w.rows;
-  p.cols = w.cols;
   p.width = width;
   p.source = w;
   const int64_t panels = (w.cols + width - 1) / width;
@@ -43,7 +41,7 @@ std::optional<PackedBlock> PackedWeights::Find(ConstMatrixView view) const {
   if (at < begin || (at - begin) % sizeof(float) != 0) return std::nullopt;
   const int64_t offset = static_cast<int64_t>((at - begin) / sizeof(float));
   const int64_t row0 = offset / source.ld, col0 = offset % source.ld;
-  if (col0 % width != 0 || row0 + view.rows > rows || col0 + view.cols > cols) return std::nullopt;
+  if (col0 % width != 0 || row0 + view.rows > source.rows || col0 + view.cols > source.cols) return std::nullopt;
   return PackedBlock{this, row0, col0, view.rows, view.cols};
 }
 

@@ -40,13 +40,13 @@ struct PackedWeights {
   // Panel p holds the source's columns [p·width, (p + 1)·width), all its rows, each row's
   // `width` floats after the one before: [rows][width], zeros past the source's last column.
   AlignedFloats panels;
-  int64_t rows = 0, cols = 0, width = 0;
-  ConstMatrixView source;  // the row-major matrix packed: Find matches views against it
+  int64_t width = 0;
+  ConstMatrixView source;  // the row-major matrix packed (its shape too): Find matches views against it
 
   bool empty() const { return width == 0; }
   int64_t Bytes() const { return static_cast<int64_t>(panels.size() * sizeof(float)); }
   // Panel p's row r: `width` floats.
-  const float* PanelRow(int64_t p, int64_t r) const { return panels.data() + (p * rows + r) * width; }
+  const float* PanelRow(int64_t p, int64_t r) const { return panels.data() + (p * source.rows + r) * width; }
 
   // The packed block of the source that `view` names: when it lies inside the source with the
   // source's row stride and starts on a panel's first column. Else nothing (a view of other
