@@ -44,6 +44,8 @@ int Run(int argc, char** argv) {
   // Scripts read this line from stdout (logs go to stderr).
   std::cout << "listening on " << (*server)->listening_on() << std::endl;
   if ((*server)->Run() == Stopped::kLoadStillRunning) std::_Exit(0);  // destructors would wait for the load
+  server->reset();  // the metrics endpoint, the layers, every thread: a slow stop shows between the log lines
+  spdlog::info("exiting");
   return 0;
 }
 

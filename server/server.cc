@@ -383,6 +383,7 @@ void Server::Drain(int signal) {
   });
   listener_->Shutdown(deadline);
   if (admin_listener_ != nullptr) admin_listener_->Shutdown(deadline);
+  spdlog::info("listeners closed");
   {
     std::lock_guard<std::mutex> lock(abandon_mu);
     shut_down = true;
@@ -399,6 +400,7 @@ Stopped Server::Run() {
   monitor_.join();
   shadow_->Shutdown();  // drops waiting mirrors; the running one needs the executor still
   const int abandoned = executor_->Drain(std::chrono::milliseconds(0));
+  spdlog::info("batch workers stopped");
   // gRPC cancelled every call still open at the drain deadline; a layer load can still be
   // running on an admin thread. It gets kAdminGrace; then the caller ends without it rather
   // than hold the drain forever.

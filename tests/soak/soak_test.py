@@ -479,7 +479,7 @@ class Soak:
                "--metrics-web-config", web_config, "--admin-token", ADMIN_TOKEN, "--model-dir", models,
                "--max-memory-mb", str(MAX_MEMORY_MB), "--max-queue-requests", str(MAX_QUEUE_REQUESTS),
                "--shadow-rate", str(SHADOW_RATE), "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
-               "--threads", "1", "--log-level", "warn"]
+               "--threads", "1", "--log-level", "info"]  # info: the drain's stages, with times
         for name, source in LAYERS.items():
             cmd += ["--layer", f"{name}={source}"]
         self.figures["server_command"] = " ".join(os.path.basename(c) if c == BINARY else c for c in cmd)
@@ -858,7 +858,8 @@ class Soak:
         self.check(drain_rc == 0, f"attnserve exited with {drain_rc} after SIGTERM: {self.log_tail('server.log')}")
         # The stalled reader's answers hold the drain to its deadline; stopping takes ~1 s more.
         self.check(drain_s <= DRAIN_TIMEOUT_S + DRAIN_MARGIN_S,
-                   f"the drain took {drain_s:.1f} s (--drain-timeout-s {DRAIN_TIMEOUT_S} + {DRAIN_MARGIN_S} s)")
+                   f"the drain took {drain_s:.1f} s (--drain-timeout-s {DRAIN_TIMEOUT_S} + {DRAIN_MARGIN_S} s); "
+                   f"the server's last lines: {self.log_tail('server.log', 800)}")
         server_log = read(os.path.join(self.dir, "server.log"))
         f["server_log"] = {"lines": server_log.count("\n"),
                            "error_lines": [l[:300] for l in server_log.splitlines()

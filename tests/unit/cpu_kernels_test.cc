@@ -498,6 +498,32 @@ TEST(SummedAssociationOrderTest, BothOrdersMatchFloat64AndTheCheaperOneRuns) {
   EXPECT_LT(cpu.RetainedScratchBytes(), 64 * 160 * 4);
 }
 
+// The scratch a backend retains is what its largest batch wrote, float for float: a scratch grown
+// from 40 tokens to 41 holds what a fresh one holds for 41, not the twice-40 that geometric
+// growth would leave (RetainedScratchBytes is then resident memory, which the soak's leak
+// measure subtracts from the server's RSS).
+TEST(CpuScratchTest, AGrownScratchHoldsExactlyWhatItsLargestBatchNeeds) {
+  std::mt19937_64 rng(testing::TestSeed());
+  const LayerConfig config = *CompleteConfig({.d_model = 32, .heads = 2});
+  const LayerWeights w = RandomLayerWeights(config, rng());
+  for (const FormWeights& form : {MaterializeFactored(w), MaterializeSummed(w)}) {
+    SCOPED_TRACE(std::string(FormName(form.form)));
+    auto shared = std::make_shared<const FormWeights>(form);
+    testing::OwnedSequence small = testing::RandomSequence(rng, 32, 40, 40, false, false, 40);
+    testing::OwnedSequence large = testing::RandomSequence(rng, 32, 41, 41, false, false, 41);
+    const Sequence small_batch[] = {small.View()}, large_batch[] = {large.View()};
+    CpuBackend grown(CpuBackendOptions{.threads = 1});
+    auto resident = *grown.Upload(shared);
+    ASSERT_TRUE(grown.Forward(*resident, small_batch).ok());
+    const int64_t after_small = grown.RetainedScratchBytes();
+    ASSERT_TRUE(grown.Forward(*resident, large_batch).ok());
+    EXPECT_GT(grown.RetainedScratchBytes(), after_small);
+    CpuBackend fresh(CpuBackendOptions{.threads = 1});
+    ASSERT_TRUE(fresh.Forward(**fresh.Upload(shared), large_batch).ok());
+    EXPECT_EQ(grown.RetainedScratchBytes(), fresh.RetainedScratchBytes());
+  }
+}
+
 TEST(CpuScratchTest, AScratchAboveTheRetentionBoundIsFreed) {
   std::mt19937_64 rng(testing::TestSeed());
   const LayerConfig config = *CompleteConfig({.d_model = 32, .heads = 2});

@@ -110,10 +110,19 @@ void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, std::optional<Packe
   }
 }
 
-// `buffer` grown to at least `count` floats, as a [rows, cols] view. Buffers only grow: one that
-// is reused is neither paged in by the kernel nor zeroed again (see ForwardScratch).
+// `buffer` grown to at least rows × cols floats, as a [rows, cols] view; what it held before is
+// not kept. Buffers only grow: one that is reused is neither paged in by the kernel nor zeroed
+// again (see ForwardScratch). A buffer grows to exactly the size asked, every float of it
+// written (zeroed) now, so that its capacity is what it holds resident: the backend reports the
+// capacity it retains (RetainedScratchBytes), and vector::resize's geometric growth kept up to
+// twice what was written, paged in later by a larger batch without the figure moving. The old
+// buffer goes first, so that both are never held at once.
 MatrixView Reserve(AlignedFloats& buffer, int64_t rows, int64_t cols) {
-  if (static_cast<int64_t>(buffer.size()) < rows * cols) buffer.resize(rows * cols);
+  const int64_t floats = rows * cols;
+  if (static_cast<int64_t>(buffer.size()) < floats) {
+    buffer = AlignedFloats();
+    buffer = AlignedFloats(static_cast<size_t>(floats));
+  }
   return MatrixView(buffer.data(), rows, cols);
 }
 
