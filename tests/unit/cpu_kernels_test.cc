@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -29,8 +30,9 @@ namespace {
 // correct kernel whenever the sum cancels, as a random draw can make it). Also checks that
 // nothing is written past the view. Returns false after the first failure (already reported).
 using Product = std::function<void(ConstMatrixView x, ConstMatrixView w, MatrixView y)>;
+// With `bias` ([cols]), y = bias + x · w is expected.
 bool ProductMatchesFloat64(std::mt19937_64& rng, int64_t rows, int64_t k, int64_t cols, bool transpose_w, float alpha,
-                           const Product& product, bool accumulate = false) {
+                           const Product& product, bool accumulate = false, std::span<const float> bias = {}) {
   const int64_t ldx = k + rows % 3, ldy = cols + 2;
   const int64_t w_rows = transpose_w ? cols : k, w_cols = transpose_w ? k : cols, ldw = w_cols + 5;
   const std::vector<float> x = testing::RandomVector(rng, rows * ldx), w = testing::RandomVector(rng, w_rows * ldw);
@@ -42,7 +44,7 @@ bool ProductMatchesFloat64(std::mt19937_64& rng, int64_t rows, int64_t k, int64_
                             std::to_string(cols) + (transpose_w ? " (w transposed)" : "");
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
-      double sum = accumulate ? before[r * ldy + c] : 0.0, magnitude = std::abs(sum);
+      double sum = accumulate ? before[r * ldy + c] : bias.empty() ? 0.0 : bias[c], magnitude = std::abs(sum);
       for (int64_t p = 0; p < k; ++p) {
         const double wv = transpose_w ? w[c * ldw + p] : w[p * ldw + c];
         const double term = static_cast<double>(alpha) * x[r * ldx + p] * wv;
@@ -109,17 +111,21 @@ TEST(SkinnyGemmTest, AccumulatesAtEveryBlockEdge) {
 // source at a row offset and at a column offset of whole panels, as the blocks of W_in the
 // projections multiply do (the value block at q_cols + k_cols, a summed head's W_M_i), and the
 // block is found as the backend finds it (PackedWeights::Find). Every row count of the kernel's
-// blocks, column counts on both sides of a panel, with and without accumulating.
+// blocks, column counts on both sides of a panel; written over y, added to it, and started from a
+// bias (the projections' y = b + x · W, with no pass of its own over y).
 TEST(PanelGemmTest, MatchesFloat64AtEveryPanelEdgeAndOffset) {
   if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: the weights stay row-major";
   const int64_t width = PanelWidth();
   EXPECT_EQ(width, SkinnyGemmIsa() == "avx512" ? 64 : 16);
   std::mt19937_64 rng(testing::TestSeed());
   int checked = 0;
-  for (bool accumulate : {false, true}) {
+  enum class Start { kZero, kAccumulate, kBias };  // y = x·w, y += x·w, y = bias + x·w
+  for (Start start : {Start::kZero, Start::kAccumulate, Start::kBias}) {
+    const bool accumulate = start == Start::kAccumulate;
     for (int64_t rows = 1; rows <= 20; ++rows) {
       for (int64_t cols : {1, 15, 16, 17, 63, 64, 65, 130}) {
         for (int64_t k : {1, 7, 96}) {
+          const std::vector<float> bias = start == Start::kBias ? testing::RandomVector(rng, cols) : std::vector<float>();
           const int64_t row0 = rows % 3, col0 = (rows % 2) * width;  // offsets of 0 and 1 panel
           const Product packed = [&](ConstMatrixView x, ConstMatrixView w, MatrixView y) {
             // The source: w at (row0, col0) of a larger matrix with more columns on the right.
@@ -133,26 +139,26 @@ TEST(PanelGemmTest, MatchesFloat64AtEveryPanelEdgeAndOffset) {
             ASSERT_TRUE(block.has_value());
             EXPECT_EQ(block->row0, row0);
             EXPECT_EQ(block->col0, col0);
-            PanelGemm(x, *block, y, accumulate);
+            PanelGemm(x, *block, y, accumulate, bias.empty() ? nullptr : bias.data());
           };
-          ASSERT_TRUE(ProductMatchesFloat64(rng, rows, k, cols, /*transpose_w=*/false, 1.0f, packed, accumulate));
+          ASSERT_TRUE(ProductMatchesFloat64(rng, rows, k, cols, /*transpose_w=*/false, 1.0f, packed, accumulate, bias));
           ++checked;
         }
       }
     }
   }
-  EXPECT_EQ(checked, 2 * 20 * 8 * 3);
+  EXPECT_EQ(checked, 3 * 20 * 8 * 3);
 }
 
 // Where the backend multiplies packed weights (PanelGemmPays), as measured: the AVX-512 kernel at
-// any row count up to kPanelGemmMaxRows; the AVX2 one from 64 rows, or from 4 where the
-// row-major rows lie a multiple of 4 KiB apart (gpt2-medium's 1024 floats, not bert-base's 768).
+// any row count, whole 1024-token batches included; the AVX2 one from 64 rows, or from 4 where the
+// row-major rows lie a multiple of 4 KiB apart (gpt2-medium's 1024 floats, not bert-base's 768),
+// up to 256.
 // cpu_kernels_avx2 runs it capped to AVX2.
 TEST(PanelGemmTest, PaysWhereItWasMeasuredToWin) {
   const std::string_view isa = SkinnyGemmIsa();
-  EXPECT_FALSE(PanelGemmPays(kPanelGemmMaxRows + 1, 1024));
   if (isa == "avx512") {
-    for (int64_t rows : {1, 4, 16, 64, 256}) EXPECT_TRUE(PanelGemmPays(rows, 768)) << rows;
+    for (int64_t rows : {1, 4, 16, 64, 256, 1024, 8192}) EXPECT_TRUE(PanelGemmPays(rows, 768)) << rows;
   } else if (isa == "avx2") {
     EXPECT_FALSE(PanelGemmPays(1, 1024));
     EXPECT_TRUE(PanelGemmPays(4, 1024));
@@ -161,6 +167,7 @@ TEST(PanelGemmTest, PaysWhereItWasMeasuredToWin) {
     EXPECT_FALSE(PanelGemmPays(63, 2304));
     EXPECT_TRUE(PanelGemmPays(64, 2304));
     EXPECT_TRUE(PanelGemmPays(256, 768));
+    EXPECT_FALSE(PanelGemmPays(kPanelGemmMaxRowsAvx2 + 1, 1024));
   } else {
     EXPECT_FALSE(PanelGemmPays(16, 1024));
   }

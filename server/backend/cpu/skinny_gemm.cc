@@ -20,21 +20,22 @@ namespace {
 
 // y = x · w (y += x · w with kAccumulate) block by block for an ISA's kernel: each block of
 // kCols columns of w against x's rows, kRows at a time, then the rows left over (fewer than
-// kRows) in one smaller block. `RowBlocks<R, kAccumulate>::Run(x, w, y, r0, r_end, c0, cols)`
-// runs rows [r0, r_end) R at a time.
+// kRows) in one smaller block. `RowBlocks<R, kAccumulate>::Run(x, w, y, bias, r0, r_end, c0, cols)`
+// runs rows [r0, r_end) R at a time; without kAccumulate a block starts from `bias` (y's columns'
+// own, when given: y = bias + x · w, no pass of its own over y) or from zero.
 template <template <int, bool> class RowBlocks, int kRows, int kCols, bool kAccumulate>
-void EachBlockOf(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
+void EachBlockOf(ConstMatrixView x, ConstMatrixView w, MatrixView y, const float* bias) {
   static_assert(kRows == 6, "the leftover switch below is written for 6-row blocks");
   const int64_t full = x.rows / kRows * kRows;
   for (int64_t c0 = 0; c0 < w.cols; c0 += kCols) {
     const int cols = static_cast<int>(std::min<int64_t>(kCols, w.cols - c0));
-    RowBlocks<kRows, kAccumulate>::Run(x, w, y, 0, full, c0, cols);
+    RowBlocks<kRows, kAccumulate>::Run(x, w, y, bias, 0, full, c0, cols);
     switch (x.rows - full) {
-      case 5: RowBlocks<5, kAccumulate>::Run(x, w, y, full, x.rows, c0, cols); break;
-      case 4: RowBlocks<4, kAccumulate>::Run(x, w, y, full, x.rows, c0, cols); break;
-      case 3: RowBlocks<3, kAccumulate>::Run(x, w, y, full, x.rows, c0, cols); break;
-      case 2: RowBlocks<2, kAccumulate>::Run(x, w, y, full, x.rows, c0, cols); break;
-      case 1: RowBlocks<1, kAccumulate>::Run(x, w, y, full, x.rows, c0, cols); break;
+      case 5: RowBlocks<5, kAccumulate>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
+      case 4: RowBlocks<4, kAccumulate>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
+      case 3: RowBlocks<3, kAccumulate>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
+      case 2: RowBlocks<2, kAccumulate>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
+      case 1: RowBlocks<1, kAccumulate>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
       default: break;
     }
   }
@@ -42,11 +43,11 @@ void EachBlockOf(ConstMatrixView x, ConstMatrixView w, MatrixView y) {
 
 // The run-time `accumulate` made a template argument once here, for both ISAs' kernels.
 template <template <int, bool> class RowBlocks, int kRows, int kCols>
-void EachBlock(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate) {
+void EachBlock(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate, const float* bias) {
   if (accumulate) {
-    EachBlockOf<RowBlocks, kRows, kCols, true>(x, w, y);
+    EachBlockOf<RowBlocks, kRows, kCols, true>(x, w, y, nullptr);
   } else {
-    EachBlockOf<RowBlocks, kRows, kCols, false>(x, w, y);
+    EachBlockOf<RowBlocks, kRows, kCols, false>(x, w, y, bias);
   }
 }
 
@@ -59,12 +60,12 @@ constexpr int kBlockRows = 6;   // 6 × 4 accumulators + 4 of w + 1 broadcast fi
 constexpr int64_t kPrefetchRows = 12;
 
 // Rows [0, R) of x times columns [0, cols) of w (cols ≤ 64; the rest masked off), added to y's
-// block with kAccumulate. Inlined into its caller: only there does GCC keep the 24 accumulators
+// block with kAccumulate, else written over it from `bias` (when given) or zero. Inlined into its caller: only there does GCC keep the 24 accumulators
 // in registers (called out of line, it spilled them to the stack on every step of k, at half
 // the speed).
 template <int R, bool kAccumulate>
-[[gnu::always_inline]] inline void Block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy, int64_t k_total,
-           int cols) {
+[[gnu::always_inline]] inline void Block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+                                         const float* bias, int64_t k_total, int cols) {
   __mmask16 mask[4];
   for (int j = 0; j < 4; ++j) {
     const int left = cols - 16 * j;
@@ -73,7 +74,9 @@ template <int R, bool kAccumulate>
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) {
-      acc[r][j] = kAccumulate ? _mm512_maskz_loadu_ps(mask[j], y + r * ldy + 16 * j) : _mm512_setzero_ps();
+      acc[r][j] = kAccumulate        ? _mm512_maskz_loadu_ps(mask[j], y + r * ldy + 16 * j)
+                  : bias != nullptr ? _mm512_maskz_loadu_ps(mask[j], bias + 16 * j)
+                                    : _mm512_setzero_ps();
     }
   }
   for (int64_t k = 0; k < k_total; ++k) {
@@ -97,17 +100,17 @@ template <int R, bool kAccumulate>
 // x's rows [r0, r_end) against columns [c0, c0 + cols) of w, R rows at a time (EachBlock).
 template <int R, bool kAccumulate>
 struct RowBlocks {
-  static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, int64_t r0, int64_t r_end, int64_t c0,
-                  int cols) {
+  static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, const float* bias, int64_t r0, int64_t r_end,
+                  int64_t c0, int cols) {
     for (; r0 + R <= r_end; r0 += R) {
-      Block<R, kAccumulate>(x.data + r0 * x.ld, x.ld, w.data + c0, w.ld, y.data + r0 * y.ld + c0, y.ld, x.cols,
-                            cols);
+      Block<R, kAccumulate>(x.data + r0 * x.ld, x.ld, w.data + c0, w.ld, y.data + r0 * y.ld + c0, y.ld,
+                            bias != nullptr ? bias + c0 : nullptr, x.cols, cols);
     }
   }
 };
 
-void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate) {
-  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y, accumulate);
+void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate, const float* bias) {
+  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y, accumulate, bias);
 }
 
 }  // namespace avx512
@@ -134,10 +137,14 @@ __m256i LaneMask(int left) {
 // spills there ran the kernel at 0.62–0.86 of oneDNN's AVX2 GEMM at attention's tiles.
 template <int R, bool kAccumulate>
 [[gnu::always_inline]] inline void WholeBlock(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
-                                              int64_t ldy, int64_t k_total) {
+                                              int64_t ldy, const float* bias, int64_t k_total) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < 2; ++j) acc[r][j] = kAccumulate ? _mm256_loadu_ps(y + r * ldy + 8 * j) : _mm256_setzero_ps();
+    for (int j = 0; j < 2; ++j) {
+      acc[r][j] = kAccumulate        ? _mm256_loadu_ps(y + r * ldy + 8 * j)
+                  : bias != nullptr ? _mm256_loadu_ps(bias + 8 * j)
+                                    : _mm256_setzero_ps();
+    }
   }
   for (int64_t k = 0; k < k_total; ++k) {
     const float* wk = w + k * ldw;
@@ -157,12 +164,14 @@ template <int R, bool kAccumulate>
 // The last, partial block of a row of blocks (cols < 16): masked loads and stores.
 template <int R, bool kAccumulate>
 [[gnu::always_inline]] inline void PartialBlock(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
-                                                int64_t ldy, int64_t k_total, int cols) {
+                                                int64_t ldy, const float* bias, int64_t k_total, int cols) {
   const __m256i mask[2] = {LaneMask(cols), LaneMask(cols - 8)};
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 2; ++j) {
-      acc[r][j] = kAccumulate ? _mm256_maskload_ps(y + r * ldy + 8 * j, mask[j]) : _mm256_setzero_ps();
+      acc[r][j] = kAccumulate        ? _mm256_maskload_ps(y + r * ldy + 8 * j, mask[j])
+                  : bias != nullptr ? _mm256_maskload_ps(bias + 8 * j, mask[j])
+                                    : _mm256_setzero_ps();
     }
   }
   for (int64_t k = 0; k < k_total; ++k) {
@@ -182,11 +191,11 @@ template <int R, bool kAccumulate>
 
 template <int R, bool kAccumulate>
 [[gnu::always_inline]] inline void Block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
-                                         int64_t ldy, int64_t k_total, int cols) {
+                                         int64_t ldy, const float* bias, int64_t k_total, int cols) {
   if (cols == kBlockCols) {
-    WholeBlock<R, kAccumulate>(x, ldx, w, ldw, y, ldy, k_total);
+    WholeBlock<R, kAccumulate>(x, ldx, w, ldw, y, ldy, bias, k_total);
   } else {
-    PartialBlock<R, kAccumulate>(x, ldx, w, ldw, y, ldy, k_total, cols);
+    PartialBlock<R, kAccumulate>(x, ldx, w, ldw, y, ldy, bias, k_total, cols);
   }
 }
 
@@ -196,17 +205,17 @@ template <int R, bool kAccumulate>
 // region (a shared template outside them fails to build).
 template <int R, bool kAccumulate>
 struct RowBlocks {
-  static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, int64_t r0, int64_t r_end, int64_t c0,
-                  int cols) {
+  static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, const float* bias, int64_t r0, int64_t r_end,
+                  int64_t c0, int cols) {
     for (; r0 + R <= r_end; r0 += R) {
-      Block<R, kAccumulate>(x.data + r0 * x.ld, x.ld, w.data + c0, w.ld, y.data + r0 * y.ld + c0, y.ld, x.cols,
-                            cols);
+      Block<R, kAccumulate>(x.data + r0 * x.ld, x.ld, w.data + c0, w.ld, y.data + r0 * y.ld + c0, y.ld,
+                            bias != nullptr ? bias + c0 : nullptr, x.cols, cols);
     }
   }
 };
 
-void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate) {
-  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y, accumulate);
+void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate, const float* bias) {
+  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y, accumulate, bias);
 }
 
 // kt = scale · kᵀ in 8 × 8 blocks transposed in registers: each of k's rows is read along its
@@ -247,7 +256,7 @@ ATTNSERVE_TARGET_END
 
 namespace {
 
-using Kernel = void (*)(ConstMatrixView, ConstMatrixView, MatrixView, bool);
+using Kernel = void (*)(ConstMatrixView, ConstMatrixView, MatrixView, bool, const float*);
 struct Chosen {
   Kernel kernel;
   std::string_view isa;
@@ -267,7 +276,7 @@ const Chosen& Choose() {
 }  // namespace
 
 void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate) {
-  Choose().kernel(x, w, y, accumulate);
+  Choose().kernel(x, w, y, accumulate, nullptr);
 }
 
 void TransposeScaled(ConstMatrixView k, float scale, MatrixView kt) { avx2::TransposeScaled(k, scale, kt); }
@@ -277,12 +286,12 @@ int64_t PanelWidth() {
   return isa == "avx512" ? avx512::kBlockCols : isa == "avx2" ? avx2::kBlockCols : 0;
 }
 
-void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accumulate) {
+void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accumulate, const float* bias) {
   const int64_t width = w.weights->width;
   for (int64_t c = 0; c < w.cols; c += width) {
     const int64_t count = std::min(width, w.cols - c);
     const ConstMatrixView panel(w.weights->PanelRow((w.col0 + c) / width, w.row0), w.rows, count, width);
-    Choose().kernel(x, panel, y.ColBlock(c, count), accumulate);
+    Choose().kernel(x, panel, y.ColBlock(c, count), accumulate, bias != nullptr ? bias + c : nullptr);
   }
 }
 
@@ -302,7 +311,7 @@ void TransposeScaled(ConstMatrixView, float, MatrixView) {}
 
 int64_t PanelWidth() { return 0; }
 
-void PanelGemm(ConstMatrixView, const PackedBlock&, MatrixView, bool) {}
+void PanelGemm(ConstMatrixView, const PackedBlock&, MatrixView, bool, const float*) {}
 
 #endif
 
@@ -313,9 +322,8 @@ bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols) {
 
 bool PanelGemmPays(int64_t rows, int64_t row_major_ld) {
   const std::string_view isa = SkinnyGemmIsa();
-  if (rows > kPanelGemmMaxRows) return false;
   if (isa == "avx512") return true;
-  if (isa != "avx2") return false;
+  if (isa != "avx2" || rows > kPanelGemmMaxRowsAvx2) return false;
   constexpr int64_t kPageFloats = 4096 / sizeof(float);
   const bool aliased = row_major_ld % kPageFloats == 0;
   return rows >= kPanelGemmMinRowsAvx2 || (aliased && rows >= kPanelGemmMinRowsAliasedAvx2);

@@ -53,23 +53,28 @@ int64_t PanelWidth();
 
 // y = x · w (y += x · w with `accumulate`) for weights packed at PanelWidth(): the kernel runs
 // panel by panel, each streamed from one contiguous run (packed_weights.h). x is [rows, w.rows],
-// y [rows, w.cols]. Requires SkinnyGemmAvailable().
-void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accumulate = false);
+// y [rows, w.cols]. With `bias` ([w.cols]) and no `accumulate`, y = bias + x · w: the kernel's
+// accumulators start from the bias, so no pass of its own writes y first. Requires
+// SkinnyGemmAvailable().
+void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accumulate = false,
+               const float* bias = nullptr);
 
 // Whether PanelGemm on packed weights beats the GEMM library on the row-major ones (their rows
 // `row_major_ld` floats apart) for an x of `rows` rows (docs/benchmarks.md, "Weights packed
-// once"), up to kPanelGemmMaxRows rows:
-//   - the AVX-512 kernel: from 1 row (0.94–1.60× oneDNN alone, one thread; 1.0–1.6 from 4 rows);
+// once"):
+//   - the AVX-512 kernel: at every row count (0.94–1.60× oneDNN alone, one thread; 1.0–1.6 from
+//     4 rows). Whole batches of 1024 tokens too, since the bias starts the kernel's
+//     accumulators (PanelGemm's `bias`) where the library needs a pass of its own over y:
+//     bert-base and gpt2-medium forwards 2–8 % faster on the panels, on 1 and 2 threads (without
+//     the fused bias they ran 1–2 % slower, and the panels stopped at 256 rows);
 //   - the AVX2 one from kPanelGemmMinRowsAvx2 rows (1.04–2.10×), and from
 //     kPanelGemmMinRowsAliasedAvx2 rows where the row-major rows lie a multiple of 4 KiB apart
 //     (gpt2-medium's 1024 floats: 1.4–2.0×; each row the library's kernel walks down falls in the
-//     same cache sets). At bert-base's 768 floats and 1–16 rows it ran at 0.64–0.95×: the library
-//     keeps those.
-// Beyond kPanelGemmMaxRows the library keeps the product: alone the kernel was level with it at
-// 1024 rows (1.01–1.04×), but whole forwards of 1024 tokens (bert-base, gpt2-medium, one thread,
-// orders alternated) ran 1–2 % slower with it.
+//     same cache sets), up to kPanelGemmMaxRowsAvx2. At bert-base's 768 floats and 1–16 rows it
+//     ran at 0.64–0.95×, and 1024-token forwards ran 0–8 % slower on it, fused bias or not: the
+//     library keeps those.
 bool PanelGemmPays(int64_t rows, int64_t row_major_ld);
-constexpr int64_t kPanelGemmMinRowsAvx2 = 64, kPanelGemmMinRowsAliasedAvx2 = 4, kPanelGemmMaxRows = 256;
+constexpr int64_t kPanelGemmMinRowsAvx2 = 64, kPanelGemmMinRowsAliasedAvx2 = 4, kPanelGemmMaxRowsAvx2 = 256;
 
 // kt = scale · kᵀ, k [rows, cols] into kt [cols, rows]: attention's key tile as SkinnyGemm's
 // right operand, with the softmax's scale folded in. Requires SkinnyGemmAvailable().
