@@ -60,9 +60,9 @@ constexpr int kBlockRows = 6;   // 6 × 4 accumulators + 4 of w + 1 broadcast fi
 constexpr int64_t kPrefetchRows = 12;
 
 // Rows [0, R) of x times columns [0, cols) of w (cols ≤ 64; the rest masked off), added to y's
-// block with kAccumulate, else written over it from `bias` (when given) or zero. Inlined into its caller: only there does GCC keep the 24 accumulators
-// in registers (called out of line, it spilled them to the stack on every step of k, at half
-// the speed).
+// block with kAccumulate, else written over it starting from `bias` (when given) or zero.
+// Inlined into its caller: only there does GCC keep the 24 accumulators in registers (called
+// out of line, it spilled them to the stack on every step of k, at half the speed).
 template <int R, bool kAccumulate>
 [[gnu::always_inline]] inline void Block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
                                          const float* bias, int64_t k_total, int cols) {
