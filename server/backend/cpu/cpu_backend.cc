@@ -94,20 +94,21 @@ void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, std::optional<Packe
     const int64_t c0 = t * chunk_cols, count = std::min(chunk_cols, w.cols - c0);
     if (count <= 0) continue;
     const MatrixView block = y.ColBlock(c0, count);
-    if (packed) {  // the bias where the kernel's accumulators start: no pass of its own over y
-      PanelGemm(x, packed->ColBlock(c0, count), block, accumulate, accumulate || bias == nullptr ? nullptr : bias + c0);
-      if (bias != nullptr && accumulate) AsEigen(block).rowwise() += BiasMap(bias + c0, count);
-      continue;
-    }
-    // The library: the bias written first and the product added to it, one pass over y fewer
-    // than adding the bias after (3-5 % of a projection's time at bert-base widths, one thread).
+    // The bias before the product where y is written over: on the panels it is where the
+    // kernel's accumulators start (no pass of its own over y); for the library it is written
+    // first and the product added to it, one pass over y fewer than adding it after (3-5 % of a
+    // projection's time at bert-base widths, one thread).
     const bool bias_first = bias != nullptr && !accumulate;
-    if (bias_first) AsEigen(block).rowwise() = BiasMap(bias + c0, count);
-    if (UseSkinnyGemm(run.gemm, x.rows, count)) {
-      SkinnyGemm(x, w.ColBlock(c0, count), block, accumulate || bias_first);
+    if (packed) {
+      PanelGemm(x, packed->ColBlock(c0, count), block, accumulate, bias_first ? bias + c0 : nullptr);
     } else {
-      GemmOnThisThread(run.gemm, x, w.ColBlock(c0, count), /*transpose_w=*/false, 1.0f, block,
-                       accumulate || bias_first);
+      if (bias_first) AsEigen(block).rowwise() = BiasMap(bias + c0, count);
+      if (UseSkinnyGemm(run.gemm, x.rows, count)) {
+        SkinnyGemm(x, w.ColBlock(c0, count), block, accumulate || bias_first);
+      } else {
+        GemmOnThisThread(run.gemm, x, w.ColBlock(c0, count), /*transpose_w=*/false, 1.0f, block,
+                         accumulate || bias_first);
+      }
     }
     if (bias != nullptr && !bias_first) AsEigen(block).rowwise() += BiasMap(bias + c0, count);
   }
