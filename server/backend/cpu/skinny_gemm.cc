@@ -92,7 +92,9 @@ template <int R, bool kAccumulate>
     // head's queries) are 256 bytes of rows 9 KB apart in the Q|K|V buffer, which the hardware
     // prefetchers do not follow either (attention's time 18 % shorter in a bert-base forward).
     if (x_next != nullptr && k % kLineFloats == 0) {
-      for (int r = 0; r < kBlockRows; ++r) _mm_prefetch(reinterpret_cast<const char*>(x_next + r * ldx + k), _MM_HINT_T0);
+      for (int r = 0; r < kBlockRows; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(x_next + r * ldx + k), _MM_HINT_T0);
+      }
     }
     __m512 wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_maskz_loadu_ps(mask[j], wk + 16 * j);
