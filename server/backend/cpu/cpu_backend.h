@@ -15,7 +15,7 @@
 
 #include "server/backend/backend.h"
 #include "server/backend/cpu/gemm.h"
-#include "server/backend/cpu/packed_weights.h"
+#include "server/backend/cpu/skinny_gemm.h"
 #include "server/core/thread_annotations.h"
 
 namespace attnserve {

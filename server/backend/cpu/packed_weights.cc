@@ -1,22 +1,8 @@
 #include "server/backend/cpu/packed_weights.h"
 
 #include <algorithm>
-#include <string>
-
-#include "server/backend/cpu/skinny_gemm.h"
 
 namespace attnserve {
-
-StatusOr<WeightLayout> ParseWeightLayout(std::string_view name) {
-  if (name == "auto") return PanelWidth() > 0 ? WeightLayout::kPacked : WeightLayout::kPlain;
-  if (name == "plain") return WeightLayout::kPlain;
-  if (name == "packed") {
-    if (PanelWidth() > 0) return WeightLayout::kPacked;
-    return InvalidArgumentError("cpu weight layout: packed asked, but the backend's own GEMM kernel cannot run here "
-                                "(it needs an x86-64 GCC build and a CPU with AVX2 and FMA); use auto or plain");
-  }
-  return InvalidArgumentError("cpu weight layout: expected auto, packed or plain, got '" + std::string(name) + "'");
-}
 
 PackedWeights PackPanels(ConstMatrixView w, int64_t width) {
   PackedWeights p;

@@ -17,9 +17,7 @@
 
 #include <cstdint>
 #include <optional>
-#include <string_view>
 
-#include "server/core/status.h"
 #include "server/core/tensor.h"
 
 namespace attnserve {
@@ -53,14 +51,6 @@ struct PackedWeights {
   // memory, such as attention's activations, or of columns that start mid-panel).
   std::optional<PackedBlock> Find(ConstMatrixView view) const;
 };
-
-// How the CPU backend holds a form's weights: packed as well (kPacked) or row-major only.
-enum class WeightLayout { kPacked, kPlain };
-
-// "auto" (packed where the backend's own kernel runs: a CPU with AVX2 and FMA, an x86-64 GCC
-// build), "packed" (the same, refused where the kernel cannot run) or "plain". INVALID_ARGUMENT
-// names the value and what is accepted.
-StatusOr<WeightLayout> ParseWeightLayout(std::string_view name);
 
 // `w` packed into panels of `width` columns (> 0).
 PackedWeights PackPanels(ConstMatrixView w, int64_t width);

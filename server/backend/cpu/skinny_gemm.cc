@@ -1,5 +1,7 @@
 #include "server/backend/cpu/skinny_gemm.h"
 
+#include <string>
+
 #include "server/backend/cpu/gemm.h"
 
 // The kernels are compiled for their ISA (AVX-512, or AVX2 with FMA) whatever the build's own
@@ -327,6 +329,17 @@ int64_t PanelWidth() { return 0; }
 void PanelGemm(ConstMatrixView, const PackedBlock&, MatrixView, bool, const float*) {}
 
 #endif
+
+StatusOr<WeightLayout> ParseWeightLayout(std::string_view name) {
+  if (name == "auto") return PanelWidth() > 0 ? WeightLayout::kPacked : WeightLayout::kPlain;
+  if (name == "plain") return WeightLayout::kPlain;
+  if (name == "packed") {
+    if (PanelWidth() > 0) return WeightLayout::kPacked;
+    return InvalidArgumentError("cpu weight layout: packed asked, but the backend's own GEMM kernel cannot run here "
+                                "(it needs an x86-64 GCC build and a CPU with AVX2 and FMA); use auto or plain");
+  }
+  return InvalidArgumentError("cpu weight layout: expected auto, packed or plain, got '" + std::string(name) + "'");
+}
 
 bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols) {
   if (!SkinnyGemmPays(rows, cols)) return false;

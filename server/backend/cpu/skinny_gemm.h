@@ -9,8 +9,12 @@
 // (docs/benchmarks.md, "The skinny GEMM").
 #pragma once
 
+#include <cstdint>
+#include <string_view>
+
 #include "server/backend/cpu/gemm.h"
 #include "server/backend/cpu/packed_weights.h"
+#include "server/core/status.h"
 #include "server/core/tensor.h"
 
 namespace attnserve {
@@ -50,6 +54,15 @@ void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumul
 // The panel width this CPU's kernel reads packed weights in (PackPanels): one block of its
 // columns, 64 (AVX-512) or 16 (AVX2); 0 where no kernel runs.
 int64_t PanelWidth();
+
+// How the CPU backend holds a form's weights: packed as well (kPacked, PackPanels at
+// PanelWidth()) or row-major only.
+enum class WeightLayout { kPacked, kPlain };
+
+// "auto" (packed where the backend's own kernel runs: a CPU with AVX2 and FMA, an x86-64 GCC
+// build), "packed" (the same, refused where the kernel cannot run) or "plain". INVALID_ARGUMENT
+// names the value and what is accepted.
+StatusOr<WeightLayout> ParseWeightLayout(std::string_view name);
 
 // y = x · w (y += x · w with `accumulate`) for weights packed at PanelWidth(): the kernel runs
 // panel by panel, each streamed from one contiguous run (packed_weights.h). x is [rows, w.rows],
