@@ -224,10 +224,10 @@ void HeadScores(GemmLibrary gemm, const FormWeights& f, const AttentionRange& ra
 // forward, with the kernel's own prefetch of x, SkinnyGemm). The cap keeps a task's Q, K and V
 // tiles (3 × 128 KiB) inside the smallest L2 of the CPUs this runs on (512 KiB, Zen 3).
 void PrefetchToL2(ConstMatrixView m) {
-  constexpr int64_t kMaxBytes = 128 * 1024, kLineFloats = 16;
+  constexpr int64_t kMaxBytes = 128 * 1024;
   const int64_t rows = std::min(m.rows, kMaxBytes / std::max<int64_t>(1, m.cols * int64_t{sizeof(float)}));
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < m.cols; c += kLineFloats) {
+    for (int64_t c = 0; c < m.cols; c += kCacheLineFloats) {
       __builtin_prefetch(m.data + r * m.ld + c, /*rw=*/0, /*locality=*/2);
     }
   }
@@ -287,16 +287,18 @@ void AttendTiled(GemmLibrary gemm, const Sequence& s, float scale, std::span<con
   t.max.setConstant(stacked, -std::numeric_limits<float>::infinity());
   t.sum.setZero(stacked);
   t.exact.clear();
+  // The key tile from key `first` on, its keys and values asked for (PrefetchToL2): the first
+  // tile with the queries, each next one while the one before computes.
+  auto ask_for_tile = [&](int64_t first) {
+    const int64_t width = std::min(kKeyTile, keys - first);
+    PrefetchToL2(k.RowBlock(first, width));
+    PrefetchToL2(v.RowBlock(first, width));
+  };
   PrefetchToL2(queries);
-  PrefetchToL2(k.RowBlock(0, std::min(kKeyTile, keys)));
-  PrefetchToL2(v.RowBlock(0, std::min(kKeyTile, keys)));
+  ask_for_tile(0);
   for (int64_t k0 = 0; k0 < keys; k0 += kKeyTile) {
     const int64_t width = std::min(kKeyTile, keys - k0);
-    if (k0 + width < keys) {  // the next tile's keys and values, while this one computes
-      const int64_t next = std::min(kKeyTile, keys - k0 - width);
-      PrefetchToL2(k.RowBlock(k0 + width, next));
-      PrefetchToL2(v.RowBlock(k0 + width, next));
-    }
+    if (k0 + width < keys) ask_for_tile(k0 + width);
     t.s.resize(stacked, width);
     const MatrixView scores(t.s.data(), stacked, width);
     if (OwnTileKernel() && width >= kOwnScoresMinKeys) {

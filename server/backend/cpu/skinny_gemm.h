@@ -51,6 +51,9 @@ std::string_view SkinnyGemmIsa();
 // operands are already in cache, use it at any row count (AttendTiled, cpu_backend.cc).
 void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate = false);
 
+// Floats in one 64-byte cache line: the step of the CPU backend's software prefetches.
+inline constexpr int64_t kCacheLineFloats = 16;
+
 // The panel width this CPU's kernel reads packed weights in (PackPanels): one block of its
 // columns, 64 (AVX-512) or 16 (AVX2); 0 where no kernel runs.
 int64_t PanelWidth();
