@@ -5,8 +5,8 @@
 //   forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]
 //                 [--json FILE] [--shapes a,b] [--gemm auto,eigen,onednn] [--weight-layout auto,plain]
 // --gemm runs the CPU backend with each GEMM library in turn (gemm.h), against one ceiling;
-// --weight-layout with its weights packed (auto: where its own kernel runs) and row-major (plain)
-// in turn (packed_weights.h; the JSON's `weights` says which ran);
+// --weight-layout with its weights packed (auto: where its own kernel runs; packed-bf16 as bfloat16)
+// and row-major (plain) in turn (packed_weights.h; the JSON's `weights` says which ran);
 // --summed-order auto,project-first,mix-first the summed form in each association order (the cross-*
 // shapes sweep n/m); --value-group-mib N the summed form's value groups (CpuBackendOptions::
 // summed_value_group_bytes; 0: one sequence a group). GFLOP/s count what the backend ran
@@ -552,7 +552,8 @@ int Usage(const char* why) {
                "                     [--json FILE] [--shapes bert-base,gpt2-medium,small-request,large]\n"
                "                     [--gemm auto,eigen,onednn]   (the CPU backend's GEMM libraries, in turn)\n"
                "                     [--summed-order auto,project-first,mix-first]   (the summed form's association order)\n"
-               "                     [--weight-layout auto,plain]   (the CPU backend's weights packed or row-major, in turn)\n"
+               "                     [--weight-layout auto,plain]   (the CPU backend's weights packed or row-major,\n"
+               "                                                    in turn; packed-bf16: packed as bfloat16)\n"
                "                     [--forms factored,summed]   (one form alone: for a profile)\n"
                "                     [--idle-us 0]   (a pause before each timed call, as between served requests)\n"
                "                     [--value-group-mib 64]   (the summed form's value groups; 0: a sequence each)\n"
@@ -591,7 +592,9 @@ int Main(int argc, char** argv) {
     } else if (arg == "--weight-layout") {
       opt.weight_layouts = Split(value);
       for (const std::string& l : opt.weight_layouts) {
-        if (!ParseWeightLayout(l).ok()) return Usage(("--weight-layout: expected auto, packed or plain, got " + l).c_str());
+        if (!ParseWeightLayout(l).ok()) {
+          return Usage(("--weight-layout: expected auto, packed, packed-bf16 or plain, got " + l).c_str());
+        }
       }
     } else if (arg == "--summed-order") {
       opt.summed_orders = Split(value);
@@ -672,12 +675,12 @@ int Main(int argc, char** argv) {
           }
           std::string library = on_cpu ? std::string(GemmLibraryName(static_cast<CpuBackend&>(**backend).gemm())) : gemm;
           if (order != "auto") library += "/" + order;
-          const bool packed =
-              on_cpu && static_cast<CpuBackend&>(**backend).weight_layout() == WeightLayout::kPacked;
+          const std::string_view weights =
+              on_cpu ? WeightLayoutName(static_cast<CpuBackend&>(**backend).weight_layout()) : "plain";
           for (const BenchShape* shape : chosen) {
             for (auto& r : RunShape(*shape, **backend, threads, before->gflops, opt.min_time_s, opt.forms, opt.idle_us)) {
               r.gemm = library;
-              r.weights = packed ? "packed" : "plain";
+              r.weights = std::string(weights);
               group.push_back(r);
             }
           }

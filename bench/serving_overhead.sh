@@ -20,6 +20,8 @@
 # the request's FLOPs) against the best SGEMM ceiling forward_bench measured before and after.
 #
 #   bench/serving_overhead.sh [BUILD_DIR] [ROUNDS]     (default build, 3; THREADS=2)
+#   WEIGHT_LAYOUT=packed-bf16   the CPU backend's weight layout, in process and in every server
+#   (--cpu-weight-layout; default auto)
 #   VARIANTS="defaults: passive:OMP_WAIT_POLICY=passive"   server variants to compare (default:
 #   "defaults:"); each NAME:FLAGS, the flags joined by commas, a VAR=VALUE among them set in
 #   the server's environment instead
@@ -32,6 +34,7 @@ THREADS=${THREADS:-2}
 DURATION=${DURATION:-4s}
 IDLE_US=${IDLE_US:-300}
 VARIANTS=${VARIANTS:-"defaults:"}
+WEIGHT_LAYOUT=${WEIGHT_LAYOUT:-auto}
 OUT=$BUILD/serving-out
 CLI=$BUILD/client/attnserve-cli
 rm -rf "$OUT" && mkdir -p "$OUT"
@@ -52,7 +55,8 @@ start_server() {
   set -- "${flags[@]}"
   env "${env[@]}" "$BUILD/server/attnserve" --listen 127.0.0.1:0 --port-file "$OUT/port" --threads "$THREADS" \
     --metrics-listen 127.0.0.1:0 --metrics-port-file "$OUT/metrics-port" \
-    --layer demo=random:d_model=768,heads=12,seed=1 --log-level warn "$@" &
+    --layer demo=random:d_model=768,heads=12,seed=1 --cpu-weight-layout "$WEIGHT_LAYOUT" --log-level warn \
+    "$@" &
   pid=$!
   for _ in $(seq 1 300); do [[ -s $OUT/port && -s $OUT/metrics-port ]] && break; sleep 0.1; done
   target="127.0.0.1:$(cat "$OUT/port")"
@@ -68,10 +72,13 @@ bench() {  # NAME CONCURRENCY [EXTRA...]: one measured bench run against $target
     --duration "$DURATION" --warmup 1s --json "$OUT/$name.json" "$@" >/dev/null
 }
 
-echo "== machine: $(lscpu | sed -n 's/^Model name: *//p'), $THREADS threads, $(date -u +%F)"
-"$BUILD/bench/forward_bench" --threads "$THREADS" --shapes small-request --json "$OUT/inprocess.json" >/dev/null
-"$BUILD/bench/forward_bench" --threads "$THREADS" --shapes small-request --forms factored --idle-us "$IDLE_US" \
-  --json "$OUT/inprocess-idle.json" >/dev/null
+echo "== machine: $(lscpu | sed -n 's/^Model name: *//p'), $THREADS threads, weights $WEIGHT_LAYOUT," \
+  "$(date -u +%F)"
+in_process() {
+  "$BUILD/bench/forward_bench" --threads "$THREADS" --shapes small-request --weight-layout "$WEIGHT_LAYOUT" "$@"
+}
+in_process --json "$OUT/inprocess.json" >/dev/null
+in_process --forms factored --idle-us "$IDLE_US" --json "$OUT/inprocess-idle.json" >/dev/null
 for round in $(seq 1 "$ROUNDS"); do
   for variant in $VARIANTS; do
     name=${variant%%:*}
@@ -110,6 +117,6 @@ if /usr/bin/python3 -c 'import grpc, google.protobuf, numpy' 2>/dev/null; then
 else
   echo "(no python3-grpcio: the second client's check is skipped)" >&2
 fi
-"$BUILD/bench/forward_bench" --threads "$THREADS" --shapes small-request --json "$OUT/inprocess-after.json" >/dev/null
+in_process --json "$OUT/inprocess-after.json" >/dev/null
 
 python3 bench/serving_report.py "$OUT" "$ROUNDS" $VARIANTS

@@ -170,9 +170,9 @@ const Setting kSettings[] = {
     {"--cpu-gemm", "cpu_gemm", "LIB", &O::cpu_gemm, 0, 0, CheckCpuGemm, nullptr,
      "auto, eigen or onednn: the CPU backend's GEMM library (auto: oneDNN when the build has it, else Eigen)"},
     {"--cpu-weight-layout", "cpu_weight_layout", "LAYOUT", &O::cpu_weight_layout, 0, 0, CheckCpuWeightLayout, nullptr,
-     "auto, packed or plain: packed keeps a copy of each layer's projection weights in panels for the CPU "
-     "backend's own kernel (as many bytes again; auto: where the CPU has AVX2 and FMA), plain the row-major "
-     "weights only"},
+     "auto, packed, packed-bf16 or plain: packed keeps a copy of each layer's projection weights in panels for "
+     "the CPU backend's own kernel (as many bytes again; auto: where the CPU has AVX2 and FMA), packed-bf16 the "
+     "same copy rounded to bfloat16 (half the bytes, a few 1e-3 relative error), plain the row-major weights only"},
     {"--workers", "workers", "N", &O::workers, 1, 256, nullptr, nullptr, "batches computed side by side"},
     {"--max-batch-requests", "max_batch_requests", "N", &O::max_batch_requests, 1, 4096, nullptr, nullptr,
      "requests in one batch at most (1: no batching)"},

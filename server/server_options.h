@@ -27,7 +27,7 @@ struct ServerOptions {
   // The backend (docs/architecture.md): auto takes a usable GPU when there is one, else the CPU.
   std::string device = "auto";
   std::string cpu_gemm = "auto";  // auto, eigen or onednn: the CPU backend's GEMM library
-  std::string cpu_weight_layout = "auto";  // auto, packed or plain: the CPU backend's weights
+  std::string cpu_weight_layout = "auto";  // auto, packed, packed-bf16 or plain: the CPU backend's weights
   std::string gpu_math = "fp32";  // fp32, or tf32 for TF32 tensor-core GEMMs on the GPU
   int max_message_mb = 64;   // receive and send limit
   // Attention scores one request may ask for, in millions: Σ over its sequences of n · m · heads.

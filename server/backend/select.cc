@@ -30,7 +30,10 @@ StatusOr<ChosenBackend> Cpu(const DeviceChoice& choice, std::string why) {
       CpuBackendOptions{.threads = choice.cpu_threads, .gemm = gemm, .weight_layout = layout});
   const std::string blas(GemmLibraryName(gemm));
   why += " (" + std::to_string(cpu->threads()) + " threads, " + blas + " GEMMs, " +
-         (layout == WeightLayout::kPacked ? "weights packed, " : "weights row-major, ") + std::string(CpuIsa()) + ")";
+         (layout == WeightLayout::kPacked       ? "weights packed, "
+          : layout == WeightLayout::kPackedBf16 ? "weights packed as bfloat16, "
+                                                : "weights row-major, ") +
+         std::string(CpuIsa()) + ")";
   return ChosenBackend{std::move(cpu), std::move(why), blas};
 }
 

@@ -773,6 +773,49 @@ TEST(ServerFlagsTest, AttentionWorkIsBoundedPerRequest) {
   EXPECT_THAT(st.error_message(), AllOf(HasSubstr("n=512"), HasSubstr("--max-scores-m")));
 }
 
+// --cpu-weight-layout packed-bf16 (docs/service.md): a served answer of either form is float64's
+// within bfloat16's rounding of the weights, the forms' divergence (compare) shows that rounding,
+// and GetLayer counts the panels at two bytes a weight. Where the backend's own kernel cannot run,
+// the server refuses the flag at startup with the reason.
+TEST(ServerFlagsTest, Bfloat16PanelsServeWithinTheirRoundingAndCountHalfTheBytes) {
+  const bool kernel = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const RandomLayer layer{"bf", 128, 2, 0, 0, 11, true};
+  const std::vector<std::string> args = {"--cpu-weight-layout", "packed-bf16", "--layer",
+                                         std::string(layer.name) + "=" + layer.Source()};
+  if (!kernel) {
+    std::string error;
+    EXPECT_EQ(ServerProcess::Start(ATTNSERVE_BINARY, args, &error), nullptr);
+    EXPECT_THAT(error, HasSubstr("packed-bf16 asked, but the backend's own GEMM kernel cannot run here"));
+    return;
+  }
+  auto server = StartOrFail(args);
+  ASSERT_NE(server, nullptr);
+  const LayerWeights w = layer.Weights();
+  std::mt19937_64 rng(12);
+  for (v1::Form form : {v1::FORM_FACTORED, v1::FORM_SUMMED}) {
+    const std::vector<float> input = RandomFloats(rng, 2 * 16 * 128);
+    v1::ForwardRequest req = Request("bf", input, {2, 16, 128}, form);
+    req.set_compare(true);
+    v1::ForwardResponse resp;
+    const grpc::Status st = server->client().Forward(req, &resp);
+    ASSERT_TRUE(st.ok()) << Describe(st);
+    const double error = RelativeL2(Output(resp), Reference(w, input, 2, 16));
+    EXPECT_LT(error, 1e-2) << "bfloat16 keeps 8 bits of each weight's mantissa";
+    EXPECT_GT(error, 10 * kTolerance) << "float32's error: were the weights rounded?";
+    ASSERT_EQ(resp.divergence_size(), 1);
+    EXPECT_GT(resp.divergence(0).rel_l2(), 10 * kTolerance) << "each form rounds its own weights";
+    EXPECT_LT(resp.divergence(0).rel_l2(), 2e-2);
+  }
+  v1::LayerInfo info;
+  ASSERT_TRUE(server->client().GetLayer("bf", &info).ok());
+  for (const auto& f : info.forms()) {
+    // d = 128, 2 heads of 64: whole panels at either width (64 or 16), so the packed copy is each
+    // weight matrix once, at 2 bytes. Factored: W_in [d, 3d], W_O [d, d]; summed: W_in [d, 2d + 2d].
+    const int64_t d = 128, matrix_weights = 4 * d * d;
+    EXPECT_EQ(f.bytes(), 4 * f.parameters() + 2 * matrix_weights) << v1::Form_Name(f.form());
+  }
+}
+
 TEST(ServerFlagsTest, AdminTokenGuardsLoadAndUnload) {
   auto server = StartOrFail({"--admin-token", "s3cret-s3cret-s3cret"});
   ASSERT_NE(server, nullptr);

@@ -30,9 +30,19 @@ namespace {
 // correct kernel whenever the sum cancels, as a random draw can make it). Also checks that
 // nothing is written past the view. Returns false after the first failure (already reported).
 using Product = std::function<void(ConstMatrixView x, ConstMatrixView w, MatrixView y)>;
-// With `bias` ([cols]), y = bias + x · w is expected.
+// With `bias` ([cols]), y = bias + x · w is expected. `weight_as` is each weight as the product
+// reads it (bfloat16 panels round them); float64 multiplies those.
+using WeightAs = double (*)(float);
+double AsLoaded(float w) { return w; }
+double AsBfloat16(float w) {
+  const uint32_t bits = static_cast<uint32_t>(RoundToBfloat16(w)) << 16;
+  float widened;
+  std::memcpy(&widened, &bits, sizeof widened);
+  return widened;
+}
 bool ProductMatchesFloat64(std::mt19937_64& rng, int64_t rows, int64_t k, int64_t cols, bool transpose_w, float alpha,
-                           const Product& product, bool accumulate = false, std::span<const float> bias = {}) {
+                           const Product& product, bool accumulate = false, std::span<const float> bias = {},
+                           WeightAs weight_as = AsLoaded) {
   const int64_t ldx = k + rows % 3, ldy = cols + 2;
   const int64_t w_rows = transpose_w ? cols : k, w_cols = transpose_w ? k : cols, ldw = w_cols + 5;
   const std::vector<float> x = testing::RandomVector(rng, rows * ldx), w = testing::RandomVector(rng, w_rows * ldw);
@@ -46,7 +56,7 @@ bool ProductMatchesFloat64(std::mt19937_64& rng, int64_t rows, int64_t k, int64_
     for (int64_t c = 0; c < cols; ++c) {
       double sum = accumulate ? before[r * ldy + c] : bias.empty() ? 0.0 : bias[c], magnitude = std::abs(sum);
       for (int64_t p = 0; p < k; ++p) {
-        const double wv = transpose_w ? w[c * ldw + p] : w[p * ldw + c];
+        const double wv = weight_as(transpose_w ? w[c * ldw + p] : w[p * ldw + c]);
         const double term = static_cast<double>(alpha) * x[r * ldx + p] * wv;
         sum += term;
         magnitude += std::abs(term);
@@ -112,11 +122,13 @@ TEST(SkinnyGemmTest, AccumulatesAtEveryBlockEdge) {
 // projections multiply do (the value block at q_cols + k_cols, a summed head's W_M_i), and the
 // block is found as the backend finds it (PackedWeights::Find). Every row count of the kernel's
 // blocks, column counts on both sides of a panel; written over y, added to it, and started from a
-// bias (the projections' y = b + x · W, with no pass of its own over y).
-TEST(PanelGemmTest, MatchesFloat64AtEveryPanelEdgeAndOffset) {
-  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: the weights stay row-major";
+// bias (the projections' y = b + x · W, with no pass of its own over y). Panels of bfloat16 are
+// checked against float64 on the weights rounded as PackPanels rounds them: the kernel adds no
+// error of its own beyond float32's.
+void PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision precision) {
   const int64_t width = PanelWidth();
   EXPECT_EQ(width, SkinnyGemmIsa() == "avx512" ? 64 : 16);
+  const WeightAs weight_as = precision == PanelPrecision::kBfloat16 ? AsBfloat16 : AsLoaded;
   std::mt19937_64 rng(testing::TestSeed());
   int checked = 0;
   enum class Start { kZero, kAccumulate, kBias };  // y = x·w, y += x·w, y = bias + x·w
@@ -134,20 +146,80 @@ TEST(PanelGemmTest, MatchesFloat64AtEveryPanelEdgeAndOffset) {
             for (int64_t r = 0; r < w.rows; ++r) {
               std::copy_n(w.data + r * w.ld, w.cols, src.data() + (row0 + r) * src_cols + col0);
             }
-            const PackedWeights pw = PackPanels(ConstMatrixView(src.data(), src_rows, src_cols), width);
+            const PackedWeights pw = PackPanels(ConstMatrixView(src.data(), src_rows, src_cols), width, precision);
+            EXPECT_EQ(pw.precision, precision);
             const auto block = pw.Find(ConstMatrixView(src.data() + row0 * src_cols + col0, w.rows, w.cols, src_cols));
             ASSERT_TRUE(block.has_value());
             EXPECT_EQ(block->row0, row0);
             EXPECT_EQ(block->col0, col0);
             PanelGemm(x, *block, y, accumulate, bias.empty() ? nullptr : bias.data());
           };
-          ASSERT_TRUE(ProductMatchesFloat64(rng, rows, k, cols, /*transpose_w=*/false, 1.0f, packed, accumulate, bias));
+          ASSERT_TRUE(ProductMatchesFloat64(rng, rows, k, cols, /*transpose_w=*/false, 1.0f, packed, accumulate, bias,
+                                            weight_as));
           ++checked;
         }
       }
     }
   }
   EXPECT_EQ(checked, 3 * 20 * 8 * 3);
+}
+
+TEST(PanelGemmTest, MatchesFloat64AtEveryPanelEdgeAndOffset) {
+  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: the weights stay row-major";
+  PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision::kFloat32);
+}
+
+TEST(PanelGemmTest, Bfloat16PanelsMatchFloat64OnTheRoundedWeights) {
+  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: the weights stay row-major";
+  PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision::kBfloat16);
+}
+
+// Round to nearest, ties to even, on the bit patterns where it is decided: exact values, the
+// halfway points on both sides of an even and an odd last bit, the carry into the exponent, the
+// largest finite values, subnormals, signed zeros, infinities and NaN. Then random floats of
+// every magnitude against the definition: the nearer of the two bfloat16 around x, in float64.
+TEST(PackedWeightsTest, RoundToBfloat16IsNearestTiesToEven) {
+  const auto round_bits = [](uint32_t bits) {
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return RoundToBfloat16(x);
+  };
+  EXPECT_EQ(round_bits(0x3f800000u), 0x3f80);  // 1
+  EXPECT_EQ(round_bits(0x3f808000u), 0x3f80);  // halfway above an even last bit: down to it
+  EXPECT_EQ(round_bits(0x3f818000u), 0x3f82);  // halfway above an odd one: up to the even
+  EXPECT_EQ(round_bits(0x3f808001u), 0x3f81);  // just past halfway: up
+  EXPECT_EQ(round_bits(0x3f807fffu), 0x3f80);  // just below: down
+  EXPECT_EQ(round_bits(0x3fffffffu), 0x4000);  // the carry runs into the exponent: 2
+  EXPECT_EQ(round_bits(0xbf818000u), 0xbf82);  // the sign does not change the rule
+  EXPECT_EQ(round_bits(0x7f7f0000u), 0x7f7f);  // bfloat16's largest finite value, exactly
+  EXPECT_EQ(round_bits(0x7f7fffffu), 0x7f80);  // float32's largest: past it, to infinity
+  EXPECT_EQ(round_bits(0x00018000u), 0x0002);  // a subnormal's tie: to even
+  EXPECT_EQ(round_bits(0x00000000u), 0x0000);
+  EXPECT_EQ(round_bits(0x80000000u), 0x8000);
+  EXPECT_EQ(round_bits(0x7f800000u), 0x7f80);
+  EXPECT_EQ(round_bits(0xff800000u), 0xff80);
+  const uint16_t nan = round_bits(0x7f800001u);  // a NaN whose payload lies in the dropped half
+  EXPECT_EQ(nan & 0x7f80, 0x7f80);
+  EXPECT_NE(nan & 0x007f, 0) << "stays NaN, not infinity";
+
+  std::mt19937_64 rng(testing::TestSeed());
+  std::uniform_int_distribution<uint32_t> any_finite(0, 0x7f7effffu);  // below the top binade's last tie
+  for (int i = 0; i < 100000; ++i) {
+    const uint32_t bits = any_finite(rng) | (i % 2 == 0 ? 0u : 0x80000000u);
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    const uint16_t got = RoundToBfloat16(x), below = static_cast<uint16_t>(bits >> 16);
+    const auto widen = [](uint16_t b) {
+      const uint32_t w = static_cast<uint32_t>(b) << 16;
+      float f;
+      std::memcpy(&f, &w, sizeof f);
+      return static_cast<double>(f);
+    };
+    const double d_below = std::abs(widen(below) - x), d_above = std::abs(widen(below + 1) - x);
+    const uint16_t tie = below % 2 == 0 ? below : below + 1;
+    const uint16_t want = d_below < d_above ? below : d_above < d_below ? below + 1 : tie;
+    ASSERT_EQ(got, want) << "bits 0x" << std::hex << bits;
+  }
 }
 
 // Where the backend multiplies packed weights (PanelGemmPays), as measured: the AVX-512 kernel at
@@ -210,17 +282,22 @@ TEST(WeightLayoutTest, NamesParseAndBadNamesSayWhatIsAccepted) {
   EXPECT_EQ(*ParseWeightLayout("plain"), WeightLayout::kPlain);
   EXPECT_EQ(*ParseWeightLayout("auto"), PanelWidth() > 0 ? WeightLayout::kPacked : WeightLayout::kPlain);
   EXPECT_EQ(CpuBackend().weight_layout(), *ParseWeightLayout("auto"));
-  const auto packed = ParseWeightLayout("packed");
-  if (PanelWidth() > 0) {
-    EXPECT_EQ(*packed, WeightLayout::kPacked);
-  } else {
-    ASSERT_FALSE(packed.ok());
-    EXPECT_NE(packed.status().message().find("cannot run here"), std::string::npos);
+  for (const WeightLayout layout : {WeightLayout::kPacked, WeightLayout::kPackedBf16}) {
+    const std::string name(WeightLayoutName(layout));
+    const auto parsed = ParseWeightLayout(name);
+    if (PanelWidth() > 0) {
+      EXPECT_EQ(*parsed, layout) << name;
+    } else {
+      ASSERT_FALSE(parsed.ok());
+      EXPECT_NE(parsed.status().message().find(name + " asked, but the backend's own GEMM kernel cannot run here"),
+                std::string::npos);
+    }
   }
+  EXPECT_EQ(WeightLayoutName(WeightLayout::kPlain), "plain");
   const auto bad = ParseWeightLayout("blocked");
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(bad.status().message(), "cpu weight layout: expected auto, packed or plain, got 'blocked'");
+  EXPECT_EQ(bad.status().message(), "cpu weight layout: expected auto, packed, packed-bf16 or plain, got 'blocked'");
 }
 
 // The packed copy is host memory the form holds (ResidentForm::HostBytes: the layer store's
@@ -248,6 +325,59 @@ TEST(WeightLayoutTest, PackedWeightsCountInHostBytesAndAgreeWithPlain) {
     ASSERT_TRUE(plain.Forward(**on_plain, std::span<const Sequence>(&s, 1)).ok());
     for (int64_t i = 0; i < n * 96; ++i) ASSERT_NEAR(out_packed[i], out_plain[i], 1e-4f * (1 + std::abs(out_plain[i]))) << n << " " << i;
   }
+}
+
+// --cpu-weight-layout packed-bf16: the panels hold half the bytes, and every projection of both
+// forms runs on them at every batch size: a whole forward is the float32 forward of the same layer
+// with its W_in and W_out rounded to bfloat16 (biases as loaded), and within bfloat16's rounding
+// of float64 on the weights as loaded. d_model and the head width are whole panels, as in every
+// checkpoint layout we load, so each head's block of the summed form starts on a panel.
+TEST(WeightLayoutTest, Bfloat16PanelsComputeTheLayerWithItsWeightsRounded) {
+  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: the weights stay row-major";
+  const LayerConfig config = *CompleteConfig({.d_model = 128, .heads = 2});
+  const LayerWeights weights = RandomLayerWeights(config, testing::TestSeed());
+  CpuBackend bf16({.threads = 2, .weight_layout = WeightLayout::kPackedBf16});
+  CpuBackend packed({.threads = 2, .weight_layout = WeightLayout::kPacked});
+  EXPECT_EQ(bf16.weight_layout(), WeightLayout::kPackedBf16);
+  std::mt19937_64 rng(testing::TestSeed());
+  double worst = 0;
+  for (const FormWeights& materialized : {MaterializeFactored(weights), MaterializeSummed(weights)}) {
+    const std::string form(FormName(materialized.form));
+    auto f = std::make_shared<const FormWeights>(materialized);
+    FormWeights rounded_weights = materialized;
+    for (AlignedFloats* w : {&rounded_weights.w_in, &rounded_weights.w_out}) {
+      std::transform(w->begin(), w->end(), w->begin(), [](float v) { return static_cast<float>(AsBfloat16(v)); });
+    }
+    auto rounded = std::make_shared<const FormWeights>(std::move(rounded_weights));
+    auto on_bf16 = bf16.Upload(f), on_f32 = packed.Upload(f), on_rounded = packed.Upload(rounded);
+    ASSERT_TRUE(on_bf16.ok() && on_f32.ok() && on_rounded.ok()) << form;
+    // The panels in bfloat16: half the packed float32 copy's bytes.
+    EXPECT_EQ(2 * ((*on_bf16)->HostBytes() - f->Bytes()), (*on_f32)->HostBytes() - f->Bytes()) << form;
+    for (int64_t n : {1, 5, 16, 40, 300}) {
+      const std::vector<float> input = testing::RandomVector(rng, n * config.d_model);
+      std::vector<float> got(input.size()), want(input.size()), as_loaded(input.size());
+      const auto run = [&](CpuBackend& backend, const ResidentForm& on, std::vector<float>& out) {
+        Sequence s;
+        s.input = ConstMatrixView(input.data(), n, config.d_model);
+        s.output = MatrixView(out.data(), n, config.d_model);
+        return backend.Forward(on, std::span<const Sequence>(&s, 1));
+      };
+      ASSERT_TRUE(run(bf16, **on_bf16, got).ok() && run(packed, **on_rounded, want).ok() &&
+                  run(packed, **on_f32, as_loaded).ok());
+      EXPECT_LT(testing::RelativeL2(got.data(), want.data(), got.size()), 1e-5) << form << " n=" << n;
+      Sequence s;
+      s.input = ConstMatrixView(input.data(), n, config.d_model);
+      const std::vector<double> exact = ReferenceForward(weights, s);
+      const double bf16_error = testing::RelativeL2(got.data(), exact);
+      // bfloat16 keeps 8 bits of mantissa: each weight within 2^-9 of itself, and the sums of
+      // d_model products of random signs well within that; float32 stays near 1e-6.
+      EXPECT_LT(bf16_error, 1e-2) << form << " n=" << n;
+      worst = std::max(worst, bf16_error);
+      EXPECT_GT(bf16_error, 10 * testing::RelativeL2(as_loaded.data(), exact))
+          << form << " n=" << n << ": not rounded?";
+    }
+  }
+  std::printf("bfloat16 panels: worst relative L2 to float64 %.2e\n", worst);  // docs/architecture.md §3
 }
 
 // kt = scale · kᵀ from strided key tiles: row and column counts on both sides of its 8 × 8

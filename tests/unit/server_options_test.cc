@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "server/backend/cpu/skinny_gemm.h"  // PanelWidth: where packed-bf16 is accepted
+
 namespace attnserve {
 namespace {
 
@@ -197,8 +199,13 @@ TEST(ServerOptionsTest, CpuWeightLayoutFromFlagAndYaml) {
   ServerOptions from_yaml;
   ASSERT_TRUE(ApplyYamlConfig("cpu_weight_layout: plain\n", "cpu.yaml", &from_yaml).ok());
   EXPECT_EQ(from_yaml.cpu_weight_layout, "plain");
+  if (PanelWidth() > 0) {  // the bfloat16 panels need the backend's own kernel
+    ASSERT_TRUE(ApplyYamlConfig("cpu_weight_layout: packed-bf16\n", "cpu.yaml", &from_yaml).ok());
+    EXPECT_EQ(from_yaml.cpu_weight_layout, "packed-bf16");
+  }
   EXPECT_THAT(Parse({"--cpu-weight-layout", "blocked"}).status().message(),
-              HasSubstr("--cpu-weight-layout: cpu weight layout: expected auto, packed or plain, got 'blocked'"));
+              HasSubstr("--cpu-weight-layout: cpu weight layout: expected auto, packed, packed-bf16 or plain, "
+                        "got 'blocked'"));
 }
 
 // docs/service.md's flag table and the settings table in server_options.cc say the same thing:

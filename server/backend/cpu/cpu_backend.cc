@@ -49,11 +49,12 @@ MutableMap AsEigen(MatrixView v) { return MutableMap(v.data, v.rows, v.cols, Str
 // projection matrices packed into panels as well (packed_weights.h).
 class CpuResidentForm final : public ResidentForm {
  public:
-  CpuResidentForm(std::shared_ptr<const FormWeights> w, int64_t panel_width) : w_(std::move(w)) {
+  CpuResidentForm(std::shared_ptr<const FormWeights> w, int64_t panel_width, PanelPrecision precision)
+      : w_(std::move(w)) {
     if (panel_width <= 0) return;
     const DeviceWeights host = HostWeights(*w_);
-    w_in_ = PackPanels(host.w_in, panel_width);
-    if (!host.w_out.empty()) w_out_ = PackPanels(host.w_out, panel_width);
+    w_in_ = PackPanels(host.w_in, panel_width, precision);
+    if (!host.w_out.empty()) w_out_ = PackPanels(host.w_out, panel_width, precision);
   }
   const FormWeights& weights() const override { return *w_; }
   int64_t HostBytes() const override { return w_->Bytes() + w_in_.Bytes() + w_out_.Bytes(); }
@@ -82,10 +83,13 @@ struct Compute {
 // weight matrix when the batch has few tokens: 2 threads were 3x slower than 1 there.)
 // With `accumulate`, y += x · w instead.
 // `packed`, where given, is w packed (CpuResidentForm::Packed): the column split falls on its
-// panels (kColumnAlign is a multiple of every PanelWidth), and PanelGemm computes where it pays.
+// panels (kColumnAlign is a multiple of every PanelWidth), and PanelGemm computes where it pays,
+// and always on bfloat16 panels: a layer's weights are rounded alike whatever the batch.
 void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, std::optional<PackedBlock> packed, const float* bias,
           MatrixView y, bool accumulate = false) {
-  if (packed && !PanelGemmPays(x.rows, w.ld)) packed.reset();
+  if (packed && packed->weights->precision == PanelPrecision::kFloat32 && !PanelGemmPays(x.rows, w.ld)) {
+    packed.reset();
+  }
   constexpr int64_t kColumnAlign = 64;  // whole cache lines and register blocks per thread
   const int64_t chunks = std::min<int64_t>(run.threads, (w.cols + kColumnAlign - 1) / kColumnAlign);
   const int64_t chunk_cols = ((w.cols + chunks - 1) / chunks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
@@ -658,8 +662,11 @@ int64_t CpuBackend::RetainedScratchBytes() const {
 StatusOr<std::shared_ptr<const ResidentForm>> CpuBackend::Upload(std::shared_ptr<const FormWeights> form) {
   if (!form) return InvalidArgumentError("Upload: no form given");
   ATTNSERVE_RETURN_IF_ERROR(CheckHeadCombine(*form));
-  const int64_t panel_width = weight_layout_ == WeightLayout::kPacked ? PanelWidth() : 0;
-  return std::shared_ptr<const ResidentForm>(std::make_shared<CpuResidentForm>(std::move(form), panel_width));
+  const int64_t panel_width = weight_layout_ == WeightLayout::kPlain ? 0 : PanelWidth();
+  const PanelPrecision precision =
+      weight_layout_ == WeightLayout::kPackedBf16 ? PanelPrecision::kBfloat16 : PanelPrecision::kFloat32;
+  return std::shared_ptr<const ResidentForm>(
+      std::make_shared<CpuResidentForm>(std::move(form), panel_width, precision));
 }
 
 Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequence> batch) {

@@ -12,11 +12,15 @@
 // at 4–256 tokens of gpt2-medium's. Each call goes where it measured faster (PanelGemmPays).
 // The packed copy is a second copy of the weights in host memory (ResidentForm::HostBytes);
 // --cpu-weight-layout plain keeps only the row-major one.
+// Panels may hold the weights as bfloat16 (--cpu-weight-layout packed-bf16): half the bytes a
+// request streams, each weight rounded to the nearest bfloat16 (8 bits of mantissa) and widened
+// back to float32 in the kernel's registers; the products and sums stay float32.
 // Thread-safety: immutable once packed; any number of forwards read it at once.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "server/core/tensor.h"
 
@@ -34,17 +38,30 @@ struct PackedBlock {
   PackedBlock ColBlock(int64_t first, int64_t count) const { return {weights, row0, col0 + first, rows, count}; }
 };
 
+// How a panel holds each weight: float32 as loaded, or rounded to bfloat16 (round to nearest
+// even: the top 16 bits of the float32 it rounds to).
+enum class PanelPrecision { kFloat32, kBfloat16 };
+
+using AlignedBf16 = std::vector<uint16_t, CacheLineAllocator<uint16_t>>;
+
 struct PackedWeights {
   // Panel p holds the source's columns [p·width, (p + 1)·width), all its rows, each row's
-  // `width` floats after the one before: [rows][width], zeros past the source's last column.
+  // `width` weights after the one before: [rows][width], zeros past the source's last column.
+  // One of the two is filled, as `precision` says.
   AlignedFloats panels;
+  AlignedBf16 panels_bf16;
+  PanelPrecision precision = PanelPrecision::kFloat32;
   int64_t width = 0;
   ConstMatrixView source;  // the row-major matrix packed (its shape too): Find matches views against it
 
   bool empty() const { return width == 0; }
-  int64_t Bytes() const { return static_cast<int64_t>(panels.size() * sizeof(float)); }
-  // Panel p's row r: `width` floats.
-  const float* PanelRow(int64_t p, int64_t r) const { return panels.data() + (p * source.rows + r) * width; }
+  int64_t Bytes() const {
+    return static_cast<int64_t>(panels.size() * sizeof(float) + panels_bf16.size() * sizeof(uint16_t));
+  }
+  // Panel p's row r: `width` weights.
+  int64_t PanelOffset(int64_t p, int64_t r) const { return (p * source.rows + r) * width; }
+  const float* PanelRow(int64_t p, int64_t r) const { return panels.data() + PanelOffset(p, r); }
+  const uint16_t* PanelRowBf16(int64_t p, int64_t r) const { return panels_bf16.data() + PanelOffset(p, r); }
 
   // The packed block of the source that `view` names: when it lies inside the source with the
   // source's row stride and starts on a panel's first column. Else nothing (a view of other
@@ -52,7 +69,11 @@ struct PackedWeights {
   std::optional<PackedBlock> Find(ConstMatrixView view) const;
 };
 
-// `w` packed into panels of `width` columns (> 0).
-PackedWeights PackPanels(ConstMatrixView w, int64_t width);
+// `w` packed into panels of `width` columns (> 0), each weight as `precision` says.
+PackedWeights PackPanels(ConstMatrixView w, int64_t width, PanelPrecision precision = PanelPrecision::kFloat32);
+
+// x rounded to the nearest bfloat16, ties to even: the top half of the float32 it rounds to.
+// NaN stays NaN; a finite x past bfloat16's largest finite value becomes an infinity.
+uint16_t RoundToBfloat16(float x);
 
 }  // namespace attnserve

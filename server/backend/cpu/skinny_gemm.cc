@@ -20,32 +20,42 @@ namespace attnserve {
 #if defined(ATTNSERVE_SKINNY_GEMM)
 namespace {
 
+// The right operand as the kernels read it: float32 (any matrix), or bfloat16 (packed panels
+// only, PackPanels: whole blocks of columns, zeros past the last, so the kernels read them
+// without masks and widen them to float32 in registers).
+template <class W>
+struct WeightsView {
+  const W* data;
+  int64_t rows, cols, ld;
+};
+WeightsView<float> WeightsOf(ConstMatrixView w) { return {w.data, w.rows, w.cols, w.ld}; }
+
 // y = x · w (y += x · w with kAccumulate) block by block for an ISA's kernel: each block of
 // kCols columns of w against x's rows, kRows at a time, then the rows left over (fewer than
-// kRows) in one smaller block. `RowBlocks<R, kAccumulate>::Run(x, w, y, bias, r0, r_end, c0, cols)`
+// kRows) in one smaller block. `RowBlocks<R, kAccumulate, W>::Run(x, w, y, bias, r0, r_end, c0, cols)`
 // runs rows [r0, r_end) R at a time; without kAccumulate a block starts from `bias` (y's columns'
 // own, when given: y = bias + x · w, no pass of its own over y) or from zero.
-template <template <int, bool> class RowBlocks, int kRows, int kCols, bool kAccumulate>
-void EachBlockOf(ConstMatrixView x, ConstMatrixView w, MatrixView y, const float* bias) {
+template <template <int, bool, class> class RowBlocks, int kRows, int kCols, bool kAccumulate, class W>
+void EachBlockOf(ConstMatrixView x, WeightsView<W> w, MatrixView y, const float* bias) {
   static_assert(kRows == 6, "the leftover switch below is written for 6-row blocks");
   const int64_t full = x.rows / kRows * kRows;
   for (int64_t c0 = 0; c0 < w.cols; c0 += kCols) {
     const int cols = static_cast<int>(std::min<int64_t>(kCols, w.cols - c0));
-    RowBlocks<kRows, kAccumulate>::Run(x, w, y, bias, 0, full, c0, cols);
+    RowBlocks<kRows, kAccumulate, W>::Run(x, w, y, bias, 0, full, c0, cols);
     switch (x.rows - full) {
-      case 5: RowBlocks<5, kAccumulate>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
-      case 4: RowBlocks<4, kAccumulate>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
-      case 3: RowBlocks<3, kAccumulate>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
-      case 2: RowBlocks<2, kAccumulate>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
-      case 1: RowBlocks<1, kAccumulate>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
+      case 5: RowBlocks<5, kAccumulate, W>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
+      case 4: RowBlocks<4, kAccumulate, W>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
+      case 3: RowBlocks<3, kAccumulate, W>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
+      case 2: RowBlocks<2, kAccumulate, W>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
+      case 1: RowBlocks<1, kAccumulate, W>::Run(x, w, y, bias, full, x.rows, c0, cols); break;
       default: break;
     }
   }
 }
 
 // The run-time `accumulate` made a template argument once here, for both ISAs' kernels.
-template <template <int, bool> class RowBlocks, int kRows, int kCols>
-void EachBlock(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate, const float* bias) {
+template <template <int, bool, class> class RowBlocks, int kRows, int kCols, class W>
+void EachBlock(ConstMatrixView x, WeightsView<W> w, MatrixView y, bool accumulate, const float* bias) {
   if (accumulate) {
     EachBlockOf<RowBlocks, kRows, kCols, true>(x, w, y, nullptr);
   } else {
@@ -61,14 +71,25 @@ constexpr int kBlockCols = 64;  // four 16-float registers per row
 constexpr int kBlockRows = 6;   // 6 × 4 accumulators + 4 of w + 1 broadcast fit in 32 registers
 constexpr int64_t kPrefetchRows = 12;
 
+// 16 of w's columns from one of its rows, as float32: lanes past `mask` zero. bfloat16 comes
+// from panels, whose blocks are whole (WeightsView): read unmasked, widened by a shift (a
+// bfloat16 is a float32's top half).
+[[gnu::always_inline]] inline __m512 LoadWeights(const float* w, __mmask16 mask) {
+  return _mm512_maskz_loadu_ps(mask, w);
+}
+[[gnu::always_inline]] inline __m512 LoadWeights(const uint16_t* w, __mmask16) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
 // Rows [0, R) of x times columns [0, cols) of w (cols ≤ 64; the rest masked off), added to y's
 // block with kAccumulate, else written over it starting from `bias` (when given) or zero.
 // `x_next`, where not null, is the next block's first row (kBlockRows rows, ldx apart): asked
 // for while this one computes.
 // Inlined into its caller: only there does GCC keep the 24 accumulators in registers (called
 // out of line, it spilled them to the stack on every step of k, at half the speed).
-template <int R, bool kAccumulate>
-[[gnu::always_inline]] inline void Block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
+template <int R, bool kAccumulate, class W>
+[[gnu::always_inline]] inline void Block(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy,
                                          const float* bias, int64_t k_total, int cols, const float* x_next) {
   __mmask16 mask[4];
   for (int j = 0; j < 4; ++j) {
@@ -83,12 +104,13 @@ template <int R, bool kAccumulate>
                                     : _mm512_setzero_ps();
     }
   }
+  constexpr int kLinesPerRow = kBlockCols * sizeof(W) / 64;  // of a block's row of w: 4 float32, 2 bfloat16
   for (int64_t k = 0; k < k_total; ++k) {
-    const float* wk = w + k * ldw;
+    const W* wk = w + k * ldw;
     // w's rows lie a whole row of the weights apart (9–43 KB here), each on its own page, where
     // the hardware prefetchers do not follow: ask for the block's row kPrefetchRows ahead.
-    const float* ahead = wk + kPrefetchRows * ldw;
-    for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + 16 * j), _MM_HINT_T0);
+    const char* ahead = reinterpret_cast<const char*>(wk + kPrefetchRows * ldw);
+    for (int line = 0; line < kLinesPerRow; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
     // The next block's rows of x, a line of each per line of this block's: attention's x (a
     // head's queries) are 256 bytes of rows 9 KB apart in the Q|K|V buffer, which the hardware
     // prefetchers do not follow either (attention's time 18 % shorter in a bert-base forward).
@@ -98,7 +120,7 @@ template <int R, bool kAccumulate>
       }
     }
     __m512 wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = _mm512_maskz_loadu_ps(mask[j], wk + 16 * j);
+    for (int j = 0; j < 4; ++j) wv[j] = LoadWeights(wk + 16 * j, mask[j]);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
@@ -111,9 +133,9 @@ template <int R, bool kAccumulate>
 
 // x's rows [r0, r_end) against columns [c0, c0 + cols) of w, R rows at a time (EachBlock),
 // each block asking for the next whole block's rows of x (the leftover rows are not asked for).
-template <int R, bool kAccumulate>
+template <int R, bool kAccumulate, class W>
 struct RowBlocks {
-  static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, const float* bias, int64_t r0, int64_t r_end,
+  static void Run(ConstMatrixView x, WeightsView<W> w, MatrixView y, const float* bias, int64_t r0, int64_t r_end,
                   int64_t c0, int cols) {
     for (; r0 + R <= r_end; r0 += R) {
       const float* x_next = r0 + R + kBlockRows <= x.rows ? x.data + (r0 + R) * x.ld : nullptr;
@@ -124,6 +146,10 @@ struct RowBlocks {
 };
 
 void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate, const float* bias) {
+  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, WeightsOf(w), y, accumulate, bias);
+}
+
+void SkinnyGemmBf16(ConstMatrixView x, WeightsView<uint16_t> w, MatrixView y, bool accumulate, const float* bias) {
   EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y, accumulate, bias);
 }
 
@@ -146,11 +172,21 @@ __m256i LaneMask(int left) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+// 8 of w's columns from one of its rows, as float32 (lanes past `mask` zero, where given).
+// bfloat16 comes from whole panel blocks (WeightsView): read unmasked, widened by a shift.
+[[gnu::always_inline]] inline __m256 LoadWeights(const float* w) { return _mm256_loadu_ps(w); }
+[[gnu::always_inline]] inline __m256 LoadWeights(const float* w, __m256i mask) { return _mm256_maskload_ps(w, mask); }
+[[gnu::always_inline]] inline __m256 LoadWeights(const uint16_t* w) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+[[gnu::always_inline]] inline __m256 LoadWeights(const uint16_t* w, __m256i) { return LoadWeights(w); }
+
 // A whole block (cols == 16) uses no masks: with both lane masks live across its loop, 12
 // accumulators, 2 rows of w, a broadcast and 2 masks want 17 of the 16 registers, and GCC's
 // spills there ran the kernel at 0.62–0.86 of oneDNN's AVX2 GEMM at attention's tiles.
-template <int R, bool kAccumulate>
-[[gnu::always_inline]] inline void WholeBlock(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+template <int R, bool kAccumulate, class W>
+[[gnu::always_inline]] inline void WholeBlock(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
                                               int64_t ldy, const float* bias, int64_t k_total) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) {
@@ -161,9 +197,9 @@ template <int R, bool kAccumulate>
     }
   }
   for (int64_t k = 0; k < k_total; ++k) {
-    const float* wk = w + k * ldw;
+    const W* wk = w + k * ldw;
     _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetchRows * ldw), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+    const __m256 w0 = LoadWeights(wk), w1 = LoadWeights(wk + 8);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
       acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
@@ -176,8 +212,8 @@ template <int R, bool kAccumulate>
 }
 
 // The last, partial block of a row of blocks (cols < 16): masked loads and stores.
-template <int R, bool kAccumulate>
-[[gnu::always_inline]] inline void PartialBlock(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+template <int R, bool kAccumulate, class W>
+[[gnu::always_inline]] inline void PartialBlock(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
                                                 int64_t ldy, const float* bias, int64_t k_total, int cols) {
   const __m256i mask[2] = {LaneMask(cols), LaneMask(cols - 8)};
   __m256 acc[R][2];
@@ -189,8 +225,8 @@ template <int R, bool kAccumulate>
     }
   }
   for (int64_t k = 0; k < k_total; ++k) {
-    const float* wk = w + k * ldw;
-    const __m256 w0 = _mm256_maskload_ps(wk, mask[0]), w1 = _mm256_maskload_ps(wk + 8, mask[1]);
+    const W* wk = w + k * ldw;
+    const __m256 w0 = LoadWeights(wk, mask[0]), w1 = LoadWeights(wk + 8, mask[1]);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
       acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
@@ -203,8 +239,8 @@ template <int R, bool kAccumulate>
   }
 }
 
-template <int R, bool kAccumulate>
-[[gnu::always_inline]] inline void Block(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y,
+template <int R, bool kAccumulate, class W>
+[[gnu::always_inline]] inline void Block(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y,
                                          int64_t ldy, const float* bias, int64_t k_total, int cols) {
   if (cols == kBlockCols) {
     WholeBlock<R, kAccumulate>(x, ldx, w, ldw, y, ldy, bias, k_total);
@@ -217,9 +253,9 @@ template <int R, bool kAccumulate>
 // The same loop as the AVX-512 one, written again on purpose: GCC inlines an always_inline
 // Block only into a caller compiled for the same target, so the loop must live in each ISA's
 // region (a shared template outside them fails to build).
-template <int R, bool kAccumulate>
+template <int R, bool kAccumulate, class W>
 struct RowBlocks {
-  static void Run(ConstMatrixView x, ConstMatrixView w, MatrixView y, const float* bias, int64_t r0, int64_t r_end,
+  static void Run(ConstMatrixView x, WeightsView<W> w, MatrixView y, const float* bias, int64_t r0, int64_t r_end,
                   int64_t c0, int cols) {
     for (; r0 + R <= r_end; r0 += R) {
       Block<R, kAccumulate>(x.data + r0 * x.ld, x.ld, w.data + c0, w.ld, y.data + r0 * y.ld + c0, y.ld,
@@ -229,6 +265,10 @@ struct RowBlocks {
 };
 
 void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate, const float* bias) {
+  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, WeightsOf(w), y, accumulate, bias);
+}
+
+void SkinnyGemmBf16(ConstMatrixView x, WeightsView<uint16_t> w, MatrixView y, bool accumulate, const float* bias) {
   EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y, accumulate, bias);
 }
 
@@ -271,8 +311,10 @@ ATTNSERVE_TARGET_END
 namespace {
 
 using Kernel = void (*)(ConstMatrixView, ConstMatrixView, MatrixView, bool, const float*);
+using KernelBf16 = void (*)(ConstMatrixView, WeightsView<uint16_t>, MatrixView, bool, const float*);
 struct Chosen {
   Kernel kernel;
+  KernelBf16 kernel_bf16;
   std::string_view isa;
 };
 
@@ -280,9 +322,11 @@ struct Chosen {
 // gemm.h), else AVX2 with FMA, else none (the general GEMM is used).
 const Chosen& Choose() {
   static const Chosen chosen = []() -> Chosen {
-    if (CpuIsaAllowsAvx512()) return {avx512::SkinnyGemm, "avx512"};
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return {avx2::SkinnyGemm, "avx2"};
-    return {nullptr, "none"};
+    if (CpuIsaAllowsAvx512()) return {avx512::SkinnyGemm, avx512::SkinnyGemmBf16, "avx512"};
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      return {avx2::SkinnyGemm, avx2::SkinnyGemmBf16, "avx2"};
+    }
+    return {nullptr, nullptr, "none"};
   }();
   return chosen;
 }
@@ -301,11 +345,18 @@ int64_t PanelWidth() {
 }
 
 void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accumulate, const float* bias) {
-  const int64_t width = w.weights->width;
+  const PackedWeights& packed = *w.weights;
+  const int64_t width = packed.width;
   for (int64_t c = 0; c < w.cols; c += width) {
-    const int64_t count = std::min(width, w.cols - c);
-    const ConstMatrixView panel(w.weights->PanelRow((w.col0 + c) / width, w.row0), w.rows, count, width);
-    Choose().kernel(x, panel, y.ColBlock(c, count), accumulate, bias != nullptr ? bias + c : nullptr);
+    const int64_t count = std::min(width, w.cols - c), panel = (w.col0 + c) / width;
+    const float* panel_bias = bias != nullptr ? bias + c : nullptr;
+    if (packed.precision == PanelPrecision::kBfloat16) {
+      const WeightsView<uint16_t> view{packed.PanelRowBf16(panel, w.row0), w.rows, count, width};
+      Choose().kernel_bf16(x, view, y.ColBlock(c, count), accumulate, panel_bias);
+    } else {
+      const ConstMatrixView view(packed.PanelRow(panel, w.row0), w.rows, count, width);
+      Choose().kernel(x, view, y.ColBlock(c, count), accumulate, panel_bias);
+    }
   }
 }
 
@@ -332,12 +383,23 @@ void PanelGemm(ConstMatrixView, const PackedBlock&, MatrixView, bool, const floa
 StatusOr<WeightLayout> ParseWeightLayout(std::string_view name) {
   if (name == "auto") return PanelWidth() > 0 ? WeightLayout::kPacked : WeightLayout::kPlain;
   if (name == "plain") return WeightLayout::kPlain;
-  if (name == "packed") {
-    if (PanelWidth() > 0) return WeightLayout::kPacked;
-    return InvalidArgumentError("cpu weight layout: packed asked, but the backend's own GEMM kernel cannot run here "
+  if (name == "packed" || name == "packed-bf16") {
+    if (PanelWidth() > 0) return name == "packed" ? WeightLayout::kPacked : WeightLayout::kPackedBf16;
+    return InvalidArgumentError("cpu weight layout: " + std::string(name) +
+                                " asked, but the backend's own GEMM kernel cannot run here "
                                 "(it needs an x86-64 GCC build and a CPU with AVX2 and FMA); use auto or plain");
   }
-  return InvalidArgumentError("cpu weight layout: expected auto, packed or plain, got '" + std::string(name) + "'");
+  return InvalidArgumentError("cpu weight layout: expected auto, packed, packed-bf16 or plain, got '" +
+                              std::string(name) + "'");
+}
+
+std::string_view WeightLayoutName(WeightLayout layout) {
+  switch (layout) {
+    case WeightLayout::kPacked: return "packed";
+    case WeightLayout::kPackedBf16: return "packed-bf16";
+    case WeightLayout::kPlain: return "plain";
+  }
+  return "plain";
 }
 
 bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols) {

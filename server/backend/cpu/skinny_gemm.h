@@ -59,16 +59,21 @@ inline constexpr int64_t kCacheLineFloats = 16;
 int64_t PanelWidth();
 
 // How the CPU backend holds a form's weights: packed as well (kPacked, PackPanels at
-// PanelWidth()) or row-major only.
-enum class WeightLayout { kPacked, kPlain };
+// PanelWidth()), packed as bfloat16 (kPackedBf16: every projection on the packed weights runs
+// on them, at half the bytes, each weight rounded to bfloat16) or row-major only.
+enum class WeightLayout { kPacked, kPackedBf16, kPlain };
 
 // "auto" (packed where the backend's own kernel runs: a CPU with AVX2 and FMA, an x86-64 GCC
-// build), "packed" (the same, refused where the kernel cannot run) or "plain". INVALID_ARGUMENT
-// names the value and what is accepted.
+// build), "packed" and "packed-bf16" (refused where the kernel cannot run) or "plain".
+// INVALID_ARGUMENT names the value and what is accepted.
 StatusOr<WeightLayout> ParseWeightLayout(std::string_view name);
 
+// The name ParseWeightLayout takes for `layout` ("packed", "packed-bf16", "plain").
+std::string_view WeightLayoutName(WeightLayout layout);
+
 // y = x · w (y += x · w with `accumulate`) for weights packed at PanelWidth(): the kernel runs
-// panel by panel, each streamed from one contiguous run (packed_weights.h). x is [rows, w.rows],
+// panel by panel, each streamed from one contiguous run (packed_weights.h), of float32 or of
+// bfloat16 widened to float32 in registers (PackedWeights::precision). x is [rows, w.rows],
 // y [rows, w.cols]. With `bias` ([w.cols]) and no `accumulate`, y = bias + x · w: the kernel's
 // accumulators start from the bias, so no pass of its own writes y first. Requires
 // SkinnyGemmAvailable().
