@@ -19,6 +19,7 @@
 #include "server/backend/cpu/softmax_rows.h"
 #include "server/core/forms.h"
 #include "server/core/reference.h"
+#include "server/core/spectrum.h"
 #include "tests/unit/test_support.h"
 
 namespace attnserve {
@@ -327,8 +328,8 @@ TEST(WeightLayoutTest, PackedWeightsCountInHostBytesAndAgreeWithPlain) {
   }
 }
 
-// --cpu-weight-layout packed-bf16: the panels hold half the bytes, and every projection of both
-// forms runs on them at every batch size: a whole forward is the float32 forward of the same layer
+// --cpu-weight-layout packed-bf16: the panels hold half the bytes, and every projection of every
+// form runs on them at every batch size: a whole forward is the float32 forward of the same layer
 // with its W_in and W_out rounded to bfloat16 (biases as loaded), and within bfloat16's rounding
 // of float64 on the weights as loaded. d_model and the head width are whole panels, as in every
 // checkpoint layout we load, so each head's block of the summed form starts on a panel.
@@ -341,7 +342,10 @@ TEST(WeightLayoutTest, Bfloat16PanelsComputeTheLayerWithItsWeightsRounded) {
   EXPECT_EQ(bf16.weight_layout(), WeightLayout::kPackedBf16);
   std::mt19937_64 rng(testing::TestSeed());
   double worst = 0;
-  for (const FormWeights& materialized : {MaterializeFactored(weights), MaterializeSummed(weights)}) {
+  // The low-rank form at full rank (d_head per head) is the layer exactly: float64 holds it too.
+  const StatusOr<FormWeights> lowrank = MaterializeLowRank(weights, {64, 64});
+  ASSERT_TRUE(lowrank.ok()) << lowrank.status().ToString();
+  for (const FormWeights& materialized : {MaterializeFactored(weights), MaterializeSummed(weights), *lowrank}) {
     const std::string form(FormName(materialized.form));
     auto f = std::make_shared<const FormWeights>(materialized);
     FormWeights rounded_weights = materialized;
