@@ -27,6 +27,28 @@ std::string ShapeOf(std::span<const int64_t> shape) {
 
 std::string Str(std::string_view v) { return std::string(v); }
 
+// The index of the first value that is an infinity or NaN, or values.size(). Every request's
+// input and output is scanned: blocks are checked without branches (a float is not finite when
+// its exponent bits are all ones), a loop GCC vectorizes, and only a block holding one is
+// scanned again for where. A scan of 12288 floats (a 1×16×768 request) took 4.5–6.5 µs as a
+// loop of std::isfinite that stops at the first, 0.6–1.8 µs so (docs/benchmarks.md, "Serving
+// overhead").
+size_t FirstNonFinite(std::span<const float> values) {
+  constexpr size_t kBlock = 256;
+  for (size_t start = 0; start < values.size(); start += kBlock) {
+    const size_t end = std::min(values.size(), start + kBlock);
+    uint32_t any = 0;
+    for (size_t i = start; i < end; ++i) {
+      any |= static_cast<uint32_t>((std::bit_cast<uint32_t>(values[i]) & 0x7f800000u) == 0x7f800000u);
+    }
+    if (any == 0) continue;
+    for (size_t i = start; i < end; ++i) {
+      if (!std::isfinite(values[i])) return i;
+    }
+  }
+  return values.size();
+}
+
 }  // namespace
 
 std::string WireDtypeName(int dtype) {
@@ -165,13 +187,11 @@ StatusOr<RequestTensor> DecodeTensor(std::string_view field, const WireTensor& w
     out = RequestTensor::Own(std::move(converted), b, rows, cols);
   }
   const float* values = out.data();
-  for (int64_t i = 0; i < elements; ++i) {
-    if (!std::isfinite(values[i])) {
-      const int64_t row = i / out.cols, col = i % out.cols;
-      return InvalidArgumentError(f + ".data: expected finite values, got " + std::to_string(values[i]) + " at [" +
-                                  std::to_string(row / out.rows) + ", " + std::to_string(row % out.rows) + ", " +
-                                  std::to_string(col) + "]");
-    }
+  if (const size_t bad = FirstNonFinite(std::span<const float>(values, elements)); bad < static_cast<size_t>(elements)) {
+    const int64_t i = static_cast<int64_t>(bad), row = i / out.cols, col = i % out.cols;
+    return InvalidArgumentError(f + ".data: expected finite values, got " + std::to_string(values[i]) + " at [" +
+                                std::to_string(row / out.rows) + ", " + std::to_string(row % out.rows) + ", " +
+                                std::to_string(col) + "]");
   }
   return out;
 }
@@ -237,8 +257,7 @@ StatusOr<DecodedForward> DecodeForward(const LayerConfig& config, const WireForw
 }
 
 Status CheckOutputFinite(const AttentionRequest& request, Form form, std::span<const float> output) {
-  size_t bad = 0;
-  while (bad < output.size() && std::isfinite(output[bad])) ++bad;
+  const size_t bad = FirstNonFinite(output);
   if (bad == output.size()) return OkStatus();
   // Only now, on the error path: the inputs' largest magnitude, which tells the client how far
   // to scale them down.

@@ -164,6 +164,31 @@ TEST(ValidationTest, NonFiniteValues) {
   }
 }
 
+// The scan that finds them works in blocks (FirstNonFinite): a non-finite value is found, and
+// the first one named, at every position around a block's edges and in the last, partial block,
+// with a second one later; finite values at the exponent's edges (the largest float, the
+// smallest subnormal, negative zero) pass.
+TEST(ValidationTest, NonFiniteValuesAreFoundAtEveryBlockEdge) {
+  const std::vector<int64_t> shape = {2, 300, 8};  // 4800 values: 18 whole blocks of 256 and a part
+  const float edges[] = {std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                         std::numeric_limits<float>::denorm_min(), -0.0f};
+  OwnedWire finite = Floats(shape);
+  for (int64_t i = 0; i < 4800; i += 37) std::memcpy(finite.bytes.data() + 4 * i, &edges[i % 4], 4);
+  EXPECT_TRUE(DecodeError(Config(), finite).ok());
+  for (int64_t at : {0, 1, 254, 255, 256, 257, 511, 512, 4607, 4608, 4798, 4799}) {
+    for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+      OwnedWire w = finite;
+      std::memcpy(w.bytes.data() + 4 * at, &bad, 4);
+      if (at + 300 < 4800) std::memcpy(w.bytes.data() + 4 * (at + 300), &bad, 4);  // only the first is named
+      const Status s = DecodeError(Config(), w);
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << at;
+      const std::string where = "at [" + std::to_string(at / 2400) + ", " + std::to_string(at % 2400 / 8) + ", " +
+                                std::to_string(at % 8) + "]";
+      EXPECT_THAT(s.message(), HasSubstr(where)) << at << " " << bad;
+    }
+  }
+}
+
 // Large finite values are the client's to send: INVALID_ARGUMENT is for NaN and infinities
 // only. Whether the result fits float32 is known after the computation (CheckOutputFinite).
 TEST(ValidationTest, LargeFiniteValuesAreAccepted) {
