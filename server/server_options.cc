@@ -167,6 +167,9 @@ const Setting kSettings[] = {
     {"--gpu-math", "gpu_math", "MODE", &O::gpu_math, 0, 0, CheckGpuMath, nullptr,
      "fp32 or tf32 (TF32 tensor-core GEMMs on the GPU)"},
     {"--threads", "threads", "N", &O::threads, 0, 1024, nullptr, nullptr, "CPU backend threads per Forward (0: every core)"},
+    {"--omp-spin-count", "omp_spin_count", "N", &O::omp_spin_count, 0, 1000000000, nullptr, nullptr,
+     "spins of an idle CPU backend thread before it sleeps (GOMP_SPINCOUNT; the server restarts itself once "
+     "with it set, unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is set already; 0: libgomp's own 300000)"},
     {"--cpu-gemm", "cpu_gemm", "LIB", &O::cpu_gemm, 0, 0, CheckCpuGemm, nullptr,
      "auto, eigen or onednn: the CPU backend's GEMM library (auto: oneDNN when the build has it, else Eigen)"},
     {"--cpu-weight-layout", "cpu_weight_layout", "LAYOUT", &O::cpu_weight_layout, 0, 0, CheckCpuWeightLayout, nullptr,
