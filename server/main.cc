@@ -44,7 +44,7 @@ int EndProcess() {
 // a supervisor or a test harness sees one process). An idle OpenMP thread spins that many times
 // before it sleeps: libgomp's 300000 kept the second compute thread spinning past a lone
 // request's answer, on a core gRPC needed to send it and to receive the next; with 30000 a
-// 1×16×768 request was served 47–53 µs sooner at concurrency 1 on 2 cores (docs/benchmarks.md,
+// 1×16×768 request was served 27–53 µs sooner at concurrency 1 on 2 cores (docs/benchmarks.md,
 // "Serving overhead"). An operator's own GOMP_SPINCOUNT or OMP_WAIT_POLICY is left alone.
 // Returns only when no restart is wanted, or with why the restart failed.
 std::string RestartWithOmpSpinCount(const ServerOptions& options, char** argv) {
