@@ -41,7 +41,8 @@ int EndProcess() {
 
 // libgomp reads GOMP_SPINCOUNT once, as it loads, before main: a process sets its own spin
 // count only by starting again with the variable set, which this does (execv keeps the pid, so
-// a supervisor or a test harness sees one process). An idle OpenMP thread spins that many times
+// a supervisor or a test harness sees one process; the binary's own path, not /proc/self/exe,
+// keeps its name "attnserve" for ps, pkill and /proc/PID/status). An idle OpenMP thread spins that many times
 // before it sleeps: libgomp's 300000 kept the second compute thread spinning past a lone
 // request's answer, on a core gRPC needed to send it and to receive the next; with 30000 a
 // 1×16×768 request was served 27–53 µs sooner at concurrency 1 on 2 cores (docs/benchmarks.md,
@@ -52,12 +53,18 @@ std::string RestartWithOmpSpinCount(const ServerOptions& options, char** argv) {
       std::getenv("OMP_WAIT_POLICY") != nullptr) {
     return "";
   }
+  char path[4096];
+  const ssize_t length = readlink("/proc/self/exe", path, sizeof path - 1);
+  if (length <= 0 || length >= static_cast<ssize_t>(sizeof path) - 1) {
+    return std::string("readlink /proc/self/exe: ") + (length < 0 ? std::strerror(errno) : "no usable path");
+  }
+  path[length] = '\0';
   const std::string count = std::to_string(options.omp_spin_count);
   if (setenv("GOMP_SPINCOUNT", count.c_str(), 1) != 0) return std::string("setenv: ") + std::strerror(errno);
   std::cout.flush();
   std::fflush(nullptr);
-  execv("/proc/self/exe", argv);
-  const std::string why = std::string("exec /proc/self/exe: ") + std::strerror(errno);
+  execv(path, argv);
+  const std::string why = std::string("exec ") + path + ": " + std::strerror(errno);
   unsetenv("GOMP_SPINCOUNT");  // not in effect in this process: the log line below must not claim it
   return why;
 }

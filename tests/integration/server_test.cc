@@ -853,6 +853,10 @@ TEST(ServerFlagsTest, OmpSpinCountIsSetByOneRestartUnlessTheOperatorSetTheirOwn)
     ASSERT_NE(server, nullptr) << error;
     const auto vars = environment_of(server->pid());
     ASSERT_FALSE(vars.empty()) << "the server's /proc environ";
+    std::ifstream comm("/proc/" + std::to_string(server->pid()) + "/comm");
+    std::string name;
+    std::getline(comm, name);
+    EXPECT_EQ(name, "attnserve") << "ps, pkill and /proc/PID/status name the process after the restart too";
     const auto it = vars.find("GOMP_SPINCOUNT");
     if (c.want == nullptr) {
       EXPECT_EQ(it, vars.end()) << c.logged;
