@@ -187,7 +187,8 @@ StatusOr<RequestTensor> DecodeTensor(std::string_view field, const WireTensor& w
     out = RequestTensor::Own(std::move(converted), b, rows, cols);
   }
   const float* values = out.data();
-  if (const size_t bad = FirstNonFinite(std::span<const float>(values, elements)); bad < static_cast<size_t>(elements)) {
+  const size_t bad = FirstNonFinite(std::span<const float>(values, elements));
+  if (bad < static_cast<size_t>(elements)) {
     const int64_t i = static_cast<int64_t>(bad), row = i / out.cols, col = i % out.cols;
     return InvalidArgumentError(f + ".data: expected finite values, got " + std::to_string(values[i]) + " at [" +
                                 std::to_string(row / out.rows) + ", " + std::to_string(row % out.rows) + ", " +
