@@ -35,12 +35,14 @@ using Product = std::function<void(ConstMatrixView x, ConstMatrixView w, MatrixV
 // reads it (bfloat16 panels round them); float64 multiplies those.
 using WeightAs = double (*)(float);
 double AsLoaded(float w) { return w; }
-double AsBfloat16(float w) {
-  const uint32_t bits = static_cast<uint32_t>(RoundToBfloat16(w)) << 16;
+// A bfloat16's value: the top half of a float32.
+double Widened(uint16_t bfloat16) {
+  const uint32_t bits = static_cast<uint32_t>(bfloat16) << 16;
   float widened;
   std::memcpy(&widened, &bits, sizeof widened);
   return widened;
 }
+double AsBfloat16(float w) { return Widened(RoundToBfloat16(w)); }
 bool ProductMatchesFloat64(std::mt19937_64& rng, int64_t rows, int64_t k, int64_t cols, bool transpose_w, float alpha,
                            const Product& product, bool accumulate = false, std::span<const float> bias = {},
                            WeightAs weight_as = AsLoaded) {
@@ -210,13 +212,7 @@ TEST(PackedWeightsTest, RoundToBfloat16IsNearestTiesToEven) {
     float x;
     std::memcpy(&x, &bits, sizeof x);
     const uint16_t got = RoundToBfloat16(x), below = static_cast<uint16_t>(bits >> 16);
-    const auto widen = [](uint16_t b) {
-      const uint32_t w = static_cast<uint32_t>(b) << 16;
-      float f;
-      std::memcpy(&f, &w, sizeof f);
-      return static_cast<double>(f);
-    };
-    const double d_below = std::abs(widen(below) - x), d_above = std::abs(widen(below + 1) - x);
+    const double d_below = std::abs(Widened(below) - x), d_above = std::abs(Widened(below + 1) - x);
     const uint16_t tie = below % 2 == 0 ? below : below + 1;
     const uint16_t want = d_below < d_above ? below : d_above < d_below ? below + 1 : tie;
     ASSERT_EQ(got, want) << "bits 0x" << std::hex << bits;
