@@ -1,16 +1,12 @@
 // attnserve: flags and config → Server (server/server.h), which runs until SIGTERM or SIGINT and
 // drains. Parsing and the exit status only: everything the server starts lives in Server.
 #include <spdlog/spdlog.h>
-#include <unistd.h>
 
-#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <exception>
 #include <iostream>
 #include <memory>
-#include <string>
 
 #include "server/logging.h"
 #include "server/server.h"
@@ -39,36 +35,6 @@ int EndProcess() {
 #endif
 }
 
-// libgomp reads GOMP_SPINCOUNT once, as it loads, before main: a process sets its own spin
-// count only by starting again with the variable set, which this does (execv keeps the pid, so
-// a supervisor or a test harness sees one process; the binary's own path, not /proc/self/exe,
-// keeps its name "attnserve" for ps, pkill and /proc/PID/status). An idle OpenMP thread spins that many times
-// before it sleeps: libgomp's 300000 kept the second compute thread spinning past a lone
-// request's answer, on a core gRPC needed to send it and to receive the next; with 30000 a
-// 1×16×768 request was served 27–53 µs sooner at concurrency 1 on 2 cores (docs/benchmarks.md,
-// "Serving overhead"). An operator's own GOMP_SPINCOUNT or OMP_WAIT_POLICY is left alone.
-// Returns only when no restart is wanted, or with why the restart failed.
-std::string RestartWithOmpSpinCount(const ServerOptions& options, char** argv) {
-  if (options.omp_spin_count == 0 || std::getenv("GOMP_SPINCOUNT") != nullptr ||
-      std::getenv("OMP_WAIT_POLICY") != nullptr) {
-    return "";
-  }
-  char path[4096];
-  const ssize_t length = readlink("/proc/self/exe", path, sizeof path - 1);
-  if (length <= 0 || length >= static_cast<ssize_t>(sizeof path) - 1) {
-    return std::string("readlink /proc/self/exe: ") + (length < 0 ? std::strerror(errno) : "no usable path");
-  }
-  path[length] = '\0';
-  const std::string count = std::to_string(options.omp_spin_count);
-  if (setenv("GOMP_SPINCOUNT", count.c_str(), 1) != 0) return std::string("setenv: ") + std::strerror(errno);
-  std::cout.flush();
-  std::fflush(nullptr);
-  execv(path, argv);
-  const std::string why = std::string("exec ") + path + ": " + std::strerror(errno);
-  unsetenv("GOMP_SPINCOUNT");  // not in effect in this process: the log line below must not claim it
-  return why;
-}
-
 int Run(int argc, char** argv) {
   StatusOr<ServerOptions> parsed = ParseServerOptions(argc, argv);
   if (!parsed.ok()) {
@@ -84,17 +50,7 @@ int Run(int argc, char** argv) {
     std::cout << "attnserve " << ATTNSERVE_VERSION << "\n";
     return 0;
   }
-  const std::string restart_failed = RestartWithOmpSpinCount(options, argv);
   ConfigureLogging(options);
-  if (!restart_failed.empty()) {
-    spdlog::warn("--omp-spin-count {}: could not restart with GOMP_SPINCOUNT set ({}); libgomp's own spin count "
-                 "is in effect",
-                 options.omp_spin_count, restart_failed);
-  }
-  const char* spin = std::getenv("GOMP_SPINCOUNT");
-  const char* policy = std::getenv("OMP_WAIT_POLICY");
-  spdlog::info("OpenMP idle threads: GOMP_SPINCOUNT={} OMP_WAIT_POLICY={}", spin ? spin : "(libgomp's default)",
-               policy ? policy : "(unset)");
   BlockShutdownSignals();  // before any thread exists: only the server's monitor receives them
 
   StatusOr<std::unique_ptr<Server>> server = Server::Start(options);

@@ -175,6 +175,7 @@ Status Server::Build() {
   StatusOr<ChosenBackend> chosen =
       ChooseBackend(DeviceChoice{.device = options_.device,
                                  .cpu_threads = options_.threads,
+                                 .cpu_idle_spin_us = options_.cpu_idle_spin_us,
                                  .cpu_gemm = options_.cpu_gemm,
                                  .cpu_weight_layout = options_.cpu_weight_layout,
                                  .tf32 = options_.gpu_math == "tf32",

@@ -167,9 +167,9 @@ const Setting kSettings[] = {
     {"--gpu-math", "gpu_math", "MODE", &O::gpu_math, 0, 0, CheckGpuMath, nullptr,
      "fp32 or tf32 (TF32 tensor-core GEMMs on the GPU)"},
     {"--threads", "threads", "N", &O::threads, 0, 1024, nullptr, nullptr, "CPU backend threads per Forward (0: every core)"},
-    {"--omp-spin-count", "omp_spin_count", "N", &O::omp_spin_count, 0, 1000000000, nullptr, nullptr,
-     "spins of an idle CPU backend thread before it sleeps (GOMP_SPINCOUNT; the server restarts itself once "
-     "with it set, unless GOMP_SPINCOUNT or OMP_WAIT_POLICY is set already; 0: libgomp's own 300000)"},
+    {"--cpu-idle-spin-us", "cpu_idle_spin_us", "US", &O::cpu_idle_spin_us, 0, 1000000, nullptr, nullptr,
+     "microseconds the CPU backend's helper threads spin after a forward, for the next, before they sleep "
+     "(0: at once; a forward wakes them as it starts)"},
     {"--cpu-gemm", "cpu_gemm", "LIB", &O::cpu_gemm, 0, 0, CheckCpuGemm, nullptr,
      "auto, eigen or onednn: the CPU backend's GEMM library (auto: oneDNN when the build has it, else Eigen)"},
     {"--cpu-weight-layout", "cpu_weight_layout", "LAYOUT", &O::cpu_weight_layout, 0, 0, CheckCpuWeightLayout, nullptr,
@@ -380,6 +380,9 @@ constexpr RemovedSetting kRemovedSettings[] = {
     {"--max-scores-mb", "max_scores_mb",
      "removed: attention no longer holds a sequence's n*m scores (memory is linear in the sequence length); bound "
      "a request's work with --max-scores-m (max_scores_m), in millions of scores"},
+    {"--omp-spin-count", "omp_spin_count",
+     "removed: the CPU backend no longer runs on OpenMP's threads but on its own, which sleep after a forward once "
+     "--cpu-idle-spin-us (cpu_idle_spin_us) is over"},
 };
 
 std::string UnknownSetting(const std::string& flag) {

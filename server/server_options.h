@@ -17,9 +17,9 @@ struct ServerOptions {
   // NAME=SOURCE pairs in load order. Empty after parsing: serve the built-in demo layer.
   std::vector<std::pair<std::string, std::string>> layers;
   int threads = 0;  // the CPU backend's threads per Forward; 0 = every core
-  // How long an idle OpenMP thread spins before it sleeps (libgomp's GOMP_SPINCOUNT, which the
-  // server sets for itself at start-up: OmpSpinRestart, server/main.cc); 0: libgomp's own.
-  int omp_spin_count = 30000;
+  // How long the CPU backend's helper threads spin after a forward before they sleep
+  // (ComputeTeam, server/backend/cpu/compute_team.h).
+  int cpu_idle_spin_us = 50;
   int workers = 1;  // batcher threads running batches side by side
   // The dynamic batcher (docs/architecture.md §3); defaults measured in docs/benchmarks.md.
   int max_batch_requests = 32;    // requests in one batch at most

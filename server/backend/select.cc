@@ -27,13 +27,16 @@ StatusOr<ChosenBackend> Cpu(const DeviceChoice& choice, std::string why) {
   ATTNSERVE_ASSIGN_OR_RETURN(const GemmLibrary gemm, ParseGemmLibrary(choice.cpu_gemm));
   ATTNSERVE_ASSIGN_OR_RETURN(const WeightLayout layout, ParseWeightLayout(choice.cpu_weight_layout));
   auto cpu = std::make_unique<CpuBackend>(
-      CpuBackendOptions{.threads = choice.cpu_threads, .gemm = gemm, .weight_layout = layout});
+      CpuBackendOptions{.threads = choice.cpu_threads,
+                        .gemm = gemm,
+                        .weight_layout = layout,
+                        .idle_spin = std::chrono::microseconds(choice.cpu_idle_spin_us)});
   const std::string blas(GemmLibraryName(gemm));
   why += " (" + std::to_string(cpu->threads()) + " threads, " + blas + " GEMMs, " +
          (layout == WeightLayout::kPacked       ? "weights packed, "
           : layout == WeightLayout::kPackedBf16 ? "weights packed as bfloat16, "
                                                 : "weights row-major, ") +
-         std::string(CpuIsa()) + ")";
+         "idle spin " + std::to_string(choice.cpu_idle_spin_us) + " µs, " + std::string(CpuIsa()) + ")";
   return ChosenBackend{std::move(cpu), std::move(why), blas};
 }
 

@@ -816,57 +816,45 @@ TEST(ServerFlagsTest, Bfloat16PanelsServeWithinTheirRoundingAndCountHalfTheBytes
   }
 }
 
-// --omp-spin-count: the server restarts itself once with GOMP_SPINCOUNT set (libgomp reads it
-// only as it loads), as the same process, and says so in its log; a count of 0 or an operator's
-// own GOMP_SPINCOUNT or OMP_WAIT_POLICY leaves the environment as it was.
-TEST(ServerFlagsTest, OmpSpinCountIsSetByOneRestartUnlessTheOperatorSetTheirOwn) {
-  if (std::getenv("GOMP_SPINCOUNT") != nullptr || std::getenv("OMP_WAIT_POLICY") != nullptr) {
-    GTEST_SKIP() << "this test's own environment sets GOMP_SPINCOUNT or OMP_WAIT_POLICY, which a server inherits";
-  }
-  const auto environment_of = [](pid_t pid) {
-    std::ifstream in("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
-    std::map<std::string, std::string> vars;
-    std::string entry;
-    while (std::getline(in, entry, '\0')) {
-      const size_t eq = entry.find('=');
-      if (eq != std::string::npos) vars[entry.substr(0, eq)] = entry.substr(eq + 1);
+// The CPU backend's helper threads (ComputeTeam, named "compute") sleep between requests once
+// their idle spin is over: with --cpu-idle-spin-us 0 at once, with the default after 50 µs.
+// An idle server then uses no CPU, and a request after the pause is served.
+TEST(ServerFlagsTest, ComputeThreadsSleepBetweenRequests) {
+  const auto helper_cpu_ns = [](pid_t pid, int* helpers) {
+    int64_t ns = 0;
+    *helpers = 0;
+    const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
+    for (const auto& task : std::filesystem::directory_iterator(tasks)) {
+      std::ifstream comm(task.path() / "comm");
+      std::string name;
+      std::getline(comm, name);
+      if (name != "compute") continue;
+      ++*helpers;
+      std::ifstream schedstat(task.path() / "schedstat");
+      int64_t on_cpu = 0;
+      schedstat >> on_cpu;
+      ns += on_cpu;
     }
-    return vars;
+    return ns;
   };
-  struct Case {
-    std::vector<std::string> flags, env;
-    const char* want;  // GOMP_SPINCOUNT in the server's environment; null: absent
-    const char* logged;
-  };
-  const Case cases[] = {
-      {{}, {}, "30000", "GOMP_SPINCOUNT=30000 OMP_WAIT_POLICY=(unset)"},
-      {{"--omp-spin-count", "5000"}, {}, "5000", "GOMP_SPINCOUNT=5000"},
-      {{"--omp-spin-count", "0"}, {}, nullptr, "GOMP_SPINCOUNT=(libgomp's default)"},
-      {{}, {"GOMP_SPINCOUNT=777"}, "777", "GOMP_SPINCOUNT=777"},
-      {{}, {"OMP_WAIT_POLICY=passive"}, nullptr, "OMP_WAIT_POLICY=passive"},
-  };
-  for (const Case& c : cases) {
-    std::vector<std::string> args = {"--layer", "tiny=random:d_model=64,heads=4,seed=2"};
-    args.insert(args.end(), c.flags.begin(), c.flags.end());
-    std::string error;
-    auto server = ServerProcess::Start(ATTNSERVE_BINARY, args, &error, std::chrono::seconds(60), c.env);
-    ASSERT_NE(server, nullptr) << error;
-    const auto vars = environment_of(server->pid());
-    ASSERT_FALSE(vars.empty()) << "the server's /proc environ";
-    std::ifstream comm("/proc/" + std::to_string(server->pid()) + "/comm");
-    std::string name;
-    std::getline(comm, name);
-    EXPECT_EQ(name, "attnserve") << "ps, pkill and /proc/PID/status name the process after the restart too";
-    const auto it = vars.find("GOMP_SPINCOUNT");
-    if (c.want == nullptr) {
-      EXPECT_EQ(it, vars.end()) << c.logged;
-    } else {
-      ASSERT_NE(it, vars.end()) << c.logged;
-      EXPECT_EQ(it->second, c.want);
-    }
-    EXPECT_THAT(server->Log(), AllOf(HasSubstr("OpenMP idle threads: "), HasSubstr(c.logged)));
+  for (const char* spin : {"0", "50"}) {
+    auto server = StartOrFail({"--threads", "2", "--cpu-idle-spin-us", spin, "--layer",
+                               "tiny=random:d_model=64,heads=4,seed=2"});
+    ASSERT_NE(server, nullptr);
     std::mt19937_64 rng(3);
     v1::ForwardResponse resp;
+    for (int i = 0; i < 20; ++i) {
+      ASSERT_TRUE(server->client().Forward(Request("tiny", RandomFloats(rng, 4 * 64), {1, 4, 64}), &resp).ok());
+    }
+    EXPECT_THAT(server->Log(), HasSubstr("idle spin " + std::string(spin) + " µs"));
+    int helpers = 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    const int64_t before = helper_cpu_ns(server->pid(), &helpers);
+    EXPECT_EQ(helpers, 1) << "--threads 2: the batch worker and one helper";
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    const int64_t idle_ns = helper_cpu_ns(server->pid(), &helpers) - before;
+    EXPECT_LT(idle_ns, 3'000'000) << "--cpu-idle-spin-us " << spin << ": the idle helper ran " << idle_ns
+                                  << " ns in 0.3 s";
     EXPECT_TRUE(server->client().Forward(Request("tiny", RandomFloats(rng, 4 * 64), {1, 4, 64}), &resp).ok());
   }
 }

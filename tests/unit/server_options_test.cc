@@ -208,6 +208,26 @@ TEST(ServerOptionsTest, CpuWeightLayoutFromFlagAndYaml) {
                         "got 'blocked'"));
 }
 
+TEST(ServerOptionsTest, CpuIdleSpinFromFlagAndYaml) {
+  auto defaults = Parse({});
+  ASSERT_TRUE(defaults.ok()) << defaults.status().ToString();
+  EXPECT_EQ(defaults->cpu_idle_spin_us, 50);
+  auto o = Parse({"--cpu-idle-spin-us", "0"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->cpu_idle_spin_us, 0);
+  ServerOptions from_yaml;
+  ASSERT_TRUE(ApplyYamlConfig("cpu_idle_spin_us: 300\n", "cpu.yaml", &from_yaml).ok());
+  EXPECT_EQ(from_yaml.cpu_idle_spin_us, 300);
+  EXPECT_THAT(Parse({"--cpu-idle-spin-us", "2000000"}).status().message(),
+              AllOf(HasSubstr("--cpu-idle-spin-us"), HasSubstr("[0, 1000000]"), HasSubstr("got '2000000'")));
+  EXPECT_THAT(Parse({"--cpu-idle-spin-us", "-1"}).status().message(), HasSubstr("--cpu-idle-spin-us"));
+  // The OpenMP spin count it replaced is gone with OpenMP's threads: refused, saying what replaced it.
+  EXPECT_THAT(Parse({"--omp-spin-count", "30000"}).status().message(),
+              AllOf(HasSubstr("--omp-spin-count: removed"), HasSubstr("--cpu-idle-spin-us")));
+  EXPECT_THAT(ApplyYamlConfig("omp_spin_count: 30000\n", "cpu.yaml", &from_yaml).message(),
+              AllOf(HasSubstr("omp_spin_count: removed"), HasSubstr("cpu_idle_spin_us")));
+}
+
 // docs/service.md's flag table and the settings table in server_options.cc say the same thing:
 // every flag and its YAML key in a row, and no row for a flag the server does not have.
 TEST(ServerOptionsTest, TheDocumentedFlagTableIsTheCodes) {

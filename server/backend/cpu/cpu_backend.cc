@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "server/backend/attention/skeleton.h"
+#include "server/backend/cpu/compute_team.h"
 #include "server/backend/cpu/gemm.h"
 #include "server/backend/cpu/skinny_gemm.h"
 #include "server/backend/cpu/softmax_rows.h"
@@ -75,8 +76,23 @@ class CpuResidentForm final : public ResidentForm {
 struct Compute {
   GemmLibrary gemm;
   int threads;
-  SummedOrder summed_order;  // when the summed form mixes first (SummedMixesFirst)
+  SummedOrder summed_order;      // when the summed form mixes first (SummedMixesFirst)
+  ComputeTeam* team = nullptr;   // the forward's threads (threads of them); none: this one alone
 };
+
+// body(task, member) for every task in [0, tasks): across the forward's team, or on this thread
+// alone where the step is to run on one (threads 1, or no team).
+template <typename Body>
+void ForEachTask(const Compute& run, int64_t tasks, Body&& body) {
+  if (run.team == nullptr || run.threads == 1) {
+    for (int64_t t = 0; t < tasks; ++t) body(t, 0);
+    return;
+  }
+  run.team->Run(tasks, body);
+}
+
+// How many members a step of `run` may run on: per-member scratch is indexed by member.
+int Members(const Compute& run) { return run.team == nullptr || run.threads == 1 ? 1 : run.team->size(); }
 
 // y = x · w (+ bias) with the threads splitting w's columns: each thread streams its own share
 // of the weights once. (A split by rows of y, Eigen's own, makes every thread pack the whole
@@ -93,10 +109,9 @@ void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, std::optional<Packe
   constexpr int64_t kColumnAlign = 64;  // whole cache lines and register blocks per thread
   const int64_t chunks = std::min<int64_t>(run.threads, (w.cols + kColumnAlign - 1) / kColumnAlign);
   const int64_t chunk_cols = ((w.cols + chunks - 1) / chunks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
-#pragma omp parallel for num_threads(run.threads) schedule(static) if (chunks > 1)
-  for (int64_t t = 0; t < chunks; ++t) {
+  ForEachTask(run, chunks, [&](int64_t t, int /*member*/) {
     const int64_t c0 = t * chunk_cols, count = std::min(chunk_cols, w.cols - c0);
-    if (count <= 0) continue;
+    if (count <= 0) return;
     const MatrixView block = y.ColBlock(c0, count);
     // The bias before the product where y is written over: on the panels it is where the
     // kernel's accumulators start (no pass of its own over y); for the library it is written
@@ -115,7 +130,7 @@ void Gemm(Compute run, ConstMatrixView x, ConstMatrixView w, std::optional<Packe
       }
     }
     if (bias != nullptr && !bias_first) AsEigen(block).rowwise() += BiasMap(bias + c0, count);
-  }
+  });
 }
 
 // `buffer` grown to at least rows × cols floats, as a [rows, cols] view; what it held before is
@@ -427,7 +442,7 @@ void ScoreIntoACat(GemmLibrary gemm, const FormWeights& f, const AttentionRange&
 
 // The skeleton's operations on the CPU (server/backend/attention/device_ops.h): the buffers
 // are this forward's scratch, the GEMMs split across the backend's threads (Gemm), attention
-// runs as an OpenMP loop of tiled tasks (AttendTiled).
+// runs as tiled tasks (AttendTiled) on the forward's compute team.
 class CpuOps final : public DeviceOps {
  public:
   CpuOps(Compute run, const CpuResidentForm* resident, int64_t max_score_scratch_bytes, int64_t value_group_bytes,
@@ -503,12 +518,10 @@ class CpuOps final : public DeviceOps {
     for (size_t i = 0; i < job.ranges.size(); ++i) {
       AddAttentionTasks(*job.form, i, job.ranges[i].row0, job.ranges[i].rows, tasks);
     }
-#pragma omp parallel num_threads(run_.threads)
-    {
-      TileScratch t;
-#pragma omp for schedule(dynamic)
-      for (size_t i = 0; i < tasks.size(); ++i) RunAttentionTask(run_.gemm, job, tasks[i], t);
-    }
+    std::vector<TileScratch> scratch(Members(run_));
+    ForEachTask(run_, static_cast<int64_t>(tasks.size()), [&](int64_t i, int member) {
+      RunAttentionTask(run_.gemm, job, tasks[i], scratch[member]);
+    });
     return OkStatus();
   }
 
@@ -521,7 +534,7 @@ class CpuOps final : public DeviceOps {
     const Chunks chunks = ChunksUnder(sizes, ScratchCap());
     float* const work = Reserve(scratch_.a_cat, chunks.largest, 1).data;
     for (const auto& bounds : chunks.bounds) {
-      const size_t first = bounds.first, last = bounds.second;  // (no structured binding: OpenMP captures them)
+      const size_t first = bounds.first, last = bounds.second;  // (no structured binding: the lambdas capture them)
       struct ScoreTask {
         size_t range;
         int64_t row0, rows;
@@ -535,29 +548,27 @@ class CpuOps final : public DeviceOps {
           tasks.push_back({i, row0, std::min(block, ranges[i].rows - row0)});
         }
       }
-#pragma omp parallel num_threads(run_.threads)
-      {
-        RowMatrix a;
-#pragma omp for schedule(dynamic)
-        for (size_t i = 0; i < tasks.size(); ++i) {
-          const ScoreTask& task = tasks[i];
-          ScoreIntoACat(run_.gemm, f, ranges[task.range], task.row0, task.rows, work + chunks.offset[task.range], a);
-        }
-      }
+      std::vector<RowMatrix> a(Members(run_));
+      ForEachTask(run_, static_cast<int64_t>(tasks.size()), [&](int64_t i, int member) {
+        const ScoreTask& task = tasks[i];
+        ScoreIntoACat(run_.gemm, f, ranges[task.range], task.row0, task.rows, work + chunks.offset[task.range],
+                      a[member]);
+      });
       const int64_t heads = f.config.heads, d = f.config.d_model;
       auto head_sum = [&](size_t i, int gemm_threads) {
         const AttentionRange& range = ranges[i];
         const int64_t keys = range.sequence->visible_keys();
         const ConstMatrixView a(work + chunks.offset[i], range.rows, keys * heads);
         const ConstMatrixView m(range.values.data, keys * heads, d);
-        attnserve::Gemm({run_.gemm, gemm_threads, run_.summed_order}, a, m, std::nullopt, bias, range.out);
+        attnserve::Gemm({run_.gemm, gemm_threads, run_.summed_order, run_.team}, a, m, std::nullopt, bias,
+                        range.out);
       };
       if (last - first == 1) {
         head_sum(first, run_.threads);  // one range: its GEMM's columns across the threads
         continue;
       }
-#pragma omp parallel for schedule(dynamic) num_threads(run_.threads)
-      for (size_t i = first; i < last; ++i) head_sum(i, 1);  // many: a range per thread
+      // many: a range per member
+      ForEachTask(run_, static_cast<int64_t>(last - first), [&](int64_t i, int) { head_sum(first + i, 1); });
     }
     return OkStatus();
   }
@@ -601,7 +612,8 @@ CpuBackend::CpuBackend(CpuBackendOptions options)
       max_score_scratch_bytes_(options.max_score_scratch_bytes),
       max_retained_scratch_bytes_(options.max_retained_scratch_bytes),
       summed_value_group_bytes_(options.summed_value_group_bytes),
-      summed_order_(OrderOf(options)) {
+      summed_order_(OrderOf(options)),
+      idle_spin_(options.idle_spin) {
   // Every GEMM here splits its own work across threads (Gemm above); Eigen's own split by
   // output rows is pathological for few rows (16 tokens × 9216 columns: 4× slower on 2 threads
   // than on 1), so it stays off.
@@ -616,6 +628,23 @@ std::unique_ptr<ForwardScratch> CpuBackend::TakeScratch() {
   std::unique_ptr<ForwardScratch> scratch = std::move(free_scratch_.back());
   free_scratch_.pop_back();
   return scratch;
+}
+
+std::unique_ptr<ComputeTeam> CpuBackend::TakeTeam() {
+  {
+    MutexLock lock(team_mu_);
+    if (!free_teams_.empty()) {
+      std::unique_ptr<ComputeTeam> team = std::move(free_teams_.back());  // the last used: warmest
+      free_teams_.pop_back();
+      return team;
+    }
+  }
+  return std::make_unique<ComputeTeam>(threads_, idle_spin_);
+}
+
+void CpuBackend::ReturnTeam(std::unique_ptr<ComputeTeam> team) {
+  MutexLock lock(team_mu_);
+  free_teams_.push_back(std::move(team));
 }
 
 void CpuBackend::ReturnScratch(std::unique_ptr<ForwardScratch> scratch) {
@@ -673,14 +702,22 @@ Status CpuBackend::Forward(const ResidentForm& resident, std::span<const Sequenc
   const FormWeights& f = resident.weights();
   if (batch.empty()) return OkStatus();
   ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(f.config, batch));
-  const Compute run{gemm_, threads_, summed_order_};
-  // Returned to the pool however the forward ends.
+  // The team first: its helpers wake while the scratch and the inputs are made ready.
+  // Both are returned to their pools however the forward ends.
+  std::unique_ptr<ComputeTeam> team = TakeTeam();
+  team->Hold();
   std::unique_ptr<ForwardScratch> scratch = TakeScratch();
   struct Return {
     CpuBackend* backend;
+    std::unique_ptr<ComputeTeam>& team;
     std::unique_ptr<ForwardScratch>& scratch;
-    ~Return() { backend->ReturnScratch(std::move(scratch)); }
-  } give_back{this, scratch};
+    ~Return() {
+      team->Release();
+      backend->ReturnTeam(std::move(team));
+      backend->ReturnScratch(std::move(scratch));
+    }
+  } give_back{this, team, scratch};
+  const Compute run{gemm_, threads_, summed_order_, team.get()};
   CpuOps ops(run, dynamic_cast<const CpuResidentForm*>(&resident), max_score_scratch_bytes_,
              summed_value_group_bytes_, *scratch);
   return RunAttention(ops, f, HostWeights(f), batch);

@@ -1,14 +1,16 @@
 // The CPU backend: the attention skeleton (server/backend/attention) over the CPU's device
 // operations — GEMMs (oneDNN or Eigen, gemm.h) split across the threads for the projections (one
-// per batch over all stacked tokens), and an OpenMP loop of attention tasks (a block of query
+// per batch over all stacked tokens), and attention as tasks on the compute team (a block of query
 // rows of one sequence, for the heads sharing a K/V tile) that runs the scores and the mix tile
 // by tile with an online softmax: no n × L matrix exists, memory is linear in the sequence length.
-// Thread-safety: Forward is reentrant: each call takes a scratch of its own from a pool (guarded
-// by a mutex) and gives it back at the end, so concurrent calls never share one. Construction
+// Thread-safety: Forward is reentrant: each call takes a scratch and a compute team of its own
+// from pools (guarded by mutexes) and gives them back at the end, so concurrent calls never
+// share one. Construction
 // turns Eigen's own (process-wide) GEMM threading off: the backend splits GEMMs across its
 // threads itself.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -21,7 +23,7 @@
 namespace attnserve {
 
 struct CpuBackendOptions {
-  int threads = 0;  // 0: all cores OpenMP sees
+  int threads = 0;  // 0: every core this process may run on (omp_get_max_threads: OMP_NUM_THREADS or the CPU affinity)
   // Which library computes the GEMMs (gemm.h): oneDNN when the build has it, else Eigen.
   GemmLibrary gemm = BuiltWithOneDnn() ? GemmLibrary::kOneDnn : GemmLibrary::kEigen;
   // kPacked: Upload packs each form's projection weights into panels (packed_weights.h), and
@@ -52,9 +54,14 @@ struct CpuBackendOptions {
   // (docs/benchmarks.md, "The summed form's value groups"): the head sum does 128 FLOPs per
   // byte of value rows it reads, so it does not wait for memory wherever they come from.
   int64_t summed_value_group_bytes = int64_t{64} << 20;
+  // After a forward, how long its helper threads spin for the next one before they sleep
+  // (ComputeTeam): a forward that follows at once finds them awake; a served request that
+  // follows a round trip later does not find a core held by a spinning helper.
+  std::chrono::microseconds idle_spin{50};
 };
 
 struct ForwardScratch;
+class ComputeTeam;
 
 class CpuBackend final : public Backend {
  public:
@@ -81,6 +88,8 @@ class CpuBackend final : public Backend {
  private:
   std::unique_ptr<ForwardScratch> TakeScratch();
   void ReturnScratch(std::unique_ptr<ForwardScratch> scratch);
+  std::unique_ptr<ComputeTeam> TakeTeam();
+  void ReturnTeam(std::unique_ptr<ComputeTeam> team);
 
   int threads_;
   GemmLibrary gemm_;
@@ -89,8 +98,12 @@ class CpuBackend final : public Backend {
   int64_t max_retained_scratch_bytes_;
   int64_t summed_value_group_bytes_;
   SummedOrder summed_order_;
+  std::chrono::microseconds idle_spin_;
   mutable Mutex scratch_mu_;
   std::vector<std::unique_ptr<ForwardScratch>> free_scratch_ ATTNSERVE_GUARDED_BY(scratch_mu_);
+  // A team per concurrent caller, kept (compute_team.h): helper threads, not memory.
+  Mutex team_mu_;
+  std::vector<std::unique_ptr<ComputeTeam>> free_teams_ ATTNSERVE_GUARDED_BY(team_mu_);
 };
 
 }  // namespace attnserve
