@@ -5,9 +5,8 @@
 // by tile with an online softmax: no n × L matrix exists, memory is linear in the sequence length.
 // Thread-safety: Forward is reentrant: each call takes a scratch and a compute team of its own
 // from pools (guarded by mutexes) and gives them back at the end, so concurrent calls never
-// share one. Construction
-// turns Eigen's own (process-wide) GEMM threading off: the backend splits GEMMs across its
-// threads itself.
+// share one. Construction turns Eigen's own (process-wide) GEMM threading off: the backend
+// splits GEMMs across its threads itself.
 #pragma once
 
 #include <chrono>
