@@ -20,8 +20,9 @@ namespace attnserve {
 //     parallel steps, however far apart, and so starts each step at once;
 //   - once the forward is over, it spins `idle_spin` more (a forward that follows at once, as
 //     in a loop, finds it awake), then sleeps. It does not keep a core that the server's gRPC
-//     threads need to send the answer and take the next request (libgomp's helpers spun
-//     300000 turns, 100–300 µs, after every region: docs/benchmarks.md, "The compute team").
+//     threads need to send the answer and take the next request (libgomp's helper, at a
+//     30000-turn spin count, spun 170–250 µs after every forward: docs/benchmarks.md, "The
+//     compute team").
 //   - Hold wakes a sleeping helper as the forward starts: its wake-up overlaps the forward's
 //     serial set-up instead of delaying the first step.
 // Run hands out tasks one at a time to whoever is free, the caller included, and returns once
