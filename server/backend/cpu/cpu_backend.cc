@@ -80,19 +80,20 @@ struct Compute {
   ComputeTeam* team = nullptr;   // the forward's threads (threads of them); none: this one alone
 };
 
+// How many members a step of `run` may run on: per-member scratch is indexed by member. One where
+// the step is to run on this thread alone (threads 1, or no team).
+int Members(const Compute& run) { return run.team == nullptr || run.threads == 1 ? 1 : run.team->size(); }
+
 // body(task, member) for every task in [0, tasks): across the forward's team, or on this thread
-// alone where the step is to run on one (threads 1, or no team).
+// alone where Members is 1.
 template <typename Body>
 void ForEachTask(const Compute& run, int64_t tasks, Body&& body) {
-  if (run.team == nullptr || run.threads == 1) {
+  if (Members(run) == 1) {
     for (int64_t t = 0; t < tasks; ++t) body(t, 0);
     return;
   }
   run.team->Run(tasks, body);
 }
-
-// How many members a step of `run` may run on: per-member scratch is indexed by member.
-int Members(const Compute& run) { return run.team == nullptr || run.threads == 1 ? 1 : run.team->size(); }
 
 // y = x · w (+ bias) with the threads splitting w's columns: each thread streams its own share
 // of the weights once. (A split by rows of y, Eigen's own, makes every thread pack the whole
