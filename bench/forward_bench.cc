@@ -11,8 +11,9 @@
 // shapes sweep n/m); --value-group-mib N the summed form's value groups (CpuBackendOptions::
 // summed_value_group_bytes; 0: one sequence a group). GFLOP/s count what the backend ran
 // (Backend::Flops). --forms factored (or summed) runs one form; --idle-us N pauses N µs before
-// each timed call, as a server idles between lone requests (the OpenMP team sleeps, the caches
-// cool), so that the in-process time can be compared with a served one on equal terms.
+// each timed call, as a server idles between lone requests (the compute team's helpers sleep,
+// the cores go idle, the caches cool), so that the in-process time can be compared with a
+// served one on equal terms.
 // The CPU ceiling is the fastest of every SGEMM library the build found (Eigen always; oneDNN
 // and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
 // own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
@@ -123,7 +124,7 @@ std::vector<std::string> Split(const std::string& s) {
 
 // Median seconds of `fn` over repetitions lasting at least min_time_s (and 5 runs), with
 // `idle_us` of sleep before each (untimed): a served request's pause between calls, in which
-// the OpenMP team goes to sleep and the caches cool (--idle-us).
+// the compute team's helpers go to sleep and the caches cool (--idle-us).
 template <typename Fn>
 double MedianSeconds(Fn fn, double min_time_s, int64_t idle_us = 0) {
   fn();  // warm caches, allocate scratch
@@ -471,7 +472,7 @@ int RssPointMain(const Options& opt, const std::string& spec) {
   const LayerWeights weights = RandomLayerWeights(config, 1);
   const Form form = f[2] == FormName(Form::kFactored) ? Form::kFactored : Form::kSummed;
   const LongLayer complete{layer.name, config, layer.causal};
-  // What a process pays once, not a call: the OpenMP team's threads and oneDNN's JIT kernels,
+  // What a process pays once, not a call: the compute team's threads and oneDNN's JIT kernels,
   // made by a short call on a backend of its own, gone before the measured one.
   MakeLongPoint(opt, std::stoi(f[4]), complete, weights, 64, form, f[3])->Call();
   auto point = MakeLongPoint(opt, std::stoi(f[4]), complete, weights, std::stoll(f[1]), form, f[3]);

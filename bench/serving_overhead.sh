@@ -22,7 +22,7 @@
 #   bench/serving_overhead.sh [BUILD_DIR] [ROUNDS]     (default build, 3; THREADS=2)
 #   WEIGHT_LAYOUT=packed-bf16   the CPU backend's weight layout, in process and in every server
 #   (--cpu-weight-layout; default auto)
-#   VARIANTS="defaults: passive:OMP_WAIT_POLICY=passive"   server variants to compare (default:
+#   VARIANTS="defaults: nospin:--worker-idle-spin-us,0"   server variants to compare (default:
 #   "defaults:"); each NAME:FLAGS, the flags joined by commas, a VAR=VALUE among them set in
 #   the server's environment instead
 # Output: Markdown tables on stdout; the raw JSON under BUILD_DIR/serving-out.

@@ -77,8 +77,8 @@ def main():
         best_p50 = min(factored(f"{out}/{v}-{best_round[v]}.json")["p50_ms"] * 1000 for v in variants)
         print(f"\nThe same forward in-process after an idle pause before each call (forward_bench --idle-us): "
               f"{idle_us:.0f} µs, against {inproc_us:.0f} µs back to back: {idle_us - inproc_us:.0f} µs is the "
-              f"pause's own cost (cold caches, a sleeping team), not the server's. Served p50 − idle in-process "
-              f"− floor: **{best_p50 - idle_us - floor_us:.0f} µs**.")
+              f"pause's own cost (cores gone idle, cold caches, a sleeping team), not the server's. "
+              f"Served p50 − idle in-process − floor: **{best_p50 - idle_us - floor_us:.0f} µs**.")
     except FileNotFoundError:
         pass
 

@@ -209,7 +209,8 @@ Status Server::Build() {
                   .max_batch_tokens = options_.max_batch_tokens,
                   .max_queue_delay = std::chrono::microseconds(options_.max_queue_delay_us),
                   .max_queue_requests = options_.max_queue_requests,
-                  .workers = options_.workers},
+                  .workers = options_.workers,
+                  .idle_spin = std::chrono::microseconds(options_.worker_idle_spin_us)},
       metrics_.get());
   router_ = std::make_unique<Router>(metrics_.get());
   for (const auto& [layer, spec] : options_.routes) {
@@ -299,9 +300,10 @@ void Server::LogListening() const {
                  options_.admin_token.empty() ? "loopback, no token" : "admin token required");
   }
   spdlog::info(
-      "attnserve {} listening on {} (backend {}, {} workers, batches of <= {} requests / {} tokens "
-      "after <= {} us, queues of {}, max message {} MiB, memory budget {} MiB, {}, admin API {})",
-      ATTNSERVE_VERSION, listening_on(), backend_->DeviceName(), options_.workers, options_.max_batch_requests,
+      "attnserve {} listening on {} (backend {}, {} workers spinning {} us when idle, batches of <= {} requests / "
+      "{} tokens after <= {} us, queues of {}, max message {} MiB, memory budget {} MiB, {}, admin API {})",
+      ATTNSERVE_VERSION, listening_on(), backend_->DeviceName(), options_.workers, options_.worker_idle_spin_us,
+      options_.max_batch_requests,
       options_.max_batch_tokens, options_.max_queue_delay_us, options_.max_queue_requests, options_.max_message_mb,
       memory_->budget() >> 20,
       options_.tls_cert.empty() ? "plaintext" : (options_.tls_client_ca.empty() ? "TLS" : "mTLS"),

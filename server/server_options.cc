@@ -177,6 +177,9 @@ const Setting kSettings[] = {
      "the CPU backend's own kernel (as many bytes again; auto: where the CPU has AVX2 and FMA), packed-bf16 the "
      "same copy rounded to bfloat16 (half the bytes, a few 1e-3 relative error), plain the row-major weights only"},
     {"--workers", "workers", "N", &O::workers, 1, 256, nullptr, nullptr, "batches computed side by side"},
+    {"--worker-idle-spin-us", "worker_idle_spin_us", "US", &O::worker_idle_spin_us, 0, 1000000, nullptr, nullptr,
+     "microseconds a batcher thread polls its queues after a batch, for the next request, before it sleeps "
+     "(0: at once)"},
     {"--max-batch-requests", "max_batch_requests", "N", &O::max_batch_requests, 1, 4096, nullptr, nullptr,
      "requests in one batch at most (1: no batching)"},
     {"--max-batch-tokens", "max_batch_tokens", "N", &O::max_batch_tokens, 1, 1 << 24, nullptr, nullptr,

@@ -21,6 +21,8 @@ struct ServerOptions {
   // (ComputeTeam, server/backend/cpu/compute_team.h).
   int cpu_idle_spin_us = 50;
   int workers = 1;  // batcher threads running batches side by side
+  // How long a batcher thread polls for the next request after a batch before it sleeps.
+  int worker_idle_spin_us = 500;
   // The dynamic batcher (docs/architecture.md §3); defaults measured in docs/benchmarks.md.
   int max_batch_requests = 32;    // requests in one batch at most
   int max_batch_tokens = 8192;    // tokens (query + context rows) in one batch at most

@@ -1,5 +1,7 @@
 #include "server/batching/batcher.h"
 
+#include <pthread.h>
+
 namespace attnserve {
 namespace {
 constexpr std::chrono::milliseconds kDeadlineSlack(2);
@@ -33,5 +35,7 @@ Status DeadItemStatus(const BatchItem& item, Clock::time_point now) {
   if (item.Cancelled()) return Status(StatusCode::kCancelled, "request cancelled by the client while queued");
   return OkStatus();
 }
+
+void NameWorker(std::thread& worker) { pthread_setname_np(worker.native_handle(), "batch-worker"); }
 
 }  // namespace attnserve

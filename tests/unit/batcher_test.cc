@@ -5,9 +5,13 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <fstream>
 #include <future>
 #include <mutex>
 #include <thread>
@@ -286,6 +290,53 @@ TEST(BatcherTest, DrainTimeoutFailsWhatCouldNotRun) {
   ASSERT_EQ(log.failures.size(), 2u);
   EXPECT_EQ(log.failures[0].second.code(), StatusCode::kUnavailable);
   EXPECT_THAT(log.failures[0].second.message(), HasSubstr("drain timeout 30 ms"));
+}
+
+// A worker spinning after a batch (BatchPolicy::idle_spin) sees what it polls for: an item
+// queued during the spin runs at once, and a drain ends the spin. A spin of 10 s makes either
+// miss plain: the item or the drain would wait out the spin.
+TEST(BatcherTest, ASpinningWorkerTakesTheNextItemAndSeesTheDrain) {
+  Log log;
+  TestBatcher batcher({.max_batch_requests = 4, .max_batch_tokens = 1000, .max_queue_delay = 0ms, .idle_spin = 10s},
+                      Recorder(&log));
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
+  log.WaitEnded(1);
+  std::this_thread::sleep_for(20ms);  // the worker is spinning now, not asleep
+  const auto queued = Clock::now();
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(1, &log)).ok());
+  log.WaitEnded(2);
+  EXPECT_LT(Clock::now() - queued, 2s) << "an item queued during the spin waited for the spin to end";
+  const auto drained = Clock::now();  // the worker spins again after item 1's batch
+  EXPECT_EQ(batcher.Drain(10s), 0);
+  EXPECT_LT(Clock::now() - drained, 2s) << "the drain waited for the spin to end";
+  EXPECT_EQ(log.batches, (std::vector<std::vector<int>>{{0}, {1}}));
+}
+
+// The spin is bounded: the worker spins once after a batch, then sleeps. Its CPU time (from
+// /proc: the batch function learns the worker's thread id) over a 50 ms spin and the 400 ms
+// after it shows both.
+TEST(BatcherTest, AnIdleWorkerSpinsOnceThenSleeps) {
+  Log log;
+  std::atomic<pid_t> worker{0};
+  TestBatcher batcher({.max_batch_requests = 4, .max_batch_tokens = 1000, .max_queue_delay = 0ms, .idle_spin = 50ms},
+                      [&](const std::string& q, TestItems batch) {
+                        worker = static_cast<pid_t>(syscall(SYS_gettid));
+                        Recorder(&log)(q, std::move(batch));
+                      });
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
+  log.WaitEnded(1);
+  const auto on_cpu_ns = [&] {
+    std::ifstream schedstat("/proc/self/task/" + std::to_string(worker.load()) + "/schedstat");
+    int64_t ns = -1;
+    schedstat >> ns;
+    return ns;
+  };
+  const int64_t start = on_cpu_ns();
+  ASSERT_GE(start, 0) << "no schedstat for the worker thread";
+  std::this_thread::sleep_for(450ms);
+  const int64_t spent = on_cpu_ns() - start;
+  EXPECT_GT(spent, 5'000'000) << "the worker did not spin after its batch: " << spent << " ns on the CPU";
+  EXPECT_LT(spent, 200'000'000) << "the worker spun past its 50 ms: " << spent << " ns on the CPU in 450 ms";
 }
 
 }  // namespace

@@ -208,20 +208,34 @@ TEST(ServerOptionsTest, CpuWeightLayoutFromFlagAndYaml) {
                         "got 'blocked'"));
 }
 
-TEST(ServerOptionsTest, CpuIdleSpinFromFlagAndYaml) {
-  auto defaults = Parse({});
-  ASSERT_TRUE(defaults.ok()) << defaults.status().ToString();
-  EXPECT_EQ(defaults->cpu_idle_spin_us, 50);
-  auto o = Parse({"--cpu-idle-spin-us", "0"});
-  ASSERT_TRUE(o.ok()) << o.status().ToString();
-  EXPECT_EQ(o->cpu_idle_spin_us, 0);
+// The two idle spins (the CPU backend's helpers, the batcher's workers): flag, YAML key, range.
+TEST(ServerOptionsTest, IdleSpinsFromFlagAndYaml) {
+  struct Spin {
+    const char* flag;
+    const char* key;
+    int ServerOptions::*member;
+    int default_us;
+  };
+  for (const Spin& spin : {Spin{"--cpu-idle-spin-us", "cpu_idle_spin_us", &ServerOptions::cpu_idle_spin_us, 50},
+                           Spin{"--worker-idle-spin-us", "worker_idle_spin_us", &ServerOptions::worker_idle_spin_us,
+                                500}}) {
+    SCOPED_TRACE(spin.flag);
+    auto defaults = Parse({});
+    ASSERT_TRUE(defaults.ok()) << defaults.status().ToString();
+    EXPECT_EQ((*defaults).*spin.member, spin.default_us);
+    auto o = Parse({spin.flag, "0"});
+    ASSERT_TRUE(o.ok()) << o.status().ToString();
+    EXPECT_EQ((*o).*spin.member, 0);
+    ServerOptions from_yaml;
+    ASSERT_TRUE(ApplyYamlConfig(std::string(spin.key) + ": 300\n", "spin.yaml", &from_yaml).ok());
+    EXPECT_EQ(from_yaml.*spin.member, 300);
+    EXPECT_THAT(Parse({spin.flag, "2000000"}).status().message(),
+                AllOf(HasSubstr(spin.flag), HasSubstr("[0, 1000000]"), HasSubstr("got '2000000'")));
+    EXPECT_THAT(Parse({spin.flag, "-1"}).status().message(), HasSubstr(spin.flag));
+  }
   ServerOptions from_yaml;
-  ASSERT_TRUE(ApplyYamlConfig("cpu_idle_spin_us: 300\n", "cpu.yaml", &from_yaml).ok());
-  EXPECT_EQ(from_yaml.cpu_idle_spin_us, 300);
-  EXPECT_THAT(Parse({"--cpu-idle-spin-us", "2000000"}).status().message(),
-              AllOf(HasSubstr("--cpu-idle-spin-us"), HasSubstr("[0, 1000000]"), HasSubstr("got '2000000'")));
-  EXPECT_THAT(Parse({"--cpu-idle-spin-us", "-1"}).status().message(), HasSubstr("--cpu-idle-spin-us"));
-  // The OpenMP spin count it replaced is gone with OpenMP's threads: refused, saying what replaced it.
+  // The OpenMP spin count that --cpu-idle-spin-us replaced is gone with OpenMP's threads: refused, saying
+  // what replaced it.
   EXPECT_THAT(Parse({"--omp-spin-count", "30000"}).status().message(),
               AllOf(HasSubstr("--omp-spin-count: removed"), HasSubstr("--cpu-idle-spin-us")));
   EXPECT_THAT(ApplyYamlConfig("omp_spin_count: 30000\n", "cpu.yaml", &from_yaml).message(),

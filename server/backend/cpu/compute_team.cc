@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "server/core/spin.h"
+
 namespace attnserve {
 namespace {
 
@@ -20,14 +22,6 @@ uint64_t MembersIn(uint64_t state) { return state & kMembers; }
 // While a forward holds the team, a helper spins this long at most without a step (a long
 // serial part of a forward: copying a large batch) before it sleeps.
 constexpr std::chrono::microseconds kHeldSpin{2000};
-
-void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
 
 thread_local bool t_in_task = false;
 
