@@ -32,6 +32,7 @@
 #include "server/core/reference.h"
 #include "server/store/safetensors.h"
 #include "tests/integration/server_process.h"
+#include "tests/unit/thread_stats.h"
 
 namespace attnserve {
 namespace {
@@ -819,27 +820,7 @@ TEST(ServerFlagsTest, Bfloat16PanelsServeWithinTheirRoundingAndCountHalfTheBytes
 // The CPU backend's helper threads (ComputeTeam, named "compute") sleep between requests once
 // their idle spin is over: with --cpu-idle-spin-us 0 at once, with the default after 50 µs.
 // An idle server then uses no CPU, and a request after the pause is served.
-// The CPU time of a server's threads named `thread` (comm), and how many there are.
-int64_t ThreadsCpuNs(pid_t pid, const std::string& thread, int* count) {
-  int64_t ns = 0;
-  *count = 0;
-  const std::string tasks = "/proc/" + std::to_string(pid) + "/task";
-  for (const auto& task : std::filesystem::directory_iterator(tasks)) {
-    std::ifstream comm(task.path() / "comm");
-    std::string name;
-    std::getline(comm, name);
-    if (name != thread) continue;
-    ++*count;
-    std::ifstream schedstat(task.path() / "schedstat");
-    int64_t on_cpu = 0;
-    schedstat >> on_cpu;
-    ns += on_cpu;
-  }
-  return ns;
-}
-
 TEST(ServerFlagsTest, ComputeThreadsSleepBetweenRequests) {
-  const auto helper_cpu_ns = [](pid_t pid, int* helpers) { return ThreadsCpuNs(pid, "compute", helpers); };
   for (const char* spin : {"0", "50"}) {
     auto server = StartOrFail({"--threads", "2", "--cpu-idle-spin-us", spin, "--layer",
                                "tiny=random:d_model=64,heads=4,seed=2"});
@@ -850,12 +831,12 @@ TEST(ServerFlagsTest, ComputeThreadsSleepBetweenRequests) {
       ASSERT_TRUE(server->client().Forward(Request("tiny", RandomFloats(rng, 4 * 64), {1, 4, 64}), &resp).ok());
     }
     EXPECT_THAT(server->Log(), HasSubstr("idle spin " + std::string(spin) + " µs"));
-    int helpers = 0;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    const int64_t before = helper_cpu_ns(server->pid(), &helpers);
-    EXPECT_EQ(helpers, 1) << "--threads 2: the batch worker and one helper";
+    const std::vector<std::filesystem::path> helpers = NamedThreads(std::to_string(server->pid()), "compute");
+    EXPECT_EQ(helpers.size(), 1u) << "--threads 2: the batch worker and one helper";
+    const int64_t before = ThreadsCpuNs(helpers);
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    const int64_t idle_ns = helper_cpu_ns(server->pid(), &helpers) - before;
+    const int64_t idle_ns = ThreadsCpuNs(helpers) - before;
     EXPECT_LT(idle_ns, 3'000'000) << "--cpu-idle-spin-us " << spin << ": the idle helper ran " << idle_ns
                                   << " ns in 0.3 s";
     EXPECT_TRUE(server->client().Forward(Request("tiny", RandomFloats(rng, 4 * 64), {1, 4, 64}), &resp).ok());
@@ -872,14 +853,14 @@ TEST(ServerFlagsTest, TheBatchWorkerSpinsAsLongAsToldThenSleeps) {
     std::mt19937_64 rng(4);
     v1::ForwardResponse resp;
     EXPECT_THAT(server->Log(), HasSubstr("1 workers spinning " + std::string(spin) + " us when idle"));
-    int workers = 0;
-    const int64_t before = ThreadsCpuNs(server->pid(), "batch-worker", &workers);
-    EXPECT_EQ(workers, 1);
+    const std::vector<std::filesystem::path> worker = NamedThreads(std::to_string(server->pid()), "batch-worker");
+    EXPECT_EQ(worker.size(), 1u);
+    const int64_t before = ThreadsCpuNs(worker);
     ASSERT_TRUE(server->client().Forward(Request("tiny", RandomFloats(rng, 4 * 64), {1, 4, 64}), &resp).ok());
     std::this_thread::sleep_for(std::chrono::milliseconds(400));
-    const int64_t after_spin = ThreadsCpuNs(server->pid(), "batch-worker", &workers);
+    const int64_t after_spin = ThreadsCpuNs(worker);
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    const int64_t idle_ns = ThreadsCpuNs(server->pid(), "batch-worker", &workers) - after_spin;
+    const int64_t idle_ns = ThreadsCpuNs(worker) - after_spin;
     if (std::string(spin) == "0") {
       EXPECT_LT(after_spin - before, 20'000'000) << "--worker-idle-spin-us 0: the worker spun";
     } else {

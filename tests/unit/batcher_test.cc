@@ -5,16 +5,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <fstream>
 #include <future>
 #include <mutex>
 #include <thread>
+
+#include "tests/unit/thread_stats.h"
 
 namespace attnserve {
 namespace {
@@ -313,28 +311,19 @@ TEST(BatcherTest, ASpinningWorkerTakesTheNextItemAndSeesTheDrain) {
 }
 
 // The spin is bounded: the worker spins once after a batch, then sleeps. Its CPU time (from
-// /proc: the batch function learns the worker's thread id) over a 50 ms spin and the 400 ms
-// after it shows both.
+// /proc: the worker thread is named "batch-worker", and this test's batcher is the only one
+// alive) over a 50 ms spin and the 400 ms after it shows both.
 TEST(BatcherTest, AnIdleWorkerSpinsOnceThenSleeps) {
   Log log;
-  std::atomic<pid_t> worker{0};
   TestBatcher batcher({.max_batch_requests = 4, .max_batch_tokens = 1000, .max_queue_delay = 0ms, .idle_spin = 50ms},
-                      [&](const std::string& q, TestItems batch) {
-                        worker = static_cast<pid_t>(syscall(SYS_gettid));
-                        Recorder(&log)(q, std::move(batch));
-                      });
+                      Recorder(&log));
+  const std::vector<std::filesystem::path> worker = NamedThreads("self", "batch-worker");
+  ASSERT_EQ(worker.size(), 1u) << "no thread named batch-worker, or another batcher's";
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
   log.WaitEnded(1);
-  const auto on_cpu_ns = [&] {
-    std::ifstream schedstat("/proc/self/task/" + std::to_string(worker.load()) + "/schedstat");
-    int64_t ns = -1;
-    schedstat >> ns;
-    return ns;
-  };
-  const int64_t start = on_cpu_ns();
-  ASSERT_GE(start, 0) << "no schedstat for the worker thread";
+  const int64_t start = ThreadsCpuNs(worker);
   std::this_thread::sleep_for(450ms);
-  const int64_t spent = on_cpu_ns() - start;
+  const int64_t spent = ThreadsCpuNs(worker) - start;
   EXPECT_GT(spent, 5'000'000) << "the worker did not spin after its batch: " << spent << " ns on the CPU";
   EXPECT_LT(spent, 200'000'000) << "the worker spun past its 50 ms: " << spent << " ns on the CPU in 450 ms";
 }

@@ -8,7 +8,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <fstream>
 #include <filesystem>
 #include <memory>
 #include <random>
@@ -17,6 +16,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "tests/unit/thread_stats.h"
 
 namespace attnserve {
 namespace {
@@ -113,41 +114,8 @@ TEST(ComputeTeamTest, AThrowingTaskReachesTheCallerAndTheTeamGoesOn) {
   }
 }
 
-// This process's threads named "compute" (the helpers), by their /proc/self/task directory.
-std::vector<std::filesystem::path> Helpers() {
-  std::vector<std::filesystem::path> helpers;
-  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
-    std::ifstream comm(task.path() / "comm");
-    std::string name;
-    std::getline(comm, name);
-    if (name == "compute") helpers.push_back(task.path());
-  }
-  return helpers;
-}
-
-// Nanoseconds the helpers have run on a CPU (schedstat's first field).
-int64_t HelperCpuNs(const std::vector<std::filesystem::path>& helpers) {
-  int64_t ns = 0;
-  for (const auto& h : helpers) {
-    std::ifstream schedstat(h / "schedstat");
-    int64_t on_cpu = 0;
-    schedstat >> on_cpu;
-    ns += on_cpu;
-  }
-  return ns;
-}
-
-// Whether some helper is running or runnable (state R), not asleep.
-bool SomeHelperRuns(const std::vector<std::filesystem::path>& helpers) {
-  for (const auto& h : helpers) {
-    std::ifstream stat(h / "stat");
-    std::string line;
-    std::getline(stat, line);
-    const size_t close = line.rfind(')');
-    if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'R') return true;
-  }
-  return false;
-}
+// This process's threads named "compute": the helpers of every live team.
+std::vector<std::filesystem::path> Helpers() { return NamedThreads("self", "compute"); }
 
 // Between forwards the helpers sleep once their idle spin is over: they do not hold a core the
 // server's other threads need. A forward's Hold wakes them to spin for its first step.
@@ -160,16 +128,16 @@ TEST(ComputeTeamTest, AnIdleTeamSleepsAndHoldWakesIt) {
   const std::vector<std::filesystem::path> helpers = Helpers();
   ASSERT_EQ(helpers.size(), 2u);
   std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the idle spin is long over
-  const int64_t before = HelperCpuNs(helpers);
+  const int64_t before = ThreadsCpuNs(helpers);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  const int64_t idle_ns = HelperCpuNs(helpers) - before;
+  const int64_t idle_ns = ThreadsCpuNs(helpers) - before;
   EXPECT_LT(idle_ns, 5'000'000) << "2 idle helpers ran " << idle_ns << " ns in 0.5 s";
 
   // Held, a helper spins for up to 2 ms: seen running in one of a few tries (a try whose
   // polling thread was itself descheduled that long may miss it).
   const auto asleep_within = [&](std::chrono::milliseconds limit) {
     const auto until = std::chrono::steady_clock::now() + limit;
-    while (SomeHelperRuns(helpers)) {
+    while (SomeThreadRuns(helpers)) {
       if (std::chrono::steady_clock::now() > until) return false;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -181,7 +149,7 @@ TEST(ComputeTeamTest, AnIdleTeamSleepsAndHoldWakesIt) {
     ASSERT_TRUE(asleep_within(std::chrono::milliseconds(500))) << "attempt " << attempt << ": a helper never slept";
     team->Hold();
     const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
-    while (!woke && std::chrono::steady_clock::now() < until) woke = SomeHelperRuns(helpers);
+    while (!woke && std::chrono::steady_clock::now() < until) woke = SomeThreadRuns(helpers);
     team->Run(2, [](int64_t, int) {});
     team->Release();
     std::this_thread::sleep_for(std::chrono::milliseconds(30));
