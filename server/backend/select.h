@@ -13,7 +13,7 @@ namespace attnserve {
 struct DeviceChoice {
   std::string device = "auto";  // auto: a usable GPU when there is one, else the CPU
   int cpu_threads = 0;          // the CPU backend's threads (0: every core)
-  int cpu_idle_spin_us = 50;    // how long its helper threads spin after a forward (ComputeTeam)
+  int cpu_idle_spin_us = 500;   // how long its helper threads spin after a forward (ComputeTeam)
   std::string cpu_gemm = "auto";  // the CPU backend's GEMM library: auto, eigen or onednn
   // How the CPU backend holds the weights: auto, packed or plain (packed_weights.h).
   std::string cpu_weight_layout = "auto";

@@ -295,7 +295,10 @@ void Batcher<Key, Item>::SpinForNews(uint64_t seen) const {
   const Clock::time_point until = Clock::now() + policy_.idle_spin;
   for (int polls = 1; news_.load(std::memory_order_acquire) == seen; ++polls) {
     CpuRelax();
-    if (polls % 64 == 0 && Clock::now() >= until) return;
+    if (polls % kPollsPerTurn == 0) {
+      YieldToReadyThreads();
+      if (Clock::now() >= until) return;
+    }
   }
 }
 

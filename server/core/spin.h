@@ -1,4 +1,5 @@
-// A spinning thread's pause between two polls of what it waits for.
+// How a spinning thread waits: its pause between two polls of what it waits for, and, in an idle
+// spin, its way of giving the core to any thread that is ready to run there.
 // Thread-safety: none needed (no state).
 #pragma once
 
@@ -15,5 +16,19 @@ inline void CpuRelax() {
   std::this_thread::yield();
 #endif
 }
+
+// An idle spin reads the clock, and gives way (YieldToReadyThreads), once every this many polls
+// (about 1–2 µs of PAUSEs).
+constexpr int kPollsPerTurn = 64;
+
+// An idle spin's turn to give way. A thread spins while idle (a batch worker between requests,
+// a compute helper between forwards) so that its vCPU does not go idle: on a VM the next forward
+// runs slower on a vCPU that halted (docs/benchmarks.md, "Serving overhead"). It must not take
+// the core from the threads the next request needs meanwhile, gRPC's, sending this answer and
+// taking the next: the scheduler shares a core fairly between runnable threads, so a spinner
+// that never yields takes half of it from a busy thread beside it, and one that yields every
+// turn almost none. When no other thread is ready this returns at once and the spin goes on.
+// Not for the spin inside a forward's step, which waits for its own team's member.
+inline void YieldToReadyThreads() { std::this_thread::yield(); }
 
 }  // namespace attnserve

@@ -818,10 +818,10 @@ TEST(ServerFlagsTest, Bfloat16PanelsServeWithinTheirRoundingAndCountHalfTheBytes
 }
 
 // The CPU backend's helper threads (ComputeTeam, named "compute") sleep between requests once
-// their idle spin is over: with --cpu-idle-spin-us 0 at once, with the default after 50 µs.
+// their idle spin is over: with --cpu-idle-spin-us 0 at once, with the default after 500 µs.
 // An idle server then uses no CPU, and a request after the pause is served.
 TEST(ServerFlagsTest, ComputeThreadsSleepBetweenRequests) {
-  for (const char* spin : {"0", "50"}) {
+  for (const char* spin : {"0", "500"}) {
     auto server = StartOrFail({"--threads", "2", "--cpu-idle-spin-us", spin, "--layer",
                                "tiny=random:d_model=64,heads=4,seed=2"});
     ASSERT_NE(server, nullptr);

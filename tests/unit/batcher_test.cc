@@ -328,5 +328,22 @@ TEST(BatcherTest, AnIdleWorkerSpinsOnceThenSleeps) {
   EXPECT_LT(spent, 200'000'000) << "the worker spun past its 50 ms: " << spent << " ns on the CPU in 450 ms";
 }
 
+// The spin gives way (YieldToReadyThreads): a thread busy on the worker's core keeps nearly all
+// of it while the worker spins, where a spin that did not yield would take half. In a server
+// that thread is gRPC's, sending the answer and taking the next request.
+TEST(BatcherTest, AnIdleWorkerGivesItsCoreToABusyThread) {
+  Log log;
+  TestBatcher batcher({.max_batch_requests = 4, .max_batch_tokens = 1000, .max_queue_delay = 0ms, .idle_spin = 10s},
+                      Recorder(&log));
+  const std::vector<std::filesystem::path> worker = NamedThreads("self", "batch-worker");
+  ASSERT_EQ(worker.size(), 1u) << "no thread named batch-worker, or another batcher's";
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(0, &log)).ok());
+  log.WaitEnded(1);
+  std::this_thread::sleep_for(20ms);  // spinning now, for 10 s
+  const double share = BusyShareBesideSpinner(worker[0]);
+  EXPECT_GT(share, 0.8) << "a busy thread kept " << share << " of the core it shares with a spinning worker";
+  EXPECT_EQ(batcher.Drain(10s), 0);
+}
+
 }  // namespace
 }  // namespace attnserve

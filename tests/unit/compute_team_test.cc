@@ -160,6 +160,26 @@ TEST(ComputeTeamTest, AnIdleTeamSleepsAndHoldWakesIt) {
   EXPECT_TRUE(Helpers().empty()) << "a helper outlived its team";
 }
 
+// A helper's idle spin gives way (YieldToReadyThreads): a thread busy on the helper's core keeps
+// nearly all of it, where a spin that did not yield would take half. A 10 s idle spin, so that
+// the helper spins throughout; the team's end stops it.
+TEST(ComputeTeamTest, AnIdleSpinGivesItsCoreToABusyThread) {
+  auto team = std::make_unique<ComputeTeam>(2, std::chrono::seconds(10));
+  std::atomic<int64_t> sum{0};
+  team->Hold();
+  team->Run(64, [&](int64_t t, int) { sum += t; });
+  team->Release();
+  EXPECT_EQ(sum.load(), 64 * 63 / 2);
+  const std::vector<std::filesystem::path> helpers = Helpers();
+  ASSERT_EQ(helpers.size(), 1u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(SomeThreadRuns(helpers)) << "the helper is not spinning";
+  const double share = BusyShareBesideSpinner(helpers[0]);
+  EXPECT_GT(share, 0.8) << "a busy thread kept " << share << " of the core it shares with a helper in its idle spin";
+  team.reset();
+  EXPECT_TRUE(Helpers().empty()) << "a helper outlived its team";
+}
+
 // Callers on many threads, each with its own team held as a forward holds it, and steps of
 // every size back to back: the hand-off's races are for ThreadSanitizer (this suite runs under
 // it) to find. Each task does some work, so that the helpers do join steps.

@@ -216,7 +216,7 @@ TEST(ServerOptionsTest, IdleSpinsFromFlagAndYaml) {
     int ServerOptions::*member;
     int default_us;
   };
-  for (const Spin& spin : {Spin{"--cpu-idle-spin-us", "cpu_idle_spin_us", &ServerOptions::cpu_idle_spin_us, 50},
+  for (const Spin& spin : {Spin{"--cpu-idle-spin-us", "cpu_idle_spin_us", &ServerOptions::cpu_idle_spin_us, 500},
                            Spin{"--worker-idle-spin-us", "worker_idle_spin_us", &ServerOptions::worker_idle_spin_us,
                                 500}}) {
     SCOPED_TRACE(spin.flag);

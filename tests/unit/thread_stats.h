@@ -1,13 +1,20 @@
 // A process's threads seen from /proc, by name: how long they have run on a CPU and whether one
 // is running now. The tests that check a thread sleeps when idle (the batcher's workers, the
-// compute team's helpers, a real server's) read them here.
-// Thread-safety: reads /proc only; no state.
+// compute team's helpers, a real server's), or gives way while it spins, read them here.
+// Thread-safety: reads /proc only, and pins threads of this process; no state.
 #pragma once
 
+#include <pthread.h>
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace attnserve {
@@ -47,6 +54,41 @@ inline bool SomeThreadRuns(const std::vector<std::filesystem::path>& threads) {
     if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'R') return true;
   }
   return false;
+}
+
+// A busy thread's share of one core that it shares with `spinner`, a thread of this process
+// (its /proc/self/task directory) spinning now: both pinned to one CPU this process may use,
+// the busy thread computes for `busy_for` and the share is its CPU time over both threads'.
+// About 0.5 beside a spinner that never yields (the scheduler shares a core fairly); near 1
+// beside one that gives way to any thread ready to run. Other work on that CPU delays both
+// alike and does not move the share. The spinner stays pinned: end it before reading anything
+// timed from it.
+inline double BusyShareBesideSpinner(const std::filesystem::path& spinner,
+                                     std::chrono::milliseconds busy_for = std::chrono::milliseconds(300)) {
+  cpu_set_t allowed, one;
+  CPU_ZERO(&allowed);
+  CPU_ZERO(&one);
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return -1;
+  int cpu = 0;
+  while (cpu < CPU_SETSIZE && !CPU_ISSET(cpu, &allowed)) ++cpu;
+  CPU_SET(cpu, &one);
+  const pid_t spinner_tid = static_cast<pid_t>(std::stol(spinner.filename().string()));
+  if (sched_setaffinity(spinner_tid, sizeof one, &one) != 0) return -1;
+  std::atomic<int64_t> busy_ns{0};
+  const int64_t spinner_before = ThreadsCpuNs({spinner});
+  std::thread busy([&] {
+    pthread_setaffinity_np(pthread_self(), sizeof one, &one);
+    timespec start, now;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
+    const auto until = std::chrono::steady_clock::now() + busy_for;
+    while (std::chrono::steady_clock::now() < until) {
+    }
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+    busy_ns = (now.tv_sec - start.tv_sec) * int64_t{1'000'000'000} + (now.tv_nsec - start.tv_nsec);
+  });
+  busy.join();
+  const int64_t spinner_ns = ThreadsCpuNs({spinner}) - spinner_before;
+  return static_cast<double>(busy_ns) / static_cast<double>(busy_ns + spinner_ns);
 }
 
 }  // namespace attnserve

@@ -139,9 +139,12 @@ void ComputeTeam::WaitForStep(uint32_t seen) {
     for (int spins = 1;; ++spins) {
       if (stepped()) return;
       CpuRelax();
-      if (spins % 64 == 0) {
-        const auto limit = held_.load(std::memory_order_relaxed) ? kHeldSpin : idle_spin_;
-        if (Clock::now() - since >= limit) break;
+      if (spins % kPollsPerTurn == 0) {
+        // Between a forward's steps the next is this team's: spin on. Once it is over, give way
+        // to gRPC's threads, which have its answer to send and the next request to take.
+        const bool held = held_.load(std::memory_order_relaxed);
+        if (!held) YieldToReadyThreads();
+        if (Clock::now() - since >= (held ? kHeldSpin : idle_spin_)) break;
       }
     }
     MutexLock lock(sleep_mu_);

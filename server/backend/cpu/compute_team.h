@@ -18,11 +18,12 @@ namespace attnserve {
 // helpers' waiting follows a forward rather than a global spin count:
 //   - while a forward holds the team (Hold … Release), a helper spins between the forward's
 //     parallel steps, however far apart, and so starts each step at once;
-//   - once the forward is over, it spins `idle_spin` more (a forward that follows at once, as
-//     in a loop, finds it awake), then sleeps. It does not keep a core that the server's gRPC
-//     threads need to send the answer and take the next request (libgomp's helper, at a
-//     30000-turn spin count, spun 170–250 µs after every forward: docs/benchmarks.md, "The
-//     compute team").
+//   - once the forward is over, it spins `idle_spin` more, then sleeps: the next forward, in a
+//     loop or a lone client's request a round trip later, finds it awake on a vCPU that did not
+//     go idle. This spin yields its core every turn (YieldToReadyThreads, core/spin.h), so it
+//     takes no time from the server's gRPC threads, which meanwhile send the answer and take the
+//     next request. (libgomp's helper spun without yielding, 170–250 µs after every forward at a
+//     30000-turn spin count, and slowed them: docs/benchmarks.md, "The compute team".)
 //   - Hold wakes a sleeping helper as the forward starts: its wake-up overlaps the forward's
 //     serial set-up instead of delaying the first step.
 // Run hands out tasks one at a time to whoever is free, the caller included, and returns once

@@ -54,9 +54,10 @@ struct CpuBackendOptions {
   // byte of value rows it reads, so it does not wait for memory wherever they come from.
   int64_t summed_value_group_bytes = int64_t{64} << 20;
   // After a forward, how long its helper threads spin for the next one before they sleep
-  // (ComputeTeam): a forward that follows at once finds them awake; a served request that
-  // follows a round trip later does not find a core held by a spinning helper.
-  std::chrono::microseconds idle_spin{50};
+  // (ComputeTeam), giving way to any thread ready to run on their core: a forward that follows
+  // at once, or a served request a round trip later, finds them awake on a vCPU that did not
+  // go idle.
+  std::chrono::microseconds idle_spin{500};
 };
 
 struct ForwardScratch;
