@@ -117,16 +117,22 @@ TEST(ComputeTeamTest, AThrowingTaskReachesTheCallerAndTheTeamGoesOn) {
 // This process's threads named "compute": the helpers of every live team.
 std::vector<std::filesystem::path> Helpers() { return NamedThreads("self", "compute"); }
 
-// Whether every helper has left /proc within a second of its team's end. A joined thread's entry
-// can outlive the join briefly (the kernel wakes the joiner before it reaps the thread), the
-// longer when the thread was pinned to a busy CPU.
-bool HelpersGone() {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-  while (!Helpers().empty()) {
+// Whether `done()` holds within `limit`, polled every millisecond.
+template <typename Done>
+bool Within(std::chrono::milliseconds limit, Done&& done) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
     if (std::chrono::steady_clock::now() > until) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   return true;
+}
+
+// Whether every helper has left /proc within a second of its team's end. A joined thread's entry
+// can outlive the join briefly (the kernel wakes the joiner before it reaps the thread), the
+// longer when the thread was pinned to a busy CPU.
+bool HelpersGone() {
+  return Within(std::chrono::seconds(1), [] { return Helpers().empty(); });
 }
 
 // Between forwards the helpers sleep once their idle spin is over: they do not hold a core the
@@ -147,18 +153,11 @@ TEST(ComputeTeamTest, AnIdleTeamSleepsAndHoldWakesIt) {
 
   // Held, a helper spins for up to 2 ms: seen running in one of a few tries (a try whose
   // polling thread was itself descheduled that long may miss it).
-  const auto asleep_within = [&](std::chrono::milliseconds limit) {
-    const auto until = std::chrono::steady_clock::now() + limit;
-    while (SomeThreadRuns(helpers)) {
-      if (std::chrono::steady_clock::now() > until) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return true;
-  };
   bool woke = false;
   for (int attempt = 0; attempt < 5 && !woke; ++attempt) {
     // 200 µs of idle spin, then asleep: on a loaded machine a helper may wait to run that long.
-    ASSERT_TRUE(asleep_within(std::chrono::milliseconds(500))) << "attempt " << attempt << ": a helper never slept";
+    ASSERT_TRUE(Within(std::chrono::milliseconds(500), [&] { return !SomeThreadRuns(helpers); }))
+        << "attempt " << attempt << ": a helper never slept";
     team->Hold();
     const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
     while (!woke && std::chrono::steady_clock::now() < until) woke = SomeThreadRuns(helpers);
