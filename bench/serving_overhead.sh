@@ -6,12 +6,16 @@
 #   floor      attnserve-cli bench's p50 against its in-process no-op server (gRPC and the
 #              client, nothing computed),
 # and overhead = served − in-process − floor: what the server adds beyond its compute and
-# gRPC's own cost. Each server variant and the floor are run ROUNDS times, alternating, and
-# each figure is the best (lowest) p50 of its rounds (the machine is shared and noisy; the best
-# of alternating runs is the least disturbed). The server's stage histogram
-# (attnserve_stage_seconds, scraped before and after each measured run) gives the stage table:
-# where a served call's time goes. A second client, Python grpcio (bench/serving_client.py), then
-# measures served and floor p50 against the first variant's server and `attnserve-cli noop-server`.
+# gRPC's own cost. Each round measures all three (the in-process forward, the floor, then each
+# server variant) within seconds of each other, and the figure is the median over ROUNDS rounds
+# of each round's own difference: the machine is shared, and what it gives drifts by more than
+# the target between minutes, so the three are compared where they were measured together.
+# The best (lowest) p50 of each over the rounds is printed too, as earlier runs reported it.
+# So is served − the server's own compute stage − floor: the serving path without the forward.
+# The server's stage histogram (attnserve_stage_seconds, scraped before and after each
+# measured run) gives the stage table of the median round: where a served call's time goes.
+# A second client, Python grpcio (bench/serving_client.py), then measures served and floor p50
+# against the first variant's server and `attnserve-cli noop-server`.
 #   The in-process forward is measured a second way too: with IDLE_US (default 300) of sleep
 # before each timed call (forward_bench --idle-us), about the pause a server has between one
 # lone client's requests. On a host whose L3 is shared, the weights (9.4 MB here) go cold in that
@@ -19,7 +23,7 @@
 #   Then concurrency 32 against the first variant's server: achieved GFLOP/s (requests/s times
 # the request's FLOPs) against the best SGEMM ceiling forward_bench measured before and after.
 #
-#   bench/serving_overhead.sh [BUILD_DIR] [ROUNDS]     (default build, 3; THREADS=2)
+#   bench/serving_overhead.sh [BUILD_DIR] [ROUNDS]     (default build, 5; THREADS=2)
 #   WEIGHT_LAYOUT=packed-bf16   the CPU backend's weight layout, in process and in every server
 #   (--cpu-weight-layout; default auto)
 #   VARIANTS="defaults: nospin:--worker-idle-spin-us,0"   server variants to compare (default:
@@ -29,7 +33,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
-ROUNDS=${2:-3}
+ROUNDS=${2:-5}
 THREADS=${THREADS:-2}
 DURATION=${DURATION:-4s}
 IDLE_US=${IDLE_US:-300}
@@ -78,8 +82,11 @@ in_process() {
   "$BUILD/bench/forward_bench" --threads "$THREADS" --shapes small-request --weight-layout "$WEIGHT_LAYOUT" "$@"
 }
 in_process --json "$OUT/inprocess.json" >/dev/null
-in_process --forms factored --idle-us "$IDLE_US" --json "$OUT/inprocess-idle.json" >/dev/null
 for round in $(seq 1 "$ROUNDS"); do
+  # This round's in-process figures, back to back and paused: each round's overhead is taken
+  # against the compute the machine gave in that round, not in another minute of it.
+  in_process --forms factored --json "$OUT/inprocess-$round.json" >/dev/null
+  in_process --forms factored --idle-us "$IDLE_US" --json "$OUT/inprocess-idle-$round.json" >/dev/null
   for variant in $VARIANTS; do
     name=${variant%%:*}
     IFS=, read -r -a flags <<< "${variant#*:}"

@@ -2,12 +2,14 @@
 
     python3 serving_report.py OUT_DIR ROUNDS NAME:FLAGS...
 
-OUT_DIR holds inprocess.json (forward_bench --json, small-request), inprocess-idle.json (the
-same after a pause before each call, --idle-us), per round NAME-R.json (the
-served bench of each server variant), NAME-R.before.prom / .after.prom (its scrapes),
-floor-R.json (the no-op server), and c32.json (concurrency 32 against the default server).
-Each figure is the best p50 over the rounds; the stage table is the mean per call of the round
-whose served p50 was that best.
+OUT_DIR holds inprocess.json and inprocess-after.json (forward_bench --json, small-request,
+before the first round and after the last: the SGEMM ceiling), c32.json (concurrency 32 against
+the first variant's server), and per round R: inprocess-R.json and inprocess-idle-R.json (the
+factored forward in-process, back to back and after a pause before each call, --idle-us),
+floor-R.json (the no-op server), NAME-R.json (the served bench of each server variant) and
+NAME-R.before.prom / .after.prom (its scrapes). Each round's
+overhead is its own served − in-process − floor, and the headline is the median over the
+rounds; the stage table is the mean per call of the round whose overhead was that median.
 """
 import json
 import re
@@ -46,46 +48,85 @@ def stage_means_us(out, name):
     return means
 
 
+def median(values):
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def median_round(by_round):
+    """The round whose value is the median (the lower middle one of an even count)."""
+    ordered = sorted(by_round, key=by_round.get)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def spread(values):
+    return f"{min(values):.0f} to {max(values):.0f}"
+
+
 def main():
     out, rounds, variants = sys.argv[1], int(sys.argv[2]), [v.split(":", 1)[0] for v in sys.argv[3:]]
     inproc = factored(f"{out}/inprocess.json")
     inproc_after = factored(f"{out}/inprocess-after.json")
-    inproc_us = min(inproc["ms"], inproc_after["ms"]) * 1000
-    floors = [factored(f"{out}/floor-{r}.json")["p50_ms"] * 1000 for r in range(1, rounds + 1)]
-    floor_us = min(floors)
+    numbers = range(1, rounds + 1)
+    # Per round: the in-process forward (back to back, and after a pause), the floor, each
+    # variant's served call; all µs, all measured within seconds of each other.
+    inproc_r = {r: factored(f"{out}/inprocess-{r}.json")["ms"] * 1000 for r in numbers}
+    idle_r = {r: factored(f"{out}/inprocess-idle-{r}.json")["ms"] * 1000 for r in numbers}
+    floor_r = {r: factored(f"{out}/floor-{r}.json")["p50_ms"] * 1000 for r in numbers}
+    runs = {v: {r: factored(f"{out}/{v}-{r}.json") for r in numbers} for v in variants}
+    served_r = {v: {r: runs[v][r]["p50_ms"] * 1000 for r in numbers} for v in variants}
+    over_r = {v: {r: served_r[v][r] - inproc_r[r] - floor_r[r] for r in numbers} for v in variants}
+    over_idle_r = {v: {r: served_r[v][r] - idle_r[r] - floor_r[r] for r in numbers} for v in variants}
+    inproc_us = median(inproc_r.values())
 
-    print(f"\nServing overhead, 1×16×768 demo layer, factored, concurrency 1, best p50 of {rounds} "
-          f"alternating rounds:\n")
-    print("| server | served p50 µs | in-process forward µs | no-op floor p50 µs | overhead over the floor µs |"
-          " server compute_us | server queue_us |")
+    print(f"\nServing overhead, 1×16×768 demo layer, factored, concurrency 1, {rounds} rounds (each: the "
+          f"in-process forward, the no-op floor, then each server; the overhead is each round's own "
+          f"served − in-process − floor, and the figure its median over the rounds; the other columns "
+          f"are medians too):\n")
+    print("| server | served p50 µs | in-process forward µs | no-op floor p50 µs | overhead over the floor µs "
+          "(rounds' range) | server compute_us | server queue_us |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    best_round = {}
     for v in variants:
-        runs = [(factored(f"{out}/{v}-{r}.json"), r) for r in range(1, rounds + 1)]
-        best, r = min(runs, key=lambda x: x[0]["p50_ms"])
-        best_round[v] = r
-        p50 = best["p50_ms"] * 1000
-        print(f"| {v} | {p50:.0f} | {inproc_us:.0f} | {floor_us:.0f} | **{p50 - inproc_us - floor_us:.0f}** |"
-              f" {best['compute_us']:.0f} | {best['queue_us']:.0f} |")
-    print(f"\n(in-process: the lower of forward_bench's medians before and after the runs, "
-          f"{inproc['ms'] * 1000:.0f} and {inproc_after['ms'] * 1000:.0f} µs; floors per round: "
-          f"{', '.join(f'{f:.0f}' for f in floors)} µs)")
+        print(f"| {v} | {median(served_r[v].values()):.0f} | {inproc_us:.0f} | {median(floor_r.values()):.0f} | "
+              f"**{median(over_r[v].values()):.0f}** ({spread(over_r[v].values())}) | "
+              f"{median(runs[v][r]['compute_us'] for r in numbers):.0f} | "
+              f"{median(runs[v][r]['queue_us'] for r in numbers):.0f} |")
 
-    try:
-        idle = factored(f"{out}/inprocess-idle.json")
-        idle_us = idle["ms"] * 1000
-        best_p50 = min(factored(f"{out}/{v}-{best_round[v]}.json")["p50_ms"] * 1000 for v in variants)
-        print(f"\nThe same forward in-process after an idle pause before each call (forward_bench --idle-us): "
-              f"{idle_us:.0f} µs, against {inproc_us:.0f} µs back to back: {idle_us - inproc_us:.0f} µs is the "
-              f"pause's own cost (cores gone idle, cold caches, a sleeping team), not the server's. "
-              f"Served p50 − idle in-process − floor: **{best_p50 - idle_us - floor_us:.0f} µs**.")
-    except FileNotFoundError:
-        pass
+    print("\nPer round, µs (over: served − in-process − floor of that round):\n")
+    print("| round | in-process | after a pause | floor | " +
+          " | ".join(f"{v} served | {v} over" for v in variants) + " |")
+    print("|---:|---:|---:|---:|" + "---:|---:|" * len(variants))
+    for r in numbers:
+        print(f"| {r} | {inproc_r[r]:.0f} | {idle_r[r]:.0f} | {floor_r[r]:.0f} | " +
+              " | ".join(f"{served_r[v][r]:.0f} | {over_r[v][r]:.0f}" for v in variants) + " |")
 
-    print("\nWhere a served call's time goes (attnserve_stage_seconds, mean µs per call, the best round):\n")
+    best_inproc = min(inproc_r.values())
+    best_floor = min(floor_r.values())
+    print(f"\nAs earlier runs reported it, the best p50 of each over the rounds: in-process {best_inproc:.0f} µs, "
+          f"floor {best_floor:.0f} µs; " +
+          "; ".join(f"{v} served {min(served_r[v].values()):.0f} µs, over the floor "
+                    f"{min(served_r[v].values()) - best_inproc - best_floor:.0f} µs" for v in variants) + ".")
+
+    idle_us = median(idle_r.values())
+    print(f"\nThe same forward in-process after an idle pause before each call (forward_bench --idle-us): "
+          f"{idle_us:.0f} µs, against {inproc_us:.0f} µs back to back (medians of the rounds): the difference "
+          f"is the pause's own cost (cores gone idle, cold caches, a sleeping team), not the server's. "
+          f"Served p50 − paused in-process − floor, median of the rounds: " +
+          "; ".join(f"{v} **{median(over_idle_r[v].values()):.0f} µs** ({spread(over_idle_r[v].values())})"
+                    for v in variants) + ".")
+    # The serving path alone: the server's own compute stage in place of the in-process forward,
+    # so the forward running slower in the server than in a loop is left out.
+    path_r = {v: {r: served_r[v][r] - runs[v][r]["compute_us"] - floor_r[r] for r in numbers} for v in variants}
+    print("\nServed p50 − the server's own compute_us − floor (the serving path without the forward), median of "
+          "the rounds: " + "; ".join(f"{v} **{median(path_r[v].values()):.0f} µs** ({spread(path_r[v].values())})"
+                                     for v in variants) + ".")
+    median_round_of = {v: median_round(over_r[v]) for v in variants}
+    print("\nWhere a served call's time goes (attnserve_stage_seconds, mean µs per call, the round whose "
+          "overhead was the median):\n")
     print("| stage | " + " | ".join(variants) + " |")
     print("|---|" + "---:|" * len(variants))
-    means = {v: stage_means_us(out, f"{v}-{best_round[v]}") for v in variants}
+    means = {v: stage_means_us(out, f"{v}-{median_round_of[v]}") for v in variants}
     for s in STAGES:
         print(f"| {s} | " + " | ".join(f"{means[v][s]:.1f}" for v in variants) + " |")
     print("| total in the server | " + " | ".join(f"{sum(means[v].values()):.1f}" for v in variants) + " |")
