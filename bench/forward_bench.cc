@@ -13,7 +13,8 @@
 // (Backend::Flops). --forms factored (or summed) runs one form; --idle-us N pauses N µs before
 // each timed call, as a server idles between lone requests (the compute team's helpers sleep,
 // the cores go idle, the caches cool), so that the in-process time can be compared with a
-// served one on equal terms.
+// served one on equal terms; --no-ceiling times the forwards alone (no SGEMM ceiling: ratios 0),
+// in a second rather than ten, for a figure taken between served runs (serving_overhead.sh).
 // The CPU ceiling is the fastest of every SGEMM library the build found (Eigen always; oneDNN
 // and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
 // own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
@@ -109,6 +110,7 @@ struct Options {
   int64_t value_group_bytes = CpuBackendOptions{}.summed_value_group_bytes;  // --value-group-mib
   std::vector<Form> forms = {Form::kFactored, Form::kSummed};                 // --forms (a profile of one)
   int64_t idle_us = 0;  // --idle-us: a pause before each timed call, as between served requests
+  bool ceiling = true;  // --no-ceiling: the forwards alone (ceiling 0), seconds instead of ten
   bool tf32 = false;
   std::string sweep;                                     // "long": the long-sequence sweep
   std::vector<int64_t> lengths = {512, 2048, 8192, 16384};  // its n = L
@@ -192,6 +194,9 @@ struct GemmShape {
   int64_t m, k, n;
   std::string Label() const { return std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n); }
 };
+
+// A rate over the ceiling's; 0 when no ceiling was measured (--no-ceiling).
+double Ratio(double gflops, double ceiling_gflops) { return ceiling_gflops > 0 ? gflops / ceiling_gflops : 0.0; }
 
 struct Ceiling {
   double gflops = 0;
@@ -348,7 +353,8 @@ void WriteJson(const std::string& path, const std::vector<Record>& records, cons
                   "\"gflops\": %.2f, \"ceiling_gflops\": %.2f, \"ratio_to_ceiling\": %.4f, \"ceiling_source\": \"%s\", "
                   "\"isa\": \"%s\", \"gemm\": \"%s\", \"weights\": \"%s\"}",
                   r.shape.c_str(), r.form.c_str(), r.device.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops,
-                  r.gflops / r.ceiling_gflops, r.ceiling_source.c_str(), isa.c_str(), r.gemm.c_str(), r.weights.c_str());
+                  Ratio(r.gflops, r.ceiling_gflops), r.ceiling_source.c_str(), isa.c_str(), r.gemm.c_str(),
+                  r.weights.c_str());
   });
 }
 
@@ -557,6 +563,7 @@ int Usage(const char* why) {
                "                                                    in turn; packed-bf16: packed as bfloat16)\n"
                "                     [--forms factored,summed]   (one form alone: for a profile)\n"
                "                     [--idle-us 0]   (a pause before each timed call, as between served requests)\n"
+               "                     [--no-ceiling]   (time the forwards only: no SGEMM ceiling, ratios 0)\n"
                "                     [--value-group-mib 64]   (the summed form's value groups; 0: a sequence each)\n"
                "       forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]\n"
                "                     [--summed-order auto,mix-first]\n";
@@ -570,6 +577,10 @@ int Main(int argc, char** argv) {
     if (arg == "--help" || arg == "-h") return Usage("both forms at reference shapes, as ratios to a GEMM ceiling");
     if (arg == "--tf32") {
       opt.tf32 = true;
+      continue;
+    }
+    if (arg == "--no-ceiling") {
+      opt.ceiling = false;
       continue;
     }
     if (i + 1 >= argc) return Usage(("missing value for " + arg).c_str());
@@ -660,7 +671,9 @@ int Main(int argc, char** argv) {
   for (int threads : opt.threads) {
     // The ceiling is taken before the cases (every candidate) and after them (the winner again);
     // the larger is used, so drift in the machine's load cannot flatter the ratios.
-    auto before = MeasureCeiling(opt, threads, libraries, gemm_shapes);
+    Ceiling none;
+    none.source = "none (--no-ceiling)";
+    auto before = opt.ceiling ? MeasureCeiling(opt, threads, libraries, gemm_shapes) : StatusOr<Ceiling>(none);
     if (!before.ok()) {
       std::cerr << "forward_bench: ceiling: " << before.status().ToString() << "\n";
       return 1;
@@ -698,7 +711,8 @@ int Main(int argc, char** argv) {
       r.ceiling_gflops = ceiling.gflops;
       r.ceiling_source = ceiling.source;
       std::printf("%-38s %-9s %-20s %-7s %7d %9.3f %9.1f %9.1f %7.3f\n", ShapeLabel(r.shape).c_str(), r.form.c_str(),
-                  r.gemm.c_str(), r.weights.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops, r.gflops / r.ceiling_gflops);
+                  r.gemm.c_str(), r.weights.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops,
+                  Ratio(r.gflops, r.ceiling_gflops));
       records.push_back(r);
     }
     std::printf("\n");

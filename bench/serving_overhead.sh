@@ -6,10 +6,11 @@
 #   floor      attnserve-cli bench's p50 against its in-process no-op server (gRPC and the
 #              client, nothing computed),
 # and overhead = served − in-process − floor: what the server adds beyond its compute and
-# gRPC's own cost. Each round measures all three (the in-process forward, the floor, then each
-# server variant) within seconds of each other, and the figure is the median over ROUNDS rounds
-# of each round's own difference: the machine is shared, and what it gives drifts by more than
-# the target between minutes, so the three are compared where they were measured together.
+# gRPC's own cost. Each round measures all three (each server variant, the in-process forward
+# just before the first one's measured run, then the floor) within seconds of each other, and
+# the figure is the median over ROUNDS rounds of each round's own difference: the machine is
+# shared, and what it gives drifts by more than the target between minutes, so the three are
+# compared where they were measured together.
 # The best (lowest) p50 of each over the rounds is printed too, as earlier runs reported it.
 # So is served − the server's own compute stage − floor: the serving path without the forward.
 # The server's stage histogram (attnserve_stage_seconds, scraped before and after each
@@ -23,7 +24,7 @@
 #   Then concurrency 32 against the first variant's server: achieved GFLOP/s (requests/s times
 # the request's FLOPs) against the best SGEMM ceiling forward_bench measured before and after.
 #
-#   bench/serving_overhead.sh [BUILD_DIR] [ROUNDS]     (default build, 5; THREADS=2)
+#   bench/serving_overhead.sh [BUILD_DIR] [ROUNDS]     (default build, 8; THREADS=2)
 #   WEIGHT_LAYOUT=packed-bf16   the CPU backend's weight layout, in process and in every server
 #   (--cpu-weight-layout; default auto)
 #   VARIANTS="defaults: nospin:--worker-idle-spin-us,0"   server variants to compare (default:
@@ -33,7 +34,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${1:-build}
-ROUNDS=${2:-5}
+ROUNDS=${2:-8}
 THREADS=${THREADS:-2}
 DURATION=${DURATION:-4s}
 IDLE_US=${IDLE_US:-300}
@@ -83,10 +84,7 @@ in_process() {
 }
 in_process --json "$OUT/inprocess.json" >/dev/null
 for round in $(seq 1 "$ROUNDS"); do
-  # This round's in-process figures, back to back and paused: each round's overhead is taken
-  # against the compute the machine gave in that round, not in another minute of it.
-  in_process --forms factored --json "$OUT/inprocess-$round.json" >/dev/null
-  in_process --forms factored --idle-us "$IDLE_US" --json "$OUT/inprocess-idle-$round.json" >/dev/null
+  first_of_round=1
   for variant in $VARIANTS; do
     name=${variant%%:*}
     IFS=, read -r -a flags <<< "${variant#*:}"
@@ -94,6 +92,14 @@ for round in $(seq 1 "$ROUNDS"); do
     # A short run first: the scrape after it is the baseline the measured run is taken from.
     "$CLI" --target "$target" bench --layer demo --forms factored --shape 1,16 --concurrency 1 \
       --duration 1s --warmup 0s >/dev/null
+    if ((first_of_round)); then
+      # This round's in-process figures, back to back and paused, a second before the served
+      # run (the server idle meanwhile): each round's overhead is taken against the compute the
+      # machine gave then, not in another minute. No ceiling here: the forwards alone.
+      in_process --forms factored --no-ceiling --json "$OUT/inprocess-$round.json" >/dev/null
+      in_process --forms factored --no-ceiling --idle-us "$IDLE_US" --json "$OUT/inprocess-idle-$round.json" >/dev/null
+      first_of_round=0
+    fi
     scrape > "$OUT/$name-$round.before.prom"
     bench "$name-$round" 1
     scrape > "$OUT/$name-$round.after.prom"

@@ -5,11 +5,12 @@
 OUT_DIR holds inprocess.json and inprocess-after.json (forward_bench --json, small-request,
 before the first round and after the last: the SGEMM ceiling), c32.json (concurrency 32 against
 the first variant's server), and per round R: inprocess-R.json and inprocess-idle-R.json (the
-factored forward in-process, back to back and after a pause before each call, --idle-us),
-floor-R.json (the no-op server), NAME-R.json (the served bench of each server variant) and
-NAME-R.before.prom / .after.prom (its scrapes). Each round's
-overhead is its own served − in-process − floor, and the headline is the median over the
-rounds; the stage table is the mean per call of the round whose overhead was that median.
+factored forward in-process, back to back and after a pause before each call, --idle-us, timed
+just before the round's first served run), floor-R.json (the no-op server), NAME-R.json (the
+served bench of each server variant) and NAME-R.before.prom / .after.prom (its scrapes).
+Each round's overhead is its own served − in-process − floor, and the headline is the median
+over the rounds; the stage table is the mean per call of the round whose overhead was that
+median.
 """
 import json
 import re
@@ -81,9 +82,9 @@ def main():
     inproc_us = median(inproc_r.values())
 
     print(f"\nServing overhead, 1×16×768 demo layer, factored, concurrency 1, {rounds} rounds (each: the "
-          f"in-process forward, the no-op floor, then each server; the overhead is each round's own "
-          f"served − in-process − floor, and the figure its median over the rounds; the other columns "
-          f"are medians too):\n")
+          f"in-process forward then the first server, the other servers, the no-op floor; the overhead is "
+          f"each round's own served − in-process − floor, and the figure its median over the rounds; the "
+          f"other columns are medians too):\n")
     print("| server | served p50 µs | in-process forward µs | no-op floor p50 µs | overhead over the floor µs "
           "(rounds' range) | server compute_us | server queue_us |")
     print("|---|---:|---:|---:|---:|---:|---:|")
