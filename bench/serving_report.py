@@ -117,9 +117,11 @@ def main():
           "; ".join(f"{v} **{median(over_idle_r[v].values()):.0f} µs** ({spread(over_idle_r[v].values())})"
                     for v in variants) + ".")
     # The serving path alone: the server's own compute stage in place of the in-process forward,
-    # so the forward running slower in the server than in a loop is left out.
+    # so the forward running slower in the server than in a loop is left out. compute_us is the
+    # mean over the answers, which a slow tail lifts above their median: this leans low by that.
     path_r = {v: {r: served_r[v][r] - runs[v][r]["compute_us"] - floor_r[r] for r in numbers} for v in variants}
-    print("\nServed p50 − the server's own compute_us − floor (the serving path without the forward), median of "
+    print("\nServed p50 − the server's own compute_us (the answers' mean) − floor (the serving path without the "
+          "forward), median of "
           "the rounds: " + "; ".join(f"{v} **{median(path_r[v].values()):.0f} µs** ({spread(path_r[v].values())})"
                                      for v in variants) + ".")
     median_round_of = {v: median_round(over_r[v]) for v in variants}
