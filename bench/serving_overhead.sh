@@ -15,8 +15,9 @@
 # So is served − the server's own compute stage − floor: the serving path without the forward.
 # The server's stage histogram (attnserve_stage_seconds, scraped before and after each
 # measured run) gives the stage table of the median round: where a served call's time goes.
-# A second client, Python grpcio (bench/serving_client.py), then measures served and floor p50
-# against the first variant's server and `attnserve-cli noop-server`.
+# A second client, Python grpcio (bench/serving_client.py), measures served and floor p50 in
+# each round too, against the first variant's server and `attnserve-cli noop-server`, and its
+# overhead is the median of each round's own difference alike.
 #   The in-process forward is measured a second way too: with IDLE_US (default 300) of sleep
 # before each timed call (forward_bench --idle-us), about the pause a server has between one
 # lone client's requests. On a host whose L3 is shared, the weights (9.4 MB here) go cold in that
@@ -47,9 +48,10 @@ for bin in "$BUILD/bench/forward_bench" "$BUILD/server/attnserve" "$CLI"; do
   [[ -x $bin ]] || { echo "serving_overhead.sh: $bin is missing; build it first" >&2; exit 2; }
 done
 
-pid=
+pid= noop=
 stop_server() { [[ -n $pid ]] && { kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true; }; pid=; }
-trap stop_server EXIT
+stop_noop() { [[ -n $noop ]] && { kill "$noop" 2>/dev/null; wait "$noop" 2>/dev/null || true; }; noop=; }
+trap 'stop_server; stop_noop' EXIT
 
 # Starts attnserve with the demo layer and FLAGS (a VAR=VALUE among them goes to its
 # environment instead, e.g. OMP_WAIT_POLICY=active); sets target and metrics.
@@ -83,6 +85,18 @@ in_process() {
   "$BUILD/bench/forward_bench" --threads "$THREADS" --shapes small-request --weight-layout "$WEIGHT_LAYOUT" "$@"
 }
 in_process --json "$OUT/inprocess.json" >/dev/null
+# The second, independent client (Python grpcio, stubs from our proto) runs in every round too,
+# against the first variant's server and `attnserve-cli noop-server` (idle between its turns).
+python_client=0
+if /usr/bin/python3 -c 'import grpc, google.protobuf, numpy' 2>/dev/null; then
+  python_client=1
+  rm -f "$OUT/noop-port"
+  "$CLI" noop-server --port-file "$OUT/noop-port" --duration 1h >/dev/null &
+  noop=$!
+  for _ in $(seq 1 100); do [[ -s $OUT/noop-port ]] && break; sleep 0.1; done
+else
+  echo "(no python3-grpcio: the second client's check is skipped)" >&2
+fi
 for round in $(seq 1 "$ROUNDS"); do
   first_of_round=1
   for variant in $VARIANTS; do
@@ -103,6 +117,11 @@ for round in $(seq 1 "$ROUNDS"); do
     scrape > "$OUT/$name-$round.before.prom"
     bench "$name-$round" 1
     scrape > "$OUT/$name-$round.after.prom"
+    if ((python_client)) && [[ $name == "${VARIANTS%%:*}" ]]; then
+      /usr/bin/python3 bench/serving_client.py --target "floor=127.0.0.1:$(cat "$OUT/noop-port")" \
+        --target "served=$target" --requests "${PY_REQUESTS:-600}" --warmup 100 \
+        --json "$OUT/python-$round.json" >/dev/null
+    fi
     stop_server
   done
   "$CLI" bench --noop-server --forms factored --shape 1,16 --concurrency 1 --duration "$DURATION" \
@@ -115,21 +134,7 @@ start_server "${flags[@]}"
 bench "c32" 32
 scrape > "$OUT/c32.after.prom"
 stop_server
-# The second, independent client (Python grpcio, stubs from our proto) against the first
-# variant's server and the no-op server alone: the same difference, measured by other code.
-if /usr/bin/python3 -c 'import grpc, google.protobuf, numpy' 2>/dev/null; then
-  start_server "${flags[@]}"
-  rm -f "$OUT/noop-port"
-  "$CLI" noop-server --port-file "$OUT/noop-port" --duration 10m >/dev/null &
-  noop=$!
-  for _ in $(seq 1 100); do [[ -s $OUT/noop-port ]] && break; sleep 0.1; done
-  /usr/bin/python3 bench/serving_client.py --target "floor=127.0.0.1:$(cat "$OUT/noop-port")" \
-    --target "served=$target" --requests "${PY_REQUESTS:-3000}" --json "$OUT/python-client.json" >/dev/null
-  kill "$noop"; wait "$noop" 2>/dev/null || true
-  stop_server
-else
-  echo "(no python3-grpcio: the second client's check is skipped)" >&2
-fi
+stop_noop
 in_process --json "$OUT/inprocess-after.json" >/dev/null
 
 python3 bench/serving_report.py "$OUT" "$ROUNDS" $VARIANTS

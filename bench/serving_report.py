@@ -7,10 +7,11 @@ before the first round and after the last: the SGEMM ceiling), c32.json (concurr
 the first variant's server), and per round R: inprocess-R.json and inprocess-idle-R.json (the
 factored forward in-process, back to back and after a pause before each call, --idle-us, timed
 just before the round's first served run), floor-R.json (the no-op server), NAME-R.json (the
-served bench of each server variant) and NAME-R.before.prom / .after.prom (its scrapes).
-Each round's overhead is its own served − in-process − floor, and the headline is the median
-over the rounds; the stage table is the mean per call of the round whose overhead was that
-median.
+served bench of each server variant), NAME-R.before.prom / .after.prom (its scrapes) and
+python-R.json (bench/serving_client.py against the first variant's server and the no-op
+server). Each round's overhead is its own served − in-process − floor, and the headline is the
+median over the rounds; the stage table is the mean per call of the round whose overhead was
+that median.
 """
 import json
 import re
@@ -135,11 +136,14 @@ def main():
     print("| total in the server | " + " | ".join(f"{sum(means[v].values()):.1f}" for v in variants) + " |")
 
     try:
-        py = {r["target"]: r for r in load(f"{out}/python-client.json")}
-        served, floor = py["served"]["p50_us"], py["floor"]["p50_us"]
-        print(f"\nSecond client (Python grpcio, {py['served']['requests']} requests a target, alternating): "
-              f"served p50 {served:.0f} µs, no-op floor p50 {floor:.0f} µs, overhead over the floor "
-              f"**{served - inproc_us - floor:.0f} µs** ({variants[0]}'s server)")
+        py = {r: {t["target"]: t for t in load(f"{out}/python-{r}.json")} for r in numbers}
+        py_served = {r: py[r]["served"]["p50_us"] for r in numbers}
+        py_floor = {r: py[r]["floor"]["p50_us"] for r in numbers}
+        py_over = {r: py_served[r] - inproc_r[r] - py_floor[r] for r in numbers}
+        print(f"\nSecond client (Python grpcio, {py[1]['served']['requests']} requests a target a round, "
+              f"alternating; {variants[0]}'s server): served p50 {median(py_served.values()):.0f} µs, no-op floor "
+              f"p50 {median(py_floor.values()):.0f} µs (medians of the rounds); overhead over the floor, the median "
+              f"of each round's own: **{median(py_over.values()):.0f} µs** ({spread(py_over.values())})")
     except FileNotFoundError:
         print("\n(no second-client figures: python3-grpcio missing)")
 
