@@ -91,7 +91,8 @@ python_client=0
 if /usr/bin/python3 -c 'import grpc, google.protobuf, numpy' 2>/dev/null; then
   python_client=1
   rm -f "$OUT/noop-port"
-  "$CLI" noop-server --port-file "$OUT/noop-port" --duration 1h >/dev/null &
+  # Long enough for every round; the EXIT trap stops it sooner.
+  "$CLI" noop-server --port-file "$OUT/noop-port" --duration "$((ROUNDS * 60 + 600))s" >/dev/null &
   noop=$!
   for _ in $(seq 1 100); do [[ -s $OUT/noop-port ]] && break; sleep 0.1; done
 else
