@@ -19,7 +19,10 @@
 // and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
 // own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
 // library and shape. On a GPU the ceiling is a cuBLAS SGEMM and the times include the
-// host-device copies.
+// host-device copies; a second table splits each call (Backend::LastDeviceTimes: the inputs'
+// copy, the compute, the outputs' copy, the host's share) and gives the compute's own GFLOP/s
+// and ratio, which the JSON carries as device_ms, inputs_ms, outputs_ms, device_gflops and
+// device_ratio_to_ceiling (compare.py sets device_ms beside PyTorch's device-only time).
 //
 //   forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE] [--summed-order auto,mix-first]
 // The long-sequence sweep: n = L for a BERT-base-width layer and a LLaMA-like one (d 2048, 16
@@ -41,6 +44,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -96,6 +100,9 @@ struct Record {
   double ms, gflops, ceiling_gflops;
   std::string ceiling_source, gemm;  // gemm: the backend's GEMM library (cublas on a GPU)
   std::string weights = "plain";     // packed or plain: how the CPU backend held the weights
+  // On a GPU, the medians of each part of a call (Backend::LastDeviceTimes): the copies in and
+  // out, and the compute alone, which is what PyTorch's device-only figure times.
+  std::optional<DeviceTimes> split;
 };
 
 struct Options {
@@ -278,6 +285,13 @@ StatusOr<Ceiling> MeasureCeiling(const Options& opt, int threads, const std::vec
 #endif
 }
 
+// The median of one part over calls.
+double MedianOf(std::vector<DeviceTimes> parts, double DeviceTimes::* part) {
+  std::nth_element(parts.begin(), parts.begin() + parts.size() / 2, parts.end(),
+                   [&](const DeviceTimes& a, const DeviceTimes& b) { return a.*part < b.*part; });
+  return parts[parts.size() / 2].*part;
+}
+
 std::vector<Record> RunShape(const BenchShape& shape, Backend& backend, int threads, double ceiling,
                              double min_time_s, const std::vector<Form>& forms, int64_t idle_us) {
   const LayerConfig config = *CompleteConfig({.d_model = shape.d_model, .heads = shape.heads});
@@ -307,6 +321,7 @@ std::vector<Record> RunShape(const BenchShape& shape, Backend& backend, int thre
       std::cerr << "forward_bench: upload: " << resident.status().ToString() << "\n";
       std::exit(1);
     }
+    std::vector<DeviceTimes> parts;
     const double s = MedianSeconds(
         [&] {
           Status st = backend.Forward(**resident, batch);
@@ -314,12 +329,41 @@ std::vector<Record> RunShape(const BenchShape& shape, Backend& backend, int thre
             std::cerr << st.ToString() << "\n";
             std::exit(1);
           }
+          if (auto t = backend.LastDeviceTimes()) parts.push_back(*t);
         },
         min_time_s, idle_us);
     const double gflops = backend.Flops(*f, shapes) / s * 1e-9;  // what this backend ran
-    records.push_back({shape.name, std::string(FormName(form)), backend.DeviceName(), threads, s * 1e3, gflops, ceiling, "", ""});
+    records.push_back({shape.name, std::string(FormName(form)), backend.DeviceName(), threads, s * 1e3, gflops, ceiling,
+                       "", "", "plain", std::nullopt});
+    if (parts.size() > 1) {
+      parts.erase(parts.begin());  // the warm-up call's, as MedianSeconds drops its time
+      records.back().split = DeviceTimes{.inputs_ms = MedianOf(parts, &DeviceTimes::inputs_ms),
+                                          .compute_ms = MedianOf(parts, &DeviceTimes::compute_ms),
+                                          .outputs_ms = MedianOf(parts, &DeviceTimes::outputs_ms)};
+    }
   }
   return records;
+}
+
+std::string ShapeLabel(const std::string& name);
+
+// A GPU record's split: its compute's GFLOP/s (the record's FLOPs over the compute alone).
+double DeviceGflops(const Record& r) { return r.split ? r.gflops * r.ms / r.split->compute_ms : 0.0; }
+
+// On a GPU, where each call's time went (medians): the inputs' copy to the device, the compute,
+// the outputs' copy back, the host's share (the call's median less the three), and the compute's
+// own GFLOP/s against the same ceiling: the figure to set beside PyTorch's device-only time.
+void PrintDeviceSplit(const std::vector<Record>& group) {
+  if (group.empty() || !group.front().split) return;
+  std::printf("\n%-38s %-9s %9s %9s %9s %9s %9s %9s %7s\n", "where the time went (ms)", "form", "call", "inputs",
+              "compute", "outputs", "host", "GFLOP/s", "ratio");
+  for (const Record& r : group) {
+    if (!r.split) continue;
+    const DeviceTimes& t = *r.split;
+    std::printf("%-38s %-9s %9.3f %9.3f %9.3f %9.3f %9.3f %9.1f %7.3f\n", ShapeLabel(r.shape).c_str(), r.form.c_str(),
+                r.ms, t.inputs_ms, t.compute_ms, t.outputs_ms, r.ms - t.inputs_ms - t.compute_ms - t.outputs_ms,
+                DeviceGflops(r), Ratio(DeviceGflops(r), r.ceiling_gflops));
+  }
 }
 
 std::string ShapeLabel(const std::string& name) {
@@ -348,13 +392,21 @@ void WriteJsonArray(const std::string& path, const std::vector<R>& records, Writ
 
 void WriteJson(const std::string& path, const std::vector<Record>& records, const std::string& isa) {
   WriteJsonArray(path, records, [&](const Record& r, char* line, size_t size) {
+    char split[256] = "";
+    if (r.split) {
+      std::snprintf(split, sizeof split,
+                    ", \"device_ms\": %.4f, \"inputs_ms\": %.4f, \"outputs_ms\": %.4f, \"device_gflops\": %.2f, "
+                    "\"device_ratio_to_ceiling\": %.4f",
+                    r.split->compute_ms, r.split->inputs_ms, r.split->outputs_ms, DeviceGflops(r),
+                    Ratio(DeviceGflops(r), r.ceiling_gflops));
+    }
     std::snprintf(line, size,
                   "{\"shape\": \"%s\", \"form\": \"%s\", \"device\": \"%s\", \"threads\": %d, \"ms\": %.4f, "
                   "\"gflops\": %.2f, \"ceiling_gflops\": %.2f, \"ratio_to_ceiling\": %.4f, \"ceiling_source\": \"%s\", "
-                  "\"isa\": \"%s\", \"gemm\": \"%s\", \"weights\": \"%s\"}",
+                  "\"isa\": \"%s\", \"gemm\": \"%s\", \"weights\": \"%s\"%s}",
                   r.shape.c_str(), r.form.c_str(), r.device.c_str(), r.threads, r.ms, r.gflops, r.ceiling_gflops,
                   Ratio(r.gflops, r.ceiling_gflops), r.ceiling_source.c_str(), isa.c_str(), r.gemm.c_str(),
-                  r.weights.c_str());
+                  r.weights.c_str(), split);
   });
 }
 
@@ -715,6 +767,7 @@ int Main(int argc, char** argv) {
                   Ratio(r.gflops, r.ceiling_gflops));
       records.push_back(r);
     }
+    PrintDeviceSplit(group);
     std::printf("\n");
   }
   if (opt.forms.size() == 2 && opt.forms[0] == Form::kFactored) std::printf("\nsummed / factored time:\n");

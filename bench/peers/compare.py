@@ -33,3 +33,17 @@ for r in ours:
     ratio = f"{r['ms'] / p['ms']:10.2f}" if p else f"{'-':>10s}"
     print(f"{r['shape']:14s} {r['form']:9s} {r['device']:7s} {r['ms']:9.3f} {r['gflops'] / 1e3:8.2f}"
           f" {r['ceiling_gflops'] / 1e3:8.2f} {r['ratio_to_ceiling']:6.3f} {torch_ms} {ratio}")
+
+# On a GPU, the compute alone (forward_bench's device_ms: between the inputs' arrival and the
+# outputs' copy back) against PyTorch's device-only time (its input already on the device).
+split = [r for r in ours if "device_ms" in r]
+if split:
+    print(f"\ndevice only (the copies in and out left out of both sides)")
+    print(f"{'shape':14s} {'form':9s} {'ms':>9s} {'TFLOP/s':>8s} {'ratio':>6s} {'torch ms':>9s} {'ours/torch':>10s}")
+    for r in split:
+        p = peer.get(r["shape"])
+        has_peer = p is not None and "device_ms" in p
+        torch_ms = f"{p['device_ms']:9.3f}" if has_peer else f"{'-':>9s}"
+        ratio = f"{r['device_ms'] / p['device_ms']:10.2f}" if has_peer else f"{'-':>10s}"
+        print(f"{r['shape']:14s} {r['form']:9s} {r['device_ms']:9.3f} {r['device_gflops'] / 1e3:8.2f}"
+              f" {r['device_ratio_to_ceiling']:6.3f} {torch_ms} {ratio}")

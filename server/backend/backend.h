@@ -6,6 +6,7 @@
 
 #include <climits>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -14,6 +15,17 @@
 #include "server/core/status.h"
 
 namespace attnserve {
+
+// Where one batch's time went on a device with memory of its own, read from events on its
+// stream: the inputs' copy to the device (paced by the host packing them into pinned memory),
+// the compute, and the outputs' copy back. The compute alone is what a caller whose data already
+// lives on the device would wait for (PyTorch's device-only figure); the rest of a Forward's wall
+// time is host work: packing, unpacking, allocation.
+struct DeviceTimes {
+  double inputs_ms = 0;
+  double compute_ms = 0;
+  double outputs_ms = 0;
+};
 
 // A form's weights made resident on a backend's device (a host pointer on the CPU, device
 // memory on a GPU). Lives as long as any batch that uses it.
@@ -56,6 +68,10 @@ class Backend {
   // Host memory the backend keeps between calls (scratch it reuses), in bytes: not part of the
   // memory budget, which counts what a running batch needs; exported as a gauge.
   virtual int64_t RetainedScratchBytes() const { return 0; }
+
+  // The split of the last batch this backend finished (any caller's); nullopt where the
+  // backend computes in host memory (the CPU) or has run no batch yet. For benchmarks.
+  virtual std::optional<DeviceTimes> LastDeviceTimes() const { return std::nullopt; }
 
   // FLOPs one Forward of `batch` does, as this backend computes it (the metrics' count).
   virtual double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const {

@@ -15,7 +15,7 @@ class Backend;
 }
 
 // Bumped whenever this table, or anything passed through it, changes shape.
-#define ATTNSERVE_PLUGIN_ABI_VERSION 2u
+#define ATTNSERVE_PLUGIN_ABI_VERSION 3u
 
 // This build's identity (the project version, commit and compiler, set by CMake); a plugin
 // reports the id of the build that made it.

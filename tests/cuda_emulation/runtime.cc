@@ -38,6 +38,7 @@ struct CUstream_st {
 struct CUevent_st {
   std::chrono::steady_clock::time_point when;
   bool recorded = false;
+  bool timing = true;
   cudaStream_t stream = nullptr;
 };
 
@@ -257,8 +258,14 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
   {
     State& s = GetState();
     std::lock_guard<std::mutex> lock(s.mu);
-    if (kind == cudaMemcpyHostToDevice) s.counters.host_to_device_bytes += static_cast<int64_t>(bytes);
-    if (kind == cudaMemcpyDeviceToHost) s.counters.device_to_host_bytes += static_cast<int64_t>(bytes);
+    if (kind == cudaMemcpyHostToDevice) {
+      s.counters.host_to_device_bytes += static_cast<int64_t>(bytes);
+      s.counters.host_to_device_copies++;
+    }
+    if (kind == cudaMemcpyDeviceToHost) {
+      s.counters.device_to_host_bytes += static_cast<int64_t>(bytes);
+      s.counters.device_to_host_copies++;
+    }
     if (kind != cudaMemcpyDeviceToDevice) {
       const auto* a = Find(s, kind == cudaMemcpyHostToDevice ? src : dst);
       pinned = a != nullptr && a->second.space == Space::kPinnedHost;
@@ -524,6 +531,8 @@ const char* cudaGetErrorName(cudaError_t error) {
       return "cudaErrorNoDevice";
     case cudaErrorInvalidDevice:
       return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle:
+      return "cudaErrorInvalidResourceHandle";
     case cudaErrorIllegalAddress:
       return "cudaErrorIllegalAddress";
     case cudaErrorLaunchFailure:
@@ -568,6 +577,8 @@ const char* cudaGetErrorString(cudaError_t error) {
       return "no CUDA-capable device is detected";
     case cudaErrorInvalidDevice:
       return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle:
+      return "invalid resource handle";
     case cudaErrorIllegalAddress:
       return "an illegal memory access was encountered";
     case cudaErrorLaunchFailure:
@@ -738,6 +749,13 @@ cudaError_t cudaEventCreate(cudaEvent_t* event) {
   return cudaSuccess;
 }
 
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags) {
+  if ((flags & ~cudaEventDisableTiming) != 0) return last_error = cudaErrorInvalidValue;
+  *event = new CUevent_st;
+  (*event)->timing = (flags & cudaEventDisableTiming) == 0;
+  return cudaSuccess;
+}
+
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
   if (event->stream != nullptr || event->recorded) internal::DrainStream(event->stream);
   delete event;
@@ -761,6 +779,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
 }
 
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  if (!start->timing || !end->timing) return last_error = cudaErrorInvalidResourceHandle;
   if (!start->recorded || !end->recorded) return last_error = cudaErrorInvalidValue;
   *ms = std::chrono::duration<float, std::milli>(end->when - start->when).count();
   return cudaSuccess;

@@ -13,6 +13,7 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "cublas_v2.h"
 #include "cuda_emulation.h"
 #include "cuda_runtime_api.h"
+#include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cuda/cuda_backend.h"
 #include "server/backend/cuda/kernels.h"
 #include "server/core/forms.h"
@@ -706,6 +708,63 @@ TEST_F(CudaEmulationTest, WeightsMoveOnceAndBatchesMoveOnlyActivationsThroughPin
   EXPECT_EQ(cuda_emulation::LiveDeviceAllocations(), baseline) << "device memory returned";
 }
 
+// Inputs go to the device, and outputs come back, in slices of staging_slice_bytes (whole rows):
+// here 5 rows, so the sequences and the staged contexts cut across slice edges, and every row
+// still lands in its own sequence. One copy a slice each way; the bytes are those of one copy.
+// The three shapes differ, so no group of sequences adds a copy of GEMM pointer arrays.
+TEST_F(CudaEmulationTest, InputsAndOutputsMoveInSlicesAndEveryRowLandsInItsSequence) {
+  const LayerWeights w = SmallLayer();
+  auto made = MakeCudaBackend({.staging_slice_bytes = 5 * 48 * 4});
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  Backend& backend = **made;
+  auto resident = backend.Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  ASSERT_TRUE(resident.ok());
+  std::vector<testing::OwnedSequence> seqs;
+  seqs.push_back(RandomSequence(rng_, 48, 7, 7, false, true, -1));
+  seqs.push_back(RandomSequence(rng_, 48, 3, 11, true, false, 9));
+  seqs.push_back(RandomSequence(rng_, 48, 4, 4, false, false, -1));
+  std::vector<Sequence> batch;
+  for (auto& s : seqs) batch.push_back(s.View());
+  const int64_t tokens = 7 + 3 + 4, staged = tokens + 7 + 11 + 4;  // a cross sequence stages every context
+  cuda_emulation::ResetCounters();
+  ASSERT_TRUE(backend.Forward(**resident, batch).ok());
+  const cuda_emulation::Counters moved = cuda_emulation::ReadCounters();
+  EXPECT_EQ(moved.host_to_device_bytes, staged * 48 * 4);
+  EXPECT_EQ(moved.host_to_device_copies, (staged + 4) / 5);
+  EXPECT_EQ(moved.device_to_host_bytes, tokens * 48 * 4);
+  EXPECT_EQ(moved.device_to_host_copies, (tokens + 4) / 5);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    EXPECT_LT(RelativeL2(seqs[i].output.data(), ReferenceForward(w, batch[i])), 1e-5) << "sequence " << i;
+  }
+}
+
+// Where a batch's time went (Backend::LastDeviceTimes): nothing before the first batch; after one,
+// three finite, non-negative parts that together fit inside the Forward call that ran them. The
+// CPU backend, whose data never leaves host memory, reports none.
+TEST_F(CudaEmulationTest, TheLastBatchsTimeIsSplitIntoCopiesAndCompute) {
+  auto backend = MakeEmulatedBackend();
+  ASSERT_NE(backend, nullptr);
+  EXPECT_FALSE(backend->LastDeviceTimes().has_value());
+  const LayerWeights w = SmallLayer();
+  auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeSummed(w)));
+  ASSERT_TRUE(resident.ok());
+  testing::OwnedSequence seq = RandomSequence(rng_, 48, 9, 9, false, true, -1);
+  const Sequence batch[] = {seq.View()};
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(backend->Forward(**resident, batch).ok());
+  const double wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  const std::optional<DeviceTimes> t = backend->LastDeviceTimes();
+  ASSERT_TRUE(t.has_value());
+  for (const double part : {t->inputs_ms, t->compute_ms, t->outputs_ms}) {
+    EXPECT_TRUE(std::isfinite(part));
+    EXPECT_GE(part, 0.0);
+  }
+  EXPECT_LE(t->inputs_ms + t->compute_ms + t->outputs_ms, wall_ms);
+  EXPECT_GT(t->compute_ms, 0.0) << "the emulated compute runs on the host and takes time";
+
+  EXPECT_FALSE(CpuBackend().LastDeviceTimes().has_value());
+}
+
 // Every kernel, GEMM and async copy of an upload and of a batch is issued on the lane's own
 // stream: work on the legacy default stream would race the batch on a device (the backend's
 // stream is non-blocking), which the emulation, running each call at once, cannot show.
@@ -1248,8 +1307,9 @@ TEST_F(CudaDeviceMemoryTest, ABatchThatFitsOnlyInPartsRunsInHalves) {
 
 // A lane keeps its workspace and pinned staging for the next batch only up to
 // retain_workspace_bytes: after a small batch both stay (the next batch allocates nothing, and
-// the pinned bytes are reported as retained scratch); after a large one the device holds the
-// weights alone again and nothing pinned is retained.
+// the pinned bytes are reported as retained scratch); after a lone large one the device holds
+// the weights alone again and nothing pinned is retained. A run of large batches keeps them
+// from its second batch on, until a batch under the bound ends the run.
 TEST_F(CudaDeviceMemoryTest, ALargeBatchsMemoryIsReleasedWhenItEnds) {
   const LayerWeights w = SmallLayer();
   auto weights = std::make_shared<const FormWeights>(MaterializeSummed(w));
@@ -1275,6 +1335,25 @@ TEST_F(CudaDeviceMemoryTest, ALargeBatchsMemoryIsReleasedWhenItEnds) {
   EXPECT_LT(RelativeL2(large.output.data(), ReferenceForward(w, large.View())), 1e-5);
   EXPECT_EQ(cuda_emulation::LiveDeviceBytes() - base, WeightBytes(*weights)) << "the large workspace was kept";
   EXPECT_EQ(backend.RetainedScratchBytes(), 0) << "the large batch's pinned staging was kept";
+
+  // A second large batch in a row keeps its memory, so a third allocates nothing.
+  ASSERT_TRUE(backend.Forward(**resident, large_batch).ok());
+  EXPECT_GT(cuda_emulation::LiveDeviceBytes() - base, WeightBytes(*weights)) << "a run of large batches";
+  EXPECT_GT(backend.RetainedScratchBytes(), 0);
+  cuda_emulation::ResetCounters();
+  std::fill(large.output.begin(), large.output.end(), std::nanf(""));
+  ASSERT_TRUE(backend.Forward(**resident, large_batch).ok());
+  EXPECT_EQ(cuda_emulation::ReadCounters().device_allocations, 0);
+  EXPECT_EQ(cuda_emulation::ReadCounters().pinned_allocations, 0);
+  EXPECT_LT(RelativeL2(large.output.data(), ReferenceForward(w, large.View())), 1e-5);
+
+  // The first batch under the bound again ends the run: it runs in the memory it finds, then
+  // gives it back.
+  std::fill(small.output.begin(), small.output.end(), std::nanf(""));
+  ASSERT_TRUE(backend.Forward(**resident, small_batch).ok());
+  EXPECT_LT(RelativeL2(small.output.data(), ReferenceForward(w, small.View())), 1e-5);
+  EXPECT_EQ(cuda_emulation::LiveDeviceBytes() - base, WeightBytes(*weights)) << "the run's workspace was kept";
+  EXPECT_EQ(backend.RetainedScratchBytes(), 0) << "the run's pinned staging was kept";
   std::fill(small.output.begin(), small.output.end(), std::nanf(""));
   ASSERT_TRUE(backend.Forward(**resident, small_batch).ok());
   EXPECT_LT(RelativeL2(small.output.data(), ReferenceForward(w, small.View())), 1e-5);

@@ -240,6 +240,10 @@ class Lane final : public DeviceOps {
   Lane& operator=(const Lane&) = delete;
   ~Lane() {
     cudaSetDevice(options_.device);
+    for (cudaEvent_t e : marks_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    for (cudaEvent_t e : slice_done_) cudaEventDestroy(e);
     if (handle_ != nullptr) cublasDestroy(handle_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
@@ -250,6 +254,7 @@ class Lane final : public DeviceOps {
     CUBLAS_TRY(cublasCreate(&handle_));
     CUBLAS_TRY(cublasSetStream(handle_, stream_));
     CUBLAS_TRY(cublasSetMathMode(handle_, options_.tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+    for (cudaEvent_t& e : marks_) CUDA_TRY(cudaEventCreate(&e));
     return OkStatus();
   }
 
@@ -591,10 +596,14 @@ class Lane final : public DeviceOps {
   Status RunBatch(const CudaResidentForm& r, std::span<const Sequence> batch) {
     CUDA_TRY(cudaSetDevice(options_.device));
     const DeviceWeights w = WeightsAt(r.weights(), r.w_in.get(), r.b_in.get(), r.w_out.get(), r.b_out.get());
+    batch_bytes_ = 0;
     const Status st = RunWithinBound(r.weights(), w, batch);
     TrimAfterBatch();
     return st;
   }
+
+  // The split of this lane's last finished batch (its last part, when it ran in parts).
+  const DeviceTimes& last_times() const { return last_times_; }
 
   // Host memory this lane keeps between batches: its pinned staging buffers.
   int64_t PinnedBytes() const { return staging_in_.bytes() + staging_out_.bytes() + pointers_host_.bytes(); }
@@ -615,9 +624,15 @@ class Lane final : public DeviceOps {
 
   // What a batch leaves behind is kept for the next one only up to retain_workspace_bytes (device
   // workspace and pinned staging each): a rare large batch does not hold its memory for good.
+  // A run of batches past the bound keeps it from the second on (CudaBackendOptions says why);
+  // the first batch that fits under the bound again releases it.
   // The stream is idle here (Finish synchronised it, or the batch failed and MarkFailed will).
   void TrimAfterBatch() {
     const int64_t keep = options_.retain_workspace_bytes;
+    const bool oversized = batch_bytes_ > keep;
+    const bool in_a_run = oversized && oversized_before_;
+    oversized_before_ = oversized;
+    if (in_a_run) return;
     if (static_cast<int64_t>(workspace_.capacity() * sizeof(float)) > keep) {
       cudaStreamSynchronize(stream_);
       workspace_.Release();
@@ -656,6 +671,8 @@ class Lane final : public DeviceOps {
       return fitted.status();
     }
     const WorkspacePlan& w = *fitted;
+    const int64_t staged = (tx + c_rows) * d + tx * d;  // pinned floats: inputs (and contexts), outputs
+    batch_bytes_ = std::max({batch_bytes_, Bytes(w), staged * static_cast<int64_t>(sizeof(float))});
     float* piece[kPieces];
     float* next = workspace_.get();
     guards_.clear();
@@ -679,16 +696,7 @@ class Lane final : public DeviceOps {
     pointers_used_ = 0;
 
     ATTNSERVE_RETURN_IF_ERROR(staging_in_.Reserve((tx + c_rows) * d));
-    float* h = staging_in_.get();
-    auto pack = [&](ConstMatrixView v) {
-      for (int64_t row = 0; row < v.rows; ++row, h += d) std::memcpy(h, v.row(row), d * sizeof(float));
-    };
-    for (const Sequence& s : batch) pack(s.input);
-    if (!all_self) {
-      for (const Sequence& s : batch) pack(s.keys_source());
-    }
-    CUDA_TRY(cudaMemcpyAsync(piece[kInputs], staging_in_.get(), (tx + c_rows) * d * sizeof(float),
-                             cudaMemcpyHostToDevice, stream_));
+    ATTNSERVE_RETURN_IF_ERROR(StageInputs(batch, all_self, d, piece[kInputs]));
     b.x = ConstMatrixView(piece[kInputs], tx, d);
     b.c = all_self ? b.x : ConstMatrixView(piece[kInputs] + tx * d, tc, d);
     if (all_self) {
@@ -708,6 +716,51 @@ class Lane final : public DeviceOps {
   }
 
   StatusOr<float*> MixBuffer(const BatchPlan&) override { return mixes_; }
+
+  // Rows of width d in one staging slice (options_.staging_slice_bytes; at least one).
+  int64_t SliceRows(int64_t d) const {
+    return std::max<int64_t>(1, options_.staging_slice_bytes / (d * static_cast<int64_t>(sizeof(float))));
+  }
+
+  // The inputs (then the contexts, when staged) packed row by row into pinned memory and queued
+  // to `device` a slice at a time: the copy engine moves one slice while the host packs the next,
+  // instead of waiting for the whole batch to be packed. marks_ bracket it for the split.
+  Status StageInputs(std::span<const Sequence> batch, bool all_self, int64_t d, float* device) {
+    const int64_t slice_rows = SliceRows(d);
+    float* const pinned = staging_in_.get();
+    int64_t packed = 0, queued = 0;  // rows
+    const auto queue = [&]() -> Status {
+      CUDA_TRY(cudaMemcpyAsync(device + queued * d, pinned + queued * d, (packed - queued) * d * sizeof(float),
+                               cudaMemcpyHostToDevice, stream_));
+      queued = packed;
+      return OkStatus();
+    };
+    const auto pack = [&](ConstMatrixView v) -> Status {
+      for (int64_t row = 0; row < v.rows; ++row) {
+        std::memcpy(pinned + packed * d, v.row(row), d * sizeof(float));
+        if (++packed - queued == slice_rows) ATTNSERVE_RETURN_IF_ERROR(queue());
+      }
+      return OkStatus();
+    };
+    CUDA_TRY(cudaEventRecord(marks_[kStagingStarted], stream_));
+    for (const Sequence& s : batch) ATTNSERVE_RETURN_IF_ERROR(pack(s.input));
+    if (!all_self) {
+      for (const Sequence& s : batch) ATTNSERVE_RETURN_IF_ERROR(pack(s.keys_source()));
+    }
+    if (packed > queued) ATTNSERVE_RETURN_IF_ERROR(queue());
+    CUDA_TRY(cudaEventRecord(marks_[kInputsOnDevice], stream_));
+    return OkStatus();
+  }
+
+  // At least `count` events for the output slices (no timing: they only say a slice arrived).
+  Status SliceEvents(int64_t count) {
+    while (static_cast<int64_t>(slice_done_.size()) < count) {
+      cudaEvent_t e = nullptr;
+      CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      slice_done_.push_back(e);
+    }
+    return OkStatus();
+  }
 
   Status Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate) override {
     ATTNSERVE_RETURN_IF_ERROR(CublasGemm(Block(x), Block(w), Block(y), 1.0f, accumulate ? 1.0f : 0.0f));
@@ -824,20 +877,48 @@ class Lane final : public DeviceOps {
     return OkStatus();
   }
 
-  // Every output is in y (ForwardBuffers::outputs are its rows): one copy back, then each
-  // sequence's rows from the pinned buffer once the stream has reached it.
+  // Every output is in y (ForwardBuffers::outputs are its rows, ld = d): copied back a slice
+  // at a time, each slice's rows unpacked into their sequences as soon as it has arrived while
+  // the later slices are still on their way. Then the guard zones and the batch's split.
   Status Finish(const BatchPlan& plan, std::span<const Sequence> batch, const ForwardBuffers& b, bool) override {
-    const int64_t tx = plan.rows.queries, d = b.y.cols;
+    const int64_t tx = plan.rows.queries, d = b.y.cols, slice_rows = SliceRows(d);
+    const int64_t slices = (tx + slice_rows - 1) / slice_rows;
     ATTNSERVE_RETURN_IF_ERROR(staging_out_.Reserve(tx * d));
-    CUDA_TRY(cudaMemcpyAsync(staging_out_.get(), b.y.data, tx * d * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-    CUDA_TRY(cudaStreamSynchronize(stream_));
+    ATTNSERVE_RETURN_IF_ERROR(SliceEvents(slices));
+    CUDA_TRY(cudaEventRecord(marks_[kComputed], stream_));
+    for (int64_t i = 0; i < slices; ++i) {
+      const int64_t r0 = i * slice_rows, rows = std::min(slice_rows, tx - r0);
+      CUDA_TRY(cudaMemcpyAsync(staging_out_.get() + r0 * d, b.y.data + r0 * d, rows * d * sizeof(float),
+                               cudaMemcpyDeviceToHost, stream_));
+      CUDA_TRY(cudaEventRecord(slice_done_[i], stream_));
+    }
+    CUDA_TRY(cudaEventRecord(marks_[kOutputsOnHost], stream_));
+    for (int64_t i = 0; i < slices; ++i) {
+      CUDA_TRY(cudaEventSynchronize(slice_done_[i]));
+      UnpackRows(plan, batch, i * slice_rows, std::min(tx, (i + 1) * slice_rows), d);
+    }
+    CUDA_TRY(cudaEventSynchronize(marks_[kOutputsOnHost]));
     ATTNSERVE_RETURN_IF_ERROR(CheckGuards());
+    return ReadTimes();
+  }
+
+  // Rows [r0, r1) of y, from the pinned buffer into the sequences they belong to.
+  void UnpackRows(const BatchPlan& plan, std::span<const Sequence> batch, int64_t r0, int64_t r1, int64_t d) const {
     for (size_t i = 0; i < batch.size(); ++i) {
-      const Sequence& s = batch[i];
-      for (int64_t row = 0; row < s.n(); ++row) {
-        std::memcpy(s.output.row(row), staging_out_.get() + (plan.rows.x_row[i] + row) * d, d * sizeof(float));
+      const int64_t first = plan.rows.x_row[i], lo = std::max(r0, first), hi = std::min(r1, first + batch[i].n());
+      for (int64_t row = lo; row < hi; ++row) {
+        std::memcpy(batch[i].output.row(row - first), staging_out_.get() + row * d, d * sizeof(float));
       }
     }
+  }
+
+  // The batch's split from marks_ (all passed: Finish waited for the last).
+  Status ReadTimes() {
+    float inputs = 0, compute = 0, outputs = 0;
+    CUDA_TRY(cudaEventElapsedTime(&inputs, marks_[kStagingStarted], marks_[kInputsOnDevice]));
+    CUDA_TRY(cudaEventElapsedTime(&compute, marks_[kInputsOnDevice], marks_[kComputed]));
+    CUDA_TRY(cudaEventElapsedTime(&outputs, marks_[kComputed], marks_[kOutputsOnHost]));
+    last_times_ = {.inputs_ms = inputs, .compute_ms = compute, .outputs_ms = outputs};
     return OkStatus();
   }
 
@@ -861,6 +942,16 @@ class Lane final : public DeviceOps {
   int64_t pointer_slots_ = 0, pointers_used_ = 0;
   PinnedArray<float> staging_in_, staging_out_;
   PinnedArray<const void*> pointers_host_;  // the pointer arrays of batched GEMMs, staged
+  // The batch's marks on the stream (with timing): staging began, the last input slice arrived,
+  // the compute ended, the last output slice arrived. Their differences are last_times_.
+  enum Mark { kStagingStarted, kInputsOnDevice, kComputed, kOutputsOnHost };
+  cudaEvent_t marks_[4] = {};
+  std::vector<cudaEvent_t> slice_done_;  // one per output slice (SliceEvents)
+  DeviceTimes last_times_;
+  // The most device workspace or pinned staging this batch needed, in bytes (Prepare), and
+  // whether the batch before it needed more than retain_workspace_bytes (TrimAfterBatch).
+  int64_t batch_bytes_ = 0;
+  bool oversized_before_ = false;
 };
 
 class CudaBackend final : public Backend {
@@ -914,8 +1005,18 @@ class CudaBackend final : public Backend {
     if (batch.empty()) return OkStatus();
     ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(resident->weights().config, batch));
     if (!Healthy()) return InternalError(DeviceName() + " is unhealthy after an earlier device error");
-    const Status st = WithLane([&](Lane& lane) { return lane.RunBatch(*resident, batch); });
+    const Status st = WithLane([&](Lane& lane) {
+      ATTNSERVE_RETURN_IF_ERROR(lane.RunBatch(*resident, batch));
+      MutexLock lock(mu_);
+      last_times_ = lane.last_times();
+      return OkStatus();
+    });
     return st.ok() ? st : MarkFailed(st);
+  }
+
+  std::optional<DeviceTimes> LastDeviceTimes() const override {
+    MutexLock lock(mu_);
+    return last_times_;
   }
 
  private:
@@ -972,6 +1073,7 @@ class CudaBackend final : public Backend {
   std::atomic<bool> healthy_{true};
   mutable Mutex mu_;
   std::vector<std::unique_ptr<Lane>> idle_ ATTNSERVE_GUARDED_BY(mu_);
+  std::optional<DeviceTimes> last_times_ ATTNSERVE_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -41,8 +41,15 @@ struct CudaBackendOptions {
   int64_t max_lane_workspace_bytes = 0;
   // What a lane keeps after a batch for the next one: a device workspace or pinned staging
   // larger than this is released when its batch ends (as the CPU backend frees scratch above
-  // 256 MiB), so a rare large batch does not hold its memory for good.
+  // 256 MiB), so a rare large batch does not hold its memory for good — unless the batch before
+  // it needed more than this too: a run of large batches keeps its memory (reallocating a
+  // workspace of hundreds of MiB a batch costs device synchronisations and allocations), and
+  // the first batch of the run, and the first that fits under this again, release it.
   int64_t retain_workspace_bytes = int64_t{256} << 20;
+  // Inputs go to the device, and outputs come back, in slices of about this many bytes (whole
+  // rows): the host packs the next slice into pinned memory while the copy engine moves this
+  // one, and unpacks a slice of outputs while the next is still on its way.
+  int64_t staging_slice_bytes = int64_t{4} << 20;
   // The summed form's association order (SummedMixesFirst): with it, a sequence with fewer
   // queries than keys mixes them first, Y = Σ_i (A_i C) W_M_i (m/n fewer projection FLOPs, one
   // mix GEMM per head instead of strided batches); without it, every summed sequence projects

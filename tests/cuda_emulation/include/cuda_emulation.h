@@ -12,6 +12,8 @@ namespace cuda_emulation {
 struct Counters {
   int64_t host_to_device_bytes = 0;
   int64_t device_to_host_bytes = 0;
+  int64_t host_to_device_copies = 0;  // cudaMemcpy and cudaMemcpyAsync calls, each direction
+  int64_t device_to_host_copies = 0;
   int64_t device_allocations = 0;     // cudaMalloc calls that allocated
   int64_t pinned_allocations = 0;     // cudaMallocHost calls that allocated
   int64_t pageable_async_copies = 0;  // cudaMemcpyAsync from or to memory not from cudaMallocHost

@@ -16,6 +16,7 @@ enum cudaError_t {
   cudaErrorInvalidMemcpyDirection = 21,
   cudaErrorNoDevice = 100,
   cudaErrorInvalidDevice = 101,
+  cudaErrorInvalidResourceHandle = 400,
   cudaErrorIllegalAddress = 700,
   cudaErrorLaunchFailure = 719,
   // Sticky errors the emulation never raises itself; the backend names them (IsStickyError).
@@ -78,7 +79,11 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags);
 cudaError_t cudaStreamDestroy(cudaStream_t stream);
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
 
+constexpr unsigned cudaEventDisableTiming = 0x02;
+
 cudaError_t cudaEventCreate(cudaEvent_t* event);
+// cudaEventDisableTiming: an event cudaEventElapsedTime refuses, as the runtime does.
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags);
 cudaError_t cudaEventDestroy(cudaEvent_t event);
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr);
 cudaError_t cudaEventSynchronize(cudaEvent_t event);
