@@ -15,6 +15,9 @@
 // the cores go idle, the caches cool), so that the in-process time can be compared with a
 // served one on equal terms; --no-ceiling times the forwards alone (no SGEMM ceiling: ratios 0),
 // in a second rather than ten, for a figure taken between served runs (serving_overhead.sh).
+// --staging-slice-kib 4096,1048576 runs the CUDA backend with each size of copy slice in turn
+// (CudaBackendOptions::staging_slice_bytes; a slice past the batch is one copy each way, as before
+// slicing), labelled in the gemm column.
 // The CPU ceiling is the fastest of every SGEMM library the build found (Eigen always; oneDNN
 // and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
 // own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
@@ -119,6 +122,9 @@ struct Options {
   int64_t idle_us = 0;  // --idle-us: a pause before each timed call, as between served requests
   bool ceiling = true;  // --no-ceiling: the forwards alone (ceiling 0), seconds instead of ten
   bool tf32 = false;
+  // --staging-slice-kib: the CUDA backend's staging slices (CudaBackendOptions::
+  // staging_slice_bytes) to run in turn; empty: its default alone.
+  std::vector<int64_t> staging_slice_kib;
   std::string sweep;                                     // "long": the long-sequence sweep
   std::vector<int64_t> lengths = {512, 2048, 8192, 16384};  // its n = L
   std::string rss_point;  // internal: one point's RSS growth in a child process (RssPointMain)
@@ -242,7 +248,8 @@ Ceiling BestGemm(const std::vector<GemmLibraryUnderTest>& libraries, const std::
 
 StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int threads, const std::string& gemm,
                                                     const std::string& summed_order,
-                                                    const std::string& weight_layout = "auto") {
+                                                    const std::string& weight_layout = "auto",
+                                                    int64_t staging_slice_kib = 0) {
   if (opt.device == "cpu") {
     ATTNSERVE_ASSIGN_OR_RETURN(const GemmLibrary library, ParseGemmLibrary(gemm));
     ATTNSERVE_ASSIGN_OR_RETURN(const WeightLayout layout, ParseWeightLayout(weight_layout));
@@ -263,9 +270,12 @@ StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int thre
 #ifdef ATTNSERVE_HAVE_CUDA
   if (opt.device.rfind("cuda", 0) == 0) {
     const int device = opt.device.size() > 5 ? std::atoi(opt.device.c_str() + 5) : 0;
-    return MakeCudaBackend({.device = device, .tf32 = opt.tf32});
+    CudaBackendOptions options{.device = device, .tf32 = opt.tf32};
+    if (staging_slice_kib > 0) options.staging_slice_bytes = staging_slice_kib << 10;
+    return MakeCudaBackend(options);
   }
 #endif
+  (void)staging_slice_kib;
   return InvalidArgumentError("--device: expected cpu or cuda[:N] (when built with CUDA), got " + opt.device);
 }
 
@@ -617,6 +627,7 @@ int Usage(const char* why) {
                "                     [--idle-us 0]   (a pause before each timed call, as between served requests)\n"
                "                     [--no-ceiling]   (time the forwards only: no SGEMM ceiling, ratios 0)\n"
                "                     [--value-group-mib 64]   (the summed form's value groups; 0: a sequence each)\n"
+               "                     [--staging-slice-kib 4096,1048576]   (the CUDA backend's copy slices, in turn)\n"
                "       forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]\n"
                "                     [--summed-order auto,mix-first]\n";
   return 2;
@@ -662,6 +673,15 @@ int Main(int argc, char** argv) {
       }
     } else if (arg == "--summed-order") {
       opt.summed_orders = Split(value);
+    } else if (arg == "--staging-slice-kib") {
+      for (const auto& item : Split(value)) {
+        char* end = nullptr;
+        const long long kib = std::strtoll(item.c_str(), &end, 10);
+        if (end == item.c_str() || *end != '\0' || kib < 1 || kib > (int64_t{1} << 30)) {
+          return Usage(("--staging-slice-kib: expected whole numbers of KiB from 1, got " + item).c_str());
+        }
+        opt.staging_slice_kib.push_back(kib);
+      }
     } else if (arg == "--forms") {
       opt.forms.clear();
       for (const auto& name : Split(value)) {
@@ -697,6 +717,9 @@ int Main(int argc, char** argv) {
     }
   }
   const bool on_cpu = opt.device == "cpu";
+  if (on_cpu && !opt.staging_slice_kib.empty()) {
+    return Usage("--staging-slice-kib: the CUDA backend's staging; it needs --device cuda");
+  }
   if (!opt.rss_point.empty()) return RssPointMain(opt, opt.rss_point);
   if (opt.sweep == "long") {
     if (!on_cpu) return Usage("--sweep long: the CPU backend only (it measures the process's RSS)");
@@ -731,16 +754,19 @@ int Main(int argc, char** argv) {
       return 1;
     }
     std::vector<Record> group;
+    const std::vector<int64_t> slices = opt.staging_slice_kib.empty() ? std::vector<int64_t>{0} : opt.staging_slice_kib;
     for (const std::string& gemm : opt.gemms) {
       for (const std::string& layout : on_cpu ? opt.weight_layouts : std::vector<std::string>{"auto"}) {
         for (const std::string& order : opt.summed_orders) {
-          auto backend = MakeBenchBackend(opt, threads, gemm, order, layout);
+         for (const int64_t slice_kib : slices) {
+          auto backend = MakeBenchBackend(opt, threads, gemm, order, layout, slice_kib);
           if (!backend.ok()) {
             std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
             return 1;
           }
           std::string library = on_cpu ? std::string(GemmLibraryName(static_cast<CpuBackend&>(**backend).gemm())) : gemm;
           if (order != "auto") library += "/" + order;
+          if (slice_kib > 0) library += "/slice=" + std::to_string(slice_kib) + "k";
           const std::string_view weights =
               on_cpu ? WeightLayoutName(static_cast<CpuBackend&>(**backend).weight_layout()) : "plain";
           for (const BenchShape* shape : chosen) {
@@ -750,6 +776,7 @@ int Main(int argc, char** argv) {
               group.push_back(r);
             }
           }
+         }
         }
       }
     }

@@ -50,7 +50,8 @@
 #   memcheck      40        -   compute-sanitizer over backend_test's cuda instances,
 #   racecheck     35        -     4 random cases, no long or large shapes
 #   synccheck     25        -
-#   bench-fp32    30       60   forward_bench, both forms (and the large shape on a GPU)
+#   bench-fp32    30       60   forward_bench, both forms (on a GPU: the large shape too, and
+#                               4 MiB copy slices beside one copy each way)
 #   bench-tf32    25        -   forward_bench --tf32
 #   torch-fp32    30       60   torch_attention.py (PyTorch SDPA + linear projections)
 #   torch-tf32    25        -   torch_attention.py --tf32
@@ -434,9 +435,15 @@ bench() {
     "${min_time[@]}" --json "$out/$json" 2>&1 | tee -a "$out/summary.txt" "$out/$step.txt" || rc=$?
   result "$step" "$rc"
 }
+# On a GPU the FP32 run also sets the backend's 4 MiB copy slices beside one copy each way (a
+# slice past every batch), in one run: forward_bench's split table shows what slicing buys.
 if want bench; then
-  bench bench-fp32 "$device.json"
-  if ((gpu)); then bench bench-tf32 cuda-tf32.json --tf32; fi
+  if ((gpu)); then
+    bench bench-fp32 "$device.json" --staging-slice-kib 4096,1048576
+    bench bench-tf32 cuda-tf32.json --tf32
+  else
+    bench bench-fp32 "$device.json"
+  fi
 fi
 
 # --- PyTorch ---------------------------------------------------------------------------------

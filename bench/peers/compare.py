@@ -25,13 +25,23 @@ if peer_precisions - {our_precision}:
           " not comparable", file=sys.stderr)
     sys.exit(1)
 print(f"precision: {our_precision}" + (f" (both; torch {next(iter(peer.values())).get('torch', '?')})" if peer else ""))
-print(f"{'shape':14s} {'form':9s} {'device':7s} {'ms':>9s} {'TFLOP/s':>8s} {'ceiling':>8s} {'ratio':>6s}"
+# Where one run holds several variants of the backend (forward_bench's gemm label: a GEMM
+# library, an association order, a copy slice), a column says which row is which.
+variants = len({r.get("gemm", "") for r in ours}) > 1
+
+
+def label(r):
+    return f"{r['form']:9s}" + (f" {r.get('gemm', ''):22s}" if variants else "")
+
+
+head = f"{'form':9s}" + (f" {'variant':22s}" if variants else "")
+print(f"{'shape':14s} {head} {'device':7s} {'ms':>9s} {'TFLOP/s':>8s} {'ceiling':>8s} {'ratio':>6s}"
       f" {'torch ms':>9s} {'ours/torch':>10s}")
 for r in ours:
     p = peer.get(r["shape"])
     torch_ms = f"{p['ms']:9.3f}" if p else f"{'-':>9s}"
     ratio = f"{r['ms'] / p['ms']:10.2f}" if p else f"{'-':>10s}"
-    print(f"{r['shape']:14s} {r['form']:9s} {r['device']:7s} {r['ms']:9.3f} {r['gflops'] / 1e3:8.2f}"
+    print(f"{r['shape']:14s} {label(r)} {r['device']:7s} {r['ms']:9.3f} {r['gflops'] / 1e3:8.2f}"
           f" {r['ceiling_gflops'] / 1e3:8.2f} {r['ratio_to_ceiling']:6.3f} {torch_ms} {ratio}")
 
 # On a GPU, the compute alone (forward_bench's device_ms: between the inputs' arrival and the
@@ -39,11 +49,11 @@ for r in ours:
 split = [r for r in ours if "device_ms" in r]
 if split:
     print(f"\ndevice only (the copies in and out left out of both sides)")
-    print(f"{'shape':14s} {'form':9s} {'ms':>9s} {'TFLOP/s':>8s} {'ratio':>6s} {'torch ms':>9s} {'ours/torch':>10s}")
+    print(f"{'shape':14s} {head} {'ms':>9s} {'TFLOP/s':>8s} {'ratio':>6s} {'torch ms':>9s} {'ours/torch':>10s}")
     for r in split:
         p = peer.get(r["shape"])
         has_peer = p is not None and "device_ms" in p
         torch_ms = f"{p['device_ms']:9.3f}" if has_peer else f"{'-':>9s}"
         ratio = f"{r['device_ms'] / p['device_ms']:10.2f}" if has_peer else f"{'-':>10s}"
-        print(f"{r['shape']:14s} {r['form']:9s} {r['device_ms']:9.3f} {r['device_gflops'] / 1e3:8.2f}"
+        print(f"{r['shape']:14s} {label(r)} {r['device_ms']:9.3f} {r['device_gflops'] / 1e3:8.2f}"
               f" {r['device_ratio_to_ceiling']:6.3f} {torch_ms} {ratio}")
