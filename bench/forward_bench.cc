@@ -17,7 +17,8 @@
 // in a second rather than ten, for a figure taken between served runs (serving_overhead.sh).
 // --staging-slice-kib 4096,1048576 runs the CUDA backend with each size of copy slice in turn
 // (CudaBackendOptions::staging_slice_bytes; a slice past the batch is one copy each way, as before
-// slicing), labelled in the gemm column.
+// slicing), --staging-threads 1,4 with each number of host threads packing and unpacking them
+// (staging_threads); every pair of the two, labelled in the gemm column.
 // The CPU ceiling is the fastest of every SGEMM library the build found (Eigen always; oneDNN
 // and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
 // own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
@@ -125,6 +126,7 @@ struct Options {
   // --staging-slice-kib: the CUDA backend's staging slices (CudaBackendOptions::
   // staging_slice_bytes) to run in turn; empty: its default alone.
   std::vector<int64_t> staging_slice_kib;
+  std::vector<int64_t> staging_threads;  // --staging-threads: CudaBackendOptions::staging_threads, in turn
   std::string sweep;                                     // "long": the long-sequence sweep
   std::vector<int64_t> lengths = {512, 2048, 8192, 16384};  // its n = L
   std::string rss_point;  // internal: one point's RSS growth in a child process (RssPointMain)
@@ -249,7 +251,7 @@ Ceiling BestGemm(const std::vector<GemmLibraryUnderTest>& libraries, const std::
 StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int threads, const std::string& gemm,
                                                     const std::string& summed_order,
                                                     const std::string& weight_layout = "auto",
-                                                    int64_t staging_slice_kib = 0) {
+                                                    int64_t staging_slice_kib = 0, int64_t staging_threads = 0) {
   if (opt.device == "cpu") {
     ATTNSERVE_ASSIGN_OR_RETURN(const GemmLibrary library, ParseGemmLibrary(gemm));
     ATTNSERVE_ASSIGN_OR_RETURN(const WeightLayout layout, ParseWeightLayout(weight_layout));
@@ -272,10 +274,12 @@ StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int thre
     const int device = opt.device.size() > 5 ? std::atoi(opt.device.c_str() + 5) : 0;
     CudaBackendOptions options{.device = device, .tf32 = opt.tf32};
     if (staging_slice_kib > 0) options.staging_slice_bytes = staging_slice_kib << 10;
+    if (staging_threads > 0) options.staging_threads = static_cast<int>(staging_threads);
     return MakeCudaBackend(options);
   }
 #endif
   (void)staging_slice_kib;
+  (void)staging_threads;
   return InvalidArgumentError("--device: expected cpu or cuda[:N] (when built with CUDA), got " + opt.device);
 }
 
@@ -628,6 +632,7 @@ int Usage(const char* why) {
                "                     [--no-ceiling]   (time the forwards only: no SGEMM ceiling, ratios 0)\n"
                "                     [--value-group-mib 64]   (the summed form's value groups; 0: a sequence each)\n"
                "                     [--staging-slice-kib 4096,1048576]   (the CUDA backend's copy slices, in turn)\n"
+               "                     [--staging-threads 1,4]   (the CUDA backend's packing threads, in turn)\n"
                "       forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]\n"
                "                     [--summed-order auto,mix-first]\n";
   return 2;
@@ -682,6 +687,15 @@ int Main(int argc, char** argv) {
         }
         opt.staging_slice_kib.push_back(kib);
       }
+    } else if (arg == "--staging-threads") {
+      for (const auto& item : Split(value)) {
+        char* end = nullptr;
+        const long long threads = std::strtoll(item.c_str(), &end, 10);
+        if (end == item.c_str() || *end != '\0' || threads < 1 || threads > 256) {
+          return Usage(("--staging-threads: expected whole numbers from 1 to 256, got " + item).c_str());
+        }
+        opt.staging_threads.push_back(threads);
+      }
     } else if (arg == "--forms") {
       opt.forms.clear();
       for (const auto& name : Split(value)) {
@@ -717,8 +731,8 @@ int Main(int argc, char** argv) {
     }
   }
   const bool on_cpu = opt.device == "cpu";
-  if (on_cpu && !opt.staging_slice_kib.empty()) {
-    return Usage("--staging-slice-kib: the CUDA backend's staging; it needs --device cuda");
+  if (on_cpu && (!opt.staging_slice_kib.empty() || !opt.staging_threads.empty())) {
+    return Usage("--staging-slice-kib and --staging-threads set the CUDA backend's staging; they need --device cuda");
   }
   if (!opt.rss_point.empty()) return RssPointMain(opt, opt.rss_point);
   if (opt.sweep == "long") {
@@ -754,12 +768,18 @@ int Main(int argc, char** argv) {
       return 1;
     }
     std::vector<Record> group;
-    const std::vector<int64_t> slices = opt.staging_slice_kib.empty() ? std::vector<int64_t>{0} : opt.staging_slice_kib;
+    // The CUDA backend's staging variants: every slice size with every thread count (0: its default).
+    std::vector<std::pair<int64_t, int64_t>> stagings;
+    for (int64_t slice : opt.staging_slice_kib.empty() ? std::vector<int64_t>{0} : opt.staging_slice_kib) {
+      for (int64_t t : opt.staging_threads.empty() ? std::vector<int64_t>{0} : opt.staging_threads) {
+        stagings.emplace_back(slice, t);
+      }
+    }
     for (const std::string& gemm : opt.gemms) {
       for (const std::string& layout : on_cpu ? opt.weight_layouts : std::vector<std::string>{"auto"}) {
         for (const std::string& order : opt.summed_orders) {
-         for (const int64_t slice_kib : slices) {
-          auto backend = MakeBenchBackend(opt, threads, gemm, order, layout, slice_kib);
+         for (const auto& [slice_kib, staging_threads] : stagings) {
+          auto backend = MakeBenchBackend(opt, threads, gemm, order, layout, slice_kib, staging_threads);
           if (!backend.ok()) {
             std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
             return 1;
@@ -767,6 +787,7 @@ int Main(int argc, char** argv) {
           std::string library = on_cpu ? std::string(GemmLibraryName(static_cast<CpuBackend&>(**backend).gemm())) : gemm;
           if (order != "auto") library += "/" + order;
           if (slice_kib > 0) library += "/slice=" + std::to_string(slice_kib) + "k";
+          if (staging_threads > 0) library += "/t=" + std::to_string(staging_threads);
           const std::string_view weights =
               on_cpu ? WeightLayoutName(static_cast<CpuBackend&>(**backend).weight_layout()) : "plain";
           for (const BenchShape* shape : chosen) {

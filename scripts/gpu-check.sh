@@ -51,7 +51,8 @@
 #   racecheck     35        -     4 random cases, no long or large shapes
 #   synccheck     25        -
 #   bench-fp32    30       60   forward_bench, both forms (on a GPU: the large shape too, and
-#                               4 MiB copy slices beside one copy each way)
+#                               4 MiB copy slices beside one copy each way, each packed by 1
+#                               and by 4 host threads)
 #   bench-tf32    25        -   forward_bench --tf32
 #   torch-fp32    30       60   torch_attention.py (PyTorch SDPA + linear projections)
 #   torch-tf32    25        -   torch_attention.py --tf32
@@ -435,11 +436,12 @@ bench() {
     "${min_time[@]}" --json "$out/$json" 2>&1 | tee -a "$out/summary.txt" "$out/$step.txt" || rc=$?
   result "$step" "$rc"
 }
-# On a GPU the FP32 run also sets the backend's 4 MiB copy slices beside one copy each way (a
-# slice past every batch), in one run: forward_bench's split table shows what slicing buys.
+# On a GPU the FP32 run sets the backend's 4 MiB copy slices beside one copy each way (a slice
+# past every batch), each packed by 1 and by 4 host threads, in one run: forward_bench's split
+# table shows what each buys.
 if want bench; then
   if ((gpu)); then
-    bench bench-fp32 "$device.json" --staging-slice-kib 4096,1048576
+    bench bench-fp32 "$device.json" --staging-slice-kib 4096,1048576 --staging-threads 1,4
     bench bench-tf32 cuda-tf32.json --tf32
   else
     bench bench-fp32 "$device.json"

@@ -18,7 +18,7 @@ struct ServerOptions {
   std::vector<std::pair<std::string, std::string>> layers;
   int threads = 0;  // the CPU backend's threads per Forward; 0 = every core
   // How long the CPU backend's helper threads spin after a forward before they sleep
-  // (ComputeTeam, server/backend/cpu/compute_team.h).
+  // (ComputeTeam, server/backend/compute_team.h).
   int cpu_idle_spin_us = 500;
   int workers = 1;  // batcher threads running batches side by side
   // How long a batcher thread polls for the next request after a batch before it sleeps.

@@ -174,8 +174,8 @@ class GpuCheckTest(unittest.TestCase):
         self.assertEqual(len(benches), 2, run)
         self.assertNotIn("--tf32", benches[0])
         self.assertIn("--tf32", benches[1])
-        # The FP32 run sets the 4 MiB copy slices beside one copy each way.
-        self.assertIn("--staging-slice-kib 4096,1048576", benches[0])
+        # The FP32 run sets the 4 MiB copy slices beside one copy each way, 1 and 4 packing threads.
+        self.assertIn("--staging-slice-kib 4096,1048576 --staging-threads 1,4", benches[0])
         self.assertNotIn("--staging-slice-kib", benches[1])
         for call in benches:
             self.assertIn("--device cuda", call)

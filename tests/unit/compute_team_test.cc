@@ -1,7 +1,7 @@
-// The CPU backend's compute team (server/backend/cpu/compute_team.h): every task runs once, on
+// The CPU backend's compute team (server/backend/compute_team.h): every task runs once, on
 // one member at a time, its writes visible to the caller; a throwing task ends its step and
 // reaches the caller; an idle team sleeps.
-#include "server/backend/cpu/compute_team.h"
+#include "server/backend/compute_team.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

@@ -738,6 +738,31 @@ TEST_F(CudaEmulationTest, InputsAndOutputsMoveInSlicesAndEveryRowLandsInItsSeque
   }
 }
 
+// Slices of at least 256 KiB are packed and unpacked by the staging team (staging_threads): 96
+// sequences of 32 tokens at d = 48, 576 KiB each way in two slices of 300 KiB and the rest, three
+// threads sharing each. Every row lands in its own sequence, and the copies are the slices'.
+TEST_F(CudaEmulationTest, TheStagingTeamPacksAndUnpacksWholeSlices) {
+  const LayerWeights w = SmallLayer();
+  auto made = MakeCudaBackend({.staging_slice_bytes = 300 << 10, .staging_threads = 3});
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  Backend& backend = **made;
+  auto resident = backend.Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  ASSERT_TRUE(resident.ok());
+  std::vector<testing::OwnedSequence> seqs;
+  for (int i = 0; i < 96; ++i) seqs.push_back(RandomSequence(rng_, 48, 32, 32, false, i % 2 == 0, -1));
+  std::vector<Sequence> batch;
+  for (auto& s : seqs) batch.push_back(s.View());
+  const int64_t rows = 96 * 32, slice_rows = (300 << 10) / (48 * 4);
+  cuda_emulation::ResetCounters();
+  ASSERT_TRUE(backend.Forward(**resident, batch).ok());
+  const cuda_emulation::Counters moved = cuda_emulation::ReadCounters();
+  EXPECT_EQ(moved.device_to_host_bytes, rows * 48 * 4);
+  EXPECT_EQ(moved.device_to_host_copies, (rows + slice_rows - 1) / slice_rows);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    EXPECT_LT(RelativeL2(seqs[i].output.data(), ReferenceForward(w, batch[i])), 1e-5) << "sequence " << i;
+  }
+}
+
 // Where a batch's time went (Backend::LastDeviceTimes): nothing before the first batch; after one,
 // three finite, non-negative parts that together fit inside the Forward call that ran them. The
 // CPU backend, whose data never leaves host memory, reports none.

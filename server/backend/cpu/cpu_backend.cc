@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "server/backend/attention/skeleton.h"
-#include "server/backend/cpu/compute_team.h"
+#include "server/backend/compute_team.h"
 #include "server/backend/cpu/gemm.h"
 #include "server/backend/cpu/skinny_gemm.h"
 #include "server/backend/cpu/softmax_rows.h"

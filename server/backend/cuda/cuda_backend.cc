@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "server/backend/attention/skeleton.h"
+#include "server/backend/compute_team.h"
 #include "server/backend/cuda/kernels.h"
 #include "server/core/thread_annotations.h"
 
@@ -235,7 +237,11 @@ class Lane final : public DeviceOps {
  public:
   // `reclaim` takes back the workspaces of the backend's idle lanes (not this one's).
   Lane(CudaBackendOptions options, std::shared_ptr<DeviceBudget> budget, std::function<void()> reclaim)
-      : options_(options), budget_(budget), reclaim_(std::move(reclaim)), workspace_(std::move(budget)) {}
+      : options_(options),
+        budget_(budget),
+        reclaim_(std::move(reclaim)),
+        workspace_(std::move(budget)),
+        staging_team_(std::max(1, options.staging_threads), std::chrono::microseconds(0)) {}
   Lane(const Lane&) = delete;
   Lane& operator=(const Lane&) = delete;
   ~Lane() {
@@ -722,32 +728,46 @@ class Lane final : public DeviceOps {
     return std::max<int64_t>(1, options_.staging_slice_bytes / (d * static_cast<int64_t>(sizeof(float))));
   }
 
-  // The inputs (then the contexts, when staged) packed row by row into pinned memory and queued
-  // to `device` a slice at a time: the copy engine moves one slice while the host packs the next,
-  // instead of waiting for the whole batch to be packed. marks_ bracket it for the split.
-  Status StageInputs(std::span<const Sequence> batch, bool all_self, int64_t d, float* device) {
-    const int64_t slice_rows = SliceRows(d);
-    float* const pinned = staging_in_.get();
-    int64_t packed = 0, queued = 0;  // rows
-    const auto queue = [&]() -> Status {
-      CUDA_TRY(cudaMemcpyAsync(device + queued * d, pinned + queued * d, (packed - queued) * d * sizeof(float),
-                               cudaMemcpyHostToDevice, stream_));
-      queued = packed;
-      return OkStatus();
-    };
-    const auto pack = [&](ConstMatrixView v) -> Status {
-      for (int64_t row = 0; row < v.rows; ++row) {
-        std::memcpy(pinned + packed * d, v.row(row), d * sizeof(float));
-        if (++packed - queued == slice_rows) ATTNSERVE_RETURN_IF_ERROR(queue());
+  // Copies rows [r0, r1) of width d between `rows` (one host pointer a row) and the contiguous
+  // pinned block `pinned` (its row r0 first), into pinned when `pack`, out of it else: on the
+  // staging team when the slice is large enough to pay for waking it.
+  void CopyRows(std::span<float* const> rows, float* pinned, int64_t r0, int64_t r1, int64_t d, bool pack) {
+    const int64_t bytes = (r1 - r0) * d * static_cast<int64_t>(sizeof(float));
+    const int64_t tasks = bytes < kTeamSliceBytes ? 1 : std::min<int64_t>(4 * staging_team_.size(), r1 - r0);
+    staging_team_.Run(tasks, [&](int64_t task, int) {
+      const int64_t lo = r0 + (r1 - r0) * task / tasks, hi = r0 + (r1 - r0) * (task + 1) / tasks;
+      for (int64_t r = lo; r < hi; ++r) {
+        float* block = pinned + (r - r0) * d;
+        if (pack) {
+          std::memcpy(block, rows[r], d * sizeof(float));
+        } else {
+          std::memcpy(rows[r], block, d * sizeof(float));
+        }
       }
-      return OkStatus();
+    });
+  }
+
+  // The inputs (then the contexts, when staged) packed into pinned memory and queued to `device`
+  // a slice at a time: the copy engine moves one slice while the host packs the next, instead of
+  // waiting for the whole batch to be packed. marks_ bracket it for the split.
+  Status StageInputs(std::span<const Sequence> batch, bool all_self, int64_t d, float* device) {
+    row_pointers_.clear();
+    const auto add = [&](ConstMatrixView v) {
+      for (int64_t row = 0; row < v.rows; ++row) row_pointers_.push_back(const_cast<float*>(v.row(row)));
     };
-    CUDA_TRY(cudaEventRecord(marks_[kStagingStarted], stream_));
-    for (const Sequence& s : batch) ATTNSERVE_RETURN_IF_ERROR(pack(s.input));
+    for (const Sequence& s : batch) add(s.input);
     if (!all_self) {
-      for (const Sequence& s : batch) ATTNSERVE_RETURN_IF_ERROR(pack(s.keys_source()));
+      for (const Sequence& s : batch) add(s.keys_source());
     }
-    if (packed > queued) ATTNSERVE_RETURN_IF_ERROR(queue());
+    const int64_t rows = static_cast<int64_t>(row_pointers_.size()), slice_rows = SliceRows(d);
+    float* const pinned = staging_in_.get();
+    CUDA_TRY(cudaEventRecord(marks_[kStagingStarted], stream_));
+    for (int64_t r0 = 0; r0 < rows; r0 += slice_rows) {
+      const int64_t r1 = std::min(rows, r0 + slice_rows);
+      CopyRows(row_pointers_, pinned + r0 * d, r0, r1, d, /*pack=*/true);
+      CUDA_TRY(cudaMemcpyAsync(device + r0 * d, pinned + r0 * d, (r1 - r0) * d * sizeof(float),
+                               cudaMemcpyHostToDevice, stream_));
+    }
     CUDA_TRY(cudaEventRecord(marks_[kInputsOnDevice], stream_));
     return OkStatus();
   }
@@ -893,23 +913,20 @@ class Lane final : public DeviceOps {
       CUDA_TRY(cudaEventRecord(slice_done_[i], stream_));
     }
     CUDA_TRY(cudaEventRecord(marks_[kOutputsOnHost], stream_));
+    // Row r of y belongs to the sequence whose rows start at or before it (plan.rows.x_row).
+    row_pointers_.assign(tx, nullptr);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      float** first = row_pointers_.data() + plan.rows.x_row[i];
+      for (int64_t row = 0; row < batch[i].n(); ++row) first[row] = batch[i].output.row(row);
+    }
     for (int64_t i = 0; i < slices; ++i) {
+      const int64_t r0 = i * slice_rows, r1 = std::min(tx, r0 + slice_rows);
       CUDA_TRY(cudaEventSynchronize(slice_done_[i]));
-      UnpackRows(plan, batch, i * slice_rows, std::min(tx, (i + 1) * slice_rows), d);
+      CopyRows(row_pointers_, staging_out_.get() + r0 * d, r0, r1, d, /*pack=*/false);
     }
     CUDA_TRY(cudaEventSynchronize(marks_[kOutputsOnHost]));
     ATTNSERVE_RETURN_IF_ERROR(CheckGuards());
     return ReadTimes();
-  }
-
-  // Rows [r0, r1) of y, from the pinned buffer into the sequences they belong to.
-  void UnpackRows(const BatchPlan& plan, std::span<const Sequence> batch, int64_t r0, int64_t r1, int64_t d) const {
-    for (size_t i = 0; i < batch.size(); ++i) {
-      const int64_t first = plan.rows.x_row[i], lo = std::max(r0, first), hi = std::min(r1, first + batch[i].n());
-      for (int64_t row = lo; row < hi; ++row) {
-        std::memcpy(batch[i].output.row(row - first), staging_out_.get() + row * d, d * sizeof(float));
-      }
-    }
   }
 
   // The batch's split from marks_ (all passed: Finish waited for the last).
@@ -947,6 +964,11 @@ class Lane final : public DeviceOps {
   enum Mark { kStagingStarted, kInputsOnDevice, kComputed, kOutputsOnHost };
   cudaEvent_t marks_[4] = {};
   std::vector<cudaEvent_t> slice_done_;  // one per output slice (SliceEvents)
+  // The staging copies' host threads (options_.staging_threads), and a slice's smallest size for
+  // them: below it, waking the helpers costs more than the memcpy they would share.
+  ComputeTeam staging_team_;
+  static constexpr int64_t kTeamSliceBytes = int64_t{256} << 10;
+  std::vector<float*> row_pointers_;  // the batch's host rows in staging order (StageInputs, Finish)
   DeviceTimes last_times_;
   // The most device workspace or pinned staging this batch needed, in bytes (Prepare), and
   // whether the batch before it needed more than retain_workspace_bytes (TrimAfterBatch).

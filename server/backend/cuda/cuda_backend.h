@@ -50,6 +50,12 @@ struct CudaBackendOptions {
   // rows): the host packs the next slice into pinned memory while the copy engine moves this
   // one, and unpacks a slice of outputs while the next is still on its way.
   int64_t staging_slice_bytes = int64_t{4} << 20;
+  // Host threads that pack a slice into pinned memory, and unpack one, together (the lane's
+  // thread and staging_threads − 1 helpers of a compute team, server/backend/compute_team.h):
+  // one thread's memcpy, not the copy engine, sets the pace of a large batch's copies. Slices of
+  // under 256 KiB are packed by the lane's thread alone. 1 until measured on a device
+  // (docs/benchmarks.md, "The first run on a GPU").
+  int staging_threads = 1;
   // The summed form's association order (SummedMixesFirst): with it, a sequence with fewer
   // queries than keys mixes them first, Y = Σ_i (A_i C) W_M_i (m/n fewer projection FLOPs, one
   // mix GEMM per head instead of strided batches); without it, every summed sequence projects

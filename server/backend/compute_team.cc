@@ -1,4 +1,4 @@
-#include "server/backend/cpu/compute_team.h"
+#include "server/backend/compute_team.h"
 
 #include <pthread.h>
 

@@ -13,9 +13,11 @@
 
 namespace attnserve {
 
-// The CPU backend's compute threads: the thread that calls Run (a batch worker) and size() − 1
-// helper threads that stay with the team. It replaces OpenMP's parallel regions so that the
-// helpers' waiting follows a forward rather than a global spin count:
+// A team of compute threads: the thread that calls Run (a batch worker) and size() − 1 helper
+// threads that stay with the team. The CPU backend computes on one; the CUDA backend packs and
+// unpacks its staging copies on one (CudaBackendOptions::staging_threads). For the CPU backend
+// it replaces OpenMP's parallel regions, so that the helpers' waiting follows a forward rather
+// than a global spin count:
 //   - while a forward holds the team (Hold … Release), a helper spins between the forward's
 //     parallel steps, however far apart, and so starts each step at once;
 //   - once the forward is over, it spins `idle_spin` more, then sleeps: the next forward, in a
