@@ -22,10 +22,15 @@
 # before each timed call (forward_bench --idle-us), about the pause a server has between one
 # lone client's requests. On a host whose L3 is shared, the weights (9.4 MB here) go cold in that
 # pause; the difference between the two in-process figures is that cost, not the server's.
+#   Then the three figures interleaved in bursts (bench/overhead_probe.cc, PROBES runs of
+# PROBE_CYCLES cycles): each cycle a burst of calls to the first variant's server, the same
+# forward in the probe's own process and `attnserve-cli noop-server`, milliseconds apart, so that
+# the drift between moments cancels within a cycle.
 #   Then concurrency 32 against the first variant's server: achieved GFLOP/s (requests/s times
 # the request's FLOPs) against the best SGEMM ceiling forward_bench measured before and after.
 #
-#   bench/serving_overhead.sh [BUILD_DIR] [ROUNDS]     (default build, 8; THREADS=2)
+#   bench/serving_overhead.sh [BUILD_DIR] [ROUNDS]     (default build, 8; THREADS=2; PROBES=5,
+#                                                       PROBE_CYCLES=80)
 #   WEIGHT_LAYOUT=packed-bf16   the CPU backend's weight layout, in process and in every server
 #   (--cpu-weight-layout; default auto)
 #   VARIANTS="defaults: nospin:--worker-idle-spin-us,0"   server variants to compare (default:
@@ -44,7 +49,9 @@ WEIGHT_LAYOUT=${WEIGHT_LAYOUT:-auto}
 OUT=$BUILD/serving-out
 CLI=$BUILD/client/attnserve-cli
 rm -rf "$OUT" && mkdir -p "$OUT"
-for bin in "$BUILD/bench/forward_bench" "$BUILD/server/attnserve" "$CLI"; do
+PROBES=${PROBES:-5}
+PROBE_CYCLES=${PROBE_CYCLES:-80}
+for bin in "$BUILD/bench/forward_bench" "$BUILD/bench/overhead_probe" "$BUILD/server/attnserve" "$CLI"; do
   [[ -x $bin ]] || { echo "serving_overhead.sh: $bin is missing; build it first" >&2; exit 2; }
 done
 
@@ -85,16 +92,17 @@ in_process() {
   "$BUILD/bench/forward_bench" --threads "$THREADS" --shapes small-request --weight-layout "$WEIGHT_LAYOUT" "$@"
 }
 in_process --json "$OUT/inprocess.json" >/dev/null
+# `attnserve-cli noop-server`, the floor of the second client and of the probe, idle between
+# their turns; long enough for every round; the EXIT trap stops it sooner.
+rm -f "$OUT/noop-port"
+"$CLI" noop-server --port-file "$OUT/noop-port" --duration "$((ROUNDS * 60 + 600))s" >/dev/null &
+noop=$!
+for _ in $(seq 1 100); do [[ -s $OUT/noop-port ]] && break; sleep 0.1; done
 # The second, independent client (Python grpcio, stubs from our proto) runs in every round too,
-# against the first variant's server and `attnserve-cli noop-server` (idle between its turns).
+# against the first variant's server and the no-op server.
 python_client=0
 if /usr/bin/python3 -c 'import grpc, google.protobuf, numpy' 2>/dev/null; then
   python_client=1
-  rm -f "$OUT/noop-port"
-  # Long enough for every round; the EXIT trap stops it sooner.
-  "$CLI" noop-server --port-file "$OUT/noop-port" --duration "$((ROUNDS * 60 + 600))s" >/dev/null &
-  noop=$!
-  for _ in $(seq 1 100); do [[ -s $OUT/noop-port ]] && break; sleep 0.1; done
 else
   echo "(no python3-grpcio: the second client's check is skipped)" >&2
 fi
@@ -128,14 +136,18 @@ for round in $(seq 1 "$ROUNDS"); do
   "$CLI" bench --noop-server --forms factored --shape 1,16 --concurrency 1 --duration "$DURATION" \
     --warmup 1s --json "$OUT/floor-$round.json" >/dev/null
 done
-# Concurrency 32 against the first variant's server: the batched throughput.
+# The probe, then concurrency 32, against the first variant's server.
 first=${VARIANTS%% *}
 IFS=, read -r -a flags <<< "${first#*:}"
 start_server "${flags[@]}"
+for probe in $(seq 1 "$PROBES"); do
+  "$BUILD/bench/overhead_probe" --target "$target" --floor "127.0.0.1:$(cat "$OUT/noop-port")" --threads "$THREADS" \
+    --weight-layout "$WEIGHT_LAYOUT" --cycles "$PROBE_CYCLES" --json "$OUT/probe-$probe.json" >/dev/null
+done
 bench "c32" 32
 scrape > "$OUT/c32.after.prom"
 stop_server
 stop_noop
 in_process --json "$OUT/inprocess-after.json" >/dev/null
 
-python3 bench/serving_report.py "$OUT" "$ROUNDS" $VARIANTS
+python3 bench/serving_report.py "$OUT" "$ROUNDS" "$PROBES" $VARIANTS

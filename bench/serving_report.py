@@ -1,6 +1,6 @@
 """The tables of one bench/serving_overhead.sh run (docs/benchmarks.md, "Serving overhead").
 
-    python3 serving_report.py OUT_DIR ROUNDS NAME:FLAGS...
+    python3 serving_report.py OUT_DIR ROUNDS PROBES NAME:FLAGS...
 
 OUT_DIR holds inprocess.json and inprocess-after.json (forward_bench --json, small-request,
 before the first round and after the last: the SGEMM ceiling), c32.json (concurrency 32 against
@@ -9,7 +9,8 @@ factored forward in-process, back to back and after a pause before each call, --
 just before the round's first served run), floor-R.json (the no-op server), NAME-R.json (the
 served bench of each server variant), NAME-R.before.prom / .after.prom (its scrapes) and
 python-R.json (bench/serving_client.py against the first variant's server and the no-op
-server). Each round's overhead is its own served − in-process − floor, and the headline is the
+server); probe-P.json for each of the PROBES runs of bench/overhead_probe (the three figures
+interleaved in bursts). Each round's overhead is its own served − in-process − floor, and the headline is the
 median over the rounds; the stage table is the mean per call of the round whose overhead was
 that median.
 """
@@ -67,7 +68,8 @@ def spread(values):
 
 
 def main():
-    out, rounds, variants = sys.argv[1], int(sys.argv[2]), [v.split(":", 1)[0] for v in sys.argv[3:]]
+    out, rounds, probes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    variants = [v.split(":", 1)[0] for v in sys.argv[4:]]
     inproc = factored(f"{out}/inprocess.json")
     inproc_after = factored(f"{out}/inprocess-after.json")
     numbers = range(1, rounds + 1)
@@ -146,6 +148,22 @@ def main():
               f"of each round's own: **{median(py_over.values()):.0f} µs** ({spread(py_over.values())})")
     except FileNotFoundError:
         print("\n(no second-client figures: python3-grpcio missing)")
+
+    probe = [load(f"{out}/probe-{p}.json") for p in range(1, probes + 1)]
+    if probe:
+        print(f"\nInterleaved in bursts (bench/overhead_probe, {variants[0]}'s server, `attnserve-cli noop-server` "
+              f"as the floor, the probe's own synchronous client and in-process forward): {probe[0]['cycles']} "
+              f"cycles a run, each a burst of {probe[0]['burst']} calls to each of the three in an order that "
+              f"rotates, the first {probe[0]['warm']} of each burst left out; the overhead is the median of the "
+              f"cycles' own served − in-process − floor:\n")
+        print("| probe run | served p50 µs | in-process p50 µs | floor p50 µs | overhead µs (cycles' p25 to p75) |")
+        print("|---:|---:|---:|---:|---:|")
+        for p, r in enumerate(probe, 1):
+            print(f"| {p} | {r['served_p50_us']:.0f} | {r['in_process_p50_us']:.0f} | {r['floor_p50_us']:.0f} | "
+                  f"**{r['overhead_us']:.0f}** ({r['overhead_p25_us']:.0f} to {r['overhead_p75_us']:.0f}) |")
+        print(f"\nInterleaved overhead over the floor, median of the {probes} runs: "
+              f"**{median(r['overhead_us'] for r in probe):.0f} µs** "
+              f"({spread([r['overhead_us'] for r in probe])})")
 
     c32 = factored(f"{out}/c32.json")
     flops_per_request = inproc["gflops"] * inproc["ms"] * 1e6  # GFLOP/s × ms = FLOP
