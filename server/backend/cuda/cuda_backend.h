@@ -52,9 +52,9 @@ struct CudaBackendOptions {
   int64_t staging_slice_bytes = int64_t{4} << 20;
   // Host threads that pack a slice into pinned memory, and unpack one, together (the lane's
   // thread and staging_threads − 1 helpers of a compute team, server/backend/compute_team.h):
-  // one thread's memcpy, not the copy engine, sets the pace of a large batch's copies. Slices of
-  // under 256 KiB are packed by the lane's thread alone. 1 until measured on a device
-  // (docs/benchmarks.md, "The first run on a GPU").
+  // one thread's memcpy from pageable memory, rather than the copy engine, is the likely pace
+  // of a large batch's copies. Slices of under 256 KiB are packed by the lane's thread alone.
+  // 1 until measured on a device (docs/benchmarks.md, "The first run on a GPU").
   int staging_threads = 1;
   // The summed form's association order (SummedMixesFirst): with it, a sequence with fewer
   // queries than keys mixes them first, Y = Σ_i (A_i C) W_M_i (m/n fewer projection FLOPs, one
