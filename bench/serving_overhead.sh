@@ -25,7 +25,9 @@
 #   Then the three figures interleaved in bursts (bench/overhead_probe.cc, PROBES runs of
 # PROBE_CYCLES cycles): each cycle a burst of calls to the first variant's server, the same
 # forward in the probe's own process and `attnserve-cli noop-server`, milliseconds apart, so that
-# the drift between moments cancels within a cycle.
+# the drift between moments cancels within a cycle. (The probe's own backend takes THREADS and
+# WEIGHT_LAYOUT, the rest of the server's defaults: against a variant with other CPU flags its
+# in-process figure is not that variant's.)
 #   Then concurrency 32 against the first variant's server: achieved GFLOP/s (requests/s times
 # the request's FLOPs) against the best SGEMM ceiling forward_bench measured before and after.
 #
