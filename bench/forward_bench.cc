@@ -132,6 +132,19 @@ struct Options {
   std::string rss_point;  // internal: one point's RSS growth in a child process (RssPointMain)
 };
 
+std::vector<std::string> Split(const std::string& s);
+
+// "4096,1048576": whole numbers in [lo, hi], appended to `out`; false at the first that is not.
+bool ParseCounts(const std::string& list, int64_t lo, int64_t hi, std::vector<int64_t>* out) {
+  for (const std::string& item : Split(list)) {
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (end == item.c_str() || *end != '\0' || v < lo || v > hi) return false;
+    out->push_back(v);
+  }
+  return true;
+}
+
 std::vector<std::string> Split(const std::string& s) {
   std::vector<std::string> out;
   std::stringstream ss(s);
@@ -297,6 +310,35 @@ StatusOr<Ceiling> MeasureCeiling(const Options& opt, int threads, const std::vec
   (void)threads, (void)libraries, (void)shapes;
   return InvalidArgumentError("no CUDA in this build");
 #endif
+}
+
+// One configuration of the backend the benchmark runs in turn: a GEMM library, a weight layout
+// and a summed order (the CPU backend's), a copy slice and a number of packing threads (the CUDA
+// backend's; 0: its default).
+struct BackendVariant {
+  std::string gemm, layout, order;
+  int64_t staging_slice_kib = 0, staging_threads = 0;
+};
+
+// Every combination of the variants the flags ask for, in the order the tables list them.
+std::vector<BackendVariant> BackendVariants(const Options& opt, bool on_cpu) {
+  const std::vector<std::string> layouts = on_cpu ? opt.weight_layouts : std::vector<std::string>{"auto"};
+  const auto or_default = [](const std::vector<int64_t>& asked) {
+    return asked.empty() ? std::vector<int64_t>{0} : asked;
+  };
+  std::vector<BackendVariant> variants;
+  for (const std::string& gemm : opt.gemms) {
+    for (const std::string& layout : layouts) {
+      for (const std::string& order : opt.summed_orders) {
+        for (int64_t slice : or_default(opt.staging_slice_kib)) {
+          for (int64_t threads : or_default(opt.staging_threads)) {
+            variants.push_back({gemm, layout, order, slice, threads});
+          }
+        }
+      }
+    }
+  }
+  return variants;
 }
 
 // The median of one part over calls.
@@ -679,22 +721,12 @@ int Main(int argc, char** argv) {
     } else if (arg == "--summed-order") {
       opt.summed_orders = Split(value);
     } else if (arg == "--staging-slice-kib") {
-      for (const auto& item : Split(value)) {
-        char* end = nullptr;
-        const long long kib = std::strtoll(item.c_str(), &end, 10);
-        if (end == item.c_str() || *end != '\0' || kib < 1 || kib > (int64_t{1} << 30)) {
-          return Usage(("--staging-slice-kib: expected whole numbers of KiB from 1, got " + item).c_str());
-        }
-        opt.staging_slice_kib.push_back(kib);
+      if (!ParseCounts(value, 1, int64_t{1} << 30, &opt.staging_slice_kib)) {
+        return Usage(("--staging-slice-kib: expected whole numbers of KiB from 1, got " + value).c_str());
       }
     } else if (arg == "--staging-threads") {
-      for (const auto& item : Split(value)) {
-        char* end = nullptr;
-        const long long threads = std::strtoll(item.c_str(), &end, 10);
-        if (end == item.c_str() || *end != '\0' || threads < 1 || threads > 256) {
-          return Usage(("--staging-threads: expected whole numbers from 1 to 256, got " + item).c_str());
-        }
-        opt.staging_threads.push_back(threads);
+      if (!ParseCounts(value, 1, 256, &opt.staging_threads)) {
+        return Usage(("--staging-threads: expected whole numbers from 1 to 256, got " + value).c_str());
       }
     } else if (arg == "--forms") {
       opt.forms.clear();
@@ -768,36 +800,23 @@ int Main(int argc, char** argv) {
       return 1;
     }
     std::vector<Record> group;
-    // The CUDA backend's staging variants: every slice size with every thread count (0: its default).
-    std::vector<std::pair<int64_t, int64_t>> stagings;
-    for (int64_t slice : opt.staging_slice_kib.empty() ? std::vector<int64_t>{0} : opt.staging_slice_kib) {
-      for (int64_t t : opt.staging_threads.empty() ? std::vector<int64_t>{0} : opt.staging_threads) {
-        stagings.emplace_back(slice, t);
+    for (const BackendVariant& v : BackendVariants(opt, on_cpu)) {
+      auto backend = MakeBenchBackend(opt, threads, v.gemm, v.order, v.layout, v.staging_slice_kib, v.staging_threads);
+      if (!backend.ok()) {
+        std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
+        return 1;
       }
-    }
-    for (const std::string& gemm : opt.gemms) {
-      for (const std::string& layout : on_cpu ? opt.weight_layouts : std::vector<std::string>{"auto"}) {
-        for (const std::string& order : opt.summed_orders) {
-         for (const auto& [slice_kib, staging_threads] : stagings) {
-          auto backend = MakeBenchBackend(opt, threads, gemm, order, layout, slice_kib, staging_threads);
-          if (!backend.ok()) {
-            std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
-            return 1;
-          }
-          std::string library = on_cpu ? std::string(GemmLibraryName(static_cast<CpuBackend&>(**backend).gemm())) : gemm;
-          if (order != "auto") library += "/" + order;
-          if (slice_kib > 0) library += "/slice=" + std::to_string(slice_kib) + "k";
-          if (staging_threads > 0) library += "/t=" + std::to_string(staging_threads);
-          const std::string_view weights =
-              on_cpu ? WeightLayoutName(static_cast<CpuBackend&>(**backend).weight_layout()) : "plain";
-          for (const BenchShape* shape : chosen) {
-            for (auto& r : RunShape(*shape, **backend, threads, before->gflops, opt.min_time_s, opt.forms, opt.idle_us)) {
-              r.gemm = library;
-              r.weights = std::string(weights);
-              group.push_back(r);
-            }
-          }
-         }
+      std::string library = on_cpu ? std::string(GemmLibraryName(static_cast<CpuBackend&>(**backend).gemm())) : v.gemm;
+      if (v.order != "auto") library += "/" + v.order;
+      if (v.staging_slice_kib > 0) library += "/slice=" + std::to_string(v.staging_slice_kib) + "k";
+      if (v.staging_threads > 0) library += "/t=" + std::to_string(v.staging_threads);
+      const std::string_view weights =
+          on_cpu ? WeightLayoutName(static_cast<CpuBackend&>(**backend).weight_layout()) : "plain";
+      for (const BenchShape* shape : chosen) {
+        for (auto& r : RunShape(*shape, **backend, threads, before->gflops, opt.min_time_s, opt.forms, opt.idle_us)) {
+          r.gemm = library;
+          r.weights = std::string(weights);
+          group.push_back(r);
         }
       }
     }

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "client/cli/args.h"
 #include "client/client.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/core/forms.h"
@@ -61,15 +62,6 @@ int Usage(const std::string& why) {
   return 2;
 }
 
-// A flag's value as a whole number in [lo, hi]; false when it is not one.
-bool ParseCount(const std::string& text, int64_t lo, int64_t hi, int64_t* out) {
-  char* end = nullptr;
-  const long long v = std::strtoll(text.c_str(), &end, 10);
-  if (end == text.c_str() || *end != '\0' || v < lo || v > hi) return false;
-  *out = v;
-  return true;
-}
-
 // The three targets of a cycle, each timed in microseconds a call.
 enum Target { kServed, kInProcess, kFloor, kTargets };
 constexpr const char* kNames[kTargets] = {"served", "in-process", "floor"};
@@ -81,9 +73,9 @@ int Main(int argc, char** argv) {
     if (arg == "--help" || arg == "-h") return Usage("the serving overhead, its figures interleaved in bursts");
     if (i + 1 >= argc) return Usage(arg + " needs a value");
     const std::string value = argv[++i];
-    int64_t count = 0;
     const auto number = [&](int64_t lo, int64_t hi, int64_t* out) {
-      if (ParseCount(value, lo, hi, out)) return true;
+      std::string error;
+      if (cli::ParseInt64(value, arg, out, &error) && *out >= lo && *out <= hi) return true;
       std::cerr << "overhead_probe: " << arg << ": expected a whole number from " << lo << " to " << hi << ", got "
                 << value << "\n";
       return false;
@@ -103,8 +95,8 @@ int Main(int argc, char** argv) {
     } else if (arg == "--heads") {
       if (!number(1, 1024, &opt.heads)) return 2;
     } else if (arg == "--seed") {
-      if (!number(0, INT64_MAX, &count)) return 2;
-      opt.seed = static_cast<uint64_t>(count);
+      std::string error;
+      if (!cli::ParseUint64(value, arg, &opt.seed, &error)) return Usage(error);
     } else if (arg == "--n") {
       if (!number(1, 1 << 16, &opt.n)) return 2;
     } else if (arg == "--threads") {
