@@ -125,7 +125,9 @@ class Batcher {
   std::condition_variable cv_;
   Queues queues_ ATTNSERVE_GUARDED_BY(mu_);
   int depth_ ATTNSERVE_GUARDED_BY(mu_) = 0;
-  // Moves (under mu_) on every item queued and on Drain: what a spinning worker polls.
+  // Moves (under mu_, its last write there) on every item queued and on Drain: what a spinning
+  // worker polls; having seen it move, the worker polls for mu_ too (LockSpinning), which its
+  // publisher is about to release, rather than block on it.
   std::atomic<uint64_t> news_{0};
   bool draining_ ATTNSERVE_GUARDED_BY(mu_) = false;
   Clock::time_point drain_deadline_ ATTNSERVE_GUARDED_BY(mu_) = Clock::time_point::max();
@@ -166,8 +168,9 @@ Status Batcher<Key, Item>::Enqueue(const Key& queue, std::unique_ptr<Item> item)
         q.items.push_back(std::move(item));
         q.items.back()->OnQueued();
         ++depth_;
-        news_.fetch_add(1, std::memory_order_release);
         cv_.notify_all();
+        // Last under the lock: a spinning worker takes the lock as soon as it sees this.
+        news_.fetch_add(1, std::memory_order_release);
         return OkStatus();
       }
     }
@@ -257,7 +260,7 @@ void Batcher<Key, Item>::Work() {
         const uint64_t seen = news_.load(std::memory_order_relaxed);
         lock.Unlock();
         SpinForNews(seen);
-        lock.Lock();
+        lock.LockSpinning(kLockPolls);
         continue;  // look again under the lock: news may have come as the spin ended
       }
       cv_.wait(lock.native());

@@ -21,6 +21,11 @@ inline void CpuRelax() {
 // (about 1–2 µs of PAUSEs).
 constexpr int kPollsPerTurn = 64;
 
+// How long a thread that saw news by spinning polls for the lock it was published under before
+// it blocks (MutexLock::LockSpinning): a few µs, far more than a publisher holds it for, unless
+// the publisher lost its core meanwhile, when blocking is the better wait.
+constexpr int kLockPolls = 4 * kPollsPerTurn;
+
 // An idle spin's turn to give way. A thread spins while idle (a batch worker between requests,
 // a compute helper between forwards) so that its vCPU does not go idle: on a VM the next forward
 // runs slower on a vCPU that halted (docs/benchmarks.md, "Serving overhead"). It must not take

@@ -13,6 +13,8 @@
 #include <mutex>
 #include <shared_mutex>
 
+#include "server/core/spin.h"
+
 #if defined(__clang__)
 #define ATTNSERVE_THREAD_ANNOTATION(x) __attribute__((x))
 #else
@@ -59,6 +61,20 @@ class ATTNSERVE_SCOPED_CAPABILITY MutexLock {
 
   void Unlock() ATTNSERVE_RELEASE() { lock_.unlock(); }
   void Lock() ATTNSERVE_ACQUIRE() { lock_.lock(); }
+  // Lock(), after polling for the lock up to `polls` times (a PAUSE between): for a thread that
+  // has just seen, spinning, news published under this lock, whose publisher still holds it for
+  // the few hundred ns it takes to finish. std::mutex would block at once, and the publisher's
+  // unlock would then have to wake it: a futex round trip, 10-20 µs on a VM whose idle vCPU
+  // halts (docs/benchmarks.md, "The spinning worker and the queue's lock").
+  // Returns whether a poll took it (false: it blocked).
+  bool LockSpinning(int polls) ATTNSERVE_ACQUIRE() {
+    for (int i = 0; i < polls; ++i) {
+      if (lock_.try_lock()) return true;
+      CpuRelax();
+    }
+    lock_.lock();
+    return false;
+  }
   // What std::condition_variable waits with.
   std::unique_lock<std::mutex>& native() { return lock_; }
 

@@ -871,6 +871,32 @@ TEST(ServerFlagsTest, TheBatchWorkerSpinsAsLongAsToldThenSleeps) {
   }
 }
 
+// A served call ends on the thread that answers it: gRPC runs the reactor's OnDone there
+// (ForwardReactor::InternalInlineable) instead of waking its executor thread for it, a hand-off
+// that cost a lone call about 40 µs on a 2-vCPU host (docs/benchmarks.md, "OnDone without the
+// executor"). Counted from /proc: how often the server's executor threads (gRPC names them
+// "default-executo") were given a CPU over 100 calls in a row; once a call, at least, before.
+TEST(ServingPathTest, ACallEndsWithoutWakingGrpcsExecutor) {
+  auto server = StartOrFail({"--threads", "1", "--layer", "tiny=random:d_model=64,heads=4,seed=2"});
+  ASSERT_NE(server, nullptr);
+  std::mt19937_64 rng(6);
+  v1::ForwardResponse resp;
+  for (int i = 0; i < 10; ++i) {  // gRPC's threads as they are once calls flow
+    ASSERT_TRUE(server->client().Forward(Request("tiny", RandomFloats(rng, 4 * 64), {1, 4, 64}), &resp).ok());
+  }
+  const std::vector<std::filesystem::path> executor = NamedThreads(std::to_string(server->pid()), "default-executo");
+  ASSERT_FALSE(executor.empty()) << "no gRPC executor thread in the server: gRPC's threads changed, so this test "
+                                    "no longer sees the hand-off it guards against";
+  constexpr int kCalls = 100;
+  const int64_t before = ThreadsRuns(executor);
+  for (int i = 0; i < kCalls; ++i) {
+    ASSERT_TRUE(server->client().Forward(Request("tiny", RandomFloats(rng, 4 * 64), {1, 4, 64}), &resp).ok());
+  }
+  const int64_t runs = ThreadsRuns(executor) - before;
+  EXPECT_LT(runs, kCalls / 4) << "gRPC's executor ran " << runs << " times over " << kCalls
+                              << " calls: the calls' ends were handed to it";
+}
+
 TEST(ServerFlagsTest, AdminTokenGuardsLoadAndUnload) {
   auto server = StartOrFail({"--admin-token", "s3cret-s3cret-s3cret"});
   ASSERT_NE(server, nullptr);

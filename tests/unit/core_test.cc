@@ -4,9 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -15,6 +18,7 @@
 #include "server/core/request.h"
 #include "server/core/spectrum.h"
 #include "server/core/status.h"
+#include "server/core/thread_annotations.h"
 #include "tests/unit/test_support.h"
 
 namespace attnserve {
@@ -313,6 +317,33 @@ TEST(AttentionRequestTest, CopyOwnsEveryValueAndKeepsEveryField) {
   AttentionRequest viewing = ViewingRequest(input, context);
   const AttentionRequest moved = std::move(viewing);
   EXPECT_EQ(moved.input.data(), input.data());
+}
+
+// MutexLock::LockSpinning, what a worker that saw news by spinning takes the queue's lock with:
+// given polls enough, it takes a held lock by polling the moment its holder lets go, without
+// blocking; given none, it blocks; either way only once the holder has let go.
+TEST(MutexTest, LockSpinningPollsForAHeldLockThenBlocks) {
+  for (const int polls : {1 << 30, 0}) {
+    Mutex mu;
+    std::atomic<bool> released{false};
+    std::atomic<bool> held{false};
+    bool polled = !polls;
+    std::thread taker([&] {
+      MutexLock lock(mu);
+      lock.Unlock();
+      while (!held.load()) std::this_thread::yield();
+      polled = lock.LockSpinning(polls);
+      EXPECT_TRUE(released.load()) << "took the lock while it was held";
+    });
+    {
+      MutexLock holder(mu);
+      held.store(true);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      released.store(true);
+    }
+    taker.join();
+    EXPECT_EQ(polled, polls > 0) << polls << " polls";
+  }
 }
 
 }  // namespace

@@ -44,6 +44,19 @@ inline int64_t ThreadsCpuNs(const std::vector<std::filesystem::path>& threads) {
   return ns;
 }
 
+// How many times the threads have been given a CPU (schedstat's third field): a sleeping thread
+// woken once and run counts one.
+inline int64_t ThreadsRuns(const std::vector<std::filesystem::path>& threads) {
+  int64_t runs = 0;
+  for (const auto& thread : threads) {
+    std::ifstream schedstat(thread / "schedstat");
+    int64_t on_cpu = 0, waiting = 0, slices = 0;
+    schedstat >> on_cpu >> waiting >> slices;
+    runs += slices;
+  }
+  return runs;
+}
+
 // Whether one of the threads is running or runnable (state R), not asleep.
 inline bool SomeThreadRuns(const std::vector<std::filesystem::path>& threads) {
   for (const auto& thread : threads) {
