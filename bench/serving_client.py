@@ -6,17 +6,25 @@ time, and prints the p50 latency per target, so the overhead over the floor can 
 code that shares nothing with the C++ client.
 
     /usr/bin/python3 bench/serving_client.py --target NAME=HOST:PORT [--target ...] \
-        [--requests 2000] [--warmup 200] [--shape 1,16,768] [--json FILE]
+        [--requests 2000] [--warmup 200] [--burst 24] [--warm 4] [--shape 1,16,768] [--json FILE]
 
-Each target is timed in turn, in rounds of 200 requests, alternating (the machine is noisy: each
-target's p50 is over all its rounds). Prints one line per target: `NAME p50_us=… p90_us=…
-requests=…`. The stubs are generated once into a temporary directory.
+The targets are timed in bursts of --burst calls each, in an order that rotates from cycle to
+cycle, the first --warm calls of each burst left out (they meet the other side's threads still
+spinning down from the burst before), until each target has --requests timed calls: the machine
+is noisy, and a burst to each target within milliseconds meets it in the same state. Prints one
+line per target: `NAME p50_us=… p90_us=… requests=… compute_us=…` (compute_us: the median of the
+server's own compute time in the answers; 0 from the no-op server). With targets named `served`
+and `floor`, also a line `gap served−floor_us=… path_us=…`: the medians over the cycles of the
+served burst's p50 minus the floor burst's, and of that minus the served burst's median
+compute_us (the serving path without the forward, which needs no in-process figure). The stubs
+are generated once into a temporary directory.
 """
 import argparse
 import importlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +55,8 @@ def main():
     ap.add_argument("--target", action="append", required=True, help="NAME=HOST:PORT (repeatable)")
     ap.add_argument("--requests", type=int, default=2000, help="timed requests per target")
     ap.add_argument("--warmup", type=int, default=200, help="untimed requests per target first")
+    ap.add_argument("--burst", type=int, default=24, help="calls to one target in a row")
+    ap.add_argument("--warm", type=int, default=4, help="untimed calls at the start of each burst")
     ap.add_argument("--shape", default="1,16,768", help="batch,n,d_model of the random input")
     ap.add_argument("--layer", default="demo")
     ap.add_argument("--json", help="also write the figures here")
@@ -64,6 +74,9 @@ def main():
     shape = [int(v) for v in args.shape.split(",")]
     if len(shape) != 3 or min(shape) < 1:
         sys.exit(f"serving_client.py: --shape: expected three positive integers, got '{args.shape}'")
+    if args.burst < 1 or not 0 <= args.warm < args.burst or args.requests < 1:
+        sys.exit(f"serving_client.py: expected --requests ≥ 1 and 0 ≤ --warm < --burst, got --requests "
+                 f"{args.requests} --warm {args.warm} --burst {args.burst}")
 
     with tempfile.TemporaryDirectory() as workdir:
         pb, pb_grpc = load_stubs(workdir)
@@ -78,23 +91,42 @@ def main():
             for _ in range(args.warmup):
                 stub.Forward(request, timeout=10)
         latencies = {name: [] for name in stubs}
-        per_round = 200
+        computes = {name: [] for name in stubs}
+        cycles = []  # per cycle: {target: (burst p50 µs, burst median compute_us)}
+        names = list(stubs)
         while any(len(v) < args.requests for v in latencies.values()):
-            for name, stub in stubs.items():
-                for _ in range(min(per_round, args.requests - len(latencies[name]))):
+            cycle = {}
+            shift = len(cycles) % len(names)
+            for name in names[shift:] + names[:shift]:
+                burst, burst_compute = [], []
+                for call in range(args.burst):
                     start = time.perf_counter()
-                    response = stub.Forward(request, timeout=10)
-                    latencies[name].append((time.perf_counter() - start) * 1e6)
+                    response = stubs[name].Forward(request, timeout=10)
+                    elapsed = (time.perf_counter() - start) * 1e6
                     if len(response.output.data) != expected_bytes:
                         sys.exit(f"serving_client.py: {name}: {len(response.output.data)} output bytes, "
                                  f"expected {expected_bytes}")
+                    if call >= args.warm:
+                        burst.append(elapsed)
+                        burst_compute.append(response.compute_us)
+                latencies[name] += burst
+                computes[name] += burst_compute
+                cycle[name] = (statistics.median(burst), statistics.median(burst_compute))
+            cycles.append(cycle)
         results = []
         for name, values in latencies.items():
             values.sort()
             results.append({"target": name, "p50_us": percentile(values, 0.5), "p90_us": percentile(values, 0.9),
-                            "requests": len(values)})
+                            "requests": len(values), "compute_us": statistics.median(computes[name])})
             print(f"{name} p50_us={results[-1]['p50_us']:.0f} p90_us={results[-1]['p90_us']:.0f} "
-                  f"requests={len(values)}")
+                  f"requests={len(values)} compute_us={results[-1]['compute_us']:.0f}")
+        if "served" in stubs and "floor" in stubs:
+            gaps = [c["served"][0] - c["floor"][0] for c in cycles]
+            paths = [c["served"][0] - c["served"][1] - c["floor"][0] for c in cycles]
+            results.append({"target": "gap", "gap_us": statistics.median(gaps), "path_us": statistics.median(paths),
+                            "cycles": len(cycles)})
+            print(f"gap served−floor_us={results[-1]['gap_us']:.0f} path_us={results[-1]['path_us']:.0f} "
+                  f"cycles={len(cycles)}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)

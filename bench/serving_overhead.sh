@@ -15,9 +15,11 @@
 # So is served − the server's own compute stage − floor: the serving path without the forward.
 # The server's stage histogram (attnserve_stage_seconds, scraped before and after each
 # measured run) gives the stage table of the median round: where a served call's time goes.
-# A second client, Python grpcio (bench/serving_client.py), measures served and floor p50 in
-# each round too, against the first variant's server and `attnserve-cli noop-server`, and its
-# overhead is the median of each round's own difference alike.
+# A second client, Python grpcio (bench/serving_client.py), measures served and floor in each
+# round too, against the first variant's server and `attnserve-cli noop-server`, in bursts that
+# alternate between the two: its overhead is its cycles' served − floor less the round's
+# in-process forward, and, free of that figure, its cycles' served − the answers' compute_us −
+# floor (the serving path without the forward); the medians over the rounds of each.
 #   The in-process forward is measured a second way too: with IDLE_US (default 300) of sleep
 # before each timed call (forward_bench --idle-us), about the pause a server has between one
 # lone client's requests. On a host whose L3 is shared, the weights (9.4 MB here) go cold in that

@@ -875,7 +875,10 @@ TEST(ServerFlagsTest, TheBatchWorkerSpinsAsLongAsToldThenSleeps) {
 // (ForwardReactor::InternalInlineable) instead of waking its executor thread for it, a hand-off
 // that cost a lone call about 40 µs on a 2-vCPU host (docs/benchmarks.md, "OnDone without the
 // executor"). Counted from /proc: how often the server's executor threads (gRPC names them
-// "default-executo") were given a CPU over 100 calls in a row; once a call, at least, before.
+// "default-executo") were given a CPU over 50 calls in a row, at least once a call with the
+// hand-off. gRPC also gives its executor work of its own when its threads contend, as they do
+// when the cores are loaded: this test runs alone (tests/CMakeLists.txt, ALONE), and the least
+// of three tries counts.
 TEST(ServingPathTest, ACallEndsWithoutWakingGrpcsExecutor) {
   auto server = StartOrFail({"--threads", "1", "--layer", "tiny=random:d_model=64,heads=4,seed=2"});
   ASSERT_NE(server, nullptr);
@@ -887,14 +890,17 @@ TEST(ServingPathTest, ACallEndsWithoutWakingGrpcsExecutor) {
   const std::vector<std::filesystem::path> executor = NamedThreads(std::to_string(server->pid()), "default-executo");
   ASSERT_FALSE(executor.empty()) << "no gRPC executor thread in the server: gRPC's threads changed, so this test "
                                     "no longer sees the hand-off it guards against";
-  constexpr int kCalls = 100;
-  const int64_t before = ThreadsRuns(executor);
-  for (int i = 0; i < kCalls; ++i) {
-    ASSERT_TRUE(server->client().Forward(Request("tiny", RandomFloats(rng, 4 * 64), {1, 4, 64}), &resp).ok());
+  constexpr int kCalls = 50;
+  int64_t fewest = std::numeric_limits<int64_t>::max();
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const int64_t before = ThreadsRuns(executor);
+    for (int i = 0; i < kCalls; ++i) {
+      ASSERT_TRUE(server->client().Forward(Request("tiny", RandomFloats(rng, 4 * 64), {1, 4, 64}), &resp).ok());
+    }
+    fewest = std::min(fewest, ThreadsRuns(executor) - before);
   }
-  const int64_t runs = ThreadsRuns(executor) - before;
-  EXPECT_LT(runs, kCalls / 4) << "gRPC's executor ran " << runs << " times over " << kCalls
-                              << " calls: the calls' ends were handed to it";
+  EXPECT_LT(fewest, kCalls / 4) << "gRPC's executor ran at least " << fewest << " times over each of three runs of "
+                                << kCalls << " calls: the calls' ends were handed to it";
 }
 
 TEST(ServerFlagsTest, AdminTokenGuardsLoadAndUnload) {
