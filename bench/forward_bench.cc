@@ -132,7 +132,12 @@ struct Options {
   std::string rss_point;  // internal: one point's RSS growth in a child process (RssPointMain)
 };
 
-std::vector<std::string> Split(const std::string& s);
+std::vector<std::string> Split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');) out.push_back(item);
+  return out;
+}
 
 // "4096,1048576": whole numbers in [lo, hi], appended to `out`; false at the first that is not.
 bool ParseCounts(const std::string& list, int64_t lo, int64_t hi, std::vector<int64_t>* out) {
@@ -143,13 +148,6 @@ bool ParseCounts(const std::string& list, int64_t lo, int64_t hi, std::vector<in
     out->push_back(v);
   }
   return true;
-}
-
-std::vector<std::string> Split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');) out.push_back(item);
-  return out;
 }
 
 // Median seconds of `fn` over repetitions lasting at least min_time_s (and 5 runs), with
