@@ -304,7 +304,10 @@ TEST(BatcherTest, ASpinningWorkerTakesTheNextItemAndSeesTheDrain) {
   ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(1, &log)).ok());
   log.WaitEnded(2);
   EXPECT_LT(Clock::now() - queued, 2s) << "an item queued during the spin waited for the spin to end";
-  const auto drained = Clock::now();  // the worker spins again after item 1's batch
+  // Let the worker get back to its spin: a drain that came first would find it still under the
+  // lock, where it sees draining_ without the news, and a drain that did not end a spin would pass.
+  std::this_thread::sleep_for(20ms);
+  const auto drained = Clock::now();
   EXPECT_EQ(batcher.Drain(10s), 0);
   EXPECT_LT(Clock::now() - drained, 2s) << "the drain waited for the spin to end";
   EXPECT_EQ(log.batches, (std::vector<std::vector<int>>{{0}, {1}}));
