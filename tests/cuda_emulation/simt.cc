@@ -139,7 +139,7 @@ struct BlockRun {
   int at_block_barrier = 0;
   int done = 0;
   std::vector<int> at_warp_barrier;  // per warp
-  std::vector<float> exchange;       // [warp][2][lane]
+  std::vector<double> exchange;      // [warp][2][lane]: a float or a double, exactly
   // The order threads run in, drawn per block and again at each __syncthreads: the warps in a
   // random order, each warp's lanes together, from a drawn lane up or down. A warp whose shuffle is
   // released runs on at once (`run_ahead`: up to its next __syncthreads, overtaking the warps
@@ -334,14 +334,14 @@ void SyncThreads() {
   SwitchAway(false);
 }
 
-float ShuffleXor(unsigned mask, float value, int lane_mask, int width) {
+double ShuffleXor(unsigned mask, double value, int lane_mask, int width) {
   BlockRun& r = *run;
   Fiber& self = Current();
   const int thread = static_cast<int>(self.coords.thread_idx.x), warp = thread / kWarp, lane = thread % kWarp;
   const int lanes = LanesOf(r, warp);
   const unsigned everyone = lanes == kWarp ? 0xffffffffu : (1u << lanes) - 1;
   if (mask != everyone || width != kWarp) UnsupportedShuffle(self, mask, width);
-  float* slots = &r.exchange[(warp * 2 + self.shuffles % 2) * kWarp];
+  double* slots = &r.exchange[(warp * 2 + self.shuffles % 2) * kWarp];
   self.shuffles++;
   slots[lane] = value;
   self.state = State::kAtWarpBarrier;
@@ -408,7 +408,7 @@ void RunBlocks(dim3 grid, dim3 block, const std::function<void()>& body) {
   } release_fibers{r};
 #endif
   const size_t warps = (threads + kWarp - 1) / kWarp;
-  r.exchange.assign(warps * 2 * kWarp, 0.0f);
+  r.exchange.assign(warps * 2 * kWarp, 0.0);
   r.warp_first.assign(warps, 0);
   // The blocks in an order drawn per launch, from the run's seed: a device runs them in any.
   r.draw.state = internal::LaunchDraw();

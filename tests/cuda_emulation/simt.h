@@ -32,7 +32,8 @@ struct ThreadCoords {
 // The coordinates of the emulated thread now running.
 const ThreadCoords& Coords();
 void SyncThreads();
-float ShuffleXor(unsigned mask, float value, int lane_mask, int width);
+// Both of the device's shuffles of a float and of a double: a float travels as a double, exactly.
+double ShuffleXor(unsigned mask, double value, int lane_mask, int width);
 
 // What a launch checks when it is issued: the configuration (an error for cudaGetLastError) and
 // an injected fault. False: nothing is queued.
@@ -67,6 +68,9 @@ auto Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t strea
 inline void __syncthreads() { cuda_emulation::SyncThreads(); }
 
 inline float __shfl_xor_sync(unsigned mask, float value, int lane_mask, int width = 32) {
+  return static_cast<float>(cuda_emulation::ShuffleXor(mask, value, lane_mask, width));
+}
+inline double __shfl_xor_sync(unsigned mask, double value, int lane_mask, int width = 32) {
   return cuda_emulation::ShuffleXor(mask, value, lane_mask, width);
 }
 

@@ -72,9 +72,10 @@ class CudaEmulationTest : public ::testing::Test {
 // --- The kernels, each against float64 on the host ---------------------------------------
 
 TEST_F(CudaEmulationTest, MaskedSoftmaxMatchesFloat64AtEveryBlockSize) {
-  // Key counts on both sides of the launcher's 32/128/256-thread choices and of a warp; blocks
-  // of query rows starting at row 0 and further down, where the causal mask counts from.
-  for (int64_t keys : {1, 7, 32, 33, 100, 128, 129, 300, 1000}) {
+  // Key counts on both sides of each of the launcher's choices: the warp kernel holding 1, 2, 4,
+  // 8, 16 or 32 keys a lane (up to 1024 keys), the block kernel past it; blocks of query rows
+  // starting at row 0 and further down, where the causal mask counts from.
+  for (int64_t keys : {1, 7, 32, 33, 64, 65, 100, 128, 129, 256, 257, 300, 512, 513, 1000, 1024, 1025, 1500}) {
     for (bool causal : {false, true}) {
       for (int64_t first_row : {0, 17}) {
         const int64_t heads = 3, n = causal ? std::min<int64_t>(keys, 40) : 5;
@@ -108,7 +109,7 @@ TEST_F(CudaEmulationTest, MaskedSoftmaxMatchesFloat64AtEveryBlockSize) {
 // keep the float32 path; a Q that itself overflowed gives a NaN row (the service's OUT_OF_RANGE),
 // never finite weights that look right.
 TEST_F(CudaEmulationTest, MaskedSoftmaxRecomputesOverflowedRowsInFloat64) {
-  for (int64_t keys : {7, 33, 300}) {  // each of the launcher's block sizes
+  for (int64_t keys : {7, 33, 300, 1100}) {  // the warp kernel at 1, 2 and 16 keys a lane; the block kernel
     for (bool causal : {false, true}) {
       const int64_t heads = 4, group = 2, dh = 8, n = 6, q_ld = heads * dh + 3, k_ld = heads / group * dh + 5;
       const float scale = 1.0f / std::sqrt(static_cast<float>(dh));

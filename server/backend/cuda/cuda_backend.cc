@@ -14,6 +14,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "server/backend/attention/skeleton.h"
@@ -197,6 +198,13 @@ class PinnedArray {
   size_t capacity_ = 0;
 };
 
+// The staging team's threads: as many as asked, at least 1, at most the host's hardware threads
+// (more would only take turns on the same cores).
+int StagingThreads(const CudaBackendOptions& options) {
+  const int hardware = static_cast<int>(std::thread::hardware_concurrency());
+  return std::clamp(options.staging_threads, 1, std::max(1, hardware));
+}
+
 // The summed order the options ask for: by shape alone (no A_cat bound: it is blocked here).
 SummedOrder SummedOrderOf(const CudaBackendOptions& options) { return {.mix_first_allowed = options.summed_mix_first}; }
 
@@ -241,7 +249,7 @@ class Lane final : public DeviceOps {
         budget_(budget),
         reclaim_(std::move(reclaim)),
         workspace_(std::move(budget)),
-        staging_team_(std::max(1, options.staging_threads), std::chrono::microseconds(0)) {}
+        staging_team_(StagingThreads(options), std::chrono::microseconds(0)) {}
   Lane(const Lane&) = delete;
   Lane& operator=(const Lane&) = delete;
   ~Lane() {

@@ -15,6 +15,10 @@ namespace attnserve::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+// The warp softmax's rows: up to 32 · kWarpRowMaxPerLane keys (registers per lane), 8 a block.
+constexpr int kWarpRowMaxPerLane = 32;
+constexpr int64_t kWarpRowMaxKeys = 32 * kWarpRowMaxPerLane;
+constexpr int kWarpRowsPerBlock = kThreads / 32;
 
 __global__ void AddRowBiasKernel(float* y, int64_t rows, int64_t cols, int64_t ld, const float* bias) {
   const int64_t total = rows * cols;
@@ -25,22 +29,26 @@ __global__ void AddRowBiasKernel(float* y, int64_t rows, int64_t cols, int64_t l
   }
 }
 
+// Warp-wide reduction of one value per lane (float or double); every lane gets the result.
+template <bool kMax, class T>
+__device__ T WarpReduce(T v) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const T other = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = kMax ? static_cast<T>(fmax(v, other)) : v + other;
+  }
+  return v;
+}
+
 // Block-wide reduction of one value per thread; every thread gets the result.
 template <bool kMax>
 __device__ float BlockReduce(float v, float* shared) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float other = __shfl_xor_sync(0xffffffffu, v, offset);
-    v = kMax ? fmaxf(v, other) : v + other;
-  }
+  v = WarpReduce<kMax>(v);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) shared[warp] = v;
   __syncthreads();
   if (warp == 0) {
     v = lane < static_cast<int>(blockDim.x / 32) ? shared[lane] : (kMax ? -FLT_MAX : 0.0f);
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const float other = __shfl_xor_sync(0xffffffffu, v, offset);
-      v = kMax ? fmaxf(v, other) : v + other;
-    }
+    v = WarpReduce<kMax>(v);
     if (lane == 0) shared[0] = v;
   }
   __syncthreads();
@@ -79,6 +87,27 @@ __device__ double ExactDot(const ScoreOperands& o, int64_t head, int64_t q, int6
   return dot;
 }
 
+// The threads that share a row: a whole block (BlockTeam; rows of more than kWarpRowMaxKeys
+// keys) or one warp (WarpTeam). Rank and Size stride the row; Reduce hands every one of them
+// the team's max or sum of a double.
+struct BlockTeam {
+  double* shared;  // blockDim.x doubles
+  __device__ int64_t Rank() const { return threadIdx.x; }
+  __device__ int64_t Size() const { return blockDim.x; }
+  template <bool kMax>
+  __device__ double Reduce(double v) const {
+    return BlockReduceDouble<kMax>(v, shared);
+  }
+};
+struct WarpTeam {
+  __device__ int64_t Rank() const { return threadIdx.x % 32; }
+  __device__ int64_t Size() const { return 32; }
+  template <bool kMax>
+  __device__ double Reduce(double v) const {
+    return WarpReduce<kMax>(v);
+  }
+};
+
 // For a row whose float32 scores are not all finite: s[j] = exp(score_j - max) with the scores
 // and the max in float64; returns 1 / the sum. The dot products are computed twice (a row of
 // doubles does not fit in shared memory), so the max is taken over the unscaled dots and the
@@ -86,31 +115,35 @@ __device__ double ExactDot(const ScoreOperands& o, int64_t head, int64_t q, int6
 // exactly, whereas scale · dot - max may be contracted into one fma that rounds differently
 // from the max's own copy (seen in the emulation: the top key's weight came out 0). A non-finite
 // dot (Q or K themselves overflowed in the projection: no float32 answer can be right) makes the
-// max +inf and so every weight NaN, which the service reports as OUT_OF_RANGE.
-__device__ float ExactExponentials(float* s, int64_t head, int64_t q, int64_t visible, const ScoreOperands& o) {
-  __shared__ double shared[kThreads];
+// max +inf and so every weight NaN, which the service reports as OUT_OF_RANGE. Each of the
+// team's threads writes the entries j ≡ its rank (mod its size).
+template <class Team>
+__device__ float ExactExponentials(const Team& team, float* s, int64_t head, int64_t q, int64_t visible,
+                                   const ScoreOperands& o) {
   double top = -DBL_MAX;
-  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) {
+  for (int64_t j = team.Rank(); j < visible; j += team.Size()) {
     const double dot = ExactDot(o, head, q, j);
     top = fmax(top, fabs(dot) <= DBL_MAX ? dot : INFINITY);
   }
-  top = BlockReduceDouble<true>(top, shared);
+  top = team.template Reduce<true>(top);
   double sum = 0;
-  for (int64_t j = threadIdx.x; j < visible; j += blockDim.x) {
+  for (int64_t j = team.Rank(); j < visible; j += team.Size()) {
     const double e = exp(static_cast<double>(o.scale) * (ExactDot(o, head, q, j) - top));
     s[j] = static_cast<float>(e);
     sum += e;
   }
-  sum = BlockReduceDouble<false>(sum, shared);
+  sum = team.template Reduce<false>(sum);
   return static_cast<float>(1.0 / sum);
 }
 
-// One block per row of one head's scores of one entry of `blocks`. Row q of an entry is query
-// first_row + q of its sequence: the causal mask counts from there, the float64 fallback reads
-// Q's row q.
+// One block per row of one head's scores of one entry of `blocks`, for rows of more than
+// kWarpRowMaxKeys keys (MaskedSoftmaxWarpKernel takes the shorter ones). Row q of an entry is
+// query first_row + q of its sequence: the causal mask counts from there, the float64 fallback
+// reads Q's row q.
 __global__ void MaskedSoftmaxKernel(SoftmaxBlocks blocks, int64_t heads, int64_t n, int64_t keys,
                                     ScoreOperands shared_operands) {
   __shared__ float shared[32];
+  __shared__ double shared64[kThreads];
   // The block's entry copied out of the launch's arguments (48 bytes into registers): a
   // reference into them could make the compiler copy the whole 2.3 KiB table to local memory.
   const SoftmaxBlock b = blocks.block[blockIdx.x / (heads * n)];
@@ -139,7 +172,7 @@ __global__ void MaskedSoftmaxKernel(SoftmaxBlocks blocks, int64_t heads, int64_t
     ScoreOperands operands = shared_operands;
     operands.q = b.q;
     operands.k = b.k;
-    inv = ExactExponentials(s, row / n, q, visible, operands);
+    inv = ExactExponentials(BlockTeam{shared64}, s, row / n, q, visible, operands);
   }
   if (b.a_cat == nullptr) {
     for (int64_t j = threadIdx.x; j < keys; j += blockDim.x) s[j] = j < visible ? s[j] * inv : 0.0f;
@@ -147,6 +180,57 @@ __global__ void MaskedSoftmaxKernel(SoftmaxBlocks blocks, int64_t heads, int64_t
   }
   float* out = b.a_cat + q * keys * heads + row / n;  // A_cat[q, j·heads + head]
   for (int64_t j = threadIdx.x; j < keys; j += blockDim.x) out[j * heads] = j < visible ? s[j] * inv : 0.0f;
+}
+
+// What MaskedSoftmaxKernel does, for rows of up to 32 · kPerLane keys: a warp a row,
+// kWarpRowsPerBlock rows a block. The row stays in registers from its one read to its one
+// write, and the reductions are shuffles with no barrier. The block kernel reads a row three
+// times and waits at six barriers: on an H200 at 512 keys it took 578 µs for 64 MiB of scores,
+// ~0.9 TB/s of the device's 4.8 (docs/benchmarks.md, "The second run on a GPU").
+template <int kPerLane>
+__global__ void MaskedSoftmaxWarpKernel(SoftmaxBlocks blocks, int64_t heads, int64_t n, int64_t keys,
+                                        ScoreOperands shared_operands) {
+  const int64_t all = blocks.count * heads * n;
+  const int64_t global = blockIdx.x * int64_t{kWarpRowsPerBlock} + threadIdx.x / 32;
+  if (global >= all) return;  // the warp's lanes leave together: its shuffles stay whole
+  const int64_t lane = threadIdx.x % 32;
+  const SoftmaxBlock b = blocks.block[global / (heads * n)];  // copied, as in the block kernel
+  const int64_t row = global % (heads * n), q = row % n;
+  float* s = b.scores + row * keys;
+  const int64_t visible = b.causal ? min(b.first_row + q + 1, keys) : keys;
+  float v[kPerLane];  // entry lane + 32·i of the row
+  float top = -FLT_MAX;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int64_t j = lane + 32 * i;
+    v[i] = j < visible ? s[j] : 0.0f;
+    if (j < visible) top = fmaxf(top, fabsf(v[i]) <= FLT_MAX ? v[i] : INFINITY);
+  }
+  top = WarpReduce<true>(top);
+  float inv;
+  if (top <= FLT_MAX) {  // the same in every lane: the shuffles below are uniform
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      v[i] = lane + 32 * i < visible ? __expf(v[i] - top) : 0.0f;
+      sum += v[i];
+    }
+    inv = 1.0f / WarpReduce<false>(sum);
+  } else {
+    ScoreOperands operands = shared_operands;
+    operands.q = b.q;
+    operands.k = b.k;
+    inv = ExactExponentials(WarpTeam{}, s, row / n, q, visible, operands);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) v[i] = lane + 32 * i < visible ? s[lane + 32 * i] : 0.0f;  // its own writes
+  }
+  float* out = b.a_cat == nullptr ? s : b.a_cat + q * keys * heads + row / n;  // A_cat[q, j·heads + head]
+  const int64_t stride = b.a_cat == nullptr ? 1 : heads;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int64_t j = lane + 32 * i;
+    if (j < keys) out[j * stride] = j < visible ? v[i] * inv : 0.0f;
+  }
 }
 
 __global__ void RopeKernel(float* x, int64_t heads, int64_t d_head, int64_t ld, double theta, RopeRuns runs) {
@@ -174,6 +258,16 @@ __global__ void RopeKernel(float* x, int64_t heads, int64_t d_head, int64_t ld, 
     p[t] = a * static_cast<float>(c) - b * static_cast<float>(s);
     p[t + half] = b * static_cast<float>(c) + a * static_cast<float>(s);
   }
+}
+
+template <int kPerLane>
+cudaError_t LaunchWarpRows(const SoftmaxBlocks& blocks, int64_t heads, int64_t rows, int64_t keys,
+                           const ScoreOperands& shared, cudaStream_t stream) {
+  const int64_t all = blocks.count * heads * rows;
+  ATTNSERVE_LAUNCH(MaskedSoftmaxWarpKernel<kPerLane>,
+                   static_cast<unsigned>((all + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock), kThreads, stream)
+  (blocks, heads, rows, keys, shared);
+  return cudaGetLastError();
 }
 
 unsigned GridFor(int64_t total) {
@@ -208,11 +302,18 @@ cudaError_t MaskedSoftmax(float* scores, int64_t heads, int64_t rows, int64_t fi
 cudaError_t MaskedSoftmaxBlocks(const SoftmaxBlocks& blocks, int64_t heads, int64_t rows, int64_t keys,
                                 const ScoreOperands& shared, cudaStream_t stream) {
   if (blocks.count <= 0 || blocks.count > kSoftmaxMaxBlocks) return cudaErrorInvalidValue;
-  // Short rows get a small block: most threads of a 256-wide block would idle on 16 keys.
-  const int threads = keys <= 32 ? 32 : keys <= 128 ? 128 : kThreads;
-  ATTNSERVE_LAUNCH(MaskedSoftmaxKernel, static_cast<unsigned>(blocks.count * heads * rows), threads, stream)
-  (blocks, heads, rows, keys, shared);
-  return cudaGetLastError();
+  if (keys > kWarpRowMaxKeys) {
+    ATTNSERVE_LAUNCH(MaskedSoftmaxKernel, static_cast<unsigned>(blocks.count * heads * rows), kThreads, stream)
+    (blocks, heads, rows, keys, shared);
+    return cudaGetLastError();
+  }
+  // The fewest registers a lane that hold the row: a power of two from 1 to 32.
+  if (keys <= 32) return LaunchWarpRows<1>(blocks, heads, rows, keys, shared, stream);
+  if (keys <= 64) return LaunchWarpRows<2>(blocks, heads, rows, keys, shared, stream);
+  if (keys <= 128) return LaunchWarpRows<4>(blocks, heads, rows, keys, shared, stream);
+  if (keys <= 256) return LaunchWarpRows<8>(blocks, heads, rows, keys, shared, stream);
+  if (keys <= 512) return LaunchWarpRows<16>(blocks, heads, rows, keys, shared, stream);
+  return LaunchWarpRows<kWarpRowMaxPerLane>(blocks, heads, rows, keys, shared, stream);
 }
 
 }  // namespace attnserve::cuda
