@@ -185,8 +185,9 @@ __global__ void MaskedSoftmaxKernel(SoftmaxBlocks blocks, int64_t heads, int64_t
 // What MaskedSoftmaxKernel does, for rows of up to 32 · kPerLane keys: a warp a row,
 // kWarpRowsPerBlock rows a block. The row stays in registers from its one read to its one
 // write, and the reductions are shuffles with no barrier. The block kernel reads a row three
-// times and waits at six barriers: on an H200 at 512 keys it took 578 µs for 64 MiB of scores,
-// ~0.9 TB/s of the device's 4.8 (docs/benchmarks.md, "The second run on a GPU").
+// times and waits at six barriers: on an H200 it took 578 µs to read and write 256 MiB of
+// 512-key rows, ~0.9 TB/s of the device's 4.8; this kernel, 283 µs (docs/benchmarks.md, "The
+// second run on a GPU").
 template <int kPerLane>
 __global__ void MaskedSoftmaxWarpKernel(SoftmaxBlocks blocks, int64_t heads, int64_t n, int64_t keys,
                                         ScoreOperands shared_operands) {
