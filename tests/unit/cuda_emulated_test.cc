@@ -193,15 +193,21 @@ TEST_F(CudaEmulationTest, TheSoftmaxWritesTheSummedFormsLayout) {
   }
 }
 
+// Rows narrower than a block's threads, and rows wider (each thread adds more than one entry).
 TEST_F(CudaEmulationTest, AddRowBiasTouchesOnlyTheBlock) {
-  const int64_t rows = 9, cols = 13, ld = 20;
-  const std::vector<float> y = testing::RandomVector(rng_, rows * ld), bias = testing::RandomVector(rng_, cols);
-  DeviceVector dy(y), db(bias);
-  ASSERT_EQ(cuda::AddRowBias(dy.data, rows, cols, ld, db.data, nullptr), cudaSuccess);
-  const std::vector<float> got = dy.Read();
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < ld; ++c) {
-      ASSERT_EQ(got[r * ld + c], c < cols ? y[r * ld + c] + bias[c] : y[r * ld + c]) << r << "," << c;
+  struct Shape {
+    int64_t rows, cols, ld;
+  };
+  for (const Shape shape : {Shape{9, 13, 20}, Shape{5, 600, 603}}) {
+    const auto [rows, cols, ld] = shape;
+    const std::vector<float> y = testing::RandomVector(rng_, rows * ld), bias = testing::RandomVector(rng_, cols);
+    DeviceVector dy(y), db(bias);
+    ASSERT_EQ(cuda::AddRowBias(dy.data, rows, cols, ld, db.data, nullptr), cudaSuccess);
+    const std::vector<float> got = dy.Read();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < ld; ++c) {
+        ASSERT_EQ(got[r * ld + c], c < cols ? y[r * ld + c] + bias[c] : y[r * ld + c]) << r << "," << c;
+      }
     }
   }
 }

