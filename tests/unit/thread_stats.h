@@ -32,30 +32,25 @@ inline std::vector<std::filesystem::path> NamedThreads(const std::string& proces
   return threads;
 }
 
-// Nanoseconds the threads have run on a CPU (schedstat's first field).
-inline int64_t ThreadsCpuNs(const std::vector<std::filesystem::path>& threads) {
-  int64_t ns = 0;
+// The sum over the threads of field `field` (0-based) of their schedstat: nanoseconds on a CPU,
+// nanoseconds waiting for one, times given one.
+inline int64_t SchedstatSum(const std::vector<std::filesystem::path>& threads, int field) {
+  int64_t sum = 0;
   for (const auto& thread : threads) {
     std::ifstream schedstat(thread / "schedstat");
-    int64_t on_cpu = 0;
-    schedstat >> on_cpu;
-    ns += on_cpu;
+    int64_t value = 0;
+    for (int i = 0; i <= field; ++i) schedstat >> value;
+    sum += value;
   }
-  return ns;
+  return sum;
 }
+
+// Nanoseconds the threads have run on a CPU (schedstat's first field).
+inline int64_t ThreadsCpuNs(const std::vector<std::filesystem::path>& threads) { return SchedstatSum(threads, 0); }
 
 // How many times the threads have been given a CPU (schedstat's third field): a sleeping thread
 // woken once and run counts one.
-inline int64_t ThreadsRuns(const std::vector<std::filesystem::path>& threads) {
-  int64_t runs = 0;
-  for (const auto& thread : threads) {
-    std::ifstream schedstat(thread / "schedstat");
-    int64_t on_cpu = 0, waiting = 0, slices = 0;
-    schedstat >> on_cpu >> waiting >> slices;
-    runs += slices;
-  }
-  return runs;
-}
+inline int64_t ThreadsRuns(const std::vector<std::filesystem::path>& threads) { return SchedstatSum(threads, 2); }
 
 // Whether one of the threads is running or runnable (state R), not asleep.
 inline bool SomeThreadRuns(const std::vector<std::filesystem::path>& threads) {

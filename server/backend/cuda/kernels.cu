@@ -20,8 +20,9 @@ constexpr int kThreads = 256;
 constexpr int kWarpRowMaxPerLane = 32;
 constexpr int64_t kWarpRowMaxKeys = 32 * kWarpRowMaxPerLane;
 constexpr int kWarpRowsPerBlock = kThreads / 32;
-// The bias kernel's blocks at most (a row each; more rows loop).
-constexpr int64_t kMaxBiasBlocks = 65535 * 16;
+// The most blocks a grid-stride launch takes (the bias kernel's rows, RoPE's entries): past it
+// each block loops.
+constexpr int64_t kMaxGridBlocks = 65535 * 16;
 
 // A block a row (rows past the grid's bound loop), its threads along the row: no division per
 // element. The flat index over rows · cols that it replaced divided by cols twice per element in
@@ -277,7 +278,7 @@ cudaError_t LaunchWarpRows(const SoftmaxBlocks& blocks, int64_t heads, int64_t r
 
 unsigned GridFor(int64_t total) {
   const int64_t blocks = (total + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(blocks < 65535 * 16 ? (blocks > 0 ? blocks : 1) : 65535 * 16);
+  return static_cast<unsigned>(blocks < kMaxGridBlocks ? (blocks > 0 ? blocks : 1) : kMaxGridBlocks);
 }
 
 }  // namespace
@@ -292,7 +293,7 @@ cudaError_t ApplyRope(float* x, int64_t heads, int64_t d_head, int64_t ld, doubl
 
 cudaError_t AddRowBias(float* y, int64_t rows, int64_t cols, int64_t ld, const float* bias, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return cudaSuccess;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxBiasBlocks));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxGridBlocks));
   ATTNSERVE_LAUNCH(AddRowBiasKernel, grid, kThreads, stream)(y, rows, cols, ld, bias);
   return cudaGetLastError();
 }
