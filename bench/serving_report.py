@@ -10,9 +10,9 @@ just before the round's first served run), floor-R.json (the no-op server), NAME
 served bench of each server variant), NAME-R.before.prom / .after.prom (its scrapes) and
 python-R.json (bench/serving_client.py against the first variant's server and the no-op
 server, in alternating bursts); probe-P.json for each of the PROBES runs of bench/overhead_probe
-(the three figures interleaved in bursts). Each round's overhead is its own served − in-process − floor, and the headline is the
-median over the rounds; the stage table is the mean per call of the round whose overhead was
-that median.
+(the three figures interleaved in bursts). Each round's overhead is its own served − in-process −
+floor, and the headline is the median over the rounds; the stage table is the mean per call of
+the round whose overhead was that median.
 """
 import json
 import re
@@ -148,7 +148,8 @@ def main():
               f"bursts alternating with the no-op floor's; {variants[0]}'s server): served p50 "
               f"{median(py_served.values()):.0f} µs, no-op floor p50 {median(py_floor.values()):.0f} µs, the "
               f"server's compute_us {median(py[r]['served']['compute_us'] for r in numbers):.0f} µs under it "
-              f"(medians of the rounds); overhead over the floor (its cycles' served − floor, less the round's in-process forward), "
+              f"(medians of the rounds); overhead over the floor (its cycles' served − floor, less the round's "
+              f"in-process forward), "
               f"the median of the rounds: **{median(py_over.values()):.0f} µs** ({spread(py_over.values())}); "
               f"without the forward (its cycles' served − the answers' compute_us − floor, no in-process figure): "
               f"**{median(py_path.values()):.0f} µs** ({spread(py_path.values())})")
