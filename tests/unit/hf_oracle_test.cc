@@ -52,7 +52,7 @@ struct OracleCase {
   std::vector<int64_t> key_lengths;  // empty: all keys
   std::optional<float> scale;        // empty: 1 / sqrt(d_head)
   bool has_context = false;
-  std::string file;                  // the safetensors file that holds it, under kDir
+  std::string file;  // the safetensors file that holds it, under kDir
 };
 
 // The low-rank form's oracle for one layer (manifest's "lowrank"): the selection the source asks,
@@ -90,8 +90,8 @@ std::vector<OracleLayer> ReadManifest(const std::string& key = "layers") {
   std::vector<OracleLayer> layers;
   for (const auto& [name, l] : m.at(key).items()) {
     const Json& shape = l.contains("d_model") ? l : m.at("layers").at(name);
-    const std::string file = l.contains("files") ? l.at("files").at("cases").get<std::string>()
-                                                 : l.at("file").get<std::string>();
+    const std::string file =
+        l.contains("files") ? l.at("files").at("cases").get<std::string>() : l.at("file").get<std::string>();
     OracleLayer layer;
     layer.name = name;
     layer.d_model = shape.at("d_model").get<int64_t>();
@@ -369,7 +369,7 @@ TEST_P(HfOracleTest, TopLeftCausalDiffersFromHfCacheAlignment) {
 
 // The float64 reference of server/core (the oracle of the randomized suites) against HF too: its
 // conventions (rotate-half pairs, contiguous groups, keys from 0, top-left causal) are checked
-// from outside, not only shared with the backends.
+// from outside, not only shared with the backends; the long cases included.
 TEST_P(HfOracleTest, Float64ReferenceMatches) {
   if (GetParam() != "cpu") GTEST_SKIP() << "backend-independent: run once, under cpu";
   double worst = 0;

@@ -13,6 +13,11 @@ forms its angles in float32, which at the positions used here, < 64, costs < 1e-
 float32. Each case is also run in float32 (eager attention) and the manifest records how far that is
 from the float64 answer: the noise floor a float32 implementation can be held to.
 
+Further cases (manifest's long_cases and lowrank, files of their own so the cases above keep their
+bytes): the grouped-query layer past the CPU backend's query blocks and key tiles at positions above
+4096, with the rotary angles formed in float64; and attnserve's low-rank form at truncating ranks,
+from its definition with numpy's SVD. Their inputs are float16 values, stored as F16.
+
 Run with an interpreter that has torch, transformers and numpy:  python3 generate.py
 """
 import json, os, struct
@@ -466,3 +471,8 @@ manifest["lowrank"]["gqa-bias-head-dim"] = dict(lr_info, file="gqa-bias-head-dim
 json.dump(manifest, open(os.path.join(HERE, "manifest.json"), "w"), indent=1)
 print("written", list(manifest["layers"]), list(manifest["mha_layers"]), "worst float32 run vs float64:",
       max(c["float32_rel_l2"] for k in ("layers", "mha_layers") for l in manifest[k].values() for c in l["cases"]))
+print("long cases: worst float32 run", max(c["float32_rel_l2"] for c in manifest["long_cases"]["gqa"]["cases"]),
+      "HF's float32 angles", max(c["hf_float32_angles_rel_l2"] for c in manifest["long_cases"]["gqa"]["cases"]),
+      "low-rank: worst float32 run", max(c["lowrank_float32_rel_l2"] for l in manifest["lowrank"].values()
+                                         for c in l["cases"]),
+      "ranks", {k: l["ranks"] for k, l in manifest["lowrank"].items()})
