@@ -2,6 +2,10 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+
 #include <charconv>
 #include <cstdlib>
 #include <fstream>
@@ -296,9 +300,49 @@ std::string KnownKeys() {
   return keys;
 }
 
-bool IsLoopbackHost(std::string_view host) {
-  return host == "127.0.0.1" || host.starts_with("127.") || host == "[::1]" || host == "::1" || host == "localhost";
+// A literal loopback address: 127.0.0.0/8 or ::1, parsed as an address. A name that only starts
+// like one ("127.example.com") resolves wherever its owner points it.
+bool IsLoopbackLiteral(const std::string& host) {
+  in_addr v4{};
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  return inet_pton(AF_INET6, host.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
 }
+
+// "localhost" binds wherever the resolver says: loopback only when every address it gives is.
+bool ResolvesToLoopbackOnly(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) return false;
+  bool loopback = true;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    if (a->ai_family == AF_INET) {
+      loopback &= (ntohl(reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr.s_addr) >> 24) == 127;
+    } else if (a->ai_family == AF_INET6) {
+      loopback &= IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr) != 0;
+    } else {
+      loopback = false;
+    }
+  }
+  freeaddrinfo(found);
+  return loopback;
+}
+
+}  // namespace
+
+bool IsLoopbackHost(std::string_view host_view) {
+  const std::string host(host_view);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {  // brackets hold IPv6 only
+    in6_addr v6{};
+    return inet_pton(AF_INET6, host.substr(1, host.size() - 2).c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
+  }
+  if (IsLoopbackLiteral(host)) return true;
+  return host == "localhost" && ResolvesToLoopbackOnly(host);
+}
+
+namespace {
 
 // What must hold across settings, wherever they came from.
 Status CheckCombinations(const ServerOptions& o) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -85,6 +86,12 @@ struct ServerOptions {
 
 inline constexpr char kDemoLayerName[] = "demo";
 inline constexpr char kDemoLayerSource[] = "random:d_model=768,heads=12,seed=1";
+
+// Whether an admin listener on HOST (an address or name, IPv6 in brackets or not) is reachable
+// from this machine only: a literal 127.0.0.0/8 or ::1 address, or "localhost" when every
+// address the resolver gives for it is one. Any other name is refused, whatever it resolves to
+// now: names move.
+bool IsLoopbackHost(std::string_view host);
 
 // Parses argv (flags as `--name value` or `--name=value`); reads --config first so that every
 // other flag overrides the file. Layers from flags replace file layers of the same name. The

@@ -5,6 +5,7 @@
 #include "server/metrics/metrics.h"
 #include "server/routing/router.h"
 #include "server/routing/shadow.h"
+#include "server/service/footprint.h"
 #include "server/service/service.h"
 #include "server/service/spectrum_proto.h"
 #include "server/service/validation.h"
@@ -182,39 +183,6 @@ struct CallReporting {
   std::chrono::steady_clock::time_point arrived;
   const Backend* backend = nullptr;  // for the mirror's scratch in its memory reservation
 };
-
-// The shapes the backend sees for a request: one sequence per batch row.
-std::vector<SequenceShape> ShapesOf(const AttentionRequest& r) {
-  std::vector<SequenceShape> shapes;
-  const int64_t m = r.context ? r.context->rows : r.n();
-  for (int64_t b = 0; b < r.batch(); ++b) {
-    shapes.push_back({.n = r.n(), .m = m, .keys = r.key_lengths.empty() ? -1 : r.key_lengths[b]});
-  }
-  return shapes;
-}
-
-// Host bytes one form's job holds while it is queued and computed: its output and the
-// backend's scratch (the same formula the backend allocates by: ForwardScratchBytes).
-int64_t JobBytes(const Layer& layer, Form form, const AttentionRequest& r, std::span<const SequenceShape> shapes,
-                 const Backend* backend) {
-  const int64_t output = r.output_elements() * static_cast<int64_t>(sizeof(float));
-  const ResidentForm* resident = layer.Find(form);
-  if (backend == nullptr || resident == nullptr) return output;
-  return output + backend->ScratchBytes(resident->weights(), shapes, !r.context.has_value());
-}
-
-// What a Forward call holds from admission to its answer: the request's tensors (the wire bytes,
-// and float32 copies where the wire was half precision), then per form run its output and
-// scratch. docs/reliability.md has the model and its check against measured RSS.
-int64_t RequestFootprint(const Layer& layer, const AttentionRequest& r, std::span<const Form> forms,
-                         int64_t wire_bytes, const Backend* backend) {
-  const std::vector<SequenceShape> shapes = ShapesOf(r);
-  int64_t bytes = wire_bytes;
-  if (r.input.owns_values()) bytes += r.input.elements() * static_cast<int64_t>(sizeof(float));
-  if (r.context && r.context->owns_values()) bytes += r.context->elements() * static_cast<int64_t>(sizeof(float));
-  for (Form form : forms) bytes += JobBytes(layer, form, r, shapes, backend);
-  return bytes;
-}
 
 int64_t MicrosBetween(std::chrono::steady_clock::time_point from, std::chrono::steady_clock::time_point to) {
   return std::chrono::duration_cast<std::chrono::microseconds>(to - from).count();
@@ -685,6 +653,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadLayer(grpc::CallbackServerCo
       if (!answered->exchange(true)) reactor->Finish(ToGrpc(st));
     };
     task.run = [this, reactor, response, answered, name = request->name(), source = request->source()] {
+      spdlog::info("loading layer '{}'", name);  // a load can take minutes: say it began
       v1::LayerInfo info;
       Status st = Guarded("LoadLayer", [&]() -> Status {
         ATTNSERVE_ASSIGN_OR_RETURN(std::shared_ptr<const Layer> layer, store_->Load(name, source, LoadOrigin::kApi));

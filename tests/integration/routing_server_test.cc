@@ -202,6 +202,32 @@ TEST(RoutingServerTest, ShadowsRecordDivergenceAndNeverChangeTheAnswer) {
   EXPECT_EQ(server.Sample("attnserve_batch_tokens_sum{form=\"summed\",layer=\"ab\"}"), kRequests * 2 * 5);
 }
 
+// A `compare` call already runs every other held form and reports the divergence to its client:
+// a shadow of it would measure nothing new at the cost of a third run, so none is made. The
+// mirrors run in order, so once the plain call sent after the compare calls is compared, a
+// mirror of any compare call would have been counted before it.
+TEST(RoutingServerTest, CompareCallsAreNotShadowed) {
+  Server server({"--layer", kLayer, "--shadow-rate", "1"});
+  ASSERT_NE(server.process, nullptr);
+  Client& client = server.client();
+  for (int i = 0; i < 4; ++i) {
+    v1::ForwardRequest req = Request("ab", v1::FORM_FACTORED, "", 300 + i);
+    req.set_compare(true);
+    v1::ForwardResponse resp;
+    ASSERT_TRUE(client.Forward(req, &resp).ok());
+    ASSERT_EQ(resp.divergence_size(), 1);
+  }
+  v1::ForwardResponse plain;
+  ASSERT_TRUE(client.Forward(Request("ab", v1::FORM_FACTORED, "", 400), &plain).ok());
+  const std::string count = "attnserve_shadow_divergence_count{form=\"summed\",layer=\"ab\"}";
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (server.Sample(count) < 1 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(server.Sample(count), 1) << "only the plain call is mirrored";
+  EXPECT_EQ(server.Sample("attnserve_shadow_dropped_total{layer=\"ab\"}"), -1) << "nothing was offered and dropped";
+}
+
 // A shadow mirrors the whole request. A rotary layer's answer depends on position_offset (the
 // queries' positions) and on a separate context (whose keys start at 0), so a mirror that lost
 // either field would diverge far beyond float32 rounding: a dropped offset measured ~0.6 here.

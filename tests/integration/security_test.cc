@@ -195,7 +195,7 @@ TEST(SecurityTest, EchoedNamesAreTruncatedAndEscapedInErrorsAndLogs) {
   v1::LayerInfo info;
   st = server->client().GetLayer(hostile, &info);
   EXPECT_THAT(st.error_message(), Not(HasSubstr(std::string(129, 'A'))));
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_TRUE(server->WaitForLog("Forward layer=")) << server->Log();  // the one line the calls log
   const std::string log = server->Log();
   EXPECT_THAT(log, AllOf(Not(HasSubstr("\nFORGED")), Not(HasSubstr("\x1b")), Not(HasSubstr(std::string(129, 'A')))));
   EXPECT_THAT(log, HasSubstr("AAAA"));  // the debug line was written, escaped and cut
@@ -238,7 +238,8 @@ TEST(SecurityTest, TheDrainDoesNotWaitForALayerLoad) {
   // Several seconds of materialising and spectra on this machine (more under the sanitizers).
   auto load = std::async(std::launch::async,
                          [&] { return admin.LoadLayer("slow", "random:d_model=6144,heads=48,summed=false", nullptr); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  // The load has begun (it then runs for seconds): the drain starts while it runs.
+  ASSERT_TRUE(server->WaitForLog("loading layer 'slow'")) << server->Log();
   const auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(server->Stop(SIGTERM, std::chrono::seconds(20)), 0) << server->Log();
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

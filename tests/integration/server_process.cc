@@ -161,6 +161,15 @@ ServerProcess::~ServerProcess() {
 
 std::string ServerProcess::Log() const { return ReadFile(dir_ + "/log"); }
 
+bool ServerProcess::WaitForLog(const std::string& needle, std::chrono::milliseconds timeout) const {
+  const auto give_up = std::chrono::steady_clock::now() + timeout;
+  while (Log().find(needle) == std::string::npos) {
+    if (std::chrono::steady_clock::now() >= give_up) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
 int ServerProcess::Stop(int signal, std::chrono::seconds timeout) {
   if (pid_ <= 0) return -2;
   const int status = KillAndReap(pid_, signal, timeout);

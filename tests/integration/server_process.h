@@ -44,6 +44,9 @@ class ServerProcess {
   Client& client() { return *client_; }
   // Everything the server wrote to stdout and stderr so far.
   std::string Log() const;
+  // Waits until the log holds `needle` (true) or `timeout` passes (false): synchronisation on
+  // what the server wrote, not on a guess at how long writing it takes.
+  bool WaitForLog(const std::string& needle, std::chrono::milliseconds timeout = std::chrono::milliseconds(20000)) const;
 
   // Sends `signal` and waits up to `timeout` for the exit; returns the exit status, 128 + the
   // signal that killed it, or -1 when it had to be killed after the timeout.

@@ -1183,6 +1183,70 @@ TEST(ServerFlagsTest, HugeFiniteInputsAnswerTheReferenceOrOutOfRange) {
   EXPECT_TRUE(server->client().Forward(Request(kSmall.name, RandomFloats(rng, n * d), {1, n, d}), &resp).ok());
 }
 
+// A float32 safetensors file of `tensors` (name → shape, values).
+void WriteF32Safetensors(const std::string& path,
+                         const std::map<std::string, std::pair<std::vector<int64_t>, std::vector<float>>>& tensors) {
+  nlohmann::json header = nlohmann::json::object();
+  std::string data;
+  for (const auto& [name, tensor] : tensors) {
+    const size_t begin = data.size();
+    data.append(reinterpret_cast<const char*>(tensor.second.data()), tensor.second.size() * sizeof(float));
+    header[name] = {{"dtype", "F32"}, {"shape", tensor.first}, {"data_offsets", {begin, data.size()}}};
+  }
+  const std::string h = header.dump();
+  const uint64_t size = h.size();  // little-endian, as on every machine this runs on
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(&size), 8);
+  out << h << data;
+}
+
+// `compare` served by a form whose answer is finite, with another form that overflowed: the
+// client is answered (the served output is right) and sees the other form's divergence as
+// infinite, and the overflow is counted under the form that overflowed, not the served one. The
+// layer makes only one form overflow: W_V is 1e20 times and W_O 1e-20 times a Gaussian matrix,
+// so the factored form's values X·W_V (~1e39 for inputs of 1e19) pass float32's limit while the
+// summed form's W_M = W_V·W_O is of order one.
+TEST(ServerFlagsTest, ACompareOutputThatOverflowsIsCountedUnderItsOwnForm) {
+  TempDir dir;
+  constexpr int64_t d = 8;
+  std::mt19937_64 rng(61);
+  auto scaled = [&](size_t count, float scale) {
+    std::vector<float> v = RandomFloats(rng, count);
+    for (float& x : v) x *= scale;
+    return v;
+  };
+  std::vector<float> in_proj = scaled(2 * d * d, 1e-10f);  // W_Q, W_K: scores of a sane size
+  const std::vector<float> w_v = scaled(d * d, 1e20f);
+  in_proj.insert(in_proj.end(), w_v.begin(), w_v.end());
+  const std::string checkpoint = dir.File("overflow.safetensors");
+  WriteF32Safetensors(checkpoint, {{"in_proj_weight", {{3 * d, d}, in_proj}},
+                                   {"in_proj_bias", {{3 * d}, scaled(3 * d, 1e-3f)}},
+                                   {"out_proj.weight", {{d, d}, scaled(d * d, 1e-20f)}},
+                                   {"out_proj.bias", {{d}, scaled(d, 1e-3f)}}});
+  const std::string port_file = dir.File("metrics_port");
+  auto server = StartOrFail({"--metrics-port-file", port_file, "--layer",
+                             "huge=safetensors:" + checkpoint + ",arch=torch-mha,heads=2"});
+  ASSERT_NE(server, nullptr);
+  int metrics_port = 0;
+  std::ifstream(port_file) >> metrics_port;
+  std::vector<float> input = RandomFloats(rng, 2 * 5 * d);
+  for (float& x : input) x = x < 0 ? -1e19f : 1e19f;
+  v1::ForwardRequest req = Request("huge", input, {2, 5, d}, v1::FORM_SUMMED);
+  req.set_compare(true);
+  v1::ForwardResponse resp;
+  const grpc::Status st = server->client().Forward(req, &resp);
+  ASSERT_TRUE(st.ok()) << Describe(st) << "\n" << server->Log();
+  const std::vector<float> got = Output(resp);
+  EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return std::isfinite(v); }));
+  ASSERT_EQ(resp.divergence_size(), 1);
+  EXPECT_EQ(resp.divergence(0).form(), v1::FORM_FACTORED);
+  EXPECT_TRUE(std::isinf(resp.divergence(0).max_abs())) << resp.divergence(0).max_abs();
+  const std::string scrape = testing::ScrapeMetrics(metrics_port);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_nonfinite_outputs_total{form=\"factored\",layer=\"huge\"}"), 1);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_nonfinite_outputs_total{form=\"summed\",layer=\"huge\"}"), -1);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_requests_total{code=\"OK\",form=\"summed\",layer=\"huge\"}"), 1);
+}
+
 // Concurrent requests share batches, and each gets exactly what it would alone (the float64
 // reference of its own input), whatever its shape, mask or form.
 // The memory budget (--max-memory-mb, docs/reliability.md): a request that can never fit is

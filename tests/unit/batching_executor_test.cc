@@ -39,6 +39,9 @@ class FakeBackend final : public Backend {
     {
       std::lock_guard<std::mutex> lock(mu);
       batch_sizes.push_back(static_cast<int>(batch.size()));
+      int64_t rows = 0;  // what the batch holds: queries, and the rows of every separate context
+      for (const Sequence& s : batch) rows += s.n() + (s.self_attention() ? 0 : s.m());
+      batch_rows.push_back(rows);
       scales_seen.push_back(form.weights().config.scale);
     }
     if (fail) return InternalError("device fault");
@@ -51,6 +54,7 @@ class FakeBackend final : public Backend {
   std::atomic<int> entered{0};  // Forward calls begun: a test waits on this, not on a sleep
   std::mutex mu;
   std::vector<int> batch_sizes;
+  std::vector<int64_t> batch_rows;
   std::vector<float> scales_seen;
   std::atomic<bool> fail{false};
   std::chrono::milliseconds delay{2};
@@ -72,6 +76,17 @@ std::shared_ptr<const Layer> MakeLayer(Backend& backend, float scale) {
 struct OwnedJob {
   std::vector<float> input, output;
   std::promise<std::pair<Status, JobTimings>> result;
+
+  std::vector<float> context;
+
+  // Cross-attention: `rows` queries over `context_rows` rows of a context of their own.
+  ForwardJob MakeCross(std::shared_ptr<const Layer> layer, int rows, int context_rows, float first) {
+    context.resize(context_rows * 4);
+    for (size_t i = 0; i < context.size(); ++i) context[i] = first - static_cast<float>(i);
+    ForwardJob job = Make(std::move(layer), rows, first);
+    job.sequences[0].context = ConstMatrixView(context.data(), context_rows, 4);
+    return job;
+  }
 
   ForwardJob Make(std::shared_ptr<const Layer> layer, int rows, float first) {
     input.resize(rows * 4);
@@ -144,6 +159,81 @@ TEST(BatchingExecutorTest, ConcurrentJobsShareBatchesAndKeepTheirOutputs) {
   for (int j = 0; j < kJobs; ++j) want_tokens += 1 + j % 3;
   EXPECT_EQ(observer.tokens.load(), want_tokens);
   EXPECT_EQ(observer.depth.load(), 0) << "every queued job left the queue once";
+}
+
+// Waits until the backend has begun `n` Forward calls.
+bool WaitEntered(const FakeBackend& backend, int n) {
+  const auto give_up = Clock::now() + 10s;
+  while (backend.entered.load() < n && Clock::now() < give_up) std::this_thread::yield();
+  return backend.entered.load() >= n;
+}
+
+// A cross-attention request costs its context's rows too (their keys and values are projected
+// and attended): a batch of them keeps to max_batch_tokens counting n + m each. Counting only
+// the queries would pack six requests of 2 + 40 rows into one "12-token" batch of 252 rows.
+TEST(BatchingExecutorTest, CrossAttentionBatchesCountTheirContextRows) {
+  FakeBackend backend;
+  backend.delay = 30ms;
+  auto layer = MakeLayer(backend, 1.0f);
+  BatchingExecutor executor(&backend, {.max_batch_requests = 16, .max_batch_tokens = 100, .max_queue_delay = 0ms});
+  OwnedJob blocker;
+  executor.Submit(blocker.Make(layer, 1, 0));  // holds the worker while the others queue
+  ASSERT_TRUE(WaitEntered(backend, 1)) << "the worker never took the blocker";
+  std::vector<OwnedJob> jobs(6);
+  for (int j = 0; j < 6; ++j) executor.Submit(jobs[j].MakeCross(layer, 2, 40, 10.0f * j));
+  for (auto& j : jobs) {
+    auto [status, timings] = j.result.get_future().get();
+    ASSERT_TRUE(status.ok()) << status.ToString();
+    EXPECT_LE(timings.batch_requests, 2) << "2 requests of 42 rows fill a 100-token batch";
+    EXPECT_EQ(j.output[0], j.input[0]);
+  }
+  std::lock_guard<std::mutex> lock(backend.mu);
+  ASSERT_EQ(backend.batch_rows.size(), 4u) << "the blocker, then three batches of two";
+  for (size_t b = 1; b < backend.batch_rows.size(); ++b) {
+    EXPECT_LE(backend.batch_rows[b], 100) << "batch " << b << " holds " << backend.batch_rows[b] << " rows";
+    EXPECT_EQ(backend.batch_sizes[b], 2);
+  }
+}
+
+// The queue time reported (the job's queue_us and the observer's seconds, which feed
+// attnserve_queue_duration_seconds) covers the time the job was held behind a busy worker: here
+// at least the 60 ms the blocker still had when the job came, measured by this test's clock.
+TEST(BatchingExecutorTest, QueueTimeCoversAKnownHold) {
+  struct QueueObserver final : public BatchObserver {
+    void JobQueued(std::string_view, Form) override {}
+    void JobDequeued(std::string_view, Form, double queue_seconds) override {
+      std::lock_guard<std::mutex> lock(mu);
+      seconds.push_back(queue_seconds);
+    }
+    void BatchDone(const BatchReport&) override {}
+    std::mutex mu;
+    std::vector<double> seconds;
+  } observer;
+  FakeBackend backend;
+  backend.delay = 60ms;
+  auto layer = MakeLayer(backend, 1.0f);
+  BatchingExecutor executor(&backend, {.max_batch_requests = 1, .max_batch_tokens = 1000, .max_queue_delay = 0ms},
+                            &observer);
+  OwnedJob blocker, held;
+  const Clock::time_point blocker_sent = Clock::now();
+  executor.Submit(blocker.Make(layer, 1, 0));
+  ASSERT_TRUE(WaitEntered(backend, 1)) << "the worker never took the blocker";
+  ForwardJob job = held.Make(layer, 1, 5);
+  const Clock::time_point sent = Clock::now();
+  job.enqueued = sent;
+  executor.Submit(std::move(job));
+  auto [status, timings] = held.result.get_future().get();
+  ASSERT_TRUE(status.ok()) << status.ToString();
+  // The hold, by this test's clock: from the job's submission to the worker taking it, which
+  // cannot come before the blocker's 60 ms ended.
+  const double hold = std::chrono::duration<double>(timings.compute_start - sent).count();
+  const double blocker_left = 0.060 - std::chrono::duration<double>(sent - blocker_sent).count();
+  EXPECT_GE(hold, blocker_left);
+  EXPECT_NEAR(timings.queue_us * 1e-6, hold, 1e-3);
+  std::lock_guard<std::mutex> lock(observer.mu);
+  ASSERT_EQ(observer.seconds.size(), 2u) << "the blocker and the held job each left the queue once";
+  EXPECT_NEAR(observer.seconds[1], hold, 1e-3) << "attnserve_queue_duration_seconds' observation";
+  EXPECT_GE(observer.seconds[1], blocker_left - 1e-3);
 }
 
 TEST(BatchingExecutorTest, DeadlineAndCancelDropBeforeCompute) {

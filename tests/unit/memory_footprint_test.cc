@@ -19,6 +19,8 @@
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/core/forms.h"
 #include "server/core/layer.h"
+#include "server/service/footprint.h"
+#include "server/service/validation.h"
 
 namespace attnserve {
 namespace {
@@ -71,6 +73,131 @@ void Measure(const Case& c, int fd) {
   const int64_t after = StatusBytes("VmHWM:");
   const int64_t out[2] = {st.ok() ? formula : -1, after - before};
   (void)!write(fd, out, sizeof out);
+}
+
+// Runs `measure` (which writes {formula bytes, measured growth} to its fd) in a child process
+// and returns what it wrote; {-1, -1} when the child wrote nothing.
+template <typename F>
+std::pair<int64_t, int64_t> InChild(F measure) {
+  int pipe_fd[2];
+  if (pipe(pipe_fd) != 0) return {-1, -1};
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(pipe_fd[0]);
+    measure(pipe_fd[1]);
+    _exit(0);
+  }
+  close(pipe_fd[1]);
+  int64_t got[2] = {-1, -1};
+  const ssize_t n = read(pipe_fd[0], got, sizeof got);
+  close(pipe_fd[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (n != static_cast<ssize_t>(sizeof got)) return {-1, -1};
+  return {got[0], got[1]};
+}
+
+// A whole request as the service admits it: half-precision wire tensors decoded into float32
+// copies, the outputs, then one Forward of every batch row on a grouped-query layer.
+struct RequestCase {
+  const char* name;
+  int64_t d_model, heads, kv_heads, batch, n, m;
+  bool summed, cross, bf16;  // bf16: BFLOAT16 on the wire, else FLOAT16
+};
+
+// float32 → the wire's half-precision bits (round to nearest even for FLOAT16 via _Float16;
+// BFLOAT16 keeps the top 16 bits, which is all the test needs of its values).
+std::string HalfBytes(const std::vector<float>& v, bool bf16) {
+  std::string bytes(v.size() * 2, '\0');
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint16_t bits;
+    if (bf16) {
+      uint32_t f;
+      std::memcpy(&f, &v[i], 4);
+      bits = static_cast<uint16_t>(f >> 16);
+    } else {
+      const _Float16 h = static_cast<_Float16>(v[i]);
+      std::memcpy(&bits, &h, 2);
+    }
+    std::memcpy(&bytes[2 * i], &bits, 2);
+  }
+  return bytes;
+}
+
+// In the child: {RequestFootprint less the wire bytes (already resident), measured growth from
+// before the decode to the Forward's end} written to `fd`.
+void MeasureRequest(const RequestCase& c, int fd) {
+  mallopt(M_MMAP_THRESHOLD, 64 * 1024);
+  mallopt(M_TRIM_THRESHOLD, 64 * 1024);
+  const LayerConfig config = *CompleteConfig({.d_model = c.d_model, .heads = c.heads, .kv_heads = c.kv_heads});
+  const LayerWeights weights = RandomLayerWeights(config, 7);
+  CpuBackend backend(CpuBackendOptions{.threads = 2});
+  Layer layer;
+  layer.name = "footprint";
+  layer.config = config;
+  const Form form = c.summed ? Form::kSummed : Form::kFactored;
+  layer.forms[form] = *backend.Upload(
+      std::make_shared<const FormWeights>(c.summed ? MaterializeSummed(weights) : MaterializeFactored(weights)));
+  std::mt19937_64 rng(13);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(c.batch * c.n * c.d_model), ctx(c.cross ? c.batch * c.m * c.d_model : 0);
+  for (float& v : x) v = normal(rng);
+  for (float& v : ctx) v = normal(rng);
+  const std::string x_wire = HalfBytes(x, c.bf16), ctx_wire = HalfBytes(ctx, c.bf16);
+  x.clear();
+  x.shrink_to_fit();
+  ctx.clear();
+  ctx.shrink_to_fit();
+  const int dtype = static_cast<int>(c.bf16 ? WireDtype::kBFloat16 : WireDtype::kFloat16);
+  const std::vector<int64_t> x_shape = {c.batch, c.n, c.d_model}, ctx_shape = {c.batch, c.m, c.d_model};
+  std::vector<int32_t> key_lengths;
+  for (int64_t b = 0; b < c.batch; ++b) key_lengths.push_back(static_cast<int32_t>((c.cross ? c.m : c.n) - 7 * b));
+  WireForwardRequest wire;
+  wire.input = WireTensor{true, dtype, x_shape, x_wire};
+  if (c.cross) wire.context = WireTensor{true, dtype, ctx_shape, ctx_wire};
+  wire.key_lengths = key_lengths;
+  ResetPeakRss();
+  const int64_t before = StatusBytes("VmRSS:");
+  StatusOr<DecodedForward> decoded = DecodeForward(config, wire);
+  if (!decoded.ok()) return;
+  std::vector<float> y(decoded->output_elements());  // the job's output, as the service allocates it
+  const std::vector<Sequence> sequences = decoded->Sequences(y.data());
+  const Status st = backend.Forward(*layer.forms[form], sequences);
+  const int64_t after = StatusBytes("VmHWM:");
+  const Form forms[] = {form};
+  const int64_t wire_bytes = static_cast<int64_t>(x_wire.size() + ctx_wire.size());
+  const int64_t formula = RequestFootprint(layer, *decoded, forms, wire_bytes, &backend) - wire_bytes;
+  const int64_t out[2] = {st.ok() ? formula : -1, after - before};
+  (void)!write(fd, out, sizeof out);
+}
+
+// The admission charge (RequestFootprint: the float32 copies of half-precision inputs and
+// contexts, the outputs, the backend's scratch by ForwardScratchBytes) against the peak RSS of
+// the real decode and Forward, on grouped-query layers (whose heads the tiled attention stacks,
+// kQueryTile rows at most) with several batch rows. A tile that stacked a group's heads past
+// kQueryTile rows (16 MiB more per thread at 32 heads a group) is caught; the exact charge of
+// each term, the context's float32 copy included, is held by footprint_test.
+TEST(MemoryFootprintTest, RequestFootprintCoversHalfPrecisionGqaBatches) {
+#if defined(ATTNSERVE_ASAN) || defined(ATTNSERVE_TSAN)
+  GTEST_SKIP() << "RSS is not the program's allocations under a sanitizer's allocator";
+#endif
+  const RequestCase cases[] = {
+      {"factored MQA (32 heads a group), 3 rows of 600 tokens, fp16", 256, 32, 1, 3, 600, 600, false, false, false},
+      {"factored GQA cross-attention, 2 rows of 300 over 4000 keys, bf16", 256, 8, 2, 2, 300, 4000, false, true, true},
+      {"summed MQA, 2 rows of 600 tokens, fp16", 128, 8, 1, 2, 600, 600, true, false, false},
+  };
+  for (const RequestCase& c : cases) {
+    const auto [formula, measured] = InChild([&](int fd) { MeasureRequest(c, fd); });
+    ASSERT_GT(formula, 0) << c.name << ": the child could not decode or run the request";
+    const double formula_mb = formula / 1048576.0, measured_mb = measured / 1048576.0;
+    std::printf("%-66s formula %7.1f MiB, measured peak growth %7.1f MiB, ratio %.2f\n", c.name, formula_mb,
+                measured_mb, measured_mb / formula_mb);
+    EXPECT_LE(measured_mb, formula_mb * 1.05 + 2) << c.name;
+    // The charge is conservative for factored batches (about twice the peak: it counts stacked
+    // copies of inputs and outputs that a decoded request's contiguous rows never need, and Q,
+    // K, V and the heads' outputs as if all were live at once): within 2.5x.
+    EXPECT_GE(measured_mb * 2.5 + 8, formula_mb) << c.name;
+  }
 }
 
 TEST(MemoryFootprintTest, FormulaCoversTheMeasuredPeakWithoutWaste) {

@@ -488,9 +488,10 @@ TEST(ShadowRunnerTest, ShutdownDropsWhatWaitsAndRefusesLaterOffers) {
   ASSERT_TRUE(executor.WaitForJobs(1));
   ASSERT_TRUE(runner->Offer("demo", 64, [] { return SmallRequest("demo"); }));
   ASSERT_TRUE(runner->Offer("demo", 64, [] { return SmallRequest("demo"); }));
-  // Shutdown waits for the running mirror: release it from another thread.
+  // Shutdown drops the two waiting, then waits for the running mirror: release it from another
+  // thread once the drops are reported, so the worker cannot have taken a waiting one first.
   std::thread release([&] {
-    std::this_thread::sleep_for(50ms);
+    EXPECT_TRUE(obs.WaitForOutcomes(2)) << "Shutdown dropped nothing";
     executor.ReleaseOne();
   });
   runner->Shutdown();

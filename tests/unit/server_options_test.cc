@@ -68,6 +68,32 @@ TEST(ServerOptionsTest, FlagsInBothSpellings) {
   EXPECT_EQ(o->max_scores_m, 16);
 }
 
+// Without a token the admin listener must be reachable from this machine only: a literal
+// loopback address, or localhost. A name that merely starts like one resolves anywhere.
+TEST(ServerOptionsTest, AdminListenWithoutATokenTakesOnlyLoopbackAddresses) {
+  for (const char* host : {"127.0.0.1", "127.0.0.2", "127.255.255.254", "::1", "[::1]", "localhost"}) {
+    EXPECT_TRUE(IsLoopbackHost(host)) << host;
+  }
+  for (const char* host : {"127.x.example", "127.example.com", "127.0.0.1.nip.io", "127.", "127.0.0.256", "10.0.0.1",
+                           "192.168.1.1", "0.0.0.0", "::", "[::]", "::ffff:10.0.0.1", "", "localhost.example.com",
+                           "[127.0.0.1]"}) {
+    EXPECT_FALSE(IsLoopbackHost(host)) << host;
+  }
+  // Through the flags, as an operator meets it: the refusal names the field and what it got.
+  for (const char* listen : {"127.x.example:9000", "127.example.com:9000", "10.0.0.1:9000", "192.168.1.1:9000",
+                             "0.0.0.0:9000", "[::]:9000"}) {
+    auto o = Parse({"--admin-listen", listen});
+    ASSERT_FALSE(o.ok()) << listen;
+    EXPECT_THAT(o.status().message(), HasSubstr("admin_listen")) << listen;
+    EXPECT_THAT(o.status().message(), HasSubstr(listen));
+    // With a token the operator chose the network: accepted.
+    EXPECT_TRUE(Parse({"--admin-listen", listen, "--admin-token", "0123456789abcdef0123"}).ok()) << listen;
+  }
+  for (const char* listen : {"127.0.0.1:9000", "127.3.4.5:0", "[::1]:9000", "localhost:9000"}) {
+    EXPECT_TRUE(Parse({"--admin-listen", listen}).ok()) << listen;
+  }
+}
+
 TEST(ServerOptionsTest, YamlFileWithFlagsOverriding) {
   const std::string path = WriteTemp(
       "listen: 127.0.0.1:6000\n"
