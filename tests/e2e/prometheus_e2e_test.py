@@ -271,7 +271,7 @@ class PrometheusE2E(unittest.TestCase):
 
     def test_routing_split_and_sticky_keys(self):
         self.assertIn(f"route {LAYER}: factored:50,summed:50", self.route_out)
-        weights = self.query_values("attnserve_routing_weight")
+        weights = self.query_values("attnserve_route_weight")
         self.assertEqual(weights[(("form", "factored"), ("layer", LAYER))], 0.5)
         self.assertEqual(weights[(("form", "summed"), ("layer", LAYER))], 0.5)
         self.assertEqual(weights[(("form", "factored"), ("layer", "*"))], 1.0)
@@ -309,7 +309,7 @@ class PrometheusE2E(unittest.TestCase):
         out = subprocess.run([PROMTOOL, "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         excerpt = [l for l in body.splitlines() if l.startswith(("attnserve_requests_total", "attnserve_flops_total",
-                                                                   "attnserve_routing_weight"))]
+                                                                   "attnserve_route_weight"))]
         print("scrape excerpt:\n  " + "\n  ".join(excerpt), file=sys.stderr)
 
     def test_metrics_need_the_password(self):

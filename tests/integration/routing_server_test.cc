@@ -142,7 +142,7 @@ TEST(RoutingServerTest, SetRoutingIsAdminGuardedAndChecksEveryField) {
   EXPECT_DOUBLE_EQ(info.routes(1).weights(0).weight(), 0.75);
   EXPECT_DOUBLE_EQ(info.routes(1).weights(1).weight(), 0.25);
   EXPECT_EQ(info.shadow_rate(), 0.5);
-  EXPECT_EQ(server.Sample("attnserve_routing_weight{form=\"summed\",layer=\"ab\"}"), 0.25);
+  EXPECT_EQ(server.Sample("attnserve_route_weight{form=\"summed\",layer=\"ab\"}"), 0.25);
 }
 
 TEST(RoutingServerTest, RoutedFormsAreStickyAndSkipFormsNotHeld) {
