@@ -219,11 +219,11 @@ Status Server::Build() {
     ATTNSERVE_RETURN_IF_ERROR(router_->SetRoute(layer, split));
   }
   if (!options_.routes_file.empty()) {
+    // A file naming a layer not loaded, or a form it does not hold, is refused whole.
     LayerStore* store = store_.get();
-    ATTNSERVE_ASSIGN_OR_RETURN(
-        routes_file_, RoutesFile::Start(RoutesFileOptions{.path = options_.routes_file}, router_.get(),
-                                        [store](const Routes& routes) { return CheckRoutesHeld(routes, store->List()); },
-                                        metrics_.get()));
+    auto held = [store](const Routes& routes) { return CheckRoutesHeld(routes, store->List()); };
+    ATTNSERVE_ASSIGN_OR_RETURN(routes_file_, RoutesFile::Start(RoutesFileOptions{.path = options_.routes_file},
+                                                               router_.get(), held, metrics_.get()));
   }
   ATTNSERVE_RETURN_IF_ERROR(router_->SetShadowRate(options_.shadow_rate));
   // One budget for what every admitted request and shadow run holds (docs/reliability.md).

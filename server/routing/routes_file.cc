@@ -23,8 +23,8 @@ constexpr char kExpected[] =
 
 // What changes a mounted ConfigMap (the `..data` symlink swap), an editor's rename into place,
 // a write in place, or the directory itself going away.
-constexpr uint32_t kWatchMask = IN_CREATE | IN_MOVED_TO | IN_MOVED_FROM | IN_CLOSE_WRITE | IN_DELETE |
-                                IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR;
+constexpr uint32_t kWatchMask =
+    IN_CREATE | IN_MOVED_TO | IN_MOVED_FROM | IN_CLOSE_WRITE | IN_DELETE | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR;
 // Events in a burst (a swap is several) read before the file is, at most: a writer that never
 // stops must not starve the reload.
 constexpr int kMaxSettleRounds = 20;
@@ -48,7 +48,8 @@ StatusOr<Routes> ParseRoutesFile(std::string_view text, std::string_view origin)
   Routes routes;
   try {
     const YAML::Node root = YAML::Load(std::string(text));
-    if (!root.IsMap()) return InvalidArgumentError(o + ": " + kExpected + ", got " + (root.IsNull() ? "nothing" : "no mapping"));
+    if (!root.IsMap())
+      return InvalidArgumentError(o + ": " + kExpected + ", got " + (root.IsNull() ? "nothing" : "no mapping"));
     for (const auto& kv : root) {
       const std::string key = kv.first.as<std::string>();
       if (key != "routes") return InvalidArgumentError(o + ": " + kExpected + ", got the key '" + key + "'");
@@ -109,15 +110,16 @@ Status CheckRoutesHeld(const Routes& routes, const std::vector<std::shared_ptr<c
 RoutesFile::RoutesFile(RoutesFileOptions options, Router* router, Validator validator, RoutingObserver* observer)
     : options_(std::move(options)), router_(router), validator_(std::move(validator)), observer_(observer) {}
 
-StatusOr<std::unique_ptr<RoutesFile>> RoutesFile::Start(RoutesFileOptions options, Router* router,
-                                                        Validator validator, RoutingObserver* observer) {
+StatusOr<std::unique_ptr<RoutesFile>> RoutesFile::Start(RoutesFileOptions options, Router* router, Validator validator,
+                                                        RoutingObserver* observer) {
   if (options.path.empty()) return InvalidArgumentError("--routes-file: expected a file path, got an empty string");
   std::unique_ptr<RoutesFile> file(new RoutesFile(std::move(options), router, std::move(validator), observer));
   ATTNSERVE_RETURN_IF_ERROR(file->Reload(/*initial=*/true));
   file->stop_fd_ = eventfd(0, EFD_CLOEXEC);
   if (file->stop_fd_ < 0) return InternalError(std::string("--routes-file: eventfd: ") + std::strerror(errno));
   if (!file->options_.use_inotify || !file->WatchDirectory()) {
-    spdlog::warn("routes file {}: polling every {} ms (no inotify)", file->path(), file->options_.poll_interval.count());
+    spdlog::warn("routes file {}: polling every {} ms (no inotify)", file->path(),
+                 file->options_.poll_interval.count());
   }
   file->watcher_ = std::thread([f = file.get()] { f->Watch(); });
   return file;
@@ -182,7 +184,10 @@ void RoutesFile::Watch() {
                      {.fd = inotify_fd_, .events = POLLIN, .revents = 0}};
     const int timeout = inotify_fd_ >= 0 ? -1 : static_cast<int>(options_.poll_interval.count());
     const int ready = poll(fds, 2, timeout);
-    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0) {
+      if (errno != EINTR) std::this_thread::sleep_for(options_.poll_interval);  // never a busy loop
+      continue;
+    }
     if ((fds[0].revents & POLLIN) != 0) return;
     if (inotify_fd_ >= 0 && (fds[1].revents & POLLIN) != 0) {
       // A swap is several events: let it finish, then read the file once.

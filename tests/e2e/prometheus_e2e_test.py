@@ -7,7 +7,7 @@ requests before and after `attnserve-cli route`, sticky request keys, shadows), 
 Prometheus's HTTP API what the design promises (docs/metrics.md):
 
   sum by (form) (attnserve_requests_total)                       == what this test sent per form
-  histogram_quantile(0.99, sum by (le, form) (rate(attnserve_request_duration_seconds_bucket[1m])))
+  histogram_quantile(0.99, sum by (le, form) (rate(attnserve_request_duration_seconds_bucket{code="OK"}[1m])))
                                                                   a finite series for each form
 
 and checks `promtool check metrics` on a scrape, `promtool check config` on
@@ -258,7 +258,8 @@ class PrometheusE2E(unittest.TestCase):
                          {(("code", "OK"),): float(sum(self.sent.values()))})
 
     def test_p99_latency_has_a_series_per_form(self):
-        promql = "histogram_quantile(0.99, sum by (le, form) (rate(attnserve_request_duration_seconds_bucket[1m])))"
+        promql = ('histogram_quantile(0.99, sum by (le, form) '
+                  '(rate(attnserve_request_duration_seconds_bucket{code="OK"}[1m])))')
         # After the last wave has been scraped.
         self.test_requests_per_form_equal_what_was_sent()
         got = self.query_values(promql)

@@ -156,8 +156,8 @@ TEST(RoutesFileServerTest, AChangedFileMovesTheSplitAndABadOneChangesNothing) {
   // Refused files: a form the layer does not hold, a misspelt form, not YAML. Each is counted;
   // the generation, the weights and every key's form stay.
   int errors = 0;
-  for (const char* bad : {"routes:\n  ab: factored:50,lowrank:50\n", "routes:\n  ab: factored:50,sumed:50\n",
-                          "routes: [\n"}) {
+  for (const char* bad :
+       {"routes:\n  ab: factored:50,lowrank:50\n", "routes:\n  ab: factored:50,sumed:50\n", "routes: [\n"}) {
     Replace(routes, bad);
     ++errors;
     ASSERT_EQ(server.WaitForSample(kReloadError, errors), errors) << bad << server.process->Log();
@@ -175,8 +175,8 @@ TEST(RoutesFileServerTest, ABadFileAtStartUpStopsTheServerNamingIt) {
   const std::string routes = dir.File("routes.yaml");
   Replace(routes, "routes:\n  ab: factored:1\n  nope: summed:1\n");
   std::string output;
-  const std::vector<std::string> common = {"--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--layer",
-                                           kLayer, "--routes-file", routes};
+  const std::vector<std::string> common = {"--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+                                           "--layer",  kLayer,        "--routes-file",    routes};
   EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, common, &output), 1) << output;
   EXPECT_THAT(output, HasSubstr("--routes-file '" + routes + "': routes: nope: expected a loaded layer"));
 

@@ -304,7 +304,8 @@ TEST(ServingStagesTest, EveryServedCallIsTimedStageByStage) {
   }
   double requests = 0, computes = 0;
   for (const char* form : {"factored", "summed"}) {
-    requests += sample(std::string("attnserve_request_duration_seconds_sum{form=\"") + form + "\",layer=\"ab\"}");
+    requests += sample(std::string("attnserve_request_duration_seconds_sum{code=\"OK\",form=\"") + form +
+                      "\",layer=\"ab\"}");
     computes += sample(std::string("attnserve_compute_duration_seconds_sum{device=\"cpu\",form=\"") + form +
                        "\",layer=\"ab\"}");
   }

@@ -3,6 +3,8 @@
 // errors, routes checked against the layers held, and the watcher on a real directory: a write
 // in place, a rename into place, a Kubernetes ConfigMap `..data` symlink swap, a refused file
 // that keeps the last good split, the poll fallback, and a clean stop.
+#include "server/routing/routes_file.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -15,7 +17,6 @@
 #include <thread>
 
 #include "server/routing/router.h"
-#include "server/routing/routes_file.h"
 #include "tests/unit/temp_dir.h"
 
 namespace attnserve {
@@ -72,7 +73,8 @@ uint64_t Fnv(const std::string& text) {
 void WriteFile(const std::string& path, const std::string& text) { std::ofstream(path, std::ios::trunc) << text; }
 
 // Waits until `layer`'s split reads `spec`.
-bool WaitForRoute(const Router& router, const std::string& layer, const std::string& spec, std::chrono::milliseconds timeout = 5s) {
+bool WaitForRoute(const Router& router, const std::string& layer, const std::string& spec,
+                  std::chrono::milliseconds timeout = 5s) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (std::chrono::steady_clock::now() < deadline) {
     if (FormatRouteSpec(router.RouteOf(layer)) == spec) return true;
@@ -91,18 +93,21 @@ std::shared_ptr<const Layer> HeldLayer(const std::string& name, std::vector<Form
 // --- The generation and whole-set routes ---
 
 TEST(RoutesGenerationTest, IsFnv1aOfTheCanonicalTextTo53Bits) {
-  const Routes routes = {{"enc", *ParseRouteSpec("summed:3,factored:1")}, {"*", *ParseRouteSpec("factored:9,summed:1")}};
+  const Routes routes = {{"enc", *ParseRouteSpec("summed:3,factored:1")},
+                         {"*", *ParseRouteSpec("factored:9,summed:1")}};
   const std::string text = "*=factored:90,summed:10\nenc=factored:25,summed:75\n";
   EXPECT_EQ(CanonicalRoutesText(routes), text);
   EXPECT_EQ(RoutesGeneration(routes), Fnv(text) >> 11);
   EXPECT_LT(RoutesGeneration(routes), uint64_t{1} << 53);
   // The same split written otherwise (order, scale) is the same generation; the default is
   // factored:100 whether written or not; any change of a share is another generation.
-  EXPECT_EQ(RoutesGeneration({{"*", *ParseRouteSpec("summed:10,factored:90")}, {"enc", *ParseRouteSpec("factored:0.5,summed:1.5")}}),
+  EXPECT_EQ(RoutesGeneration(
+                {{"*", *ParseRouteSpec("summed:10,factored:90")}, {"enc", *ParseRouteSpec("factored:0.5,summed:1.5")}}),
             RoutesGeneration(routes));
   EXPECT_EQ(RoutesGeneration({}), RoutesGeneration({{"*", *ParseRouteSpec("factored:1")}}));
   EXPECT_EQ(RoutesGeneration({}), Fnv("*=factored:100\n") >> 11);
-  EXPECT_NE(RoutesGeneration({{"*", *ParseRouteSpec("factored:89,summed:11")}, {"enc", *ParseRouteSpec("summed:3,factored:1")}}),
+  EXPECT_NE(RoutesGeneration(
+                {{"*", *ParseRouteSpec("factored:89,summed:11")}, {"enc", *ParseRouteSpec("summed:3,factored:1")}}),
             RoutesGeneration(routes));
 }
 
@@ -121,9 +126,9 @@ TEST(RouterReplaceRoutesTest, ReplacesEveryRouteAtOnceOrNothing) {
   EXPECT_EQ(obs.last_generation(), router.generation());
 
   // Refused: nothing changes.
-  EXPECT_THAT(router.ReplaceRoutes({{"a", *ParseRouteSpec("summed:1")}, {"a", *ParseRouteSpec("factored:1")}})
-                  .message(),
-              HasSubstr("'a' twice"));
+  EXPECT_THAT(
+      router.ReplaceRoutes({{"a", *ParseRouteSpec("summed:1")}, {"a", *ParseRouteSpec("factored:1")}}).message(),
+      HasSubstr("'a' twice"));
   EXPECT_FALSE(router.ReplaceRoutes({{"", *ParseRouteSpec("summed:1")}}).ok());
   EXPECT_EQ(router.generation(), RoutesGeneration(next));
   // Without "*": the default is factored:100 again.
@@ -148,7 +153,8 @@ TEST(RoutesFileParseTest, TheConfigsRoutesKeyAlone) {
   EXPECT_THAT(error("routes:\n  enc: factored:90,sumed:10\n"), HasSubstr("f.yaml: routes: enc: expected a form"));
   EXPECT_THAT(error("routes:\n  enc: factored:-1\n"), HasSubstr("routes: enc: expected a finite weight >= 0"));
   EXPECT_THAT(error("routes:\n  enc: factored:0\n"), HasSubstr("at least one positive weight"));
-  EXPECT_THAT(error("routes:\n  enc: [factored:1]\n"), HasSubstr("routes: enc: expected FORM:WEIGHT,... as one string"));
+  EXPECT_THAT(error("routes:\n  enc: [factored:1]\n"),
+              HasSubstr("routes: enc: expected FORM:WEIGHT,... as one string"));
   EXPECT_THAT(error("shadow_rate: 1\n"), HasSubstr("got the key 'shadow_rate'"));
   EXPECT_THAT(error("routes: factored:1\n"), HasSubstr("routes: expected a mapping"));
   EXPECT_THAT(error("routes:\n  enc: [\n"), HasSubstr("f.yaml: not valid YAML"));
@@ -159,7 +165,7 @@ TEST(RoutesFileParseTest, RoutesMustNameLayersAndFormsHeld) {
                                                             HeldLayer("dec", {Form::kFactored})};
   EXPECT_TRUE(CheckRoutesHeld({{"enc", *ParseRouteSpec("factored:1,summed:1")}}, layers).ok());
   EXPECT_TRUE(CheckRoutesHeld({{"dec", *ParseRouteSpec("factored:1,summed:0")}}, layers).ok());  // 0: not named
-  EXPECT_TRUE(CheckRoutesHeld({{"*", *ParseRouteSpec("factored:1,summed:1")}}, layers).ok());   // enc holds it
+  EXPECT_TRUE(CheckRoutesHeld({{"*", *ParseRouteSpec("factored:1,summed:1")}}, layers).ok());    // enc holds it
   Status s = CheckRoutesHeld({{"dec", *ParseRouteSpec("factored:1,summed:1")}}, layers);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("routes: dec: expected forms the layer holds (factored), got summed"));
@@ -196,9 +202,9 @@ TEST_F(RoutesFileWatchTest, StartAppliesTheFileOrNamesItsProblem) {
   TempDir other;
   Router fresh;
   WriteFile(other.File("bad.yaml"), "routes:\n  enc: lowrank:1\n");
-  auto bad = RoutesFile::Start(RoutesFileOptions{.path = other.File("bad.yaml")}, &fresh,
-                               [](const Routes& r) { return CheckRoutesHeld(r, {HeldLayer("enc", {Form::kFactored})}); },
-                               nullptr);
+  auto bad = RoutesFile::Start(
+      RoutesFileOptions{.path = other.File("bad.yaml")}, &fresh,
+      [](const Routes& r) { return CheckRoutesHeld(r, {HeldLayer("enc", {Form::kFactored})}); }, nullptr);
   ASSERT_FALSE(bad.ok());
   EXPECT_THAT(bad.status().message(), HasSubstr("--routes-file '" + other.File("bad.yaml") + "': routes: enc:"));
   EXPECT_THAT(bad.status().message(), HasSubstr("got lowrank"));
