@@ -32,6 +32,7 @@
 #include "server/metrics/metrics_endpoint.h"
 #include "server/metrics/web_config.h"
 #include "server/routing/router.h"
+#include "server/routing/routes_file.h"
 #include "server/routing/shadow.h"
 #include "server/service/inference_service.h"
 #include "server/service/service.h"
@@ -217,6 +218,13 @@ Status Server::Build() {
     ATTNSERVE_ASSIGN_OR_RETURN(RouteSplit split, ParseRouteSpec(spec));  // checked by ParseServerOptions too
     ATTNSERVE_RETURN_IF_ERROR(router_->SetRoute(layer, split));
   }
+  if (!options_.routes_file.empty()) {
+    // A file naming a layer not loaded, or a form it does not hold, is refused whole.
+    LayerStore* store = store_.get();
+    auto held = [store](const Routes& routes) { return CheckRoutesHeld(routes, store->List()); };
+    ATTNSERVE_ASSIGN_OR_RETURN(routes_file_, RoutesFile::Start(RoutesFileOptions{.path = options_.routes_file},
+                                                               router_.get(), held, metrics_.get()));
+  }
   ATTNSERVE_RETURN_IF_ERROR(router_->SetShadowRate(options_.shadow_rate));
   // One budget for what every admitted request and shadow run holds (docs/reliability.md).
   const int64_t memory_budget =
@@ -235,6 +243,7 @@ Status Server::Build() {
                           .max_request_scores = int64_t{options_.max_scores_m} * 1000000,
                           .metrics = metrics,
                           .router = router_.get(),
+                          .routes_file = options_.routes_file,
                           .shadow = shadow_.get(),
                           .memory = memory_.get(),
                           .backend = backend_,
@@ -309,7 +318,7 @@ void Server::LogListening() const {
       options_.tls_cert.empty() ? "plaintext" : (options_.tls_client_ca.empty() ? "TLS" : "mTLS"),
       options_.admin_token.empty() ? "closed on this listener" : "with the admin token");
   std::string routes;
-  for (const auto& [layer, split] : router_->Routes()) {
+  for (const auto& [layer, split] : router_->AllRoutes()) {
     routes += (routes.empty() ? "" : "; ") + layer + "=" + FormatRouteSpec(split);
   }
   spdlog::info("metrics on {}://{}:{}/metrics{}; routes {}; shadow rate {}", metrics_web_.tls() ? "https" : "http",
@@ -401,6 +410,7 @@ Stopped Server::Run() {
   listener_->Wait();
   if (admin_listener_ != nullptr) admin_listener_->Wait();
   monitor_.join();
+  if (routes_file_ != nullptr) routes_file_->Stop();  // the listeners are closed: no route matters now
   shadow_->Shutdown();  // drops waiting mirrors; the running one needs the executor still
   const int abandoned = executor_->Drain(std::chrono::milliseconds(0));
   spdlog::info("batch workers stopped");

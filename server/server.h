@@ -32,6 +32,7 @@ class MemoryBudget;
 class Metrics;
 class MetricsEndpoint;
 class Router;
+class RoutesFile;
 class ShadowRunner;
 class AttentionServiceImpl;
 struct ChosenBackend;
@@ -86,6 +87,7 @@ class Server {
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
   std::unique_ptr<BatchingExecutor> executor_;
   std::unique_ptr<Router> router_;
+  std::unique_ptr<RoutesFile> routes_file_;  // with --routes-file only
   std::unique_ptr<MemoryBudget> memory_;
   std::unique_ptr<ShadowRunner> shadow_;
   std::unique_ptr<AttentionServiceImpl> service_;

@@ -253,6 +253,9 @@ const Setting kSettings[] = {
     {"--route", "routes", "LAYER=SPEC", {}, 0, 0, nullptr, AddRoute,
      "split requests to LAYER that leave the form unspecified, SPEC = FORM:WEIGHT,... e.g. "
      "factored:90,summed:10; LAYER '*' = every layer without its own (repeatable; YAML: a mapping)"},
+    {"--routes-file", "routes_file", "FILE", &O::routes_file, 0, 0, nullptr, nullptr,
+     "YAML file 'routes: {LAYER: SPEC}' read at start and followed (inotify; reloaded on change, a bad file refused "
+     "whole); the fleet's one split: excludes --route, and SetRouting may not change routes"},
     {"--shadow-rate", "shadow_rate", "R", &O::shadow_rate, 0, 0, nullptr, nullptr,
      "also run this fraction of requests by another held form, off the request path, and record the divergence"},
     {"--shadow-queue", "shadow_queue", "N", &O::shadow_queue, 1, 100000, nullptr, nullptr,
@@ -359,6 +362,11 @@ Status CheckCombinations(const ServerOptions& o) {
                                   "address (127.0.0.1:PORT or [::1]:PORT), got '" + o.admin_listen +
                                   "'; set --admin-token to open it to the network");
     }
+  }
+  if (!o.routes_file.empty() && !o.routes.empty()) {
+    return InvalidArgumentError("routes_file, routes: expected one or the other, got both (--routes-file '" +
+                                o.routes_file + "' and " + std::to_string(o.routes.size()) +
+                                " route(s) from --route or the config's routes:); put every route in the file");
   }
   if (o.tls_cert.empty() != o.tls_key.empty()) {
     return InvalidArgumentError("tls_cert, tls_key: expected both or neither, got only " +

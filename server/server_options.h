@@ -77,6 +77,9 @@ struct ServerOptions {
   // A/B routing: LAYER (or "*") → FORM:WEIGHT,... for requests that leave the form unspecified,
   // in the order given (a later route of the same layer replaces an earlier one).
   std::vector<std::pair<std::string, std::string>> routes;
+  // A YAML file of routes (server/routing/routes_file.h) read at start and followed while the
+  // server runs; excludes --route and the config's routes.
+  std::string routes_file;
   double shadow_rate = 0;  // fraction of served requests mirrored to another held form
   int shadow_queue = 16;   // mirrors waiting at most; beyond: dropped and counted
   std::string config_file;

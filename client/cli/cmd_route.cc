@@ -108,8 +108,10 @@ std::string RouteDetails() {
       "  --clear           remove LAYER's own route ('*': back to factored only)\n"
       "  --shadow-rate R   also run this fraction of requests by another held form, off the\n"
       "                    request path, and record the divergence (0 turns it off)\n"
-      "Changing needs the admin token when the server has one. Prints 'route LAYER: SPEC' lines\n"
-      "(the default first) and 'shadow_rate: R'.\n");
+      "Changing needs the admin token when the server has one, and changes that one process:\n"
+      "a fleet shares one split through the servers' --routes-file, and a server that follows\n"
+      "one refuses a route change (FAILED_PRECONDITION naming the file; --shadow-rate still\n"
+      "works). Prints 'route LAYER: SPEC' lines (the default first) and 'shadow_rate: R'.\n");
 }
 
 int RunRoute(CommandContext& ctx, const std::vector<std::string>& args) {

@@ -68,8 +68,8 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
   static const std::vector<MetricFamilySpec> families = {
       {"attnserve_requests_total", "counter", {"layer", "form", "code"},
        "Forward calls answered, by layer, serving form and gRPC status code."},
-      {"attnserve_request_duration_seconds", "histogram", {"layer", "form"},
-       "Forward call latency in the server, from arrival to the answer, in seconds."},
+      {"attnserve_request_duration_seconds", "histogram", {"layer", "form", "code"},
+       "Forward call latency in the server, from arrival to the answer, in seconds, by gRPC status code."},
       {"attnserve_queue_duration_seconds", "histogram", {"layer", "form"},
        "Time a Forward job waited in the executor's queue before its batch started, in seconds."},
       {"attnserve_compute_duration_seconds", "histogram", {"layer", "form", "device"},
@@ -98,8 +98,14 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
       {"attnserve_layer_parameters", "gauge", {"layer", "form"}, "Parameters of a loaded layer's form."},
       {"attnserve_layer_bytes", "gauge", {"layer", "form", "device"},
        "Bytes of host memory a loaded layer's form holds: its weights, and the CPU backend's packed copy of them."},
-      {"attnserve_routing_weight", "gauge", {"layer", "form"},
-       "Share of unspecified-form requests routed to a form (layer \"*\": the default route)."},
+      {"attnserve_route_weight", "gauge", {"layer", "form"},
+       "Share of unspecified-form requests this process routes to a form (layer \"*\": the default route)."},
+      {"attnserve_routes_generation", "gauge", {},
+       "Hash of the routes this process applies (53 bits of FNV-1a 64 of their canonical text): equal on every "
+       "replica that runs the same split."},
+      {"attnserve_config_reload_total", "counter", {"result"},
+       "Reads of the routes file (--routes-file) that changed it: result ok (applied) or error (refused whole, the "
+       "routes kept)."},
       {"attnserve_build_info", "gauge", {"version", "device", "blas"}, "Always 1; the labels describe the build."},
       {"attnserve_device_errors_total", "counter", {"device"},
        "Backend calls that failed with a device error (the backend is then unhealthy)."},
@@ -113,6 +119,16 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
 const std::vector<double>& LatencyBuckets() {
   static const std::vector<double> b = {50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3,
                                         50e-3, 100e-3, 250e-3, 500e-3, 1,    2.5,    5,    10};
+  return b;
+}
+const std::vector<double>& RequestLatencyBuckets() {
+  // 100 µs · 1.25^k, k = 0 … 56 (26.7 s): neighbouring bounds 25 % apart, so two forms 10 %
+  // apart fall in different buckets at every latency in the range.
+  static const std::vector<double> b = [] {
+    std::vector<double> bounds;
+    for (int k = 0; k < kRequestLatencyBuckets; ++k) bounds.push_back(100e-6 * std::pow(1.25, k));
+    return bounds;
+  }();
   return b;
 }
 const std::vector<double>& BatchRequestBuckets() {
@@ -158,7 +174,7 @@ struct Metrics::Impl {
   // The series of one (layer, form).
   struct FormSeries {
     std::atomic<prometheus::Counter*> requests[kCodes] = {};
-    std::atomic<prometheus::Histogram*> request_duration{nullptr};
+    std::atomic<prometheus::Histogram*> request_duration[kCodes] = {};
     std::atomic<prometheus::Histogram*> queue_duration{nullptr};
     std::atomic<prometheus::Histogram*> batch_requests{nullptr};
     std::atomic<prometheus::Histogram*> batch_tokens{nullptr};
@@ -192,7 +208,11 @@ struct Metrics::Impl {
   prometheus::Family<prometheus::Counter>& shadow_dropped = Counter(*registry, "attnserve_shadow_dropped_total");
   prometheus::Family<prometheus::Gauge>& layer_parameters = Gauge(*registry, "attnserve_layer_parameters");
   prometheus::Family<prometheus::Gauge>& layer_bytes = Gauge(*registry, "attnserve_layer_bytes");
-  prometheus::Family<prometheus::Gauge>& routing_weight = Gauge(*registry, "attnserve_routing_weight");
+  prometheus::Family<prometheus::Gauge>& route_weight = Gauge(*registry, "attnserve_route_weight");
+  prometheus::Gauge& routes_generation = Gauge(*registry, "attnserve_routes_generation").Add({});
+  prometheus::Family<prometheus::Counter>& config_reload = Counter(*registry, "attnserve_config_reload_total");
+  prometheus::Counter& reload_ok = config_reload.Add({{"result", "ok"}});
+  prometheus::Counter& reload_error = config_reload.Add({{"result", "error"}});
   prometheus::Family<prometheus::Gauge>& build_info = Gauge(*registry, "attnserve_build_info");
   prometheus::Family<prometheus::Counter>& device_errors = Counter(*registry, "attnserve_device_errors_total");
   prometheus::Family<prometheus::Counter>& nonfinite_outputs = Counter(*registry, "attnserve_nonfinite_outputs_total");
@@ -285,13 +305,13 @@ void Metrics::RequestFinished(std::string_view layer, std::optional<Form> form, 
   Impl::FormSeries& s = impl_->Series(layer, slot);
   size_t c = static_cast<size_t>(code);
   if (c >= kCodes) c = static_cast<size_t>(StatusCode::kUnknown);
-  Lazy(s.requests[c], impl_->requests_total, [&] {
+  auto labels = [&] {
     prometheus::Labels labels = Impl::LayerForm(layer, slot);
     labels.emplace("code", std::string(StatusCodeName(static_cast<StatusCode>(c))));
     return labels;
-  }).Increment();
-  Lazy(s.request_duration, impl_->request_duration, [&] { return Impl::LayerForm(layer, slot); }, LatencyBuckets())
-      .Observe(seconds);
+  };
+  Lazy(s.requests[c], impl_->requests_total, labels).Increment();
+  Lazy(s.request_duration[c], impl_->request_duration, labels, RequestLatencyBuckets()).Observe(seconds);
 }
 
 void Metrics::StagesServed(std::span<const double, std::size(kAllServingStages)> seconds) {
@@ -364,15 +384,21 @@ void Metrics::BatchDone(const BatchReport& report) {
 void Metrics::RouteChanged(std::string_view layer, const std::vector<std::pair<Form, double>>& split) {
   MutexLock lock(impl_->gauge_mu);
   auto& gauges = impl_->route_gauges[std::string(layer)];
-  for (prometheus::Gauge* g : gauges) impl_->routing_weight.Remove(g);
+  for (prometheus::Gauge* g : gauges) impl_->route_weight.Remove(g);
   gauges.clear();
   for (const auto& [form, share] : split) {
-    prometheus::Gauge& g = impl_->routing_weight.Add(Impl::LayerForm(layer, FormSlot(form)));
+    prometheus::Gauge& g = impl_->route_weight.Add(Impl::LayerForm(layer, FormSlot(form)));
     g.Set(share);
     gauges.push_back(&g);
   }
   if (gauges.empty()) impl_->route_gauges.erase(std::string(layer));
 }
+
+void Metrics::RoutesApplied(uint64_t generation) {
+  impl_->routes_generation.Set(static_cast<double>(generation));  // 53 bits: exact
+}
+
+void Metrics::RoutesFileLoaded(bool ok) { (ok ? impl_->reload_ok : impl_->reload_error).Increment(); }
 
 void Metrics::ShadowCompared(std::string_view layer, Form mirror, const DivergenceStats& divergence) {
   const size_t slot = FormSlot(mirror);

@@ -41,8 +41,12 @@ struct MetricFamilySpec {
 // Every family Metrics registers, in the order of docs/metrics.md.
 const std::vector<MetricFamilySpec>& MetricFamilies();
 
-// Bucket upper bounds. Latencies: 50 µs … 10 s, about three per decade.
+// Bucket upper bounds. Latencies: 50 µs … 10 s, about three per decade (queue and compute).
 const std::vector<double>& LatencyBuckets();
+// request_duration_seconds: 100 µs · 1.25^k, k = 0 … 56 (about 26.7 s); fine enough to tell
+// two forms 10 % apart (docs/metrics.md).
+inline constexpr int kRequestLatencyBuckets = 57;
+const std::vector<double>& RequestLatencyBuckets();
 const std::vector<double>& BatchRequestBuckets();  // 1 … 512, powers of 2
 const std::vector<double>& BatchTokenBuckets();    // 1 … 262144, powers of 4
 const std::vector<double>& DivergenceBuckets();    // 1e-9 … 1, one per decade
@@ -85,7 +89,7 @@ class Metrics final : public BatchObserver, public RoutingObserver {
   // A Forward call arrived (inflight_requests + 1).
   void RequestStarted();
   // A Forward call ended with `code` after `seconds` (inflight_requests - 1, requests_total,
-  // request_duration_seconds). `form` is the form that served it or was asked for; nullopt
+  // request_duration_seconds, both by code). `form` is the form that served it or was asked for; nullopt
   // when the call was refused before one was known.
   void RequestFinished(std::string_view layer, std::optional<Form> form, StatusCode code, double seconds);
 
@@ -114,10 +118,12 @@ class Metrics final : public BatchObserver, public RoutingObserver {
   void JobDequeued(std::string_view layer, Form form, double queue_seconds) override;
   void BatchDone(const BatchReport& report) override;
 
-  // RoutingObserver: routing_weight, shadow_divergence (rel_l2),
+  // RoutingObserver: route_weight, routes_generation, config_reload_total, shadow_divergence (rel_l2),
   // shadow_divergence_max_abs, shadow_dropped_total; a mirror with a non-finite output (an
   // infinite divergence) also counts in nonfinite_outputs_total.
   void RouteChanged(std::string_view layer, const std::vector<std::pair<Form, double>>& split) override;
+  void RoutesApplied(uint64_t generation) override;
+  void RoutesFileLoaded(bool ok) override;
   void ShadowCompared(std::string_view layer, Form mirror, const DivergenceStats& divergence) override;
   void ShadowDropped(std::string_view layer) override;
 

@@ -145,9 +145,70 @@ double StickyPoint(std::string_view key) {
   return static_cast<double>(z >> 11) * 0x1.0p-53;
 }
 
+std::string CanonicalRoutesText(const Routes& routes) {
+  std::map<std::string, RouteSplit> sorted(routes.begin(), routes.end());
+  sorted.try_emplace(kDefaultRoute, DefaultSplit());
+  std::string text;
+  for (const auto& [layer, split] : sorted) {
+    text += layer + "=";
+    bool first = true;
+    for (const auto& [form, share] : split) {
+      char buf[32];
+      std::snprintf(buf, sizeof(buf), "%.6g", share * 100);
+      text += (first ? "" : ",") + Str(FormName(form)) + ":" + buf;
+      first = false;
+    }
+    text += "\n";
+  }
+  return text;
+}
+
+uint64_t RoutesGeneration(const Routes& routes) { return Fnv1a64(CanonicalRoutesText(routes)) >> 11; }
+
 Router::Router(RoutingObserver* observer) : observer_(observer) {
+  WriterLock lock(mu_);
   routes_.emplace(kDefaultRoute, DefaultSplit());
   if (observer_ != nullptr) observer_->RouteChanged(kDefaultRoute, DefaultSplit());
+  RoutesChangedLocked();
+}
+
+Routes Router::RoutesLocked() const {
+  Routes routes;
+  routes.emplace_back(kDefaultRoute, routes_.at(kDefaultRoute));
+  for (const auto& [layer, split] : routes_) {
+    if (layer != kDefaultRoute) routes.emplace_back(layer, split);
+  }
+  return routes;
+}
+
+void Router::RoutesChangedLocked() {
+  const uint64_t generation = RoutesGeneration(RoutesLocked());
+  generation_.store(generation, std::memory_order_relaxed);
+  if (observer_ != nullptr) observer_->RoutesApplied(generation);
+}
+
+uint64_t Router::generation() const { return generation_.load(std::memory_order_relaxed); }
+
+Status Router::ReplaceRoutes(const Routes& routes) {
+  std::map<std::string, RouteSplit, std::less<>> next;
+  for (const auto& [layer, split] : routes) {
+    if (layer.empty()) return InvalidArgumentError("routes: expected a layer name or '*', got an empty string");
+    if (split.empty()) return InvalidArgumentError("routes " + layer + ": expected a split, got none");
+    if (!next.emplace(layer, split).second) {
+      return InvalidArgumentError("routes: expected each layer once, got '" + layer + "' twice");
+    }
+  }
+  next.try_emplace(kDefaultRoute, DefaultSplit());
+  WriterLock lock(mu_);
+  if (observer_ != nullptr) {
+    for (const auto& [layer, _] : routes_) {
+      if (!next.contains(layer)) observer_->RouteChanged(layer, {});
+    }
+    for (const auto& [layer, split] : next) observer_->RouteChanged(layer, split);
+  }
+  routes_ = std::move(next);
+  RoutesChangedLocked();
+  return OkStatus();
 }
 
 Status Router::SetRoute(std::string_view layer, RouteSplit split) {
@@ -166,6 +227,7 @@ Status Router::SetRoute(std::string_view layer, RouteSplit split) {
   }
   // Under the lock, so that the observer's view follows the order of the changes.
   if (observer_ != nullptr) observer_->RouteChanged(layer, split);
+  RoutesChangedLocked();
   return OkStatus();
 }
 
@@ -180,14 +242,9 @@ RouteSplit Router::RouteOf(std::string_view layer) const {
   return RouteOfLocked(layer);
 }
 
-std::vector<std::pair<std::string, RouteSplit>> Router::Routes() const {
+Routes Router::AllRoutes() const {
   ReaderLock lock(mu_);
-  std::vector<std::pair<std::string, RouteSplit>> routes;
-  routes.emplace_back(kDefaultRoute, routes_.at(kDefaultRoute));
-  for (const auto& [layer, split] : routes_) {
-    if (layer != kDefaultRoute) routes.emplace_back(layer, split);
-  }
-  return routes;
+  return RoutesLocked();
 }
 
 Form Router::Choose(std::string_view layer, std::span<const Form> held, std::string_view request_key) const {

@@ -28,6 +28,8 @@ namespace attnserve {
 
 // One layer's split: (form, share) with shares > 0 summing to 1, in Form order, each form once.
 using RouteSplit = std::vector<std::pair<Form, double>>;
+// Every route of a router, LAYER ("*" for the default) → split.
+using Routes = std::vector<std::pair<std::string, RouteSplit>>;
 
 inline constexpr char kDefaultRoute[] = "*";
 
@@ -50,6 +52,14 @@ uint64_t Fnv1a64(std::string_view bytes);
 // the last byte spread over the whole interval.
 double StickyPoint(std::string_view key);
 
+// The routes as canonical text: one "LAYER=FORM:PERCENT,..." line per route, sorted by layer,
+// the default included (factored:100 when absent), percentages to 6 significant digits. Two
+// route sets that split every layer alike give the same text, however they were written.
+std::string CanonicalRoutesText(const Routes& routes);
+// FNV-1a 64 of CanonicalRoutesText, its top 53 bits: the same on every process and restart
+// that applies the same routes, and exact as a double (attnserve_routes_generation).
+uint64_t RoutesGeneration(const Routes& routes);
+
 class Router {
  public:
   // `observer` (may be null) hears every route change; it is told the default at once.
@@ -58,10 +68,16 @@ class Router {
   // Sets the split of `layer` ("*" = the default). An empty split removes the layer's own route
   // (for "*": back to factored:100). INVALID_ARGUMENT for an empty layer name.
   Status SetRoute(std::string_view layer, RouteSplit split);
+  // Replaces every route at once (a routes file): requests see the old routes or the new ones,
+  // never a mix. Routes absent from `routes` are removed; "*" absent means factored:100.
+  // INVALID_ARGUMENT (nothing changed) for an empty layer name, an empty split or a layer twice.
+  Status ReplaceRoutes(const Routes& routes);
   // The split `layer` is routed by: its own, else the default.
   RouteSplit RouteOf(std::string_view layer) const;
   // Every configured route, the default first.
-  std::vector<std::pair<std::string, RouteSplit>> Routes() const;
+  Routes AllRoutes() const;
+  // RoutesGeneration of the routes now applied.
+  uint64_t generation() const;
 
   // The form for a request to `layer` holding `held` (non-empty). With a non-empty
   // `request_key` the choice is a function of the key and the split; otherwise random.
@@ -76,10 +92,14 @@ class Router {
 
  private:
   const RouteSplit& RouteOfLocked(std::string_view layer) const ATTNSERVE_REQUIRES_SHARED(mu_);
+  Routes RoutesLocked() const ATTNSERVE_REQUIRES_SHARED(mu_);
+  // Recomputes the generation and tells the observer; after every change, under the lock.
+  void RoutesChangedLocked() ATTNSERVE_REQUIRES(mu_);
 
   RoutingObserver* const observer_;
   mutable SharedMutex mu_;
   std::map<std::string, RouteSplit, std::less<>> routes_ ATTNSERVE_GUARDED_BY(mu_);  // always holds "*"
+  std::atomic<uint64_t> generation_{0};
   std::atomic<double> shadow_rate_{0.0};
 };
 

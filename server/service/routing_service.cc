@@ -17,7 +17,7 @@ namespace attnserve {
 namespace {
 
 void FillRoutingInfo(const Router& router, v1::RoutingInfo* info) {
-  for (const auto& [layer, split] : router.Routes()) {
+  for (const auto& [layer, split] : router.AllRoutes()) {
     v1::Route* route = info->add_routes();
     route->set_layer(layer);
     for (const auto& [form, share] : split) {
@@ -81,6 +81,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::SetRouting(grpc::CallbackServerC
       if (request->layer().empty() && request->weights_size() > 0) {
         return InvalidArgumentError("layer: expected the layer these " + std::to_string(request->weights_size()) +
                                     " weights are for, got an empty string");
+      }
+      if (!request->layer().empty() && !options_.routes_file.empty()) {
+        return FailedPreconditionError("layer: this server follows the routes file '" + options_.routes_file +
+                                       "' (--routes-file): change the routes there (docs/service.md, \"Routes for a "
+                                       "fleet\"); SetRouting may only set shadow_rate");
       }
       ATTNSERVE_ASSIGN_OR_RETURN(RouteSplit split, SplitOf(*request));
       // Everything is checked before anything changes: a refused call changes nothing.

@@ -45,6 +45,9 @@ struct ServiceOptions {
   // factored form and SetRouting answers FAILED_PRECONDITION; nothing is mirrored.
   Metrics* metrics = nullptr;
   Router* router = nullptr;
+  // The --routes-file the router follows: SetRouting may not change a route (one source of
+  // truth for the fleet) and answers FAILED_PRECONDITION naming it. Empty: routes per process.
+  std::string routes_file;
   ShadowRunner* shadow = nullptr;
   // The server-wide memory budget every Forward reserves its footprint from at admission, and
   // the backend whose scratch that footprint includes (not owned; null: no budget).

@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import unittest
+import urllib.request
 
 import yaml
 
@@ -1106,21 +1107,38 @@ class KubernetesTest(unittest.TestCase):
         drain = flag_value(args, "--drain-timeout-s", conf.get("drain_timeout_s") or default_of("--drain-timeout-s"))
         return port_of(listen), port_of(metrics), float(drain)
 
+    def routes_file(self, objs):
+        """(path, mount, volume, ConfigMap, text) of the container's --routes-file."""
+        args = self.container(objs).get("args", [])
+        path = flag_value(args, "--routes-file")
+        self.assertIsNotNone(path, "the Deployment passes no --routes-file: the split would live in each pod")
+        mount, volume = self.mount_of(objs, path)
+        self.assertIn("configMap", volume, f"--routes-file {path} is not in a ConfigMap volume")
+        cm = one(objs, "ConfigMap", lambda o: o["metadata"]["name"] == volume["configMap"]["name"])
+        key = path[len(mount["mountPath"].rstrip("/")) + 1 :]
+        self.assertIn(key, cm["data"], f"ConfigMap {cm['metadata']['name']} has no key {key}")
+        return path, mount, volume, cm, cm["data"][key]
+
     def local_config(self, objs, tmp):
-        """The container's args with --config pointing at a copy of the ConfigMap's YAML in tmp."""
+        """The container's args with --config and --routes-file pointing at copies of their
+        ConfigMaps' files in tmp."""
         args, text, _ = self.config(objs)
         self.assertIsNotNone(text, "the Deployment passes no --config")
         path = os.path.join(tmp, "attnserve.yaml")
         with open(path, "w") as f:
             f.write(text)
-        return [f"--config={path}" if a.startswith("--config") else a for a in args]
+        routes = os.path.join(tmp, "routes.yaml")
+        with open(routes, "w") as f:
+            f.write(self.routes_file(objs)[4])
+        return [f"--config={path}" if a.startswith("--config") else
+                f"--routes-file={routes}" if a.startswith("--routes-file") else a for a in args]
 
     def admin_token_env(self, objs):
         """The container's env entries that set the admin token."""
         return [e for e in self.container(objs).get("env", []) if e["name"] == "ATTNSERVE_ADMIN_TOKEN"]
 
     def test_kinds(self):
-        base_kinds = ["ConfigMap", "Deployment", "Service", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
+        base_kinds = ["ConfigMap", "ConfigMap", "Deployment", "Service", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
                       "ServiceMonitor", "NetworkPolicy"]
         self.assertEqual(sorted(o["kind"] for o in self.base), sorted(base_kinds))
         self.assertEqual(sorted(o["kind"] for o in self.gpu), sorted(base_kinds))
@@ -1420,6 +1438,65 @@ class KubernetesTest(unittest.TestCase):
         self.assertEqual(flag_value(c["args"], "--device"), "cuda")
         self.assertRegex(c["image"], r":cuda$", "the CUDA image (docker build --target cuda)")
         self.assertNotIn("nvidia.com/gpu", self.container(self.base)["resources"]["limits"])
+
+    def test_routes_are_their_own_configmap_mounted_as_a_directory(self):
+        """The split in a ConfigMap of its own, mounted read-only without subPath (a subPath mount
+        never sees the kubelet's updates), naming the config's layers; the config itself has no
+        routes (the server refuses both), in the base and every overlay."""
+        for name, objs in self.variants():
+            with self.subTest(objs=name):
+                path, mount, _, cm, text = self.routes_file(objs)
+                self.assertNotIn("subPath", mount, "a subPath mount is never updated: the pods would not follow")
+                self.assertNotIn("subPathExpr", mount)
+                self.assertIs(mount.get("readOnly"), True)
+                config_mount, _ = self.mount_of(objs, flag_value(self.container(objs)["args"], "--config"))
+                self.assertNotEqual(mount["name"], config_mount["name"], "the routes change apart from the config")
+                self.assertNotEqual(cm["metadata"]["name"], "attnserve-config")
+                _, _, conf = self.config(objs)
+                self.assertNotIn("routes", conf, "--routes-file excludes the config's routes:")
+                routes = yaml.safe_load(text)
+                self.assertEqual(list(routes), ["routes"])
+                self.assertTrue(set(routes["routes"]) <= set(conf.get("layers", {})) | {"*"}, routes)
+                self.assertIn("summed", " ".join(routes["routes"].values()), "an A/B split, not one form")
+
+    def test_routes_configmap_change_reaches_the_running_server(self):
+        """The Deployment's args on this machine, the routes ConfigMap laid out as the kubelet
+        mounts it (`..data` symlink), then updated as the kubelet updates it: the server applies
+        the new split (its metrics say so) without a restart."""
+        _, _, _, cm, text = self.routes_file(self.base)
+        key = next(iter(cm["data"]))
+        with tempfile.TemporaryDirectory() as tmp:
+            args = self.local_config(self.base, tmp)
+            mounted = os.path.join(tmp, "routes")
+            os.makedirs(os.path.join(mounted, "..v1"))
+            with open(os.path.join(mounted, "..v1", key), "w") as f:
+                f.write(text)
+            os.symlink("..v1", os.path.join(mounted, "..data"))
+            os.symlink(os.path.join("..data", key), os.path.join(mounted, key))
+            args = [f"--routes-file={os.path.join(mounted, key)}" if a.startswith("--routes-file") else a
+                    for a in args]
+            port_file = os.path.join(tmp, "metrics_port")
+            args.append(f"--metrics-port-file={port_file}")
+
+            def weight(form):
+                with open(port_file) as f:
+                    metrics_port = int(f.read())
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+                    body = r.read().decode()
+                m = re.search(r'^attnserve_route_weight\{form="%s",layer="demo"\} (\S+)$' % form, body, re.M)
+                return float(m.group(1)) if m else None
+
+            with running_server(self, args, "deploy/k8s Deployment + both ConfigMaps"):
+                self.assertEqual(weight("summed"), 0.1)
+                os.makedirs(os.path.join(mounted, "..v2"))
+                with open(os.path.join(mounted, "..v2", key), "w") as f:
+                    f.write(text.replace("factored:90,summed:10", "factored:50,summed:50"))
+                os.symlink("..v2", os.path.join(mounted, "..data_tmp"))
+                os.rename(os.path.join(mounted, "..data_tmp"), os.path.join(mounted, "..data"))
+                deadline = time.monotonic() + 10
+                while weight("summed") != 0.5 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                self.assertEqual(weight("summed"), 0.5, "the kubelet's update did not reach the server")
 
     def test_configmap_config_starts_the_server(self):
         """The ConfigMap's YAML and the Deployment's args, accepted by the real server."""

@@ -7,7 +7,7 @@ requests before and after `attnserve-cli route`, sticky request keys, shadows), 
 Prometheus's HTTP API what the design promises (docs/metrics.md):
 
   sum by (form) (attnserve_requests_total)                       == what this test sent per form
-  histogram_quantile(0.99, sum by (le, form) (rate(attnserve_request_duration_seconds_bucket[1m])))
+  histogram_quantile(0.99, sum by (le, form) (rate(attnserve_request_duration_seconds_bucket{code="OK"}[1m])))
                                                                   a finite series for each form
 
 and checks `promtool check metrics` on a scrape, `promtool check config` on
@@ -258,7 +258,8 @@ class PrometheusE2E(unittest.TestCase):
                          {(("code", "OK"),): float(sum(self.sent.values()))})
 
     def test_p99_latency_has_a_series_per_form(self):
-        promql = "histogram_quantile(0.99, sum by (le, form) (rate(attnserve_request_duration_seconds_bucket[1m])))"
+        promql = ('histogram_quantile(0.99, sum by (le, form) '
+                  '(rate(attnserve_request_duration_seconds_bucket{code="OK"}[1m])))')
         # After the last wave has been scraped.
         self.test_requests_per_form_equal_what_was_sent()
         got = self.query_values(promql)
@@ -271,7 +272,7 @@ class PrometheusE2E(unittest.TestCase):
 
     def test_routing_split_and_sticky_keys(self):
         self.assertIn(f"route {LAYER}: factored:50,summed:50", self.route_out)
-        weights = self.query_values("attnserve_routing_weight")
+        weights = self.query_values("attnserve_route_weight")
         self.assertEqual(weights[(("form", "factored"), ("layer", LAYER))], 0.5)
         self.assertEqual(weights[(("form", "summed"), ("layer", LAYER))], 0.5)
         self.assertEqual(weights[(("form", "factored"), ("layer", "*"))], 1.0)
@@ -309,7 +310,7 @@ class PrometheusE2E(unittest.TestCase):
         out = subprocess.run([PROMTOOL, "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         excerpt = [l for l in body.splitlines() if l.startswith(("attnserve_requests_total", "attnserve_flops_total",
-                                                                   "attnserve_routing_weight"))]
+                                                                   "attnserve_route_weight"))]
         print("scrape excerpt:\n  " + "\n  ".join(excerpt), file=sys.stderr)
 
     def test_metrics_need_the_password(self):

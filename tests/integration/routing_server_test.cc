@@ -142,7 +142,7 @@ TEST(RoutingServerTest, SetRoutingIsAdminGuardedAndChecksEveryField) {
   EXPECT_DOUBLE_EQ(info.routes(1).weights(0).weight(), 0.75);
   EXPECT_DOUBLE_EQ(info.routes(1).weights(1).weight(), 0.25);
   EXPECT_EQ(info.shadow_rate(), 0.5);
-  EXPECT_EQ(server.Sample("attnserve_routing_weight{form=\"summed\",layer=\"ab\"}"), 0.25);
+  EXPECT_EQ(server.Sample("attnserve_route_weight{form=\"summed\",layer=\"ab\"}"), 0.25);
 }
 
 TEST(RoutingServerTest, RoutedFormsAreStickyAndSkipFormsNotHeld) {
@@ -330,7 +330,8 @@ TEST(ServingStagesTest, EveryServedCallIsTimedStageByStage) {
   }
   double requests = 0, computes = 0;
   for (const char* form : {"factored", "summed"}) {
-    requests += sample(std::string("attnserve_request_duration_seconds_sum{form=\"") + form + "\",layer=\"ab\"}");
+    requests += sample(std::string("attnserve_request_duration_seconds_sum{code=\"OK\",form=\"") + form +
+                      "\",layer=\"ab\"}");
     computes += sample(std::string("attnserve_compute_duration_seconds_sum{device=\"cpu\",form=\"") + form +
                        "\",layer=\"ab\"}");
   }

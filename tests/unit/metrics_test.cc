@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -101,6 +102,8 @@ Metrics& FullyRecorded(Metrics& m) {
                .flops = 1e6, .compute_seconds = 0.0005});
   m.SetLayerForm("demo", Form::kFactored, "cpu", 100, 400);
   m.RouteChanged("*", {{Form::kFactored, 0.9}, {Form::kSummed, 0.1}});
+  m.RoutesApplied(12345);
+  m.RoutesFileLoaded(true);
   m.ShadowCompared("demo", Form::kSummed, {.max_abs = 1e-6, .rel_l2 = 1e-7});
   m.ShadowDropped("demo");
   m.CountDeviceError("cuda:0");
@@ -115,7 +118,7 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
   // last three are this project's additions (docs/metrics.md).
   const std::map<std::string, std::pair<std::string, std::vector<std::string_view>>> want = {
       {"attnserve_requests_total", {"counter", {"layer", "form", "code"}}},
-      {"attnserve_request_duration_seconds", {"histogram", {"layer", "form"}}},
+      {"attnserve_request_duration_seconds", {"histogram", {"layer", "form", "code"}}},
       {"attnserve_queue_duration_seconds", {"histogram", {"layer", "form"}}},
       {"attnserve_compute_duration_seconds", {"histogram", {"layer", "form", "device"}}},
       {"attnserve_batch_requests", {"histogram", {"layer", "form"}}},
@@ -129,7 +132,9 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
       {"attnserve_shadow_dropped_total", {"counter", {"layer"}}},
       {"attnserve_layer_parameters", {"gauge", {"layer", "form"}}},
       {"attnserve_layer_bytes", {"gauge", {"layer", "form", "device"}}},
-      {"attnserve_routing_weight", {"gauge", {"layer", "form"}}},
+      {"attnserve_route_weight", {"gauge", {"layer", "form"}}},
+      {"attnserve_routes_generation", {"gauge", {}}},
+      {"attnserve_config_reload_total", {"counter", {"result"}}},
       {"attnserve_build_info", {"gauge", {"version", "device", "blas"}}},
       {"attnserve_shadow_divergence_max_abs", {"histogram", {"layer", "form"}}},
       {"attnserve_device_errors_total", {"counter", {"device"}}},
@@ -151,9 +156,18 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
 
 TEST(MetricsTest, BucketsSpanMicrosecondsToSecondsAndAreIncreasing) {
   for (const std::vector<double>* b :
-       {&LatencyBuckets(), &BatchRequestBuckets(), &BatchTokenBuckets(), &DivergenceBuckets(), &StageBuckets()}) {
+       {&LatencyBuckets(), &RequestLatencyBuckets(), &BatchRequestBuckets(), &BatchTokenBuckets(), &DivergenceBuckets(), &StageBuckets()}) {
     for (size_t i = 1; i < b->size(); ++i) EXPECT_LT((*b)[i - 1], (*b)[i]);
   }
+  // request_duration_seconds: factor 1.25 from 100 µs to about 30 s, so that a quantile read
+  // between two bounds is within 25 % (the 1-2.5-5 buckets allowed 2.5×).
+  const std::vector<double>& r = RequestLatencyBuckets();
+  ASSERT_EQ(r.size(), 57u);
+  EXPECT_DOUBLE_EQ(r.front(), 1e-4);
+  for (size_t i = 1; i < r.size(); ++i) EXPECT_NEAR(r[i] / r[i - 1], 1.25, 1e-12) << i;
+  EXPECT_NEAR(r.back(), 1e-4 * std::exp(56 * std::log(1.25)), 1e-9);
+  EXPECT_GT(r.back(), 25.0);
+  EXPECT_LT(r.back(), 30.0);
   EXPECT_DOUBLE_EQ(LatencyBuckets().front(), 50e-6);
   EXPECT_DOUBLE_EQ(LatencyBuckets().back(), 10.0);
   EXPECT_DOUBLE_EQ(DivergenceBuckets().front(), 1e-9);
@@ -186,32 +200,49 @@ TEST(MetricsTest, EachServingStageHasItsOwnSeries) {
   EXPECT_EQ(names, (std::set<std::string>{"route", "decode", "admit", "queue", "compute", "encode", "send"}));
 }
 
+// The upper bound 1e-4 · 1.25^k as Parse writes an `le`, computed here and not read from metrics.cc.
+std::string Le(int k) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%g", 1e-4 * std::pow(1.25, k));
+  return buf;
+}
+
 TEST(MetricsTest, RequestsCountByCodeAndObserveLatency) {
   Metrics m;
-  for (int i = 0; i < 4; ++i) m.RequestStarted();
+  for (int i = 0; i < 5; ++i) m.RequestStarted();
   m.RequestFinished("demo", Form::kFactored, StatusCode::kOk, 0.0003);
   m.RequestFinished("demo", Form::kFactored, StatusCode::kOk, 0.004);
   m.RequestFinished("demo", Form::kSummed, StatusCode::kResourceExhausted, 0.00004);
+  m.RequestFinished("demo", Form::kFactored, StatusCode::kResourceExhausted, 0.00011);
   const Samples s = Parse(m.Scrape());
   const std::string req = "attnserve_requests_total", dur = "attnserve_request_duration_seconds";
   EXPECT_EQ(Sample(s, req, {{"layer", "demo"}, {"form", "factored"}, {"code", "OK"}}), 2);
   EXPECT_EQ(Sample(s, req, {{"layer", "demo"}, {"form", "summed"}, {"code", "RESOURCE_EXHAUSTED"}}), 1);
-  EXPECT_EQ(Sample(s, "attnserve_inflight_requests", {}), 1);  // 4 started, 3 finished
-  // Cumulative buckets: 0.0003 s lies in le=0.0005, 0.004 s in le=0.005.
-  const std::map<std::string, std::string> f = {{"layer", "demo"}, {"form", "factored"}};
-  auto bucket = [&](const std::map<std::string, std::string>& labels, const char* le) {
+  EXPECT_EQ(Sample(s, "attnserve_inflight_requests", {}), 1);  // 5 started, 4 finished
+  // Cumulative buckets, OK calls apart from failed ones: 0.0003 s lies in (1e-4·1.25^4, 1e-4·1.25^5]
+  // = (0.000244, 0.000305], 0.004 s in (1e-4·1.25^16, 1e-4·1.25^17] = (0.00355, 0.00444].
+  const std::map<std::string, std::string> ok = {{"layer", "demo"}, {"form", "factored"}, {"code", "OK"}};
+  auto bucket = [&](const std::map<std::string, std::string>& labels, const std::string& le) {
     auto l = labels;
     l["le"] = le;
     return Sample(s, dur + "_bucket", l);
   };
-  EXPECT_EQ(bucket(f, "0.00025"), 0);
-  EXPECT_EQ(bucket(f, "0.0005"), 1);
-  EXPECT_EQ(bucket(f, "0.0025"), 1);
-  EXPECT_EQ(bucket(f, "0.005"), 2);
-  EXPECT_EQ(bucket(f, "+Inf"), 2);
-  EXPECT_EQ(Sample(s, dur + "_count", f), 2);
-  EXPECT_DOUBLE_EQ(Sample(s, dur + "_sum", f), 0.0043);
-  EXPECT_EQ(bucket({{"layer", "demo"}, {"form", "summed"}}, "5e-05"), 1);
+  EXPECT_EQ(bucket(ok, Le(4)), 0);
+  EXPECT_EQ(bucket(ok, Le(5)), 1);
+  EXPECT_EQ(bucket(ok, Le(16)), 1);
+  EXPECT_EQ(bucket(ok, Le(17)), 2);
+  EXPECT_EQ(bucket(ok, "+Inf"), 2);
+  EXPECT_EQ(Sample(s, dur + "_count", ok), 2);
+  EXPECT_DOUBLE_EQ(Sample(s, dur + "_sum", ok), 0.0043);
+  // The refused factored call has its own series: it does not pull the OK latency down.
+  const std::map<std::string, std::string> shed = {{"layer", "demo"}, {"form", "factored"},
+                                                   {"code", "RESOURCE_EXHAUSTED"}};
+  EXPECT_EQ(Sample(s, dur + "_count", shed), 1);
+  EXPECT_EQ(bucket(shed, Le(0)), 0);
+  EXPECT_EQ(bucket(shed, Le(1)), 1);
+  // Below the first bound: the first bucket.
+  EXPECT_EQ(bucket({{"layer", "demo"}, {"form", "summed"}, {"code", "RESOURCE_EXHAUSTED"}}, Le(0)), 1);
+  EXPECT_FALSE(Has(s, dur + "_count", {{"layer", "demo"}, {"form", "summed"}, {"code", "OK"}}));
 }
 
 TEST(MetricsTest, RefusedBeforeAFormIsKnownCountsUnderNone) {
@@ -294,7 +325,24 @@ TEST(MetricsTest, LayerGaugesFollowLoadsAndUnloads) {
   EXPECT_EQ(Sample(s, "attnserve_layer_bytes", {{"layer", "b"}, {"form", "factored"}, {"device", "cpu"}}), 40);
 }
 
-TEST(MetricsTest, RoutingWeightShowsTheCurrentSplitOnly) {
+TEST(MetricsTest, RoutesGenerationIsExactAndReloadsCountByResult) {
+  Metrics m;
+  // 53 bits, the largest a routes generation can be: a double holds it exactly, and the
+  // exposition prints every digit of it.
+  const uint64_t generation = (uint64_t{1} << 53) - 12345;
+  m.RoutesApplied(generation);
+  m.RoutesFileLoaded(true);
+  m.RoutesFileLoaded(false);
+  m.RoutesFileLoaded(false);
+  const std::string text = m.Scrape();
+  const Samples s = Parse(text);
+  EXPECT_EQ(static_cast<uint64_t>(Sample(s, "attnserve_routes_generation", {})), generation);
+  EXPECT_THAT(text, HasSubstr("attnserve_routes_generation " + std::to_string(generation) + "\n"));
+  EXPECT_EQ(Sample(s, "attnserve_config_reload_total", {{"result", "ok"}}), 1);
+  EXPECT_EQ(Sample(s, "attnserve_config_reload_total", {{"result", "error"}}), 2);
+}
+
+TEST(MetricsTest, RouteWeightShowsTheCurrentSplitOnly) {
   Metrics m;
   m.RouteChanged("*", {{Form::kFactored, 0.9}, {Form::kSummed, 0.1}});
   m.RouteChanged("*", {{Form::kSummed, 1.0}});
@@ -302,10 +350,10 @@ TEST(MetricsTest, RoutingWeightShowsTheCurrentSplitOnly) {
   m.RouteChanged("gone", {{Form::kFactored, 1.0}});
   m.RouteChanged("gone", {});
   const Samples s = Parse(m.Scrape());
-  EXPECT_FALSE(Has(s, "attnserve_routing_weight", {{"layer", "*"}, {"form", "factored"}}));
-  EXPECT_EQ(Sample(s, "attnserve_routing_weight", {{"layer", "*"}, {"form", "summed"}}), 1.0);
-  EXPECT_EQ(Sample(s, "attnserve_routing_weight", {{"layer", "enc"}, {"form", "lowrank"}}), 0.5);
-  EXPECT_FALSE(Has(s, "attnserve_routing_weight", {{"layer", "gone"}, {"form", "factored"}}));
+  EXPECT_FALSE(Has(s, "attnserve_route_weight", {{"layer", "*"}, {"form", "factored"}}));
+  EXPECT_EQ(Sample(s, "attnserve_route_weight", {{"layer", "*"}, {"form", "summed"}}), 1.0);
+  EXPECT_EQ(Sample(s, "attnserve_route_weight", {{"layer", "enc"}, {"form", "lowrank"}}), 0.5);
+  EXPECT_FALSE(Has(s, "attnserve_route_weight", {{"layer", "gone"}, {"form", "factored"}}));
 }
 
 TEST(MetricsTest, ShadowDivergenceAndDrops) {
@@ -551,7 +599,7 @@ TEST(DashboardTest, QueriesNameOnlyExportedMetricsAndLabels) {
   for (const char* needed : {"attnserve_requests_total", "attnserve_request_duration_seconds",
                              "attnserve_queue_duration_seconds", "attnserve_compute_duration_seconds",
                              "attnserve_flops_total", "attnserve_batch_requests", "attnserve_shadow_divergence",
-                             "attnserve_routing_weight"}) {
+                             "attnserve_route_weight"}) {
     EXPECT_TRUE(used.count(needed)) << "the dashboard has no panel on " << needed;
   }
 }
