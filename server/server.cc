@@ -372,6 +372,8 @@ void Server::Drain(int signal) {
   const auto steady_deadline = std::chrono::steady_clock::now() + drain_timeout;
   service_->StopAcceptingForwardCalls();
   if (admin_service_ != nullptr) admin_service_->StopAcceptingForwardCalls();
+  // No call can bring company now: what waits out --max-queue-delay-us runs at once.
+  executor_->StopWaitingForCompany();
   const bool answered = service_->WaitForForwardCalls(steady_deadline) &&
                         (admin_service_ == nullptr || admin_service_->WaitForForwardCalls(steady_deadline));
   if (answered) {

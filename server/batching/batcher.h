@@ -98,6 +98,11 @@ class Batcher {
   // failed because the timeout passed.
   int Drain(std::chrono::milliseconds timeout);
 
+  // From now on no batch waits for company (max_queue_delay ends for every queue), while items
+  // are still accepted: the server's drain calls it as it stops taking calls, so what its
+  // accepted calls queued runs at once instead of when its delay or the drain deadline ends.
+  void StopWaitingForCompany();
+
   int QueueDepth(const Key& queue) const;
   int TotalDepth() const;
 
@@ -111,7 +116,10 @@ class Batcher {
   // passed. Touches no guarded state: the worker runs it unlocked.
   void SpinForNews(uint64_t seen) const;
   // The queue whose head has waited longest, or end().
-  typename Queues::iterator OldestQueue() ATTNSERVE_REQUIRES(mu_);
+  // The queue to serve next: the one whose head batch is ready (Ready, or any while draining)
+  // with the oldest front item, else the one with the oldest front item, to wait for. A queue
+  // waiting out its delay never holds up another queue's ready batch.
+  typename Queues::iterator NextQueue(Clock::time_point now) ATTNSERVE_REQUIRES(mu_);
   // Removes expired or cancelled items from the front part that would be batched.
   void DropDead(Queue& q, std::vector<std::pair<std::unique_ptr<Item>, Status>>& dead) ATTNSERVE_REQUIRES(mu_);
   // True when the queue's head batch should go now.
@@ -130,6 +138,7 @@ class Batcher {
   // publisher is about to release, rather than block on it.
   std::atomic<uint64_t> news_{0};
   bool draining_ ATTNSERVE_GUARDED_BY(mu_) = false;
+  bool no_delay_ ATTNSERVE_GUARDED_BY(mu_) = false;  // StopWaitingForCompany was called
   Clock::time_point drain_deadline_ ATTNSERVE_GUARDED_BY(mu_) = Clock::time_point::max();
   Mutex drain_mu_;  // one Drain at a time
   bool joined_ ATTNSERVE_GUARDED_BY(drain_mu_) = false;
@@ -193,15 +202,20 @@ int Batcher<Key, Item>::TotalDepth() const {
 }
 
 template <typename Key, std::derived_from<BatchItem> Item>
-typename Batcher<Key, Item>::Queues::iterator Batcher<Key, Item>::OldestQueue() {
-  auto oldest = queues_.end();
+typename Batcher<Key, Item>::Queues::iterator Batcher<Key, Item>::NextQueue(Clock::time_point now) {
+  auto oldest = queues_.end(), oldest_ready = queues_.end();
+  auto older = [](const auto& a, const auto& b) {
+    return a->second.items.front()->enqueued < b->second.items.front()->enqueued;
+  };
   for (auto it = queues_.begin(); it != queues_.end(); ++it) {
     if (it->second.items.empty()) continue;
-    if (oldest == queues_.end() || it->second.items.front()->enqueued < oldest->second.items.front()->enqueued) {
-      oldest = it;
+    if (oldest == queues_.end() || older(it, oldest)) oldest = it;
+    if ((draining_ || no_delay_ || Ready(it->second, now)) &&
+        (oldest_ready == queues_.end() || older(it, oldest_ready))) {
+      oldest_ready = it;
     }
   }
-  return oldest;
+  return oldest_ready != queues_.end() ? oldest_ready : oldest;
 }
 
 template <typename Key, std::derived_from<BatchItem> Item>
@@ -252,7 +266,7 @@ void Batcher<Key, Item>::Work() {
   MutexLock lock(mu_);
   bool may_spin = false;  // once after each batch, not again until the next
   for (;;) {
-    auto it = OldestQueue();
+    auto it = NextQueue(Clock::now());
     if (it == queues_.end()) {
       if (draining_) return;  // nothing left to run
       if (may_spin && policy_.idle_spin.count() > 0) {
@@ -277,7 +291,7 @@ void Batcher<Key, Item>::Work() {
       continue;
     }
     const Clock::time_point now = Clock::now();
-    if (!draining_ && !Ready(it->second, now)) {
+    if (!draining_ && !no_delay_ && !Ready(it->second, now)) {
       // Wait for the oldest item's delay to run out, or for news (a new item, a drain).
       cv_.wait_until(lock.native(), it->second.items.front()->enqueued + policy_.max_queue_delay);
       continue;
@@ -303,6 +317,14 @@ void Batcher<Key, Item>::SpinForNews(uint64_t seen) const {
       if (Clock::now() >= until) return;
     }
   }
+}
+
+template <typename Key, std::derived_from<BatchItem> Item>
+void Batcher<Key, Item>::StopWaitingForCompany() {
+  MutexLock lock(mu_);
+  no_delay_ = true;
+  news_.fetch_add(1, std::memory_order_release);
+  cv_.notify_all();
 }
 
 template <typename Key, std::derived_from<BatchItem> Item>

@@ -57,6 +57,8 @@ class BatchingExecutor final : public Executor {
   // Stops taking jobs (UNAVAILABLE), runs what was accepted for at most `timeout`, fails the
   // rest with UNAVAILABLE. Returns how many were failed for lack of time.
   int Drain(std::chrono::milliseconds timeout) { return batcher_.Drain(timeout); }
+  // No batch waits for company from now on (Batcher::StopWaitingForCompany): a drain's first step.
+  void StopWaitingForCompany() { batcher_.StopWaitingForCompany(); }
 
   int QueueDepth() const { return batcher_.TotalDepth(); }
   int QueueDepth(const Layer& layer, Form form) const { return batcher_.QueueDepth({&layer, form}); }

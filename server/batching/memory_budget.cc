@@ -71,7 +71,9 @@ void MemoryBudget::Release(int64_t bytes) {
 int64_t DefaultMemoryBudgetBytes() {
   int64_t limit = CgroupLimit("/sys/fs/cgroup/memory.max");
   if (limit == 0) limit = CgroupLimit("/sys/fs/cgroup/memory/memory.limit_in_bytes");
-  if (limit == 0) limit = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  // A container limit above the machine's memory limits nothing: the machine's applies.
+  const int64_t physical = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  if (limit == 0 || limit > physical) limit = physical;
   return limit / 2;
 }
 

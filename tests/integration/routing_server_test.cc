@@ -174,6 +174,26 @@ TEST(RoutingServerTest, RoutedFormsAreStickyAndSkipFormsNotHeld) {
   }
 }
 
+// Sticky across processes: the same request_key picks the same form in two server processes
+// (two replicas, or one before and after a restart): the key's point on the split is a hash of
+// its bytes alone, nothing of the process (its address space, its start time) salts it.
+TEST(RoutingServerTest, AKeyPicksTheSameFormInAnotherProcess) {
+  const std::vector<std::string> args = {"--layer", kLayer, "--route", "*=factored:1,summed:1"};
+  Server first(args), second(args);
+  ASSERT_NE(first.process, nullptr);
+  ASSERT_NE(second.process, nullptr);
+  ASSERT_NE(first.process->pid(), second.process->pid());
+  std::map<v1::Form, int> seen;
+  for (int k = 0; k < 40; ++k) {
+    const std::string key = "replica-user-" + std::to_string(k);
+    const v1::Form there = Served(first.client(), Request("ab", v1::FORM_UNSPECIFIED, key, k));
+    EXPECT_EQ(Served(second.client(), Request("ab", v1::FORM_UNSPECIFIED, key, 500 + k)), there) << key;
+    ++seen[there];
+  }
+  EXPECT_GT(seen[v1::FORM_FACTORED], 5) << "a 50/50 split over 40 keys";
+  EXPECT_GT(seen[v1::FORM_SUMMED], 5) << "a 50/50 split over 40 keys";
+}
+
 TEST(RoutingServerTest, ShadowsRecordDivergenceAndNeverChangeTheAnswer) {
   Server server({"--layer", kLayer, "--shadow-rate", "1"});
   ASSERT_NE(server.process, nullptr);

@@ -130,6 +130,45 @@ TEST(BatcherTest, QueuesAreSeparate) {
   EXPECT_EQ(log.batches.size(), 2u) << "items of different queues never share a batch";
 }
 
+// A lone item waiting out its queue delay holds up no other queue: a full batch queued after
+// it, in another queue, runs at once (it once waited the whole 10 s behind the older item), and
+// a drain then runs the waiting one at once too.
+TEST(BatcherTest, AQueueWaitingForCompanyDoesNotHoldUpAnotherQueuesFullBatch) {
+  Log log;
+  TestBatcher batcher({.max_batch_requests = 2, .max_batch_tokens = 1000, .max_queue_delay = 10s}, Recorder(&log));
+  ASSERT_TRUE(batcher.Enqueue("waiting", std::make_unique<TestItem>(1, &log)).ok());
+  ASSERT_TRUE(batcher.Enqueue("full", std::make_unique<TestItem>(2, &log)).ok());
+  ASSERT_TRUE(batcher.Enqueue("full", std::make_unique<TestItem>(3, &log)).ok());
+  const auto queued = Clock::now();
+  log.WaitEnded(2);
+  EXPECT_LT(Clock::now() - queued, 5s) << "the full batch waited behind the older queue's delay";
+  {
+    std::lock_guard<std::mutex> lock(log.mu);
+    EXPECT_EQ(log.batches, (std::vector<std::vector<int>>{{2, 3}}));
+  }
+  const auto drained = Clock::now();
+  EXPECT_EQ(batcher.Drain(30s), 0);
+  EXPECT_LT(Clock::now() - drained, 5s) << "the drain waited for the queue delay";
+  std::lock_guard<std::mutex> lock(log.mu);
+  EXPECT_EQ(log.batches, (std::vector<std::vector<int>>{{2, 3}, {1}}));
+}
+
+// Once told to stop waiting for company (the server's drain, before it waits for its accepted
+// calls), a lone item runs at once instead of after its 10 s delay, and later items too.
+TEST(BatcherTest, StopWaitingForCompanyRunsALoneItemAtOnce) {
+  Log log;
+  TestBatcher batcher({.max_batch_requests = 4, .max_batch_tokens = 1000, .max_queue_delay = 10s}, Recorder(&log));
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(1, &log)).ok());
+  const auto stopped = Clock::now();
+  batcher.StopWaitingForCompany();
+  log.WaitEnded(1);
+  ASSERT_TRUE(batcher.Enqueue("q", std::make_unique<TestItem>(2, &log)).ok()) << "items are still taken";
+  log.WaitEnded(2);
+  EXPECT_LT(Clock::now() - stopped, 5s) << "a lone item waited for its queue delay";
+  std::lock_guard<std::mutex> lock(log.mu);
+  EXPECT_EQ(log.batches, (std::vector<std::vector<int>>{{1}, {2}}));
+}
+
 TEST(BatcherTest, FailingBatchFailsItsItemsAndWorkerGoesOn) {
   Log log;
   std::atomic<int> calls{0};

@@ -666,6 +666,33 @@ TEST_F(CudaGroupedBatchTest, ShortSequencesOfOneShapeShareTheirCalls) {
   }
 }
 
+// A group of short sequences keeps its scores within the score bound: with room for two
+// sequences' scores, ten of one shape run in groups of at most two, every answer against
+// float64. A grouping that ignored the bound would write ten sequences' scores into a piece
+// sized for two (over the next pieces, and past the guard zone).
+TEST_F(CudaGroupedBatchTest, AGroupKeepsToTheScoreBound) {
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 32, .heads = 4}), rng_());
+  constexpr int64_t kTokens = 8, kSequences = 10;
+  const int64_t one_sequence_bytes = w.config.heads * kTokens * kTokens * static_cast<int64_t>(sizeof(float));
+  for (const auto& [name, form] : EveryForm(w)) {
+    const int64_t copies = form.concat_then_project() ? 1 : 2;  // the summed form keeps A_cat too
+    auto made = MakeCudaBackend({.max_score_workspace_bytes = 2 * copies * one_sequence_bytes});
+    ASSERT_TRUE(made.ok());
+    auto resident = (*made)->Upload(std::make_shared<const FormWeights>(form));
+    ASSERT_TRUE(resident.ok()) << resident.status().ToString();
+    std::vector<testing::OwnedSequence> seqs;
+    std::vector<Sequence> batch;
+    for (int64_t i = 0; i < kSequences; ++i) seqs.push_back(RandomSequence(rng_, 32, kTokens, kTokens, false, i % 2 == 0, -1));
+    for (auto& s : seqs) batch.push_back(s.View());
+    cuda_emulation::ResetCounters();
+    const Status st = (*made)->Forward(**resident, batch);
+    ASSERT_TRUE(st.ok()) << name << ": " << st.ToString();
+    for (size_t r = 0; r < seqs.size(); ++r) {
+      EXPECT_LT(RelativeL2(seqs[r].output.data(), ReferenceForward(w, batch[r])), 1e-5) << name << " sequence " << r;
+    }
+  }
+}
+
 TEST_F(CudaEmulationTest, NoDeviceRefusesWithTheReason) {
   cuda_emulation::SetDeviceCount(0);
   auto none = MakeCudaBackend({});

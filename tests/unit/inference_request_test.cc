@@ -259,6 +259,16 @@ INSTANTIATE_TEST_SUITE_P(
                 [](ModelInferRequest* r) { (*r->mutable_parameters())["causal"].set_string_param("true"); },
                 StatusCode::kInvalidArgument,
                 {"parameters['causal']: expected a bool, got a string"}},
+        // A string "true" is not a bool: a client that sent it would otherwise be answered
+        // without the comparison it asked for (a missing bool reads as false).
+        Refusal{"CompareType",
+                [](ModelInferRequest* r) { (*r->mutable_parameters())["compare"].set_string_param("true"); },
+                StatusCode::kInvalidArgument,
+                {"parameters['compare']: expected a bool, got a string"}},
+        Refusal{"RequestKeyType",
+                [](ModelInferRequest* r) { (*r->mutable_parameters())["request_key"].set_int64_param(7); },
+                StatusCode::kInvalidArgument,
+                {"parameters['request_key']: expected a string, got an int64"}},
         Refusal{"OffsetType",
                 [](ModelInferRequest* r) { (*r->mutable_parameters())["position_offset"].set_double_param(1); },
                 StatusCode::kInvalidArgument,

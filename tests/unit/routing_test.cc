@@ -5,7 +5,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -197,8 +204,8 @@ TEST(RouterTest, KeyedSplitWithinStatisticalBoundsAndSticky) {
   for (int i = 0; i < kKeys; ++i) summed += router.Choose("demo", kBoth, "session-" + std::to_string(i)) == Form::kSummed;
   ExpectShare(summed, kKeys, 0.3, "70/30 keyed");
 
-  // The same key, asked again and again, from another router (another process), and from
-  // another thread, always gets the same form.
+  // The same key, asked again and again, from another router, and from another thread, always
+  // gets the same form (another process: StickyHashTest.AnotherProcessPicksTheSameForms).
   Router other;
   ASSERT_TRUE(other.SetRoute("*", *ParseRouteSpec("factored:70,summed:30")).ok());
   for (int i = 0; i < 200; ++i) {
@@ -210,6 +217,45 @@ TEST(RouterTest, KeyedSplitWithinStatisticalBoundsAndSticky) {
     std::thread([&] { from_thread = router.Choose("demo", kBoth, key); }).join();
     ASSERT_EQ(from_thread, first) << key;
   }
+}
+
+// The forms 300 keys get under a 70/30 split, one letter a key.
+std::string StickyForms() {
+  Router router;
+  EXPECT_TRUE(router.SetRoute("*", *ParseRouteSpec("factored:70,summed:30")).ok());
+  std::string forms;
+  for (int i = 0; i < 300; ++i) {
+    forms += router.Choose("demo", kBoth, "session-" + std::to_string(i)) == Form::kSummed ? 's' : 'f';
+  }
+  return forms;
+}
+
+// Another process (this test binary run again, with its own address space and start time) gives
+// every key the form this one gives it. Run with ATTNSERVE_STICKY_FORMS_OUT set, the test is that
+// other process: it writes its forms there and returns.
+TEST(StickyHashTest, AnotherProcessPicksTheSameForms) {
+  if (const char* out = std::getenv("ATTNSERVE_STICKY_FORMS_OUT")) {
+    std::ofstream(out) << StickyForms();
+    return;
+  }
+  char path[] = "/tmp/attnserve_sticky_XXXXXX";
+  const int fd = mkstemp(path);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  const std::string exe = std::filesystem::read_symlink("/proc/self/exe").string();
+  const std::string command = "ATTNSERVE_STICKY_FORMS_OUT='" + std::string(path) + "' '" + exe +
+                              "' --gtest_filter=StickyHashTest.AnotherProcessPicksTheSameForms >/dev/null 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  std::ifstream in(path);
+  std::string theirs;
+  std::getline(in, theirs);
+  std::remove(path);
+  const std::string ours = StickyForms();
+  ASSERT_EQ(theirs.size(), ours.size()) << "the other process wrote '" << theirs << "'";
+  EXPECT_EQ(theirs, ours);
+  const auto summed = std::count(ours.begin(), ours.end(), 's');
+  EXPECT_GT(summed, 60) << "a 70/30 split over 300 keys";
+  EXPECT_LT(summed, 120) << "a 70/30 split over 300 keys";
 }
 
 TEST(RouterTest, WideningASplitOnlyMovesKeysTowardTheGrowingForm) {
