@@ -141,8 +141,8 @@ class ReadmeTryIt(unittest.TestCase):
                     with self.subTest(command=line):
                         argv = shlex.split(line)
                         self.assertEqual(argv[0], "attnserve-cli")
-                        argv = [CLI] + [a.replace("localhost:50052", server.admin).replace("localhost:50051",
-                                                                                        server.target) for a in argv[1:]]
+                        ports = {"localhost:50052": server.admin, "localhost:50051": server.target}
+                        argv = [CLI] + [re.sub("localhost:5005[12]", lambda m: ports[m.group(0)], a) for a in argv[1:]]
                         out = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=cwd,
                                              env=dict(os.environ, ATTNSERVE_TARGET=server.target))
                         self.assertEqual(out.returncode, 0, f"{line}\n{out.stdout}{out.stderr}")

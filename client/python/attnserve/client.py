@@ -161,7 +161,8 @@ def _layer_info(info, with_spectrum: bool) -> LayerInfo:
              for f in info.forms}
     spectrum = None
     if with_spectrum:
-        spectrum = Spectrum([_head_spectrum(h) for h in info.ov_spectrum], [_head_spectrum(h) for h in info.qk_spectrum])
+        spectrum = Spectrum([_head_spectrum(h) for h in info.ov_spectrum],
+                            [_head_spectrum(h) for h in info.qk_spectrum])
     return LayerInfo(info.name, info.source, c.d_model, c.heads, c.kv_heads, c.d_head, c.bias, c.scale, c.rope_theta,
                      forms, spectrum)
 
