@@ -31,11 +31,11 @@ ARG CUDA_DEVEL_IMAGE=nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04
 ARG CUDA_RUNTIME_IMAGE=nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04
 # OCI labels of the runtime images: the version (CMakeLists.txt's project(VERSION), checked by
 # tests/deploy), the commit (--build-arg ATTNSERVE_REVISION=$(git rev-parse HEAD)), where the
-# sources are (--build-arg ATTNSERVE_SOURCE=URL) and the licence (SPDX; the tree names none yet).
+# sources are (--build-arg ATTNSERVE_SOURCE=URL) and the licence (SPDX; LICENSE).
 ARG ATTNSERVE_VERSION=0.1.0
 ARG ATTNSERVE_REVISION=unknown
 ARG ATTNSERVE_SOURCE=unknown
-ARG ATTNSERVE_LICENSES=NOASSERTION
+ARG ATTNSERVE_LICENSES=Apache-2.0
 
 # ---- CUDA build: same scripts, GPU backend on (only for --target cuda) ------------------------
 FROM ${CUDA_DEVEL_IMAGE} AS cuda-build
@@ -43,6 +43,7 @@ WORKDIR /src
 COPY scripts/setup scripts/setup
 RUN scripts/setup --build-only
 COPY CMakeLists.txt ./
+COPY cmake/ cmake/
 COPY proto/ proto/
 COPY server/ server/
 COPY client/ client/
@@ -96,6 +97,7 @@ COPY scripts/setup scripts/setup
 RUN scripts/setup --build-only
 # What the two binaries are built from (tests and benchmarks are off).
 COPY CMakeLists.txt ./
+COPY cmake/ cmake/
 COPY proto/ proto/
 COPY server/ server/
 COPY client/ client/

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Concurrency 32 with the CPU each process used (docs/benchmarks.md, "Serving overhead"): a
+# Concurrency 32 with the CPU each process used (docs/journal/benchmarks-journal.md, "Serving overhead"): a
 # local attnserve (THREADS compute threads, default 2) under attnserve-cli bench, 1×16×768
 # factored requests; over 5 s of the measured load, the cores the server and the load generator
 # used (utime + stime from /proc), the server's compute per batch and how busy its compute was

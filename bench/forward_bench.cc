@@ -84,10 +84,10 @@ const BenchShape kShapes[] = {
     {"small-request", 1, 16, 768, 12},
     {"large", 32, 512, 1024, 16, 0, false},  // GPU-sized; on the CPU only when asked by --shapes
     // The batch a busy server forms from 1×16 requests at concurrency 32 (about 22 of them,
-    // docs/benchmarks.md, "Serving overhead"): what that batch costs in-process.
+    // docs/journal/benchmarks-journal.md, "Serving overhead"): what that batch costs in-process.
     {"small-batch", 22, 16, 768, 12, 0, false},
     // A 1×16 request to gpt2-medium's layer: its weights' rows lie 4 KiB apart, where packing
-    // them once pays most (docs/benchmarks.md, "Weights packed once"); asked by --shapes.
+    // them once pays most (docs/journal/benchmarks-journal.md, "Weights packed once"); asked by --shapes.
     {"gpt2-request", 1, 16, 1024, 16, 0, false},
     // The summed form's association order against n/m (cross-attention over 512 keys): asked by
     // --shapes, with --summed-order auto,project-first.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The long-sequence sweep against torch-sdpa, taken in turn so that both sides meet the same
-# machine (docs/benchmarks.md, "Long sequences"): forward_bench --sweep long and
+# machine (docs/journal/benchmarks-journal.md, "Long sequences"): forward_bench --sweep long and
 # bench/peers/long_sdpa.py alternate REPEATS times, then bench/long_report.py keeps each point's
 # fastest time, prints the table and writes the SVG.
 #

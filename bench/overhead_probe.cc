@@ -1,5 +1,5 @@
 // overhead_probe: the serving overhead of one small request, its three figures interleaved in
-// bursts (docs/benchmarks.md, "Serving overhead"):
+// bursts (docs/journal/benchmarks-journal.md, "Serving overhead"):
 //   served      Forward on a real attnserve (--target), over gRPC on loopback;
 //   in-process  the same forward on a CPU backend in this process, configured as the server's;
 //   floor       Forward on `attnserve-cli noop-server` (--floor): gRPC and this client, nothing

@@ -2,7 +2,7 @@
 // blocked layout and the bias fused, against the dnnl_sgemm call the CPU backend makes today
 // (weights row-major, packed inside every call, bias not included), one thread, at the layers'
 // projection shapes for a 1×16 request, a 64-token batch and a 1024-token batch
-// (docs/benchmarks.md, "Attention's own kernel": the measurement behind the next step).
+// (docs/journal/benchmarks-journal.md, "Attention's own kernel": the measurement behind the next step).
 //
 //   prepacked_gemm_bench
 #include <omp.h>

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving overhead of one small request, measured in one run (docs/benchmarks.md, "Serving
+# The serving overhead of one small request, measured in one run (docs/journal/benchmarks-journal.md, "Serving
 # overhead"): for the 1×16×768 demo request at concurrency 1, factored form,
 #   served     attnserve-cli bench's p50 against a real attnserve on loopback,
 #   in-process forward_bench's median of the same forward, in a loop, same thread count,

@@ -1,4 +1,4 @@
-"""The tables of one bench/serving_overhead.sh run (docs/benchmarks.md, "Serving overhead").
+"""The tables of one bench/serving_overhead.sh run (docs/journal/benchmarks-journal.md, "Serving overhead").
 
     python3 serving_report.py OUT_DIR ROUNDS PROBES NAME:FLAGS...
 

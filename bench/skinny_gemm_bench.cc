@@ -1,13 +1,13 @@
 // skinny_gemm_bench: the CPU backend's SkinnyGemm against Eigen's general GEMM on one thread,
 // x of few rows times weights as wide as a layer's fused projections, as a time ratio measured
-// in the same run (docs/benchmarks.md, "The skinny GEMM"): the measurements behind
-// SkinnyGemmPays. With --tiles, attention's two products per tile instead (docs/benchmarks.md,
+// in the same run (docs/journal/benchmarks-journal.md, "The skinny GEMM"): the measurements behind
+// SkinnyGemmPays. With --tiles, attention's two products per tile instead (docs/journal/benchmarks-journal.md,
 // "Attention's own kernel"): the scores S = scale · Q Kᵀ and the mix O += P V at the tile shapes
 // of the bert-base, gpt2-medium, 1×16 and long-sequence layers (d_h = 64), oneDNN's GEMM against
 // the kernel the backend runs (TransposeScaled and SkinnyGemm).
 //
 // With --packed, the projections on weights packed once (PanelGemm) against the library on the
-// row-major weights, 1 to 1024 rows (docs/benchmarks.md, "Weights packed once").
+// row-major weights, 1 to 1024 rows (docs/journal/benchmarks-journal.md, "Weights packed once").
 //
 //   skinny_gemm_bench [--tiles | --packed]
 #include <Eigen/Core>
@@ -76,7 +76,7 @@ void TileProducts() {
 // The projections on weights packed once (PackPanels, PanelGemm) against the GEMM library on
 // the row-major weights (oneDNN where the build has it, else Eigen), one thread, at the weight
 // blocks of bert-base and gpt2-medium and from 1 to 1024 rows: the measurement behind
-// PanelGemmPays (docs/benchmarks.md, "Weights packed once"). Best of 150 for each, the two
+// PanelGemmPays (docs/journal/benchmarks-journal.md, "Weights packed once"). Best of 150 for each, the two
 // alternated over 3 rounds.
 void PackedWeightsTable() {
   const attnserve::GemmLibrary library = *attnserve::ParseGemmLibrary("auto");  // the backend's default

@@ -1,4 +1,4 @@
-"""Joins one run of bench/peers/run.sh into Markdown tables (docs/benchmarks.md pastes them).
+"""Joins one run of bench/peers/run.sh into Markdown tables (docs/journal/benchmarks-journal.md pastes them).
 
     python3 report.py --ours ours-1.json [ours-2.json ...] --peers peers-1.json [peers-2.json ...]
                       [--serving serving.json [serving-batching.json ...]]

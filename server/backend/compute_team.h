@@ -25,7 +25,7 @@ namespace attnserve {
 //     go idle. This spin yields its core every turn (YieldToReadyThreads, core/spin.h), so it
 //     takes no time from the server's gRPC threads, which meanwhile send the answer and take the
 //     next request. (libgomp's helper spun without yielding, 170–250 µs after every forward at a
-//     30000-turn spin count, and slowed them: docs/benchmarks.md, "The compute team".)
+//     30000-turn spin count, and slowed them: docs/journal/benchmarks-journal.md, "The compute team".)
 //   - Hold wakes a sleeping helper as the forward starts: its wake-up overlaps the forward's
 //     serial set-up instead of delaying the first step.
 // Run hands out tasks one at a time to whoever is free, the caller included, and returns once

@@ -120,7 +120,7 @@ bool SummedMixesFirst(const FormWeights& form, const SequenceShape& s, const Sum
 // kKeyTile keys at a time, with a running max and sum per row (the online softmax), so no
 // n × L matrix exists. 256 × 512 floats (512 KiB) stay in a core's L2 (1–2 MiB on current
 // server cores) between the two GEMMs; 128 rows read each K and V tile twice as often and
-// measured up to 1.2× slower at d_head 64, 512 rows no faster (docs/benchmarks.md).
+// measured up to 1.2× slower at d_head 64, 512 rows no faster (docs/journal/benchmarks-journal.md).
 inline constexpr int64_t kQueryTile = 256;
 inline constexpr int64_t kKeyTile = 512;
 

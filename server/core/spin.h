@@ -28,7 +28,7 @@ constexpr int kLockPolls = 4 * kPollsPerTurn;
 
 // An idle spin's turn to give way. A thread spins while idle (a batch worker between requests,
 // a compute helper between forwards) so that its vCPU does not go idle: on a VM the next forward
-// runs slower on a vCPU that halted (docs/benchmarks.md, "Serving overhead"). It must not take
+// runs slower on a vCPU that halted (docs/journal/benchmarks-journal.md, "Serving overhead"). It must not take
 // the core from the threads the next request needs meanwhile, gRPC's, sending this answer and
 // taking the next: the scheduler shares a core fairly between runnable threads, so a spinner
 // that never yields takes half of it from a busy thread beside it, and one that yields every

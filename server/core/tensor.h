@@ -41,7 +41,7 @@ using ConstMatrixView = MatrixViewT<const float>;
 // hands out large blocks 16 bytes past a page boundary, so every row of a weight matrix whose
 // stride is a multiple of 64 bytes sat 16 bytes off a line: each 32-byte load a GEMM kernel took
 // from it straddled two lines every other time. oneDNN's SGEMM for a request of 4–16 tokens,
-// which streams the weights without copying them, ran 1.17–1.21× slower so (docs/benchmarks.md,
+// which streams the weights without copying them, ran 1.17–1.21× slower so (docs/journal/benchmarks-journal.md,
 // "Weights on cache lines").
 template <typename T>
 struct CacheLineAllocator {

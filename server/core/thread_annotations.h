@@ -65,7 +65,7 @@ class ATTNSERVE_SCOPED_CAPABILITY MutexLock {
   // has just seen, spinning, news published under this lock, whose publisher still holds it for
   // the few hundred ns it takes to finish. std::mutex would block at once, and the publisher's
   // unlock would then have to wake it through a futex, on a VM whose vCPU may have halted
-  // meanwhile (docs/benchmarks.md, "OnDone without the executor, and the queue's lock taken
+  // meanwhile (docs/journal/benchmarks-journal.md, "OnDone without the executor, and the queue's lock taken
   // spinning": a lone call's overhead over the floor 51 → 42 µs).
   // Returns whether a poll took it (false: it blocked).
   bool LockSpinning(int polls) ATTNSERVE_ACQUIRE() {

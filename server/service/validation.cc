@@ -31,7 +31,7 @@ std::string Str(std::string_view v) { return std::string(v); }
 // input and output is scanned: blocks are checked without branches (a float is not finite when
 // its exponent bits are all ones), a loop GCC vectorizes, and only a block holding one is
 // scanned again for where. A scan of 12288 floats (a 1×16×768 request) took 4.5–6.5 µs as a
-// loop of std::isfinite that stops at the first, 0.6–1.8 µs so (docs/benchmarks.md, "Serving
+// loop of std::isfinite that stops at the first, 0.6–1.8 µs so (docs/journal/benchmarks-journal.md, "Serving
 // overhead").
 size_t FirstNonFinite(std::span<const float> values) {
   constexpr size_t kBlock = 256;

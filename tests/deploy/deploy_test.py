@@ -978,6 +978,14 @@ def kustomize(directory):
         objs += kustomize(path) if os.path.isdir(path) else load_all(path)
     for patch in k.get("patches", []):
         ops = load_all(os.path.join(directory, patch["path"]))[0]
+        if isinstance(ops, dict) and ops.get("$patch") == "delete":  # a strategic-merge deletion
+            t = patch["target"]
+            gone = [o for o in objs if (o["kind"], o["metadata"]["name"]) == (t["kind"], t["name"])
+                    and (o["kind"], o["metadata"]["name"]) == (ops["kind"], ops["metadata"]["name"])]
+            if len(gone) != 1:
+                raise AssertionError(f"delete patch {patch['path']} matches {len(gone)} objects")
+            objs.remove(gone[0])
+            continue
         if not isinstance(ops, list):
             raise AssertionError("only JSON 6902 patches are supported here")
         t = patch["target"]
@@ -1000,6 +1008,33 @@ def kustomize(directory):
         for o in objs:
             o["metadata"]["namespace"] = k["namespace"]
     return objs
+
+
+def scraped_families():
+    """The metric families of a real server's /metrics after one forward."""
+    port_dir = tempfile.mkdtemp(prefix="attnserve-scrape-")
+    metrics_port = free_port()
+    proc = subprocess.Popen([BINARY, "--listen=127.0.0.1:0", f"--port-file={port_dir}/port",
+                             f"--metrics-listen=127.0.0.1:{metrics_port}", "--layer=probe=random:d_model=8,heads=1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
+    try:
+        deadline = time.time() + 60
+        while not os.path.exists(f"{port_dir}/port"):
+            if proc.poll() is not None or time.time() > deadline:
+                raise AssertionError("attnserve did not start for the scrape")
+            time.sleep(0.05)
+        with open(f"{port_dir}/port") as f:
+            target = f"127.0.0.1:{f.read().strip()}"
+        out = cli(target, "forward", "--layer", "probe", "--random", "1,2")
+        if out.returncode != 0:
+            raise AssertionError(f"forward for the scrape: {out.stderr}")
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return set(re.findall(r"(?m)^# TYPE (\w+) ", text))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(port_dir, ignore_errors=True)
 
 
 def one(objs, kind, predicate=lambda o: True):
@@ -1062,10 +1097,13 @@ class KubernetesTest(unittest.TestCase):
         cls.gpu = kustomize(os.path.join(DEPLOY, "k8s", "overlays", "gpu"))
         cls.admin = kustomize(os.path.join(DEPLOY, "k8s", "overlays", "admin"))
         cls.tls = kustomize(os.path.join(DEPLOY, "k8s", "overlays", "tls"))
+        cls.keda = kustomize(os.path.join(DEPLOY, "k8s", "overlays", "keda"))
+        cls.queue_hpa = kustomize(os.path.join(DEPLOY, "k8s", "overlays", "queue-hpa"))
 
     def variants(self, *names):
         """[(name, objects)] of the base and the overlays (all of them unless named)."""
-        all_ = {"base": self.base, "gpu overlay": self.gpu, "admin overlay": self.admin, "tls overlay": self.tls}
+        all_ = {"base": self.base, "gpu overlay": self.gpu, "admin overlay": self.admin, "tls overlay": self.tls,
+                "keda overlay": self.keda, "queue-hpa overlay": self.queue_hpa}
         return [(n, o) for n, o in all_.items() if not names or n in names]
 
     def deployment(self, objs):
@@ -1144,6 +1182,9 @@ class KubernetesTest(unittest.TestCase):
         self.assertEqual(sorted(o["kind"] for o in self.gpu), sorted(base_kinds))
         self.assertEqual(sorted(o["kind"] for o in self.admin), sorted(base_kinds))
         self.assertEqual(sorted(o["kind"] for o in self.tls), sorted(base_kinds + ["Certificate"]))
+        self.assertEqual(sorted(o["kind"] for o in self.queue_hpa), sorted(base_kinds))
+        keda_kinds = [k for k in base_kinds if k != "HorizontalPodAutoscaler"] + ["ScaledObject"]
+        self.assertEqual(sorted(o["kind"] for o in self.keda), sorted(keda_kinds), "KEDA owns the only HPA")
         for name, objs in self.variants():
             for o in objs:
                 self.assertIn("app.kubernetes.io/name", o["metadata"].get("labels", {}),
@@ -1432,6 +1473,67 @@ class KubernetesTest(unittest.TestCase):
         pod_labels = self.deployment(objs)["spec"]["template"]["metadata"]["labels"]
         self.assertTrue(selects(one(objs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"], pod_labels))
 
+    def test_startup_probe_covers_a_slow_load(self):
+        """The kubelet kills a container whose liveness probe fails; a startup probe holds it off
+        until the layers are loaded (health answers only then). 300 s or more for a large load."""
+        for name, objs in self.variants("base", "gpu overlay", "admin overlay", "keda overlay", "queue-hpa overlay"):
+            with self.subTest(objs=name):
+                probe = self.container(objs)["startupProbe"]
+                self.assertGreaterEqual(probe["periodSeconds"] * probe["failureThreshold"], 300)
+
+    def test_queue_autoscaling(self):
+        """overlays/keda and overlays/queue-hpa scale the Deployment on what the real server exports:
+        every metric their queries, rules and HPA name is a family of a real scrape (after a request,
+        as attnserve_queue_depth's series appear with their first job), the HPA's metric names are
+        the ones prometheus-adapter's rules serve, per pod, and the replica bounds keep two pods."""
+        families = scraped_families()
+        for metric in ("attnserve_inflight_requests", "attnserve_queue_depth"):
+            self.assertIn(metric, families, "the server exports its load")
+        # KEDA: one ScaledObject on the Deployment, Prometheus triggers on the load gauges.
+        so = one(self.keda, "ScaledObject")
+        self.assertEqual(so["apiVersion"], "keda.sh/v1alpha1")
+        ref = so["spec"]["scaleTargetRef"]
+        self.assertEqual((ref.get("kind", "Deployment"), ref["name"]),
+                         ("Deployment", self.deployment(self.keda)["metadata"]["name"]))
+        self.assertGreaterEqual(so["spec"]["minReplicaCount"], 2, "one pod draining must not take the service down")
+        self.assertLessEqual(so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"])
+        queried = set()
+        for trigger in so["spec"]["triggers"]:
+            self.assertEqual(trigger["type"], "prometheus")
+            meta = trigger["metadata"]
+            self.assertRegex(meta["serverAddress"], r"^https?://")
+            self.assertGreater(float(meta["threshold"]), 0)
+            names = set(re.findall(r"\b(attnserve_\w+)\b", meta["query"]))
+            self.assertTrue(names, meta["query"])
+            self.assertEqual(names - families, set(), f"KEDA query names metrics the server lacks: {meta['query']}")
+            self.assertRegex(meta["query"], r"^sum\(", "the total over the pods; KEDA divides by the threshold")
+            queried |= names
+        self.assertEqual(queried, {"attnserve_inflight_requests", "attnserve_queue_depth"})
+        behavior = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        self.assertEqual(behavior, one(self.base, "HorizontalPodAutoscaler")["spec"]["behavior"],
+                         "the same slow scale-down as the base HPA")
+        # prometheus-adapter + HPA: the HPA asks for per-pod custom metrics the adapter's rules serve.
+        with open(os.path.join(DEPLOY, "k8s", "overlays", "queue-hpa", "prometheus-adapter-values.yaml")) as f:
+            rules = yaml.safe_load(f)["rules"]["custom"]
+        served = {}
+        for rule in rules:
+            series = re.match(r"^(\w+)\{", rule["seriesQuery"]).group(1)
+            self.assertIn(series, families, f"adapter rule on a metric the server lacks: {series}")
+            self.assertEqual(rule["resources"]["overrides"], {"namespace": {"resource": "namespace"},
+                                                              "pod": {"resource": "pod"}})
+            self.assertIn("<<.GroupBy>>", rule["metricsQuery"], "grouped by pod, as the pods API asks")
+            served[rule["name"]["as"]] = series
+        hpa = one(self.queue_hpa, "HorizontalPodAutoscaler")
+        self.assertEqual(hpa["spec"]["scaleTargetRef"]["name"], self.deployment(self.queue_hpa)["metadata"]["name"])
+        self.assertGreaterEqual(hpa["spec"]["minReplicas"], 2)
+        asked = set()
+        for m in hpa["spec"]["metrics"]:
+            self.assertEqual(m["type"], "Pods", "per-pod custom metrics, not CPU")
+            self.assertIn(m["pods"]["metric"]["name"], served, "a metric no adapter rule serves")
+            self.assertEqual(m["pods"]["target"]["type"], "AverageValue")
+            asked.add(served[m["pods"]["metric"]["name"]])
+        self.assertEqual(asked, {"attnserve_inflight_requests", "attnserve_queue_depth"})
+
     def test_gpu_overlay(self):
         c = self.container(self.gpu)
         self.assertGreaterEqual(int(c["resources"]["limits"]["nvidia.com/gpu"]), 1)
@@ -1530,7 +1632,9 @@ class KubernetesTest(unittest.TestCase):
             self.skipTest("kubectl is not installed; the manifests are checked through this file's renderer")
         paths = {"base": os.path.join(DEPLOY, "k8s"), "gpu overlay": os.path.join(DEPLOY, "k8s", "overlays", "gpu"),
                  "admin overlay": os.path.join(DEPLOY, "k8s", "overlays", "admin"),
-                 "tls overlay": os.path.join(DEPLOY, "k8s", "overlays", "tls")}
+                 "tls overlay": os.path.join(DEPLOY, "k8s", "overlays", "tls"),
+                 "keda overlay": os.path.join(DEPLOY, "k8s", "overlays", "keda"),
+                 "queue-hpa overlay": os.path.join(DEPLOY, "k8s", "overlays", "queue-hpa")}
         for name, mine in self.variants():
             with self.subTest(objs=name):
                 out = subprocess.run([kubectl, "kustomize", paths[name]], capture_output=True, text=True, timeout=60)
@@ -1759,6 +1863,13 @@ class KServeTest(unittest.TestCase):
         self.assertEqual(readiness["port"], ports["h2c"])
         self.assertEqual(readiness.get("service"), "inference.GRPCInferenceService")
         self.assertEqual(self.container["livenessProbe"]["grpc"]["port"], ports["h2c"])
+
+    def test_startup_probe_covers_a_slow_load(self):
+        """Without a startup probe a load longer than the liveness probe's patience (~30 s) would
+        crash-loop; this one holds it off for 300 s or more, on the served port."""
+        probe = self.container["startupProbe"]
+        self.assertEqual(probe["grpc"]["port"], port_of(flag_value(self.args, "--listen", "0.0.0.0:50051")))
+        self.assertGreaterEqual(probe["periodSeconds"] * probe["failureThreshold"], 300)
 
     def test_flags_exist_and_grace_exceeds_drain(self):
         assert_flags_exist(self, self.args, BINARY, "deploy/kserve/servingruntime.yaml args")

@@ -571,6 +571,33 @@ class PerfAnalyzer(unittest.TestCase):
             server.stop()
 
 
+class PerfAnalyzerPlainCommand(unittest.TestCase):
+    """What README.md says of `perf_analyzer -m demo --shape x:16,768`: perf_analyzer 2.41 wants a
+    shape for the optional `context` too, and its generated data cannot be attention inputs
+    (random bytes hold NaN bit patterns, which the server refuses naming the element). When this
+    test fails, perf_analyzer or the model's metadata changed: the README's advice may be stale."""
+
+    def test_fails_for_the_reasons_the_readme_gives(self):
+        venv = os.path.dirname(os.path.dirname(VENV_PYTHON))
+        perf_analyzer = os.path.join(venv, "bin", "perf_analyzer")
+        cudart = [os.path.join(p, "nvidia", "cuda_runtime", "lib") for p in sys.path if p.endswith("site-packages")]
+        cudart = [p for p in cudart if os.path.exists(os.path.join(p, "libcudart.so.12"))]
+        self.assertTrue(os.access(perf_analyzer, os.X_OK) and cudart,
+                        f"perf_analyzer or libcudart.so.12 missing in {venv}: run scripts/fetch-oip-clients")
+        env = dict(os.environ, LD_LIBRARY_PATH=":".join(cudart + [os.environ.get("LD_LIBRARY_PATH", "")]))
+        server = Server()  # the built-in 'demo' layer
+        try:
+            base = [perf_analyzer, "-i", "grpc", "-u", server.target, "-m", "demo", "--shape", "x:16,768",
+                    "--measurement-interval", "500", "-s", "1000"]
+            plain = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
+            self.assertIn("input context contains dynamic shape", plain.stdout + plain.stderr)
+            generated = subprocess.run(base + ["--shape", "context:16,768"], capture_output=True, text=True,
+                                       timeout=120, env=env)
+            self.assertIn("x.data: expected finite values", generated.stdout + generated.stderr)
+        finally:
+            server.stop()
+
+
 class ResponseLimit(unittest.TestCase):
     """The largest response counts what the OIP echoes: the request id comes back in the answer,
     so an id that pushes an answer past --max-message-mb is refused before compute, naming the

@@ -79,7 +79,7 @@ struct BatchPlan {
   // row, in the query rows' order), and b_in covers all of W_in's columns or none (a bias of Q
   // and K alone would need two GEMMs). The input is then read and packed once, not twice: one
   // thread's share of gpt2-medium's Q|K|V, [1024, 1024] · [1024, 1536], measured 1.03–1.07×
-  // faster in one GEMM than in two (docs/benchmarks.md, "Attention's own kernel").
+  // faster in one GEMM than in two (docs/journal/benchmarks-journal.md, "Attention's own kernel").
   bool qkv_one_block = false;
 
   // One group holds every sequence's value rows (the concat-then-project forms always).

@@ -268,7 +268,7 @@ struct TileScratch {
 // Whether attention's two products per tile run on the backend's own register-blocked kernel
 // (SkinnyGemm) rather than the GEMM library. A tile's operands are already in cache (a query
 // block, a key tile and its values, at most 512 KiB), so packing them, as a library GEMM does on
-// every call, is cost without return. Measured at d_h = 64, one thread (docs/benchmarks.md,
+// every call, is cost without return. Measured at d_h = 64, one thread (docs/journal/benchmarks-journal.md,
 // "Attention's own kernel"): the AVX-512 kernel 1.03× oneDNN on the scores and 1.09–1.10× on
 // the mix. The AVX2 one (6 × 16 blocks), on the same Zen 4 capped at AVX2, 0.86–1.04× and
 // 0.97–1.22× oneDNN's AVX2 GEMM: not a clear win, and not measured on an AVX2-only CPU, so AVX2

@@ -50,7 +50,7 @@ struct CpuBackendOptions {
   // sequences at a time, at most this many bytes of value rows or one sequence
   // (PlanPolicy::max_value_group_bytes), so that a batch's value block does not grow with the
   // batch: the memory budget counts one group (ScratchBytes). Smaller groups measured no faster
-  // (docs/benchmarks.md, "The summed form's value groups"): the head sum does 128 FLOPs per
+  // (docs/journal/benchmarks-journal.md, "The summed form's value groups"): the head sum does 128 FLOPs per
   // byte of value rows it reads, so it does not wait for memory wherever they come from.
   int64_t summed_value_group_bytes = int64_t{64} << 20;
   // After a forward, how long its helper threads spin for the next one before they sleep

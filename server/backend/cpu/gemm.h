@@ -4,7 +4,7 @@
 // cpu_backend.cc), and attention's products where its own tile kernel does not run (a CPU
 // without AVX2, values wider than the kernel takes, the summed form's per-head score blocks:
 // AttendTiled and HeadScores). Which library computes it is a choice made
-// once per backend, from measurement (docs/benchmarks.md, "The GEMM library"):
+// once per backend, from measurement (docs/journal/benchmarks-journal.md, "The GEMM library"):
 //   - oneDNN (Debian's libdnnl, JIT kernels dispatched at run time for AVX2 or AVX-512): 1.3–1.4×
 //     Eigen at the projection shapes on one thread, up to 2× at few rows. The default when the
 //     build found it (ATTNSERVE_ONEDNN=AUTO).

@@ -7,7 +7,7 @@
 // get around that; for a request of a few tokens the copy costs as much as the product.
 // Packed here once, each panel of `width` columns lies row after row in one contiguous run, which
 // the kernel streams and the hardware prefetchers follow. Measured against oneDNN's SGEMM on the
-// row-major weights, one thread (docs/benchmarks.md, "Weights packed once"): with AVX-512
+// row-major weights, one thread (docs/journal/benchmarks-journal.md, "Weights packed once"): with AVX-512
 // 1.1–1.6× at 4–16 tokens of gpt2-medium's weights and level at bert-base's; with AVX2 1.4–2.1×
 // at 4–256 tokens of gpt2-medium's. Each call goes where it measured faster (PanelGemmPays).
 // The packed copy is a second copy of the weights in host memory (ResidentForm::HostBytes);

@@ -6,7 +6,7 @@
 // rows: blocks of 6 rows of x × 64 columns of w in 24 AVX-512 registers (× 16 columns in 12
 // AVX2 registers on a CPU without AVX-512), with w's rows prefetched ahead (they lie a page or
 // more apart). Where it pays was measured, not assumed
-// (docs/benchmarks.md, "The skinny GEMM").
+// (docs/journal/benchmarks-journal.md, "The skinny GEMM").
 #pragma once
 
 #include <cstdint>
@@ -33,7 +33,7 @@ constexpr int64_t kSkinnyGemmMinRows = 2, kSkinnyGemmMaxRows = 16, kSkinnyGemmMa
 // its GEMM library is `library`: where it pays against Eigen (SkinnyGemmPays), and against
 // oneDNN only with the AVX-512 kernel, up to kSkinnyGemmMaxRowsAgainstOneDnn rows. The AVX2
 // kernel ran at 0.7–1.0 of oneDNN's AVX2 GEMM from 2 to 16 rows on a Zen 3, so with oneDNN it is
-// not used there (docs/benchmarks.md, "The skinny GEMM").
+// not used there (docs/journal/benchmarks-journal.md, "The skinny GEMM").
 bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols);
 constexpr int64_t kSkinnyGemmMaxRowsAgainstOneDnn = 4;
 
@@ -81,7 +81,7 @@ void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accum
                const float* bias = nullptr);
 
 // Whether PanelGemm on packed weights beats the GEMM library on the row-major ones (their rows
-// `row_major_ld` floats apart) for an x of `rows` rows (docs/benchmarks.md, "Weights packed
+// `row_major_ld` floats apart) for an x of `rows` rows (docs/journal/benchmarks-journal.md, "Weights packed
 // once"):
 //   - the AVX-512 kernel: at every row count (0.94–1.60× oneDNN alone, one thread; 1.0–1.6 from
 //     4 rows). Whole batches of 1024 tokens too, since the bias starts the kernel's

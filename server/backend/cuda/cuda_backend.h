@@ -56,7 +56,7 @@ struct CudaBackendOptions {
   // of a large batch's copies. Slices of under 256 KiB are packed by the lane's thread alone.
   // Capped at the host's hardware threads. 4: on an H200's 16-core host, 4 threads took a
   // 32×512×1024 batch's call from 34.5 to 14.9 ms and bert-base's from 0.95 to 0.70; 8 bought
-  // little more (0.65 at bert-base, none at the larger shapes; docs/benchmarks.md, "The second
+  // little more (0.65 at bert-base, none at the larger shapes; docs/journal/benchmarks-journal.md, "The second
   // run on a GPU").
   int staging_threads = 4;
   // The summed form's association order (SummedMixesFirst): with it, a sequence with fewer

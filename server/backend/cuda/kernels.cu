@@ -191,7 +191,7 @@ __global__ void MaskedSoftmaxKernel(SoftmaxBlocks blocks, int64_t heads, int64_t
 // kWarpRowsPerBlock rows a block. The row stays in registers from its one read to its one
 // write, and the reductions are shuffles with no barrier. The block kernel reads a row three
 // times and waits at six barriers: on an H200 it took 578 µs to read and write 256 MiB of
-// 512-key rows, ~0.9 TB/s of the device's 4.8; this kernel, 283 µs (docs/benchmarks.md, "The
+// 512-key rows, ~0.9 TB/s of the device's 4.8; this kernel, 283 µs (docs/journal/benchmarks-journal.md, "The
 // second run on a GPU").
 template <int kPerLane>
 __global__ void MaskedSoftmaxWarpKernel(SoftmaxBlocks blocks, int64_t heads, int64_t n, int64_t keys,
