@@ -52,10 +52,10 @@ struct AbFormReport {
 
 struct AbPairReport {
   std::string baseline, form;
-  ab::RatioComparison latency;       // form / baseline
-  ab::DifferenceComparison errors;   // form - baseline
-  std::string verdict;               // "different", "no_difference", "not_enough_data"
-  std::string reason;                // one line for the operator
+  ab::RatioComparison latency;      // form / baseline
+  ab::DifferenceComparison errors;  // form - baseline
+  std::string verdict;              // "different", "no_difference", "not_enough_data"
+  std::string reason;               // one line for the operator
 };
 
 struct AbLayerReport {

@@ -93,7 +93,9 @@ bool HttpGet(const std::string& url, std::chrono::milliseconds timeout, std::str
     const size_t close_bracket = hostport.find(']');
     if (close_bracket == std::string::npos) return fail("unterminated '[' in the host");
     host = hostport.substr(1, close_bracket - 1);
-    if (close_bracket + 1 < hostport.size() && hostport[close_bracket + 1] == ':') port = hostport.substr(close_bracket + 2);
+    if (close_bracket + 1 < hostport.size() && hostport[close_bracket + 1] == ':') {
+      port = hostport.substr(close_bracket + 2);
+    }
   } else if (const size_t colon = hostport.rfind(':'); colon != std::string::npos) {
     host = hostport.substr(0, colon);
     port = hostport.substr(colon + 1);
@@ -199,7 +201,8 @@ bool ParseExposition(std::string_view text, const std::string& origin, std::vect
     if (first == std::string_view::npos || line[first] == '#') continue;
     line.remove_prefix(first);
     const auto bad = [&](const std::string& what) {
-      *error = origin + ": line " + std::to_string(line_no) + ": " + what + " in '" + std::string(line.substr(0, 120)) + "'";
+      *error =
+          origin + ": line " + std::to_string(line_no) + ": " + what + " in '" + std::string(line.substr(0, 120)) + "'";
       return false;
     };
     Sample s;
@@ -362,8 +365,9 @@ Buckets Merge(const std::vector<std::map<double, double>>& origins) {
 
 LayerCounts Aggregate(const std::vector<Sample>& samples) {
   LayerCounts out;
-  using Key = std::pair<std::string, std::string>;  // layer, form
-  std::map<Key, std::map<std::string, std::map<double, double>>> latency, divergence;  // origin -> le -> count
+  // (layer, form), and per origin: le -> cumulative count.
+  using Key = std::pair<std::string, std::string>;
+  std::map<Key, std::map<std::string, std::map<double, double>>> latency, divergence;
   for (const Sample& s : samples) {
     const std::string layer = Label(s, "layer"), form = Label(s, "form");
     if (layer.empty() || form.empty()) continue;

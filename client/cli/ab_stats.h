@@ -41,8 +41,8 @@ struct Interval {
 };
 
 struct QuantileEstimate {
-  double value = 0;  // linear interpolation within the bucket, as PromQL's histogram_quantile
-  Interval ci;       // bucket edges around the order statistics' ranks; hi may be +Inf
+  double value = 0;    // linear interpolation within the bucket, as PromQL's histogram_quantile
+  Interval ci;         // bucket edges around the order statistics' ranks; hi may be +Inf
   bool valid = false;  // false when there are no observations
 };
 // The q-quantile of `b` with a two-sided `confidence` interval: the ranks n*q -/+ z*sqrt(n q (1-q))

@@ -74,8 +74,8 @@ bool ReadCounts(const AbArgs& a, ab::LayerCounts* counts, std::string* source, d
         return false;
       }
     }
-    *source = "prometheus " + a.prometheus + (a.window.empty() ? " (counters since each process started)"
-                                                                : " (increase over " + a.window + ")");
+    *source = "prometheus " + a.prometheus +
+              (a.window.empty() ? " (counters since each process started)" : " (increase over " + a.window + ")");
     *window = a.window_seconds;
   } else {
     const auto scrape = [&](std::vector<ab::Sample>* out) {
@@ -160,7 +160,8 @@ bool ParseAbArgs(const std::vector<std::string>& args, AbArgs* out, std::string*
   if (!power.empty() && !ParseFraction(power, "--power", 0.5, 1, true, &out->power, error)) return false;
   if (!mde.empty() && !ParseFraction(mde, "--mde", 0, 10, true, &out->mde, error)) return false;
   if (!margin.empty() && !ParseFraction(margin, "--error-margin", 0, 1, true, &out->error_margin, error)) return false;
-  if (!min_requests.empty() && !ParseFraction(min_requests, "--min-requests", 2, 1e15, false, &out->min_requests, error)) {
+  if (!min_requests.empty() &&
+      !ParseFraction(min_requests, "--min-requests", 2, 1e15, false, &out->min_requests, error)) {
     return false;
   }
   if (!timeout.empty()) {
@@ -255,7 +256,8 @@ AbReport Analyze(const ab::LayerCounts& counts, const AbArgs& a, const std::stri
       if (m.n > 0 && m.widest_ratio - 1 > 2 * a.mde) {
         r.notes.push_back(l.layer + "/" + f.form + ": its calls fall in buckets up to x" + Num(m.widest_ratio, "%.3g") +
                           " wide, coarse for a " + Percent(a.mde) +
-                          " effect: the latency comparison leans on the spread over buckets");
+                          " effect: the test of equal latency holds, but the ratio's size describes the binned "
+                          "calls (finer buckets make it the calls' own)");
       }
     }
     for (AbPairReport& p : l.pairs) {
@@ -274,8 +276,11 @@ AbReport Analyze(const ab::LayerCounts& counts, const AbArgs& a, const std::stri
         p.verdict = "different";
         std::string why;
         if (p.latency.significant) {
-          why = p.form + " is " + Percent(std::fabs(p.latency.ratio - 1)) + (p.latency.ratio > 1 ? " slower" : " faster") +
-                " than " + p.baseline + " (geometric mean)";
+          why = p.form + " is " + Percent(std::fabs(p.latency.ratio - 1)) +
+                (p.latency.ratio > 1 ? " slower" : " faster") + " than " + p.baseline + " (geometric mean)" +
+                (std::fabs(std::log(p.latency.ratio)) < std::log1p(a.mde)
+                     ? ", less than the --mde " + Percent(a.mde) + " said to matter"
+                     : "");
         }
         if (p.errors.significant) {
           why += (why.empty() ? "" : "; ") + p.form + "'s error ratio is " +
@@ -342,16 +347,17 @@ std::string FormatAbText(const AbReport& r) {
         << (p.latency.significant ? " significant" : " not significant") << "; detectable now "
         << Percent(p.latency.detectable_now) << "\n";
       o << "  errors " << p.form << "-" << p.baseline << ": " << Num(p.errors.difference * 100, "%+.3g") << " points ["
-        << Num(p.errors.ci.lo * 100, "%.3g") << ", " << Num(p.errors.ci.hi * 100, "%.3g") << "] p="
-        << Num(p.errors.p_value, "%.3g") << (p.errors.significant ? " significant" : " not significant") << "\n";
+        << Num(p.errors.ci.lo * 100, "%.3g") << ", " << Num(p.errors.ci.hi * 100, "%.3g")
+        << "] p=" << Num(p.errors.p_value, "%.3g") << (p.errors.significant ? " significant" : " not significant")
+        << "\n";
       o << "  verdict " << p.form << " vs " << p.baseline << ": " << p.verdict << ": " << p.reason << "\n";
     }
   }
   for (const std::string& n : r.notes) o << "note: " << n << "\n";
   o << "exit " << r.exit_code << ": "
-    << (r.exit_code == kExitAbDifferent  ? "a significant difference"
-        : r.exit_code == kExitOk          ? "decided: no difference that matters"
-                                          : "not enough data yet")
+    << (r.exit_code == kExitAbDifferent ? "a significant difference"
+        : r.exit_code == kExitOk        ? "decided: no difference that matters"
+                                        : "not enough data yet")
     << "\n";
   return o.str();
 }
@@ -363,52 +369,47 @@ std::string FormatAbJson(const AbReport& r) {
   const auto quantile = [&](const ab::QuantileEstimate& q) {
     return q.valid ? json{{"value", finite(q.value)}, {"ci", interval(q.ci)}} : json(nullptr);
   };
-  json j{{"source", r.source},
-         {"window_seconds", r.window_seconds},
-         {"alpha", r.alpha},
-         {"alpha_per_test", r.alpha_per_test},
-         {"tests", r.tests},
-         {"power", r.power},
-         {"mde", r.mde},
-         {"error_margin", r.error_margin},
-         {"notes", r.notes},
-         {"exit_code", r.exit_code},
+  json j{{"source", r.source},     {"window_seconds", r.window_seconds},
+         {"alpha", r.alpha},       {"alpha_per_test", r.alpha_per_test},
+         {"tests", r.tests},       {"power", r.power},
+         {"mde", r.mde},           {"error_margin", r.error_margin},
+         {"notes", r.notes},       {"exit_code", r.exit_code},
          {"layers", json::array()}};
   for (const AbLayerReport& l : r.layers) {
     json jl{{"layer", l.layer}, {"forms", json::array()}, {"comparisons", json::array()}};
     for (const AbFormReport& f : l.forms) {
-      jl["forms"].push_back({{"form", f.form},
-                             {"requests", f.requests},
-                             {"errors", f.errors},
-                             {"error_ratio", f.requests > 0 ? f.errors / f.requests : 0.0},
-                             {"error_ratio_ci", interval(f.error_ci)},
-                             {"latency_observations", f.latency_observations},
-                             {"latency_includes_failures", f.latency_includes_failures},
-                             {"latency_seconds", {{"p50", quantile(f.p50)}, {"p95", quantile(f.p95)}, {"p99", quantile(f.p99)}}},
-                             {"shadow_runs", f.divergence_observations},
-                             {"shadow_divergence", {{"p50", quantile(f.divergence_p50)}, {"p99", quantile(f.divergence_p99)}}},
-                             {"flops", f.flops},
-                             {"flops_per_second", r.window_seconds > 0 ? json(f.flops / r.window_seconds) : json(nullptr)}});
+      jl["forms"].push_back(
+          {{"form", f.form},
+           {"requests", f.requests},
+           {"errors", f.errors},
+           {"error_ratio", f.requests > 0 ? f.errors / f.requests : 0.0},
+           {"error_ratio_ci", interval(f.error_ci)},
+           {"latency_observations", f.latency_observations},
+           {"latency_includes_failures", f.latency_includes_failures},
+           {"latency_seconds", {{"p50", quantile(f.p50)}, {"p95", quantile(f.p95)}, {"p99", quantile(f.p99)}}},
+           {"shadow_runs", f.divergence_observations},
+           {"shadow_divergence", {{"p50", quantile(f.divergence_p50)}, {"p99", quantile(f.divergence_p99)}}},
+           {"flops", f.flops},
+           {"flops_per_second", r.window_seconds > 0 ? json(f.flops / r.window_seconds) : json(nullptr)}});
     }
     for (const AbPairReport& p : l.pairs) {
-      jl["comparisons"].push_back(
-          {{"baseline", p.baseline},
-           {"form", p.form},
-           {"latency_ratio", finite(p.latency.ratio)},
-           {"latency_ratio_ci", interval(p.latency.ci)},
-           {"latency_p_value", p.latency.p_value},
-           {"latency_significant", p.latency.significant},
-           {"latency_needed_total", finite(p.latency.needed_total)},
-           {"latency_more_needed", finite(p.latency.more_needed)},
-           {"latency_detectable_now", finite(p.latency.detectable_now)},
-           {"error_difference", p.errors.difference},
-           {"error_difference_ci", interval(p.errors.ci)},
-           {"error_p_value", p.errors.p_value},
-           {"error_significant", p.errors.significant},
-           {"error_needed_total", finite(p.errors.needed_total)},
-           {"error_more_needed", finite(p.errors.more_needed)},
-           {"verdict", p.verdict},
-           {"reason", p.reason}});
+      jl["comparisons"].push_back({{"baseline", p.baseline},
+                                   {"form", p.form},
+                                   {"latency_ratio", finite(p.latency.ratio)},
+                                   {"latency_ratio_ci", interval(p.latency.ci)},
+                                   {"latency_p_value", p.latency.p_value},
+                                   {"latency_significant", p.latency.significant},
+                                   {"latency_needed_total", finite(p.latency.needed_total)},
+                                   {"latency_more_needed", finite(p.latency.more_needed)},
+                                   {"latency_detectable_now", finite(p.latency.detectable_now)},
+                                   {"error_difference", p.errors.difference},
+                                   {"error_difference_ci", interval(p.errors.ci)},
+                                   {"error_p_value", p.errors.p_value},
+                                   {"error_significant", p.errors.significant},
+                                   {"error_needed_total", finite(p.errors.needed_total)},
+                                   {"error_more_needed", finite(p.errors.more_needed)},
+                                   {"verdict", p.verdict},
+                                   {"reason", p.reason}});
     }
     j["layers"].push_back(std::move(jl));
   }
