@@ -338,7 +338,8 @@ std::string FormatAbText(const AbReport& r) {
           << " [<= " << Num(f.divergence_p99.ci.hi) << "]\n";
       }
       if (f.flops > 0 && r.window_seconds > 0) {
-        o << "  served " << f.form << ": " << Num(f.flops / r.window_seconds / 1e9) << " GFLOP/s\n";
+        o << "  computed by " << f.form << ": " << Num(f.flops / r.window_seconds / 1e9)
+          << " GFLOP/s (served and mirrored calls)\n";
       }
     }
     for (const AbPairReport& p : l.pairs) {

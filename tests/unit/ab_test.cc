@@ -411,6 +411,8 @@ TEST(AbCommandTest, TwoScrapesCountOnlyTheIntervalAndSmallCountsAreNotEnough) {
   EXPECT_DOUBLE_EQ(j["window_seconds"].get<double>(), 1.5);
   for (const nlohmann::json& f : j["layers"][0]["forms"]) {
     EXPECT_EQ(f["requests"].get<double>(), during.requests[f["form"].get<std::string>()]) << f["form"];
+    // FLOP/s over the window: only summed's batch was reported, once per Drive.
+    EXPECT_DOUBLE_EQ(f["flops_per_second"].get<double>(), f["form"] == "summed" ? during.flops / 1.5 : 0.0);
   }
   // 200 calls a form of equal latency cannot rule out 5 %: not enough data, with the number still needed.
   EXPECT_EQ(res.code, kExitAbNotEnoughData) << res.out;
