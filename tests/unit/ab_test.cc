@@ -402,17 +402,17 @@ TEST(AbCommandTest, TwoScrapesCountOnlyTheIntervalAndSmallCountsAreNotEnough) {
   std::mt19937_64 rng(12);
   Drive(r, before, rng, 5000);
   std::thread more([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
     Drive(r, during, rng, 200, 1.0);
   });
-  const CliResult res = Cli({"ab", "--metrics", r.url(), "--interval", "1.5s", "--json", "--min-requests", "100"});
+  const CliResult res = Cli({"ab", "--metrics", r.url(), "--interval", "3s", "--json", "--min-requests", "100"});
   more.join();
   const nlohmann::json j = nlohmann::json::parse(res.out);
-  EXPECT_DOUBLE_EQ(j["window_seconds"].get<double>(), 1.5);
+  EXPECT_DOUBLE_EQ(j["window_seconds"].get<double>(), 3.0);
   for (const nlohmann::json& f : j["layers"][0]["forms"]) {
     EXPECT_EQ(f["requests"].get<double>(), during.requests[f["form"].get<std::string>()]) << f["form"];
     // FLOP/s over the window: only summed's batch was reported, once per Drive.
-    EXPECT_DOUBLE_EQ(f["flops_per_second"].get<double>(), f["form"] == "summed" ? during.flops / 1.5 : 0.0);
+    EXPECT_DOUBLE_EQ(f["flops_per_second"].get<double>(), f["form"] == "summed" ? during.flops / 3 : 0.0);
   }
   // 200 calls a form of equal latency cannot rule out 5 %: not enough data, with the number still needed.
   EXPECT_EQ(res.code, kExitAbNotEnoughData) << res.out;
