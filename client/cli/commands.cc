@@ -23,8 +23,8 @@ std::string ForwardDetails() {
 }
 
 // The table; --help lists the commands in this order.
-const std::array<Subcommand, 9>& Table() {
-  static const std::array<Subcommand, 9> table = {{
+const std::array<Subcommand, 10>& Table() {
+  static const std::array<Subcommand, 10> table = {{
       {"health", "check the server's health (grpc.health.v1)", "[SERVICE]",
        [] {
          return std::string(
@@ -76,6 +76,11 @@ const std::array<Subcommand, 9>& Table() {
        &RunNoopServer},
       {"route", "show or change the A/B split and the shadow rate",
        "[LAYER (SPEC | --clear)] [--shadow-rate R]", &RouteDetails, &RunRoute},
+      {"ab", "the A/B verdict: compare a layer's forms on the fleet's metrics",
+       "(--prometheus URL [--window W] | --metrics URL[,URL...] [--interval T])\n"
+       "       [--layer L] [--baseline F] [--alpha A] [--power P] [--mde R] [--error-margin D]\n"
+       "       [--min-requests N] [--timeout T] [--json]",
+       &AbDetails, &RunAb},
   }};
   return table;
 }
@@ -98,7 +103,8 @@ void PrintTopHelp(std::ostream& out) {
     out << name << c.summary << "\n";
   }
   out << "\nRun '" << kProgram << " COMMAND --help' for a command's arguments.\n"
-      << "Exit status: 0 success, 1 failure (the server's status is printed), 2 usage error.\n";
+      << "Exit status: 0 success, 1 failure (the server's status is printed), 2 usage error;\n"
+      << "ab also 3 (a significant difference) and 4 (not enough data yet).\n";
 }
 
 void PrintCommandHelp(const Subcommand& c, std::ostream& out) {

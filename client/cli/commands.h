@@ -71,6 +71,9 @@ int RunForward(CommandContext& ctx, const std::vector<std::string>& args);
 int RunBench(CommandContext& ctx, const std::vector<std::string>& args);
 std::string BenchDetails();
 int RunRoute(CommandContext& ctx, const std::vector<std::string>& args);  // cmd_route.cc
+// cmd_ab.cc: the A/B verdict from the fleet's metrics (docs/ab.md).
+int RunAb(CommandContext& ctx, const std::vector<std::string>& args);
+std::string AbDetails();
 // cmd_noop.cc: the bench's no-op server alone, for other clients to measure the floor with.
 int RunNoopServer(CommandContext& ctx, const std::vector<std::string>& args);
 

@@ -17,6 +17,10 @@ No Docker engine or Kubernetes cluster runs here, so what can be checked without
                and exec probes; and the real server started with the ConfigMap (admin calls
                refused, then allowed with the admin overlay's token) and with the tls overlay's
                flags on a throwaway CA, its probe commands run against it.
+  alerts       deploy/prometheus/rules.yaml: `promtool check rules`, `promtool test rules` on
+               rules_test.yaml (each alert fires on the series built to fire it, and only there),
+               the Kubernetes PrometheusRule holding the same groups, and Prometheus's config
+               (compose and image) loading the file.
 
 Run by CTest with ATTNSERVE_SOURCE_DIR, ATTNSERVE_BUILD_DIR, ATTNSERVE_BINARY and
 ATTNSERVE_CLI_BINARY set; `deploy_test.py ClassName` runs one group. Debian's /usr/bin/python3
@@ -1176,8 +1180,8 @@ class KubernetesTest(unittest.TestCase):
         return [e for e in self.container(objs).get("env", []) if e["name"] == "ATTNSERVE_ADMIN_TOKEN"]
 
     def test_kinds(self):
-        base_kinds = ["ConfigMap", "ConfigMap", "Deployment", "Service", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-                      "ServiceMonitor", "NetworkPolicy"]
+        base_kinds = ["ConfigMap", "ConfigMap", "Deployment", "Service", "Service", "HorizontalPodAutoscaler",
+                      "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule", "NetworkPolicy"]
         self.assertEqual(sorted(o["kind"] for o in self.base), sorted(base_kinds))
         self.assertEqual(sorted(o["kind"] for o in self.gpu), sorted(base_kinds))
         self.assertEqual(sorted(o["kind"] for o in self.admin), sorted(base_kinds))
@@ -1645,6 +1649,73 @@ class KubernetesTest(unittest.TestCase):
                 for key in ours:
                     self.assertEqual(json.dumps(theirs[key], sort_keys=True), json.dumps(ours[key], sort_keys=True),
                                      key)
+
+
+class PrometheusRulesTest(unittest.TestCase):
+    """The A/B alerts (docs/ab.md): one rules file, unit-tested by promtool, the same groups in the
+    Kubernetes PrometheusRule, loaded by the compose Prometheus and its image."""
+
+    RULES = os.path.join(DEPLOY, "prometheus", "rules.yaml")
+    PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+
+    def promtool(self, *args):
+        if not os.access(self.PROMTOOL, os.X_OK):
+            self.fail("promtool is missing: scripts/setup installs Debian's prometheus")
+        return subprocess.run([self.PROMTOOL, *args], capture_output=True, text=True, timeout=120,
+                              cwd=os.path.dirname(self.RULES))
+
+    def test_promtool_checks_the_rules_and_runs_their_unit_tests(self):
+        out = self.promtool("check", "rules", "rules.yaml")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        out = self.promtool("test", "rules", "rules_test.yaml")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("SUCCESS", out.stdout + out.stderr)
+
+    def test_the_alerts_the_design_asks_for(self):
+        with open(self.RULES) as f:
+            groups = yaml.safe_load(f)["groups"]
+        alerts = {r["alert"]: r for g in groups for r in g["rules"] if "alert" in r}
+        wanted = {"AttnserveShadowDivergenceHigh": "attnserve_shadow_divergence_bucket",
+                  "AttnserveFormErrorRatioAboveOther": "attnserve:form_error_ratio:rate10m",
+                  "AttnserveRoutesGenerationDisagree": "attnserve_routes_generation"}
+        self.assertEqual(sorted(alerts), sorted(wanted))
+        for name, series in wanted.items():
+            rule = alerts[name]
+            self.assertIn(series, rule["expr"], name)
+            self.assertRegex(rule.get("for", ""), r"^\d+m$", f"{name}: a 'for' keeps one bad scrape from paging")
+            self.assertIn(rule["labels"].get("severity"), ("warning", "critical"), name)
+            self.assertIn("docs/ab.md", rule["annotations"]["description"], name)
+        with open(os.path.join(SRC, "docs", "ab.md")) as f:
+            headings = {line.lstrip("#").strip() for line in f if line.startswith("#")}
+        for rule in alerts.values():
+            for section in re.findall(r'docs/ab\.md, "([^"]+)"', rule["annotations"]["description"]):
+                self.assertIn(section, headings, "an alert points at a section docs/ab.md lacks")
+
+    def test_kubernetes_prometheus_rule_holds_the_same_groups(self):
+        with open(self.RULES) as f:
+            groups = yaml.safe_load(f)["groups"]
+        rule = one(kustomize(os.path.join(DEPLOY, "k8s")), "PrometheusRule")
+        self.assertEqual(rule["apiVersion"], "monitoring.coreos.com/v1")
+        self.assertEqual(rule["spec"]["groups"], groups,
+                         "deploy/k8s/base/prometheusrule.yaml differs from deploy/prometheus/rules.yaml")
+
+    def test_prometheus_loads_the_rules_in_compose_and_its_image(self):
+        config_path = os.path.join(DEPLOY, "prometheus", "prometheus.yml")
+        with open(config_path) as f:
+            config = yaml.safe_load(f)
+        self.assertIn("rules.yaml", config.get("rule_files", []))
+        out = self.promtool("check", "config", "prometheus.yml")
+        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("1 rule files found", out.stdout + out.stderr)
+        with open(os.path.join(DEPLOY, "compose.yaml")) as f:
+            compose = yaml.safe_load(f)
+        volumes = compose["services"]["prometheus"]["volumes"]
+        self.assertIn("./prometheus/rules.yaml:/etc/prometheus/rules.yaml:ro", volumes,
+                      "the rules beside the config Prometheus reads (/etc/prometheus/prometheus.yml)")
+        stage = parse_dockerfile(os.path.join(DEPLOY, "prometheus", "Dockerfile"))[0]
+        copies = stage.all("COPY")
+        self.assertTrue(any("rules.yaml" in c.split()[:-1] and c.split()[-1] == "/etc/prometheus/" for c in copies),
+                        copies)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ Prometheus's HTTP API what the design promises (docs/metrics.md):
                                                                   a finite series for each form
 
 and checks `promtool check metrics` on a scrape, `promtool check config` on
-deploy/prometheus/prometheus.yml, yamllint on deploy/prometheus and deploy/grafana, and every
+deploy/prometheus/prometheus.yml, yamllint on deploy/prometheus and deploy/grafana, every
 query of deploy/grafana/attnserve.json against this Prometheus (valid PromQL, and data for the
-panels the run feeds).
+panels the run feeds), and `attnserve-cli ab --prometheus` reading this Prometheus (docs/ab.md).
 
 Environment (set by CTest): ATTNSERVE_BINARY, ATTNSERVE_CLI_BINARY, ATTNSERVE_SOURCE_DIR.
 Every process it starts dies with it (PR_SET_PDEATHSIG) and is stopped in tearDownClass; the
@@ -257,6 +257,44 @@ class PrometheusE2E(unittest.TestCase):
         self.assertEqual(self.query_values('sum by (code) (attnserve_requests_total)'),
                          {(("code", "OK"),): float(sum(self.sent.values()))})
 
+    def test_ab_verdict_reads_this_prometheus(self):
+        """attnserve-cli ab over Prometheus's HTTP API: the raw counters give exactly the requests
+        sent per form; a dozen calls a form cannot decide anything (exit 4, not enough data, with
+        the requests still needed); increase() over a window gives the same order of counts."""
+        want = {f: float(n) for f, n in self.sent.items()}
+
+        def verdict(*extra):
+            out = subprocess.run([CLI, "ab", "--prometheus", self.prom, "--layer", LAYER, "--json", *extra],
+                                 capture_output=True, text=True, timeout=60)
+            if out.returncode not in (0, 3, 4):
+                raise AssertionError(f"attnserve-cli ab exited {out.returncode}: {out.stdout}{out.stderr}")
+            return out.returncode, json.loads(out.stdout)
+
+        def settled():
+            code, j = verdict()
+            got = {f["form"]: f["requests"] for f in j["layers"][0]["forms"]}
+            return (code, j) if got == want else None
+        code, j = wait_for(settled, SCRAPE_TIMEOUT_S, f"attnserve-cli ab's requests per form == {want}")
+        self.assertEqual(code, 4, j)
+        layer = j["layers"][0]
+        self.assertEqual(layer["layer"], LAYER)
+        for f in layer["forms"]:
+            self.assertEqual(f["errors"], 0, f)
+            self.assertGreater(f["latency_observations"], 0, f)
+            self.assertLessEqual(f["latency_seconds"]["p50"]["ci"][0], f["latency_seconds"]["p50"]["value"])
+        self.assertGreater(layer["forms"][1]["shadow_runs"], 0, "--shadow-rate 1 mirrors every call")
+        comparison = layer["comparisons"][0]
+        self.assertEqual((comparison["baseline"], comparison["form"], comparison["verdict"]),
+                         ("factored", "summed", "not_enough_data"))
+        self.assertGreater(comparison["latency_more_needed"], 0)
+        code, windowed = verdict("--window", "10m")
+        self.assertEqual(code, 4, windowed)
+        for f in windowed["layers"][0]["forms"]:
+            # increase() extrapolates to the window's ends: the same order as the counts, not equal.
+            self.assertGreater(f["requests"], 0.5 * want[f["form"]], f)
+            self.assertLess(f["requests"], 2 * want[f["form"]], f)
+        print(f"\nattnserve-cli ab --prometheus: {comparison['reason']}", file=sys.stderr)
+
     def test_p99_latency_has_a_series_per_form(self):
         promql = ('histogram_quantile(0.99, sum by (le, form) '
                   '(rate(attnserve_request_duration_seconds_bucket{code="OK"}[1m])))')
@@ -350,7 +388,7 @@ class PrometheusE2E(unittest.TestCase):
         walk(dashboard)
         # Grafana's variables, as the dashboard's defaults resolve them ($form: one panel per form).
         def resolve(expr, form):
-            return (expr.replace("$__rate_interval", "1m").replace('"$layer"', '".*"')
+            return (expr.replace("$__rate_interval", "1m").replace("$__range", "5m").replace('"$layer"', '".*"')
                     .replace('=~"$form"', '=~".*"').replace('"$form"', f'"{form}"'))
         checked = 0
         empty = []
