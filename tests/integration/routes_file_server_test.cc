@@ -43,33 +43,8 @@ void Replace(const std::string& path, const std::string& text) {
   std::filesystem::rename(tmp, path);
 }
 
-struct Server {
-  TempDir dir;
-  std::unique_ptr<ServerProcess> process;
-  int metrics_port = 0;
-
-  explicit Server(std::vector<std::string> args) {
-    const std::string port_file = dir.File("metrics_port");
-    args.insert(args.end(), {"--metrics-port-file", port_file});
-    std::string error;
-    process = ServerProcess::Start(ATTNSERVE_BINARY, args, &error);
-    EXPECT_NE(process, nullptr) << error;
-    std::ifstream in(port_file);
-    in >> metrics_port;
-  }
-  double Sample(const std::string& series) const {
-    return testing::MetricSample(testing::ScrapeMetrics(metrics_port), series);
-  }
-  // Waits until `series` reads `value`; its last value otherwise.
-  double WaitForSample(const std::string& series, double value, std::chrono::seconds timeout = 10s) const {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    double got = Sample(series);
-    while (got != value && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(20ms);
-      got = Sample(series);
-    }
-    return got;
-  }
+struct Server : testing::MetricsServer {
+  explicit Server(std::vector<std::string> args) : MetricsServer(ATTNSERVE_BINARY, std::move(args)) {}
 };
 
 // One routed (FORM_UNSPECIFIED) Forward per key: the form each key was served by.

@@ -28,25 +28,8 @@ using testing::TempDir;
 std::string Describe(const grpc::Status& s) { return std::string(GrpcCodeName(s.error_code())) + ": " + s.error_message(); }
 
 // A server with its metrics port known.
-struct Server {
-  TempDir dir;
-  std::unique_ptr<ServerProcess> process;
-  int metrics_port = 0;
-
-  explicit Server(std::vector<std::string> args) {
-    const std::string port_file = dir.File("metrics_port");
-    args.insert(args.end(), {"--metrics-port-file", port_file});
-    std::string error;
-    process = ServerProcess::Start(ATTNSERVE_BINARY, args, &error);
-    EXPECT_NE(process, nullptr) << error;
-    std::ifstream in(port_file);
-    in >> metrics_port;  // written before the gRPC port file that Start waited for
-  }
-  Client& client() { return process->client(); }
-
-  std::string Scrape() const { return testing::ScrapeMetrics(metrics_port); }
-  // The value of one sample line `series` (name and labels exactly as exposed); -1 if absent.
-  double Sample(const std::string& series) const { return testing::MetricSample(Scrape(), series); }
+struct Server : testing::MetricsServer {
+  explicit Server(std::vector<std::string> args) : MetricsServer(ATTNSERVE_BINARY, std::move(args)) {}
 };
 
 v1::ForwardRequest Request(const std::string& layer, v1::Form form, const std::string& key, uint64_t seed) {

@@ -1,5 +1,7 @@
 #include "tests/integration/server_process.h"
 
+#include <gtest/gtest.h>
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -218,6 +220,26 @@ double MetricSample(const std::string& scrape, const std::string& series) {
     if (line.rfind(series + " ", 0) == 0) return std::strtod(line.c_str() + series.size() + 1, nullptr);
   }
   return -1;
+}
+
+MetricsServer::MetricsServer(const std::string& binary, std::vector<std::string> args) {
+  const std::string port_file = dir.File("metrics_port");
+  args.insert(args.end(), {"--metrics-port-file", port_file});
+  std::string error;
+  process = ServerProcess::Start(binary, args, &error);
+  EXPECT_NE(process, nullptr) << error;
+  std::ifstream in(port_file);
+  in >> metrics_port;  // written before the gRPC port file that Start waited for
+}
+
+double MetricsServer::WaitForSample(const std::string& series, double value, std::chrono::seconds timeout) const {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  double got = Sample(series);
+  while (got != value && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    got = Sample(series);
+  }
+  return got;
 }
 
 }  // namespace attnserve::testing

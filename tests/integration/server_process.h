@@ -73,6 +73,23 @@ std::string ScrapeMetrics(int metrics_port);
 // when there is none.
 double MetricSample(const std::string& scrape, const std::string& series);
 
+// A server started with its metrics port known: `binary args... --metrics-port-file F`.
+// `process` is null (and the test failed) when it did not come up.
+struct MetricsServer {
+  TempDir dir;
+  std::unique_ptr<ServerProcess> process;
+  int metrics_port = 0;
+
+  MetricsServer(const std::string& binary, std::vector<std::string> args);
+  Client& client() { return process->client(); }
+  std::string Scrape() const { return ScrapeMetrics(metrics_port); }
+  // The value of one sample line `series` (name and labels exactly as exposed); -1 if absent.
+  double Sample(const std::string& series) const { return MetricSample(Scrape(), series); }
+  // Waits until `series` reads `value`; its last value otherwise.
+  double WaitForSample(const std::string& series, double value,
+                       std::chrono::seconds timeout = std::chrono::seconds(10)) const;
+};
+
 // TempDir comes from tests/unit/temp_dir.h.
 
 }  // namespace attnserve::testing
