@@ -21,7 +21,8 @@ process (config_reload_total{result="error"}) with the generation kept.
 A second case gives `attnserve-cli ab` a load built to have a known answer: a round-robin
 client (`bench` on one channel, gRPC's round_robin over the three addresses) sends the layer
 "ab" (d_model 256, 8 heads, requests [1, 128, 256]) equal numbers of factored and summed calls,
-interleaved. The summed form does about 3x the projection work there (h/2 at n = m), so
+interleaved. The summed form does h/2 = 4x the projection work there (n = m; about 3x the
+compute per call), so
 `attnserve-cli ab --prometheus --json` must say "different" (exit 3) with summed the slower form,
 the latency ratio's interval above 1 and near the ratio the client and the servers' own
 compute times show, the requests per form exactly what the client sent (summed over the three
@@ -29,7 +30,8 @@ replicas, every replica serving both forms), and no errors. No equality case: at
 test of equal forms says "different" once in twenty runs by design.
 
 Environment (set by CTest): ATTNSERVE_BINARY, ATTNSERVE_CLI_BINARY. Every process it starts dies
-with it (PR_SET_PDEATHSIG) and is stopped in tearDownClass; the run takes about 20-30 s.
+with it (PR_SET_PDEATHSIG) and is stopped in tearDownClass; the run takes about 25 s on 2 cores
+(the verdict case 2-3 s of it; 40 s with three busy loops beside it).
 """
 
 import json
