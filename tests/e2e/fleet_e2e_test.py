@@ -18,8 +18,19 @@ same request_key gets the same form from all three processes before and after th
 route change over SetRouting is refused naming the file, and a bad file is refused by every
 process (config_reload_total{result="error"}) with the generation kept.
 
+A second case gives `attnserve-cli ab` a load built to have a known answer: a round-robin client
+(`bench` on one channel, gRPC's round_robin over the three addresses) sends the layer "ab"
+(d_model 256, 8 heads, requests [1, 128, 256]) equal numbers of factored and summed calls,
+interleaved. The summed form does h/2 = 4x the projection work there (n = m; about 3x the
+compute per call), so `attnserve-cli ab --prometheus --json` must say "different" (exit 3) with
+summed the slower form, the latency ratio's interval above 1 and near the ratio the client and
+the servers' own compute times show, the requests per form exactly what the client sent (summed
+over the three replicas, every replica serving both forms), and no errors. No equality case: at
+alpha 5 % a test of equal forms says "different" once in twenty runs by design.
+
 Environment (set by CTest): ATTNSERVE_BINARY, ATTNSERVE_CLI_BINARY. Every process it starts dies
-with it (PR_SET_PDEATHSIG) and is stopped in tearDownClass; the run takes about 20-30 s.
+with it (PR_SET_PDEATHSIG) and is stopped in tearDownClass; the run takes about 25 s on 2 cores
+(the verdict case 2-3 s of it; 40 s with three busy loops beside it).
 """
 
 import json
@@ -48,10 +59,27 @@ REPLICAS = 3
 KEYS = 60
 LAYER = "demo"
 LAYER_SOURCE = "random:d_model=64,heads=4,seed=3"
+# The A/B case's layer: summed does h/2 = 4x the projection work of factored at n = m (about
+# 3x the compute per call, 2.2x the client's p50 on 2 cores).
+AB_LAYER = "ab"
+AB_LAYER_SOURCE = "random:d_model=256,heads=8,seed=5"
+AB_SHAPE = "1,128"
+AB_REQUESTS = 210  # per form; ab decides nothing below --min-requests (100) a form
 BEFORE = "factored:80,summed:20"
 AFTER = "factored:20,summed:80"
 START_TIMEOUT_S = 60
 SCRAPE_TIMEOUT_S = 30
+
+
+def dashboard_query(title):
+    """The query of the Grafana dashboard's panel `title` (deploy/grafana/attnserve.json)."""
+    with open(os.path.join(SRC, "deploy", "grafana", "attnserve.json")) as f:
+        [panel] = [p for p in json.load(f)["panels"] if p["title"] == title]
+    [target] = panel["targets"]
+    return target["expr"]
+
+
+DASHBOARD_GENERATIONS = dashboard_query("Routes generations across replicas")
 
 
 def generation(canonical):
@@ -118,7 +146,8 @@ class FleetE2E(unittest.TestCase):
             metrics_port_file = os.path.join(cls.dir, f"metrics_port{i}")
             cmd = [BINARY, "--listen", "127.0.0.1:0", "--port-file", port_file,
                    "--metrics-listen", "127.0.0.1:0", "--metrics-port-file", metrics_port_file,
-                   "--layer", f"{LAYER}={LAYER_SOURCE}", "--threads", "1", "--log-level", "warn",
+                   "--layer", f"{LAYER}={LAYER_SOURCE}", "--layer", f"{AB_LAYER}={AB_LAYER_SOURCE}",
+                   "--threads", "1", "--log-level", "warn",
                    "--admin-token", ADMIN_TOKEN, "--routes-file", cls.routes]
             log = open(os.path.join(cls.dir, f"server{i}.log"), "w")
             cls.logs.append(log)
@@ -237,8 +266,10 @@ class FleetE2E(unittest.TestCase):
         after = generation(canonical(AFTER))
         self.wait_every_instance("attnserve_routes_generation", after, "the new routes on every process")
         self.wait_every_instance(f'attnserve_route_weight{{layer="{LAYER}",form="summed"}}', 0.8, "the new split")
-        self.assertEqual(self.query_by_instance("count(count by (attnserve_routes_generation) "
-                                                "(attnserve_routes_generation))"), {"": 1.0})
+        # One generation across the fleet, as the dashboard's panel and the docs count them.
+        self.assertEqual(self.query_by_instance(DASHBOARD_GENERATIONS), {"": 1.0}, DASHBOARD_GENERATIONS)
+        self.assertEqual(self.query_by_instance('count(count_values("generation", attnserve_routes_generation))'),
+                         {"": 1.0})
         forms_after = self.serve_round()
 
         # The split moved: 60 keys at 20 % and at 80 % summed ([1, 24] and [36, 59] hold them with
@@ -254,9 +285,9 @@ class FleetE2E(unittest.TestCase):
         # Prometheus counts what the client saw served, form by form, across the fleet.
         want = {form: float(n) for form, n in self.sent.items()}
         got = wait_for(lambda: (lambda v: v if v == want else None)(
-            self.query_by_instance('sum by (form) (attnserve_requests_total{code="OK"})')),
+            self.query_by_instance(f'sum by (form) (attnserve_requests_total{{layer="{LAYER}",code="OK"}})')),
             SCRAPE_TIMEOUT_S, f"sum by (form) (attnserve_requests_total) == {want}")
-        per_instance = self.query_by_instance("sum by (instance) (attnserve_requests_total)")
+        per_instance = self.query_by_instance(f'sum by (instance) (attnserve_requests_total{{layer="{LAYER}"}})')
         self.assertEqual(per_instance, {t: 2.0 * KEYS for t in self.metrics_targets()})
 
         # A bad file: every process refuses it and keeps the generation.
@@ -267,6 +298,79 @@ class FleetE2E(unittest.TestCase):
         self.assertEqual({k: v for k, v in self.serve_round().items()}, forms_after)
         print(f"\nfleet of {REPLICAS}: keys on summed {summed_before}/{KEYS} at {BEFORE} -> {summed_after}/{KEYS} "
               f"at {AFTER}; requests by form {got}; generations {before:.0f} -> {after:.0f}; "
+              f"{time.monotonic() - t0:.1f} s", file=sys.stderr)
+
+    # --- The verdict -----------------------------------------------------------------------------
+
+    def test_ab_finds_the_slower_form(self):
+        t0 = time.monotonic()
+        bench_json = os.path.join(self.dir, "ab_bench.json")
+        target = "ipv4:" + ",".join(self.targets)
+        out = subprocess.run([CLI, "--target", target, "--load-balancing", "round_robin", "--timeout-ms", "30000",
+                              "bench", "--layer", AB_LAYER, "--shape", AB_SHAPE, "--forms", "factored,summed",
+                              "--interleave", "request", "--requests", str(AB_REQUESTS), "--warmup", "0s",
+                              "--json", bench_json], capture_output=True, text=True, timeout=300)
+        if out.returncode != 0:
+            raise AssertionError(f"attnserve-cli bench exited {out.returncode}: {out.stdout}{out.stderr}")
+        with open(bench_json) as f:
+            records = {r["form"]: r for r in json.load(f)}
+        sent = {form: float(r["requests"] + r["errors"]) for form, r in records.items()}
+        self.assertEqual(sent, {"factored": AB_REQUESTS, "summed": AB_REQUESTS}, out.stdout)
+        for r in records.values():
+            self.assertEqual(r["errors"], 0, out.stdout)
+        client_ratio = records["summed"]["p50_ms"] / records["factored"]["p50_ms"]
+
+        def server_ms(form):
+            return (records[form]["queue_us"] + records[form]["compute_us"]) / 1000.0
+        server_ratio = server_ms("summed") / server_ms("factored")
+        # The load is what it was built to be: summed clearly slower, seen by the client and in the
+        # servers' own times (a machine so loaded that this fails cannot test the verdict).
+        self.assertGreater(client_ratio, 1.3, f"the client's p50 ratio summed/factored: {out.stdout}")
+        self.assertGreater(server_ratio, 1.5, f"the servers' queue + compute ratio summed/factored: {out.stdout}")
+
+        # Every replica served both forms (round robin), and Prometheus has scraped all of it.
+        def settled():
+            got = self.query_by_instance(f'sum by (form) (attnserve_requests_total{{layer="{AB_LAYER}"}})')
+            return got if got == sent else None
+        wait_for(settled, SCRAPE_TIMEOUT_S, f"sum by (form) (attnserve_requests_total{{layer={AB_LAYER!r}}}) == {sent}")
+        for form in sent:
+            per_instance = self.query_by_instance(
+                f'sum by (instance) (attnserve_requests_total{{layer="{AB_LAYER}",form="{form}"}})')
+            self.assertEqual(set(per_instance), set(self.metrics_targets()), f"{form}: {per_instance}")
+            self.assertTrue(all(v >= AB_REQUESTS / 6 for v in per_instance.values()),
+                            f"{form} per replica under round robin: {per_instance}")
+
+        verdict = subprocess.run([CLI, "ab", "--prometheus", self.prom, "--layer", AB_LAYER, "--json"],
+                                 capture_output=True, text=True, timeout=60)
+        self.assertEqual(verdict.returncode, 3,
+                         f"exit 3 (a significant difference) wanted: {verdict.stdout}{verdict.stderr}")
+        j = json.loads(verdict.stdout)
+        self.assertEqual(j["exit_code"], 3)
+        [layer] = j["layers"]
+        self.assertEqual(layer["layer"], AB_LAYER)
+        forms = {f["form"]: f for f in layer["forms"]}
+        self.assertEqual({f: forms[f]["requests"] for f in forms}, sent)
+        for f in forms.values():
+            self.assertEqual((f["errors"], f["error_ratio"]), (0.0, 0.0), f)
+            self.assertFalse(f["latency_includes_failures"], f)
+            self.assertEqual(f["latency_observations"], AB_REQUESTS, f)
+        [c] = layer["comparisons"]
+        self.assertEqual((c["baseline"], c["form"], c["verdict"]), ("factored", "summed", "different"), c)
+        self.assertTrue(c["latency_significant"], c)
+        self.assertFalse(c["error_significant"], c)
+        self.assertRegex(c["reason"], r"^summed is [0-9.]+% slower than factored", c)
+        low, high = c["latency_ratio_ci"]
+        self.assertTrue(1.0 < low <= c["latency_ratio"] <= high, c)
+        # Near what the client and the servers measured, loosely: ab's ratio of geometric means of
+        # the servers' latency lies between the client's p50 ratio (a round trip's fixed cost
+        # shrinks a ratio) and the servers' ratio of mean queue + compute times (a tail weighs on a
+        # mean more than on a geometric mean), each widened by x1.5.
+        self.assertTrue(client_ratio / 1.5 <= c["latency_ratio"] <= server_ratio * 1.5,
+                        f"ab's ratio {c['latency_ratio']:.3f} against the client's p50 ratio {client_ratio:.3f} "
+                        f"and the servers' queue + compute ratio {server_ratio:.3f}")
+        print(f"\nattnserve-cli ab over {REPLICAS} replicas, {AB_REQUESTS} requests a form: ratio summed/factored "
+              f"{c['latency_ratio']:.3f} [{low:.3f}, {high:.3f}], p={c['latency_p_value']:.3g} ({c['reason']}); "
+              f"client p50 ratio {client_ratio:.3f}, servers' queue+compute ratio {server_ratio:.3f}; "
               f"{time.monotonic() - t0:.1f} s", file=sys.stderr)
 
 
