@@ -105,19 +105,25 @@ struct RequestCase {
   bool summed, cross, bf16;  // bf16: BFLOAT16 on the wire, else FLOAT16
 };
 
-// float32 → the wire's half-precision bits (round to nearest even for FLOAT16 via _Float16;
-// BFLOAT16 keeps the top 16 bits, which is all the test needs of its values).
+// float32 → the wire's half-precision bits. BFLOAT16 keeps the top 16 bits; FLOAT16 rebiases
+// the exponent and keeps 10 mantissa bits (values under 2^-14 flush to zero, those over 65504
+// saturate): all the test needs of its values, and no compiler's _Float16.
 std::string HalfBytes(const std::vector<float>& v, bool bf16) {
   std::string bytes(v.size() * 2, '\0');
   for (size_t i = 0; i < v.size(); ++i) {
-    uint16_t bits;
-    if (bf16) {
-      uint32_t f;
-      std::memcpy(&f, &v[i], 4);
-      bits = static_cast<uint16_t>(f >> 16);
-    } else {
-      const _Float16 h = static_cast<_Float16>(v[i]);
-      std::memcpy(&bits, &h, 2);
+    uint32_t f;
+    std::memcpy(&f, &v[i], 4);
+    uint16_t bits = static_cast<uint16_t>(f >> 16);
+    if (!bf16) {
+      const uint16_t sign = static_cast<uint16_t>((f >> 16) & 0x8000u);
+      const int exponent = static_cast<int>((f >> 23) & 0xFFu) - 127 + 15;
+      if (exponent <= 0) {
+        bits = sign;
+      } else if (exponent >= 31) {
+        bits = static_cast<uint16_t>(sign | 0x7BFFu);
+      } else {
+        bits = static_cast<uint16_t>(sign | (exponent << 10) | ((f >> 13) & 0x3FFu));
+      }
     }
     std::memcpy(&bytes[2 * i], &bits, 2);
   }
