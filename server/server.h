@@ -3,8 +3,8 @@
 //
 // Its members are declared in start-up order, so C++ destroys them in shutdown order: the
 // monitor first, then the listeners, the services, the shadow runner, the executor, the store,
-// and the backend last. Run() performs the drain itself (docs/service.md, "Drain"); the
-// destructor only releases what is left.
+// and the backend last. Run() performs the drain itself (docs/architecture.md, "Batching";
+// the exit status: docs/service.md, "Exit status"); the destructor only releases what is left.
 #pragma once
 
 #include <sys/types.h>

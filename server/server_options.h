@@ -24,7 +24,8 @@ struct ServerOptions {
   int workers = 1;  // batcher threads running batches side by side
   // How long a batcher thread polls for the next request after a batch before it sleeps.
   int worker_idle_spin_us = 500;
-  // The dynamic batcher (docs/architecture.md §3); defaults measured in docs/benchmarks.md.
+  // The dynamic batcher (docs/architecture.md, "Batching"); defaults measured in
+  // docs/journal/benchmarks-journal.md, "The dynamic batcher".
   int max_batch_requests = 32;    // requests in one batch at most
   int max_batch_tokens = 8192;    // tokens (query + context rows) in one batch at most
   int max_queue_delay_us = 0;     // how long the oldest request waits for others (0: greedy)

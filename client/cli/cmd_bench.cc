@@ -50,7 +50,8 @@ std::string BenchDetails() {
          "\nOwn cost, measured with --noop-server (an in-process server that answers at once) for\n"
          "1x16x768 float32 requests on 2 cores, 2026-11-29: p50 0.08-0.11 ms per request at\n"
          "concurrency 1, and about 8,900 requests/s at concurrency 32 with the no-op server on\n"
-         "the same cores (docs/benchmarks.md). Latencies near these figures measure the tool.\n"
+         "the same cores (docs/journal/benchmarks-journal.md, \"attnserve-cli bench\").\n"
+         "Latencies near these figures measure the tool.\n"
          "\nExit status 1 when no request succeeded at all.\n";
 }
 

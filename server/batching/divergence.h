@@ -1,5 +1,5 @@
 // How far another form's output lies from the served one (the `compare` field of Forward and,
-// later, the shadow runs of docs/architecture.md §3). Pure arithmetic in float64.
+// later, the shadow runs of docs/architecture.md, "Metrics and routing"). Pure arithmetic in float64.
 // Thread-safety: stateless functions.
 #pragma once
 

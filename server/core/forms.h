@@ -1,6 +1,6 @@
 // The forms a layer is held in, laid out for execution, and what each costs.
 //
-// Every form runs the same skeleton (docs/architecture.md §1):
+// Every form runs the same skeleton (docs/architecture.md, "One layout for every form"):
 //   [Q | K | Val] = [X | C] W_in + b_in         (one GEMM over all stacked tokens)
 //   A_i = softmax(scale · Q_i K_g(i)^T + mask)  (per sequence and head)
 //   mix: factored / lowrank  O_i = A_i Val_i,  Y = O W_out + b_out

@@ -1,5 +1,5 @@
 // ShadowRunner: mirrors served requests to another form off the request path, and measures how
-// far the mirror's output lies from the one the client got (docs/architecture.md §3, step 6).
+// far the mirror's output lies from the one the client got (docs/architecture.md, "Metrics and routing").
 //
 // The service offers a mirror after the served form has computed, just before it answers. The
 // runner keeps a bounded queue (requests and bytes) served by one low-priority worker that

@@ -112,7 +112,7 @@ Status CheckWireForm(int wire_form) {
 
 StatusOr<Form> ChooseForm(int wire_form, const Layer& layer) {
   ATTNSERVE_RETURN_IF_ERROR(CheckWireForm(wire_form));
-  // FORM_UNSPECIFIED: the factored form until routing decides (docs/architecture.md §3.2).
+  // FORM_UNSPECIFIED: the factored form until routing decides (docs/metrics.md, "Routing").
   const Form form = FormFromWire(wire_form).value_or(Form::kFactored);
   if (layer.Find(form) == nullptr) {
     std::string held;

@@ -873,8 +873,8 @@ TEST(ServerFlagsTest, TheBatchWorkerSpinsAsLongAsToldThenSleeps) {
 
 // A served call ends on the thread that answers it: gRPC runs the reactor's OnDone there
 // (ForwardReactor::InternalInlineable) instead of waking its executor thread for it, a hand-off
-// that cost a lone call about 40 µs on a 2-vCPU host (docs/journal/benchmarks-journal.md, "OnDone without the
-// executor"). Counted from /proc: how often the server's executor threads (gRPC names them
+// that cost a lone call about 40 µs on a 2-vCPU host (docs/journal/benchmarks-journal.md,
+// "OnDone without the executor, and the queue's lock taken spinning"). Counted from /proc: how often the server's executor threads (gRPC names them
 // "default-executo") were given a CPU over 50 calls in a row, at least once a call with the
 // hand-off. gRPC also gives its executor work of its own when its threads contend, as they do
 // when the cores are loaded: this test runs alone (tests/CMakeLists.txt, ALONE), and the least
