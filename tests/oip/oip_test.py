@@ -34,7 +34,6 @@ except ImportError as e:
 import json
 import re
 import signal
-import struct
 import subprocess
 import tempfile
 import threading
@@ -43,6 +42,7 @@ import unittest
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from attention_reference import read_safetensors, rel_l2, torch_mha_forward  # noqa: E402
 from harness import die_with_parent, read  # noqa: E402
 
 BINARY = os.environ["ATTNSERVE_BINARY"]
@@ -57,59 +57,12 @@ SEED = int(os.environ.get("ATTNSERVE_TEST_SEED", time.time_ns() % (1 << 31)))
 print(f"oip_test: seed {SEED} (ATTNSERVE_TEST_SEED={SEED} repeats this run)", flush=True)
 
 
-def read_safetensors(path):
-    """8-byte little-endian header length, JSON header, raw little-endian data."""
-    with open(path, "rb") as f:
-        data = f.read()
-    (header_len,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + header_len])
-    dtypes = {"F32": "<f4", "F64": "<f8", "I32": "<i4", "I64": "<i8"}
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        out[name] = np.frombuffer(data[8 + header_len + begin:8 + header_len + end],
-                                  dtype=dtypes[info["dtype"]]).reshape(info["shape"])
-    return out
-
-
 WEIGHTS = {k: v.astype(np.float64) for k, v in read_safetensors(CHECKPOINT).items()}
 
 
 def reference(x, context=None, causal=False, key_lengths=None):
-    """Multi-head attention in float64 from the checkpoint's nn.MultiheadAttention tensors:
-    [Q|K|V] = [x|c|c] in_proj_weightᵀ + in_proj_bias, per head softmax(Q Kᵀ/√d_h + mask) V,
-    concatenated, then out_proj. Masks: causal (key j > query i) and key padding (j >= length)."""
-    w, b = WEIGHTS["in_proj_weight"], WEIGHTS["in_proj_bias"]
-    wo, bo = WEIGHTS["out_proj.weight"], WEIGHTS["out_proj.bias"]
-    dh = D // HEADS
-    x = np.asarray(x, np.float64)
-    out = np.empty_like(x)
-    for r in range(x.shape[0]):
-        c = x[r] if context is None else np.asarray(context[r], np.float64)
-        q = x[r] @ w[:D].T + b[:D]
-        k = c @ w[D:2 * D].T + b[D:2 * D]
-        v = c @ w[2 * D:].T + b[2 * D:]
-        n, m = q.shape[0], k.shape[0]
-        visible = np.ones((n, m), bool)
-        if causal:
-            visible &= np.arange(m)[None, :] <= np.arange(n)[:, None]
-        if key_lengths is not None:
-            visible &= np.arange(m)[None, :] < key_lengths[r]
-        heads = []
-        for h in range(HEADS):
-            s = q[:, h * dh:(h + 1) * dh] @ k[:, h * dh:(h + 1) * dh].T / np.sqrt(dh)
-            s = np.where(visible, s, -np.inf)
-            s = np.exp(s - s.max(axis=1, keepdims=True))
-            heads.append((s / s.sum(axis=1, keepdims=True)) @ v[:, h * dh:(h + 1) * dh])
-        out[r] = np.concatenate(heads, axis=1) @ wo.T + bo
-    return out
-
-
-def rel_l2(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    """nn.MultiheadAttention in float64 from the checkpoint (tests/tools/attention_reference.py)."""
+    return torch_mha_forward(WEIGHTS, HEADS, x, context, causal, key_lengths)
 
 
 class Server:

@@ -26,7 +26,7 @@ import numpy as np
 SOURCE_DIR = os.environ["ATTNSERVE_SOURCE_DIR"]
 BINARY = os.environ["ATTNSERVE_BINARY"]
 sys.path.insert(0, os.path.join(SOURCE_DIR, "tests", "tools"))
-from attention_reference import read_safetensors  # noqa: E402
+from attention_reference import read_safetensors, rel_l2, torch_mha_forward  # noqa: E402
 from harness import die_with_parent, read, stop  # noqa: E402
 
 CHECKPOINT = os.path.join(SOURCE_DIR, "tests", "data", "torch-mha", "small.torch-mha.safetensors")
@@ -63,33 +63,8 @@ W = {k: v.astype(np.float64) for k, v in read_safetensors(CHECKPOINT).items()}
 
 
 def reference(x, context=None, causal=False, key_lengths=None):
-    """nn.MultiheadAttention in float64 from the checkpoint: [Q|K|V] = [x|c|c] in_proj_weightᵀ +
-    in_proj_bias, per head softmax(Q Kᵀ/√d_h + mask) V, concatenated, then out_proj."""
-    w, b, wo, bo = W["in_proj_weight"], W["in_proj_bias"], W["out_proj.weight"], W["out_proj.bias"]
-    dh = D // HEADS
-    x = np.asarray(x, np.float64)
-    out = np.empty_like(x)
-    for r in range(x.shape[0]):
-        c = x[r] if context is None else np.asarray(context[r], np.float64)
-        q, k, v = x[r] @ w[:D].T + b[:D], c @ w[D:2 * D].T + b[D:2 * D], c @ w[2 * D:].T + b[2 * D:]
-        n, m = q.shape[0], k.shape[0]
-        visible = np.ones((n, m), bool)
-        if causal:
-            visible &= np.arange(m)[None, :] <= np.arange(n)[:, None]
-        if key_lengths is not None:
-            visible &= np.arange(m)[None, :] < key_lengths[r]
-        heads = []
-        for h in range(HEADS):
-            s = q[:, h * dh:(h + 1) * dh] @ k[:, h * dh:(h + 1) * dh].T / np.sqrt(dh)
-            s = np.exp(np.where(visible, s, -np.inf) - np.where(visible, s, -np.inf).max(axis=1, keepdims=True))
-            heads.append((s / s.sum(axis=1, keepdims=True)) @ v[:, h * dh:(h + 1) * dh])
-        out[r] = np.concatenate(heads, axis=1) @ wo.T + bo
-    return out
-
-
-def rel_l2(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    """nn.MultiheadAttention in float64 from the checkpoint (tests/tools/attention_reference.py)."""
+    return torch_mha_forward(W, HEADS, x, context, causal, key_lengths)
 
 
 class Server:

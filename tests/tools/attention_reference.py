@@ -58,6 +58,43 @@ def write_safetensors(path, tensors):
         f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
+def torch_mha_forward(weights, heads, x, context=None, causal=False, key_lengths=None):
+    """nn.MultiheadAttention in float64 from its state_dict (`weights`: in_proj_weight,
+    in_proj_bias, out_proj.weight, out_proj.bias): [Q|K|V] = [x|c|c] in_proj_weightᵀ + in_proj_bias,
+    per head softmax(Q Kᵀ/√d_h + mask) V, concatenated, then out_proj. x: [batch, n, d]; context:
+    [batch, m, d] or None (self-attention); masks: causal (key j > query i) and key padding (j >=
+    key_lengths[row])."""
+    w, b = np.asarray(weights["in_proj_weight"], np.float64), np.asarray(weights["in_proj_bias"], np.float64)
+    wo = np.asarray(weights["out_proj.weight"], np.float64)
+    bo = np.asarray(weights["out_proj.bias"], np.float64)
+    d = w.shape[1]
+    dh = d // heads
+    x = np.asarray(x, np.float64)
+    out = np.empty_like(x)
+    for r in range(x.shape[0]):
+        c = x[r] if context is None else np.asarray(context[r], np.float64)
+        q, k, v = x[r] @ w[:d].T + b[:d], c @ w[d:2 * d].T + b[d:2 * d], c @ w[2 * d:].T + b[2 * d:]
+        n, m = q.shape[0], k.shape[0]
+        visible = np.ones((n, m), bool)
+        if causal:
+            visible &= np.arange(m)[None, :] <= np.arange(n)[:, None]
+        if key_lengths is not None:
+            visible &= np.arange(m)[None, :] < key_lengths[r]
+        mixed = []
+        for h in range(heads):
+            s = np.where(visible, q[:, h * dh:(h + 1) * dh] @ k[:, h * dh:(h + 1) * dh].T / np.sqrt(dh), -np.inf)
+            s = np.exp(s - s.max(axis=1, keepdims=True))
+            mixed.append((s / s.sum(axis=1, keepdims=True)) @ v[:, h * dh:(h + 1) * dh])
+        out[r] = np.concatenate(mixed, axis=1) @ wo.T + bo
+    return out
+
+
+def rel_l2(got, want):
+    """||got - want|| / ||want||, in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
 def rank_for_energy(s, energy):
     power = s * s
     total = power.sum()
