@@ -47,7 +47,7 @@ import urllib.parse
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-from harness import die_with_parent, free_port, read, stop, wait_for  # noqa: E402
+from harness import die_with_parent, free_port, log_tail, read, stop, wait_for  # noqa: E402
 
 SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 BINARY = os.environ.get("ATTNSERVE_BINARY", os.path.join(SRC, "build", "server", "attnserve"))
@@ -133,10 +133,7 @@ class FleetE2E(unittest.TestCase):
 
     @classmethod
     def log(cls, name):
-        try:
-            return read(os.path.join(cls.dir, name))[-4000:]
-        except OSError:
-            return "(no log)"
+        return log_tail(os.path.join(cls.dir, name))
 
     @classmethod
     def start_servers(cls):

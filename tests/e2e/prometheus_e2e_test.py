@@ -36,7 +36,7 @@ import urllib.parse
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-from harness import bcrypt_hash, die_with_parent, free_port, read, stop, wait_for  # noqa: E402
+from harness import bcrypt_hash, die_with_parent, free_port, log_tail, read, stop, wait_for  # noqa: E402
 
 SRC = os.path.abspath(os.environ.get("ATTNSERVE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", "..")))
 ADMIN_TOKEN = "e2e-test-admin-token-0123456789"
@@ -164,10 +164,7 @@ class PrometheusE2E(unittest.TestCase):
 
     @classmethod
     def log(cls, name):
-        try:
-            return read(os.path.join(cls.dir, name))[-4000:]
-        except OSError:
-            return "(no log)"
+        return log_tail(os.path.join(cls.dir, name))
 
     # --- Clients ---------------------------------------------------------------------------------
 

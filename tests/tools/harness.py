@@ -28,6 +28,14 @@ def read(path):
         return f.read()
 
 
+def log_tail(path, chars=4000):
+    """The last `chars` of a log file, for a failure message; "(no log)" when there is none."""
+    try:
+        return read(path)[-chars:]
+    except OSError:
+        return "(no log)"
+
+
 def bcrypt_hash(password):
     """What `htpasswd -nBC 6` writes, through libxcrypt (Debian's Python still has crypt)."""
     with warnings.catch_warnings():
