@@ -221,21 +221,9 @@ TEST(MemoryFootprintTest, FormulaCoversTheMeasuredPeakWithoutWaste) {
       {"summed, BERT-base width, 1x8192 (mixes first, in parts)", 768, 12, 8192, 8192, true, false},
   };
   for (const Case& c : cases) {
-    int pipe_fd[2];
-    ASSERT_EQ(pipe(pipe_fd), 0);
-    const pid_t pid = fork();
-    if (pid == 0) {
-      close(pipe_fd[0]);
-      Measure(c, pipe_fd[1]);
-      _exit(0);
-    }
-    close(pipe_fd[1]);
-    int64_t got[2] = {0, 0};
-    const ssize_t n = read(pipe_fd[0], got, sizeof got);
-    close(pipe_fd[0]);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    ASSERT_EQ(n, static_cast<ssize_t>(sizeof got)) << c.name;
+    const auto [formula, measured] = InChild([&](int fd) { Measure(c, fd); });
+    ASSERT_NE(measured, -1) << c.name << ": the child wrote nothing";
+    const int64_t got[2] = {formula, measured};
     const double formula_mb = got[0] / 1048576.0, measured_mb = got[1] / 1048576.0;
     std::printf("%-52s formula %8.1f MiB, measured peak growth %8.1f MiB, ratio %.2f\n", c.name, formula_mb,
                 measured_mb, measured_mb / formula_mb);
