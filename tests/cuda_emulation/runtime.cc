@@ -72,6 +72,7 @@ struct State {
   int64_t gemm_fault_at = -1, gemms_issued = 0;
   std::string diagnostic;
   std::function<void()> sync_hook;
+  cudaError_t injected_error = cudaSuccess;  // SetInjectedFaultError's, or none
   int device_access = 0;  // DeviceAccess objects alive, on every thread
 };
 
@@ -237,8 +238,9 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
   RETURN_IF_STICKY();
   if (bytes == 0) return cudaSuccess;
   if (internal::TakeFault(Fault::kCopy)) {
-    internal::RaiseFault(cudaErrorIllegalAddress, "injected fault in a copy");
-    return last_error = cudaErrorIllegalAddress;
+    const cudaError_t error = internal::InjectedError(cudaErrorIllegalAddress);
+    internal::RaiseFault(error, "injected fault in a copy");
+    return last_error = error;
   }
   const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
   const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
@@ -331,6 +333,12 @@ void RaiseFault(cudaError_t error, const std::string& diagnostic) {
   std::lock_guard<std::mutex> lock(s.mu);
   s.sticky = error;
   last_error = error;
+}
+
+cudaError_t InjectedError(cudaError_t fallback) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.injected_error != cudaSuccess ? s.injected_error : fallback;
 }
 
 bool TakeFault(Fault fault) {
@@ -491,10 +499,17 @@ void InjectFault(Fault fault, int times) {
   s.pending_fault[static_cast<int>(fault)] = times;
 }
 
+void SetInjectedFaultError(int error) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.injected_error = static_cast<cudaError_t>(error);
+}
+
 void Reset() {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
   s.sticky = cudaSuccess;
+  s.injected_error = cudaSuccess;
   s.device_count = 1;
   for (int& p : s.pending_fault) p = 0;
   s.sync_hook = nullptr;
@@ -553,6 +568,12 @@ const char* cudaGetErrorName(cudaError_t error) {
       return "cudaErrorInvalidAddressSpace";
     case cudaErrorInvalidPc:
       return "cudaErrorInvalidPc";
+    case cudaErrorContained:
+      return "cudaErrorContained";
+    case cudaErrorTensorMemoryLeak:
+      return "cudaErrorTensorMemoryLeak";
+    case cudaErrorExternalDevice:
+      return "cudaErrorExternalDevice";
     case cudaErrorUnknown:
       return "cudaErrorUnknown";
   }
@@ -599,6 +620,12 @@ const char* cudaGetErrorString(cudaError_t error) {
       return "operation not supported on global/shared address space";
     case cudaErrorInvalidPc:
       return "invalid program counter";
+    case cudaErrorContained:
+      return "device encountered an error in the application that was contained";
+    case cudaErrorTensorMemoryLeak:
+      return "tensor memory not completely freed";
+    case cudaErrorExternalDevice:
+      return "external device error";
     case cudaErrorUnknown:
       return "unknown error";
   }

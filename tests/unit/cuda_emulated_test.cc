@@ -929,6 +929,30 @@ TEST_F(CudaEmulationTest, ADeviceFaultFailsTheBatchAndMarksTheDeviceUnhealthy) {
   }
 }
 
+// Every error after which the CUDA runtime API says the process must be relaunched takes the
+// device out of service, not only the ones the emulation raises itself: a backend that missed one
+// would stay healthy (the server SERVING) and fail every later batch with it.
+TEST_F(CudaEmulationTest, EveryProcessFatalErrorTakesTheDeviceOutOfService) {
+  for (cudaError_t fatal : {cudaErrorContained, cudaErrorTensorMemoryLeak, cudaErrorExternalDevice,
+                            cudaErrorLaunchTimeout, cudaErrorECCUncorrectable}) {
+    SCOPED_TRACE(cudaGetErrorName(fatal));
+    cuda_emulation::Reset();
+    auto backend = MakeEmulatedBackend();
+    ASSERT_NE(backend, nullptr);
+    const LayerWeights w = SmallLayer();
+    auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+    ASSERT_TRUE(resident.ok());
+    testing::OwnedSequence seq = RandomSequence(rng_, 48, 8, 8, false, false, -1);
+    const Sequence batch[] = {seq.View()};
+    cuda_emulation::SetInjectedFaultError(fatal);
+    cuda_emulation::InjectFault(cuda_emulation::Fault::kGemm);
+    const Status failed = backend->Forward(**resident, batch);
+    EXPECT_EQ(failed.code(), StatusCode::kInternal) << failed.ToString();
+    EXPECT_THAT(failed.message(), HasSubstr(std::string("the device is lost: ") + cudaGetErrorString(fatal)));
+    EXPECT_FALSE(backend->Healthy()) << "a process-fatal error left the device in service";
+  }
+}
+
 // Errors a real device reports and keeps serving after: out of device memory (cudaMalloc), of
 // pinned host memory (cudaMallocHost) or of cuBLAS's own workspace (CUBLAS_STATUS_ALLOC_FAILED)
 // fails the batch with RESOURCE_EXHAUSTED (the client may retry); an invalid cuBLAS argument or

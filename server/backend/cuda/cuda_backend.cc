@@ -54,6 +54,9 @@ bool IsStickyError(cudaError_t e) {
     case cudaErrorInvalidAddressSpace:
     case cudaErrorInvalidPc:
     case cudaErrorAssert:
+    case cudaErrorContained:         // a contained hardware or peer-memory error
+    case cudaErrorTensorMemoryLeak:  // a kernel exited with tensor memory still allocated
+    case cudaErrorExternalDevice:    // an external device signalled its data invalid
     case cudaErrorUnknown:
       return true;
     default:
