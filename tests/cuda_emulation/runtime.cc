@@ -72,6 +72,7 @@ struct State {
   int64_t gemm_fault_at = -1, gemms_issued = 0;
   std::string diagnostic;
   std::function<void()> sync_hook;
+  std::function<void()> after_fault_hook;
   cudaError_t injected_error = cudaSuccess;  // SetInjectedFaultError's, or none
   int device_access = 0;  // DeviceAccess objects alive, on every thread
 };
@@ -112,6 +113,7 @@ State& GetState() {
 }
 
 thread_local cudaError_t last_error = cudaSuccess;
+thread_local bool fault_fired = false;  // an injected fault fired on this thread (SetAfterFaultHook)
 thread_local int current_device = 0;
 
 constexpr size_t kAlignment = 256;  // cudaMalloc's alignment
@@ -348,6 +350,7 @@ bool TakeFault(Fault fault) {
   int& pending = s.pending_fault[static_cast<int>(fault)];
   if (pending == 0) return false;
   --pending;
+  fault_fired = true;
   return true;
 }
 
@@ -475,6 +478,28 @@ int64_t LiveDeviceBytes() {
 
 void SetScheduleSeed(uint64_t seed) { schedule_seed.store(seed); }
 
+void SetAfterFaultHook(std::function<void()> hook) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.after_fault_hook = std::move(hook);
+}
+
+namespace {
+// SetAfterFaultHook's hook, once, when a fault fired on this thread.
+void RunAfterFaultHook() {
+  if (!fault_fired) return;
+  fault_fired = false;
+  std::function<void()> hook;
+  {
+    State& s = GetState();
+    std::lock_guard<std::mutex> lock(s.mu);
+    hook = std::move(s.after_fault_hook);
+    s.after_fault_hook = nullptr;
+  }
+  if (hook) hook();
+}
+}  // namespace
+
 void SetStreamSyncHook(std::function<void()> hook) {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
@@ -513,6 +538,8 @@ void Reset() {
   s.device_count = 1;
   for (int& p : s.pending_fault) p = 0;
   s.sync_hook = nullptr;
+  s.after_fault_hook = nullptr;
+  fault_fired = false;
   s.diagnostic.clear();
   last_error = cudaSuccess;
 }
@@ -633,6 +660,7 @@ const char* cudaGetErrorString(cudaError_t error) {
 }
 
 cudaError_t cudaGetLastError() {
+  cuda_emulation::RunAfterFaultHook();
   const cudaError_t sticky = internal::StickyError();
   const cudaError_t e = sticky != cudaSuccess ? sticky : last_error;
   last_error = cudaSuccess;
@@ -665,6 +693,7 @@ cudaError_t cudaGetDevice(int* device) {
 }
 
 cudaError_t cudaDeviceSynchronize() {
+  cuda_emulation::RunAfterFaultHook();
   internal::DrainAll();
   RETURN_IF_STICKY();
   return cudaSuccess;
@@ -759,6 +788,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 
 // Runs the stream's queued work; a fault it raised surfaces here, as on a device.
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  cuda_emulation::RunAfterFaultHook();
   std::function<void()> hook;
   {
     auto& s = cuda_emulation::GetState();

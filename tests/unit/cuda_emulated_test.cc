@@ -998,6 +998,45 @@ TEST_F(CudaEmulationTest, ARecoverableErrorFailsTheBatchAndTheDeviceKeepsServing
   }
 }
 
+// A batch that fails mid-way (its inputs' copies queued, a GEMM refused) leaves work on its lane's
+// stream that still reads the lane's pinned staging. The lane must not serve another caller
+// before that work has run: a second caller, started the moment the failed one first turns to
+// the device again (the emulation's after-fault hook), must not queue work on that stream while
+// the failed batch's is still there, and its answer must be right.
+TEST_F(CudaEmulationTest, AFailedBatchsLaneIsReusedOnlyOnceItsStreamHasDrained) {
+  auto backend = MakeEmulatedBackend();
+  ASSERT_NE(backend, nullptr);
+  const LayerWeights w = SmallLayer();
+  auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  ASSERT_TRUE(resident.ok());
+  testing::OwnedSequence seq = RandomSequence(rng_, 48, 24, 24, false, true, -1);
+  const Sequence batch[] = {seq.View()};
+  ASSERT_TRUE(backend->Forward(**resident, batch).ok());  // warm: the one lane holds its buffers
+
+  testing::OwnedSequence other = RandomSequence(rng_, 48, 17, 17, false, false, -1);
+  std::fill(other.output.begin(), other.output.end(), std::nanf(""));
+  Status second = InternalError("the second caller never ran");
+  bool hook_ran = false;
+  cuda_emulation::SetAfterFaultHook([&] {
+    hook_ran = true;
+    std::thread caller([&] {
+      const Sequence theirs[] = {other.View()};
+      second = backend->Forward(**resident, theirs);
+    });
+    caller.join();
+  });
+  cuda_emulation::ResetCounters();
+  cuda_emulation::InjectFault(cuda_emulation::Fault::kGemmInvalid);
+  const Status failed = backend->Forward(**resident, batch);
+  EXPECT_EQ(failed.code(), StatusCode::kInternal) << failed.ToString();
+  ASSERT_TRUE(hook_ran) << "the failed caller never turned to the device again";
+  ASSERT_TRUE(second.ok()) << second.ToString();
+  EXPECT_EQ(cuda_emulation::ReadCounters().threads_sharing_a_stream, 0)
+      << "the failed batch's lane was handed to the next caller before its stream drained";
+  EXPECT_LT(RelativeL2(other.output.data(), ReferenceForward(w, other.View())), 1e-5);
+  EXPECT_TRUE(backend->Healthy());
+}
+
 // --- Attention in blocks of query rows ----------------------------------------------------
 
 // Its own suite, not CudaEmulationTest's: nothing here is concurrent, so the ThreadSanitizer run

@@ -286,6 +286,14 @@ class Lane final : public DeviceOps {
     return resident.Upload(stream_);
   }
 
+  // Waits for what this lane's stream has queued: after a failed batch, the copies and kernels
+  // it issued before the failure, which still read the pinned staging and write the workspace.
+  // The stream's error, sticky or not, is what it reports.
+  cudaError_t Drain() {
+    cudaSetDevice(options_.device);
+    return cudaStreamSynchronize(stream_);
+  }
+
   // Called on an idle lane (no work in flight: every batch synchronises before it returns).
   void ReleaseWorkspace() {
     cudaSetDevice(options_.device);
@@ -1096,6 +1104,10 @@ class CudaBackend final : public Backend {
       ATTNSERVE_ASSIGN_OR_RETURN(lane, NewLane());
     }
     const Status st = work(*lane);
+    // A failed batch may have left work queued on the lane's stream that reads its pinned staging
+    // buffers: the lane goes back only once the stream has drained, or the next batch on it would
+    // overwrite them under the failed batch's copies.
+    if (!st.ok()) lane->Drain();
     MutexLock lock(mu_);
     idle_.push_back(std::move(lane));
     return st;

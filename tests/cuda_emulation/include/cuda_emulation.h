@@ -79,6 +79,14 @@ void SetInjectedFaultError(int error);
 // caller at the point where its batch has been issued and not yet run. Reset() clears it.
 void SetStreamSyncHook(std::function<void()> hook);
 
+// Called once, on the thread an injected fault (InjectFault) fired on, at the start of that
+// thread's next cudaStreamSynchronize, cudaDeviceSynchronize or cudaGetLastError: the moment the
+// failed caller first turns to the device again. A test's way to run another caller there, at
+// the backend's failure path (a lane handed back before its stream has drained is taken by that
+// caller while the failed batch's work is still queued on it: Counters::threads_sharing_a_stream).
+// Reset() clears it.
+void SetAfterFaultHook(std::function<void()> hook);
+
 // The seed of the emulated device's schedule: the order a launch runs its blocks in and the
 // threads of a block between barriers, and the order streams' work interleaves at a device-wide
 // synchronisation. Each launch draws its own order from it. ATTNSERVE_SEED until set (a fixed
