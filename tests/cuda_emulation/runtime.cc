@@ -694,6 +694,11 @@ cudaError_t cudaGetDevice(int* device) {
 
 cudaError_t cudaDeviceSynchronize() {
   cuda_emulation::RunAfterFaultHook();
+  {
+    auto& s = cuda_emulation::GetState();
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.counters.device_synchronizations++;
+  }
   internal::DrainAll();
   RETURN_IF_STICKY();
   return cudaSuccess;

@@ -1037,6 +1037,33 @@ TEST_F(CudaEmulationTest, AFailedBatchsLaneIsReusedOnlyOnceItsStreamHasDrained) 
   EXPECT_TRUE(backend->Healthy());
 }
 
+// A failed batch waits for its own lane's stream, not the device: a client's RESOURCE_EXHAUSTED
+// (or an invalid argument) must not stall every other caller's lane with a cudaDeviceSynchronize.
+// A sticky error is still seen (ADeviceFaultFailsTheBatchAndMarksTheDeviceUnhealthy, which
+// counts nothing).
+TEST_F(CudaEmulationTest, AFailedBatchSynchronisesItsLaneNotTheDevice) {
+  for (cuda_emulation::Fault fault : {cuda_emulation::Fault::kGemmAllocFailed, cuda_emulation::Fault::kGemmInvalid,
+                                      cuda_emulation::Fault::kLaunchInvalid}) {
+    cuda_emulation::Reset();
+    auto backend = MakeEmulatedBackend();
+    ASSERT_NE(backend, nullptr);
+    const LayerWeights w = SmallLayer();
+    auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeSummed(w)));
+    ASSERT_TRUE(resident.ok());
+    testing::OwnedSequence seq = RandomSequence(rng_, 48, 24, 24, false, true, -1);
+    const Sequence batch[] = {seq.View()};
+    ASSERT_TRUE(backend->Forward(**resident, batch).ok());
+    cuda_emulation::ResetCounters();
+    cuda_emulation::InjectFault(fault);
+    const Status failed = backend->Forward(**resident, batch);
+    EXPECT_FALSE(failed.ok());
+    EXPECT_TRUE(backend->Healthy()) << failed.ToString();
+    EXPECT_EQ(cuda_emulation::ReadCounters().device_synchronizations, 0)
+        << failed.ToString() << ": a failed batch synchronised the whole device";
+    EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+  }
+}
+
 // --- Attention in blocks of query rows ----------------------------------------------------
 
 // Its own suite, not CudaEmulationTest's: nothing here is concurrent, so the ThreadSanitizer run

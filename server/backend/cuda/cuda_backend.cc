@@ -1036,7 +1036,7 @@ class CudaBackend final : public Backend {
     ATTNSERVE_RETURN_IF_ERROR(CheckHeadCombine(*form));
     auto resident = std::make_shared<CudaResidentForm>(std::move(form), budget_);
     Status st = WithLane([&](Lane& lane) { return lane.Upload(*resident); });
-    if (!st.ok()) return MarkFailed(st);
+    if (!st.ok()) return st;
     return std::shared_ptr<const ResidentForm>(std::move(resident));
   }
 
@@ -1052,7 +1052,7 @@ class CudaBackend final : public Backend {
       last_times_ = lane.last_times();
       return OkStatus();
     });
-    return st.ok() ? st : MarkFailed(st);
+    return st;
   }
 
   std::optional<DeviceTimes> LastDeviceTimes() const override {
@@ -1061,14 +1061,15 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // After a failed upload or batch: the device is out of service only when its context is
-  // lost, which every CUDA call then reports (a sticky error); a recoverable error (out of
-  // memory, an invalid value) fails this batch alone. Its leftover is cleared here so that it
-  // cannot fail the next, unrelated call on this thread.
-  Status MarkFailed(Status st) {
-    const cudaError_t device = cudaDeviceSynchronize();
+  // After a failed upload or batch, given what draining its lane's stream reported (`drained`):
+  // the device is out of service only when its context is lost, which every CUDA call then
+  // reports (a sticky error; the lane's own stream reports it as well as the device would); a
+  // recoverable error (out of memory, an invalid value) fails this batch alone. No device-wide
+  // synchronisation: a client's RESOURCE_EXHAUSTED must not stall every other lane. The error's
+  // leftover is cleared here so that it cannot fail the next, unrelated call on this thread.
+  Status MarkFailed(Status st, cudaError_t drained) {
     const cudaError_t leftover = cudaGetLastError();
-    const cudaError_t lost = IsStickyError(device) ? device : (IsStickyError(leftover) ? leftover : cudaSuccess);
+    const cudaError_t lost = IsStickyError(drained) ? drained : (IsStickyError(leftover) ? leftover : cudaSuccess);
     if (lost != cudaSuccess) {
       healthy_.store(false);
       return InternalError(st.message() + " (the device is lost: " + cudaGetErrorString(lost) + ")");
@@ -1101,13 +1102,15 @@ class CudaBackend final : public Backend {
       }
     }
     if (!lane) {
-      ATTNSERVE_ASSIGN_OR_RETURN(lane, NewLane());
+      auto made = NewLane();
+      if (!made.ok()) return MarkFailed(made.status(), cudaSuccess);
+      lane = std::move(made).value();
     }
-    const Status st = work(*lane);
+    Status st = work(*lane);
     // A failed batch may have left work queued on the lane's stream that reads its pinned staging
     // buffers: the lane goes back only once the stream has drained, or the next batch on it would
     // overwrite them under the failed batch's copies.
-    if (!st.ok()) lane->Drain();
+    if (!st.ok()) st = MarkFailed(st, lane->Drain());
     MutexLock lock(mu_);
     idle_.push_back(std::move(lane));
     return st;

@@ -29,6 +29,9 @@ struct Counters {
   // Work queued on a stream by one thread while another thread's work was still queued on it:
   // two callers sharing a stream (and a lane) at once.
   int64_t threads_sharing_a_stream = 0;
+  // cudaDeviceSynchronize calls: each waits for every stream's work, so one a caller's failed
+  // batch makes stalls every other caller's lane.
+  int64_t device_synchronizations = 0;
 };
 Counters ReadCounters();
 void ResetCounters();
