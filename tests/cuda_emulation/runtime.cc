@@ -50,6 +50,7 @@ enum class Space { kDevice, kPinnedHost };
 struct Allocation {
   size_t bytes;
   Space space;
+  int device = 0;  // the allocating thread's current device
 };
 
 // An integer from the environment, or `fallback`.
@@ -192,7 +193,7 @@ cudaError_t Allocate(void** ptr, size_t bytes, Space space) {
   std::memset(p, 0xff, bytes);
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
-  s.allocations[static_cast<const char*>(p)] = {bytes, space};
+  s.allocations[static_cast<const char*>(p)] = {bytes, space, current_device};
   if (space == Space::kDevice) s.device_live += static_cast<int64_t>(bytes);
   if (space == Space::kDevice && s.device_access == 0) PoisonDevice(static_cast<const char*>(p), bytes, true);
   (space == Space::kDevice ? s.counters.device_allocations : s.counters.pinned_allocations)++;
@@ -212,6 +213,7 @@ cudaError_t Release(void* ptr, Space space, const char* what) {
       last_error = cudaErrorInvalidValue;
       return cudaErrorInvalidValue;
     }
+    if (space == Space::kDevice && it->second.device != current_device) s.counters.frees_on_another_device++;
     if (space == Space::kDevice) s.device_live -= static_cast<int64_t>(it->second.bytes);
     if (space == Space::kDevice) PoisonDevice(it->first, it->second.bytes, false);  // the heap's again
     s.allocations.erase(it);

@@ -1064,6 +1064,35 @@ TEST_F(CudaEmulationTest, AFailedBatchSynchronisesItsLaneNotTheDevice) {
   }
 }
 
+// With two devices and the backend on cuda:1, every device allocation is freed on device 1, also
+// when the last reference to a form and the backend go on a thread that never chose a device
+// (an unload on a gRPC thread): a free there would create a context on GPU 0.
+TEST_F(CudaEmulationTest, MemoryIsFreedOnTheDeviceItCameFrom) {
+  cuda_emulation::SetDeviceCount(2);
+  auto made = MakeCudaBackend({.device = 1});
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  std::unique_ptr<Backend> backend = std::move(made).value();
+  const LayerWeights w = SmallLayer();
+  auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  ASSERT_TRUE(resident.ok());
+  testing::OwnedSequence seq = RandomSequence(rng_, 48, 24, 24, false, true, -1);
+  const Sequence batch[] = {seq.View()};
+  ASSERT_TRUE(backend->Forward(**resident, batch).ok());
+  EXPECT_LT(RelativeL2(seq.output.data(), ReferenceForward(w, seq.View())), 1e-5);
+  EXPECT_EQ(backend->DeviceName(), "cuda:1");
+  const int64_t live_before = cuda_emulation::LiveDeviceAllocations();
+  cuda_emulation::ResetCounters();
+  std::shared_ptr<const ResidentForm> form = std::move(resident).value();
+  std::thread unload([&] {
+    form.reset();  // the weights
+    backend.reset();  // the lanes' workspaces
+  });
+  unload.join();
+  EXPECT_LT(cuda_emulation::LiveDeviceAllocations(), live_before) << "nothing was freed";
+  EXPECT_EQ(cuda_emulation::ReadCounters().frees_on_another_device, 0)
+      << "device memory of cuda:1 freed while the thread's current device was another";
+}
+
 // --- Attention in blocks of query rows ----------------------------------------------------
 
 // Its own suite, not CudaEmulationTest's: nothing here is concurrent, so the ThreadSanitizer run

@@ -146,11 +146,20 @@ class DeviceArray {
       return CudaCheck(e, "cudaMalloc");
     }
     capacity_ = count;
+    cudaGetDevice(&device_);
     return OkStatus();
   }
-  // Gives the memory back to the device and the budget.
+  // Gives the memory back to the device and the budget. On the device it came from: the last
+  // reference to a form may go on any thread (an unload), and cudaFree on a thread whose
+  // current device is another (GPU 0 by default) would first create a context there.
   void Release() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
+    if (ptr_ != nullptr) {
+      int current = device_;
+      cudaGetDevice(&current);
+      if (current != device_) cudaSetDevice(device_);
+      cudaFree(ptr_);
+      if (current != device_) cudaSetDevice(current);
+    }
     if (budget_) budget_->Give(static_cast<int64_t>(capacity_ * sizeof(float)));
     ptr_ = nullptr;
     capacity_ = 0;
@@ -171,6 +180,7 @@ class DeviceArray {
   std::shared_ptr<DeviceBudget> budget_;
   float* ptr_ = nullptr;
   size_t capacity_ = 0;
+  int device_ = 0;  // where ptr_ was allocated
 };
 
 // Page-locked host memory, so copies run asynchronously on the stream.

@@ -32,6 +32,10 @@ struct Counters {
   // cudaDeviceSynchronize calls: each waits for every stream's work, so one a caller's failed
   // batch makes stalls every other caller's lane.
   int64_t device_synchronizations = 0;
+  // cudaFree calls made while the calling thread's current device (cudaSetDevice) was not the
+  // one the memory was allocated on: on a real device the call first creates a context on the
+  // current one (GPU 0 for a thread that never chose), holding its memory for good.
+  int64_t frees_on_another_device = 0;
 };
 Counters ReadCounters();
 void ResetCounters();
