@@ -1093,6 +1093,42 @@ TEST_F(CudaEmulationTest, MemoryIsFreedOnTheDeviceItCameFrom) {
       << "device memory of cuda:1 freed while the thread's current device was another";
 }
 
+// The host memory the server's budget charges a CUDA batch (Backend::ScratchBytes) is what its
+// lane pins for it: the inputs, the contexts when they differ from the queries, the outputs and
+// the batched GEMMs' pointer arrays. The oracle is measured, not computed: a fresh backend's
+// retained staging after running that one batch. And it is well below the CPU formula the
+// default charged (scores and projections, which live on the device here).
+TEST_F(CudaEmulationTest, TheHostFootprintChargedIsWhatTheLanePins) {
+  const LayerWeights w = SmallLayer();
+  struct Case {
+    bool summed, cross;
+    std::vector<std::pair<int64_t, int64_t>> shapes;  // n, m
+  };
+  for (const Case& c : {Case{false, false, {{24, 24}, {7, 7}, {40, 40}}}, Case{true, true, {{30, 12}, {9, 5}}},
+                        Case{true, false, {{16, 16}}}, Case{false, true, {{5, 33}, {12, 12}}}}) {
+    SCOPED_TRACE(std::string(c.summed ? "summed" : "factored") + (c.cross ? ", cross-attention" : ""));
+    auto backend = MakeEmulatedBackend();
+    ASSERT_NE(backend, nullptr);
+    auto form = std::make_shared<const FormWeights>(c.summed ? MaterializeSummed(w) : MaterializeFactored(w));
+    auto resident = backend->Upload(form);
+    ASSERT_TRUE(resident.ok());
+    std::vector<testing::OwnedSequence> seqs;
+    std::vector<SequenceShape> shapes;
+    for (const auto& [n, m] : c.shapes) {
+      seqs.push_back(RandomSequence(rng_, 48, n, m, c.cross, false, -1));
+      shapes.push_back({.n = n, .m = m});
+    }
+    std::vector<Sequence> batch;
+    for (auto& seq : seqs) batch.push_back(seq.View());
+    const int64_t charged = backend->ScratchBytes(*form, shapes, !c.cross);
+    ASSERT_EQ(backend->RetainedScratchBytes(), 0);
+    ASSERT_TRUE(backend->Forward(**resident, batch).ok());
+    EXPECT_EQ(charged, backend->RetainedScratchBytes()) << "charged a batch other than what its lane pinned";
+    EXPECT_LT(charged, ForwardScratchBytes(*form, shapes, !c.cross, 1, INT64_MAX));
+    for (auto& seq : seqs) EXPECT_LT(RelativeL2(seq.output.data(), ReferenceForward(w, seq.View())), 1e-5);
+  }
+}
+
 // --- Attention in blocks of query rows ----------------------------------------------------
 
 // Its own suite, not CudaEmulationTest's: nothing here is concurrent, so the ThreadSanitizer run

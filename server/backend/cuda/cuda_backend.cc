@@ -1033,6 +1033,26 @@ class CudaBackend final : public Backend {
     return ForwardFlops(form, batch, SummedOrderOf(options_));
   }
   bool Healthy() const override { return healthy_.load(); }
+  // Host memory a batch needs here: what its lane pins (Prepare), the inputs (and the contexts,
+  // when some differ from the queries) and the outputs, and the batched GEMMs' pointer arrays
+  // (one part per sequence; a summed sequence that mixes first in blocks of query rows adds a
+  // few hundred bytes a block). Not the CPU formula the default charges: the scores and the
+  // projections live on the device (its own budget, --max-device-memory-mb), and charging them to
+  // the host refused batches the GPU can run (~1.6 GB for 32×512 summed at d = 1024 against
+  // ~128 MiB staged).
+  int64_t ScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch,
+                       bool self_attention) const override {
+    int64_t queries = 0, contexts = 0, parts = 0;
+    const bool summed = form.head_combine() == HeadCombine::kSumOfMixes;
+    for (const SequenceShape& s : batch) {
+      queries += s.n;
+      contexts += s.m;
+      parts += 1 + (summed && SummedOrderOf(options_).mix_first_allowed && s.n < s.m ? 1 : 0);
+    }
+    const int64_t floats = (2 * queries + (self_attention ? 0 : contexts)) * form.config.d_model;
+    const int64_t pointers = 3 * (2 * form.config.heads + 1) * parts;
+    return floats * static_cast<int64_t>(sizeof(float)) + pointers * static_cast<int64_t>(sizeof(void*));
+  }
   // The idle lanes' pinned staging (a busy lane's counts once it is back).
   int64_t RetainedScratchBytes() const override {
     MutexLock lock(mu_);
