@@ -1035,11 +1035,10 @@ class CudaBackend final : public Backend {
   bool Healthy() const override { return healthy_.load(); }
   // Host memory a batch needs here: what its lane pins (Prepare), the inputs (and the contexts,
   // when some differ from the queries) and the outputs, and the batched GEMMs' pointer arrays
-  // (one part per sequence; a summed sequence that mixes first in blocks of query rows adds a
-  // few hundred bytes a block). Not the CPU formula the default charges: the scores and the
-  // projections live on the device (its own budget, --max-device-memory-mb), and charging them to
-  // the host refused batches the GPU can run (~1.6 GB for 32×512 summed at d = 1024 against
-  // ~128 MiB staged).
+  // (a part per sequence, and one more for a summed sequence that mixes first; one split into
+  // several blocks of query rows needs a few hundred bytes a block more). Not the CPU formula the
+  // default charges: the projections, scores and A_cat live on the device, under its own budget
+  // (--max-device-memory-mb), and charging them to the host refused batches the GPU can run.
   int64_t ScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch,
                        bool self_attention) const override {
     int64_t queries = 0, contexts = 0, parts = 0;
