@@ -108,6 +108,7 @@ State& GetState() {
     auto* s = new State;
     s->device_count = static_cast<int>(EnvInt("ATTNSERVE_CUDA_EMULATION_DEVICES", 1));
     s->gemm_fault_at = EnvInt("ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM", -1);
+    s->injected_error = static_cast<cudaError_t>(EnvInt("ATTNSERVE_CUDA_EMULATION_FAULT_ERROR", 0));
     return s;
   }();
   return *state;

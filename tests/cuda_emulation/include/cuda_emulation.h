@@ -79,7 +79,8 @@ inline constexpr int kFaultKinds = 8;
 void InjectFault(Fault fault, int times = 1);
 // The error an injected kKernel, kGemm or kCopy fault raises (a cudaError_t; 0: each its own,
 // cudaErrorLaunchFailure or cudaErrorIllegalAddress), so that a test can raise each sticky error
-// a device reports (cudaErrorContained, cudaErrorExternalDevice, …). Reset() clears it.
+// a device reports (cudaErrorContained, cudaErrorExternalDevice, …). Reset() clears it. A
+// server process that loaded the emulated plugin sets ATTNSERVE_CUDA_EMULATION_FAULT_ERROR.
 void SetInjectedFaultError(int error);
 
 // Called first in every cudaStreamSynchronize (an empty function: none): a test's way to hold a
