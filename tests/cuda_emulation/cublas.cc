@@ -180,7 +180,7 @@ cublasStatus_t Admit(const GemmCall& g) {
     return CUBLAS_STATUS_ALLOC_FAILED;
   }
   if (internal::TakeFault(Fault::kGemm)) {
-    internal::RaiseFault(cudaErrorLaunchFailure, std::string("injected fault in ") + g.name);
+    internal::RaiseFault(internal::InjectedError(cudaErrorLaunchFailure), std::string("injected fault in ") + g.name);
     return CUBLAS_STATUS_EXECUTION_FAILED;
   }
   return CUBLAS_STATUS_SUCCESS;

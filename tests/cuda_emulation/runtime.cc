@@ -50,6 +50,7 @@ enum class Space { kDevice, kPinnedHost };
 struct Allocation {
   size_t bytes;
   Space space;
+  int device = 0;  // the allocating thread's current device
 };
 
 // An integer from the environment, or `fallback`.
@@ -72,6 +73,8 @@ struct State {
   int64_t gemm_fault_at = -1, gemms_issued = 0;
   std::string diagnostic;
   std::function<void()> sync_hook;
+  std::function<void()> after_fault_hook;
+  cudaError_t injected_error = cudaSuccess;  // SetInjectedFaultError's, or none
   int device_access = 0;  // DeviceAccess objects alive, on every thread
 };
 
@@ -105,12 +108,14 @@ State& GetState() {
     auto* s = new State;
     s->device_count = static_cast<int>(EnvInt("ATTNSERVE_CUDA_EMULATION_DEVICES", 1));
     s->gemm_fault_at = EnvInt("ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM", -1);
+    s->injected_error = static_cast<cudaError_t>(EnvInt("ATTNSERVE_CUDA_EMULATION_FAULT_ERROR", 0));
     return s;
   }();
   return *state;
 }
 
 thread_local cudaError_t last_error = cudaSuccess;
+thread_local bool fault_fired = false;  // an injected fault fired on this thread (SetAfterFaultHook)
 thread_local int current_device = 0;
 
 constexpr size_t kAlignment = 256;  // cudaMalloc's alignment
@@ -189,7 +194,7 @@ cudaError_t Allocate(void** ptr, size_t bytes, Space space) {
   std::memset(p, 0xff, bytes);
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
-  s.allocations[static_cast<const char*>(p)] = {bytes, space};
+  s.allocations[static_cast<const char*>(p)] = {bytes, space, current_device};
   if (space == Space::kDevice) s.device_live += static_cast<int64_t>(bytes);
   if (space == Space::kDevice && s.device_access == 0) PoisonDevice(static_cast<const char*>(p), bytes, true);
   (space == Space::kDevice ? s.counters.device_allocations : s.counters.pinned_allocations)++;
@@ -209,6 +214,7 @@ cudaError_t Release(void* ptr, Space space, const char* what) {
       last_error = cudaErrorInvalidValue;
       return cudaErrorInvalidValue;
     }
+    if (space == Space::kDevice && it->second.device != current_device) s.counters.frees_on_another_device++;
     if (space == Space::kDevice) s.device_live -= static_cast<int64_t>(it->second.bytes);
     if (space == Space::kDevice) PoisonDevice(it->first, it->second.bytes, false);  // the heap's again
     s.allocations.erase(it);
@@ -237,8 +243,9 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
   RETURN_IF_STICKY();
   if (bytes == 0) return cudaSuccess;
   if (internal::TakeFault(Fault::kCopy)) {
-    internal::RaiseFault(cudaErrorIllegalAddress, "injected fault in a copy");
-    return last_error = cudaErrorIllegalAddress;
+    const cudaError_t error = internal::InjectedError(cudaErrorIllegalAddress);
+    internal::RaiseFault(error, "injected fault in a copy");
+    return last_error = error;
   }
   const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
   const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
@@ -333,6 +340,12 @@ void RaiseFault(cudaError_t error, const std::string& diagnostic) {
   last_error = error;
 }
 
+cudaError_t InjectedError(cudaError_t fallback) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.injected_error != cudaSuccess ? s.injected_error : fallback;
+}
+
 bool TakeFault(Fault fault) {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
@@ -340,6 +353,7 @@ bool TakeFault(Fault fault) {
   int& pending = s.pending_fault[static_cast<int>(fault)];
   if (pending == 0) return false;
   --pending;
+  fault_fired = true;
   return true;
 }
 
@@ -467,6 +481,28 @@ int64_t LiveDeviceBytes() {
 
 void SetScheduleSeed(uint64_t seed) { schedule_seed.store(seed); }
 
+void SetAfterFaultHook(std::function<void()> hook) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.after_fault_hook = std::move(hook);
+}
+
+namespace {
+// SetAfterFaultHook's hook, once, when a fault fired on this thread.
+void RunAfterFaultHook() {
+  if (!fault_fired) return;
+  fault_fired = false;
+  std::function<void()> hook;
+  {
+    State& s = GetState();
+    std::lock_guard<std::mutex> lock(s.mu);
+    hook = std::move(s.after_fault_hook);
+    s.after_fault_hook = nullptr;
+  }
+  if (hook) hook();
+}
+}  // namespace
+
 void SetStreamSyncHook(std::function<void()> hook) {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
@@ -491,13 +527,22 @@ void InjectFault(Fault fault, int times) {
   s.pending_fault[static_cast<int>(fault)] = times;
 }
 
+void SetInjectedFaultError(int error) {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.injected_error = static_cast<cudaError_t>(error);
+}
+
 void Reset() {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
   s.sticky = cudaSuccess;
+  s.injected_error = cudaSuccess;
   s.device_count = 1;
   for (int& p : s.pending_fault) p = 0;
   s.sync_hook = nullptr;
+  s.after_fault_hook = nullptr;
+  fault_fired = false;
   s.diagnostic.clear();
   last_error = cudaSuccess;
 }
@@ -553,6 +598,12 @@ const char* cudaGetErrorName(cudaError_t error) {
       return "cudaErrorInvalidAddressSpace";
     case cudaErrorInvalidPc:
       return "cudaErrorInvalidPc";
+    case cudaErrorContained:
+      return "cudaErrorContained";
+    case cudaErrorTensorMemoryLeak:
+      return "cudaErrorTensorMemoryLeak";
+    case cudaErrorExternalDevice:
+      return "cudaErrorExternalDevice";
     case cudaErrorUnknown:
       return "cudaErrorUnknown";
   }
@@ -599,6 +650,12 @@ const char* cudaGetErrorString(cudaError_t error) {
       return "operation not supported on global/shared address space";
     case cudaErrorInvalidPc:
       return "invalid program counter";
+    case cudaErrorContained:
+      return "device encountered an error in the application that was contained";
+    case cudaErrorTensorMemoryLeak:
+      return "tensor memory not completely freed";
+    case cudaErrorExternalDevice:
+      return "external device error";
     case cudaErrorUnknown:
       return "unknown error";
   }
@@ -606,6 +663,7 @@ const char* cudaGetErrorString(cudaError_t error) {
 }
 
 cudaError_t cudaGetLastError() {
+  cuda_emulation::RunAfterFaultHook();
   const cudaError_t sticky = internal::StickyError();
   const cudaError_t e = sticky != cudaSuccess ? sticky : last_error;
   last_error = cudaSuccess;
@@ -638,6 +696,12 @@ cudaError_t cudaGetDevice(int* device) {
 }
 
 cudaError_t cudaDeviceSynchronize() {
+  cuda_emulation::RunAfterFaultHook();
+  {
+    auto& s = cuda_emulation::GetState();
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.counters.device_synchronizations++;
+  }
   internal::DrainAll();
   RETURN_IF_STICKY();
   return cudaSuccess;
@@ -732,6 +796,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 
 // Runs the stream's queued work; a fault it raised surfaces here, as on a device.
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  cuda_emulation::RunAfterFaultHook();
   std::function<void()> hook;
   {
     auto& s = cuda_emulation::GetState();

@@ -374,7 +374,7 @@ bool CheckLaunch(dim3 grid, dim3 block) {
     return false;
   }
   if (internal::TakeFault(Fault::kKernel)) {
-    internal::RaiseFault(cudaErrorLaunchFailure, "injected fault in a kernel");
+    internal::RaiseFault(internal::InjectedError(cudaErrorLaunchFailure), "injected fault in a kernel");
     return false;
   }
   return true;

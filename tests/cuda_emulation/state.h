@@ -26,6 +26,9 @@ void RaiseFault(cudaError_t error, const std::string& diagnostic);
 // Records what went wrong for LastDiagnostic() and prints it on stderr.
 void Diagnose(const std::string& diagnostic);
 
+// The error an injected device fault raises: `fallback`, or SetInjectedFaultError's.
+cudaError_t InjectedError(cudaError_t fallback);
+
 // True (once) when a fault of this kind was injected.
 bool TakeFault(Fault fault);
 

@@ -146,6 +146,27 @@ TEST_F(CudaEmulatedServerTest, ADeviceFaultFailsTheRequestAndTakesTheServerOutOf
   EXPECT_EQ(server.process->Stop(SIGTERM), 0) << server.process->Log();
 }
 
+// An error the CUDA runtime calls process-fatal that the emulation never raises by itself
+// (cudaErrorContained, 226, raised by the first GEMM's injected fault): the server must leave
+// rotation, not stay SERVING and fail every request.
+TEST_F(CudaEmulatedServerTest, AContainedErrorTakesTheServerOutOfRotation) {
+  EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer},
+                           {"ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=0", "ATTNSERVE_CUDA_EMULATION_FAULT_ERROR=226"});
+  ASSERT_NE(server.process, nullptr) << server.error;
+  std::mt19937_64 rng(7);
+  const std::vector<float> x = testing::RandomVector(rng, 1 * 5 * kDModel);
+  v1::ForwardResponse resp;
+  const grpc::Status failed = server.client().Forward(Request(v1::FORM_FACTORED, x, 1, 5), &resp);
+  EXPECT_EQ(failed.error_code(), grpc::StatusCode::INTERNAL) << failed.error_message();
+  ServingStatus status = ServingStatus::kServing;
+  for (int i = 0; i < 40 && status != ServingStatus::kNotServing; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ASSERT_TRUE(server.client().HealthStatus("", &status).ok());
+  }
+  EXPECT_EQ(status, ServingStatus::kNotServing) << server.process->Log();
+  EXPECT_EQ(server.process->Stop(SIGTERM), 0) << server.process->Log();
+}
+
 TEST_F(CudaEmulatedServerTest, NoGpuAutoFallsBackToTheCpuAndCudaRefusesToStart) {
   EmulatedGpuServer fallback({"--device", "auto", "--layer", kLayer}, {"ATTNSERVE_CUDA_EMULATION_DEVICES=0"});
   ASSERT_NE(fallback.process, nullptr) << fallback.error;

@@ -929,6 +929,30 @@ TEST_F(CudaEmulationTest, ADeviceFaultFailsTheBatchAndMarksTheDeviceUnhealthy) {
   }
 }
 
+// Every error after which the CUDA runtime API says the process must be relaunched takes the
+// device out of service, not only the ones the emulation raises itself: a backend that missed one
+// would stay healthy (the server SERVING) and fail every later batch with it.
+TEST_F(CudaEmulationTest, EveryProcessFatalErrorTakesTheDeviceOutOfService) {
+  for (cudaError_t fatal : {cudaErrorContained, cudaErrorTensorMemoryLeak, cudaErrorExternalDevice,
+                            cudaErrorLaunchTimeout, cudaErrorECCUncorrectable}) {
+    SCOPED_TRACE(cudaGetErrorName(fatal));
+    cuda_emulation::Reset();
+    auto backend = MakeEmulatedBackend();
+    ASSERT_NE(backend, nullptr);
+    const LayerWeights w = SmallLayer();
+    auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+    ASSERT_TRUE(resident.ok());
+    testing::OwnedSequence seq = RandomSequence(rng_, 48, 8, 8, false, false, -1);
+    const Sequence batch[] = {seq.View()};
+    cuda_emulation::SetInjectedFaultError(fatal);
+    cuda_emulation::InjectFault(cuda_emulation::Fault::kGemm);
+    const Status failed = backend->Forward(**resident, batch);
+    EXPECT_EQ(failed.code(), StatusCode::kInternal) << failed.ToString();
+    EXPECT_THAT(failed.message(), HasSubstr(std::string("the device is lost: ") + cudaGetErrorString(fatal)));
+    EXPECT_FALSE(backend->Healthy()) << "a process-fatal error left the device in service";
+  }
+}
+
 // Errors a real device reports and keeps serving after: out of device memory (cudaMalloc), of
 // pinned host memory (cudaMallocHost) or of cuBLAS's own workspace (CUBLAS_STATUS_ALLOC_FAILED)
 // fails the batch with RESOURCE_EXHAUSTED (the client may retry); an invalid cuBLAS argument or
@@ -971,6 +995,137 @@ TEST_F(CudaEmulationTest, ARecoverableErrorFailsTheBatchAndTheDeviceKeepsServing
     const Status again = backend->Forward(**resident, batch);
     ASSERT_TRUE(again.ok()) << again.ToString();
     EXPECT_LT(testing::RelativeL2(seq.output.data(), ReferenceForward(w, seq.View())), 1e-5);
+  }
+}
+
+// A batch that fails mid-way (its inputs' copies queued, a GEMM refused) leaves work on its lane's
+// stream that still reads the lane's pinned staging. The lane must not serve another caller
+// before that work has run: a second caller, started the moment the failed one first turns to
+// the device again (the emulation's after-fault hook), must not queue work on that stream while
+// the failed batch's is still there, and its answer must be right.
+TEST_F(CudaEmulationTest, AFailedBatchsLaneIsReusedOnlyOnceItsStreamHasDrained) {
+  auto backend = MakeEmulatedBackend();
+  ASSERT_NE(backend, nullptr);
+  const LayerWeights w = SmallLayer();
+  auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  ASSERT_TRUE(resident.ok());
+  testing::OwnedSequence seq = RandomSequence(rng_, 48, 24, 24, false, true, -1);
+  const Sequence batch[] = {seq.View()};
+  ASSERT_TRUE(backend->Forward(**resident, batch).ok());  // warm: the one lane holds its buffers
+
+  testing::OwnedSequence other = RandomSequence(rng_, 48, 17, 17, false, false, -1);
+  std::fill(other.output.begin(), other.output.end(), std::nanf(""));
+  Status second = InternalError("the second caller never ran");
+  bool hook_ran = false;
+  cuda_emulation::SetAfterFaultHook([&] {
+    hook_ran = true;
+    std::thread caller([&] {
+      const Sequence theirs[] = {other.View()};
+      second = backend->Forward(**resident, theirs);
+    });
+    caller.join();
+  });
+  cuda_emulation::ResetCounters();
+  cuda_emulation::InjectFault(cuda_emulation::Fault::kGemmInvalid);
+  const Status failed = backend->Forward(**resident, batch);
+  EXPECT_EQ(failed.code(), StatusCode::kInternal) << failed.ToString();
+  ASSERT_TRUE(hook_ran) << "the failed caller never turned to the device again";
+  ASSERT_TRUE(second.ok()) << second.ToString();
+  EXPECT_EQ(cuda_emulation::ReadCounters().threads_sharing_a_stream, 0)
+      << "the failed batch's lane was handed to the next caller before its stream drained";
+  EXPECT_LT(RelativeL2(other.output.data(), ReferenceForward(w, other.View())), 1e-5);
+  EXPECT_TRUE(backend->Healthy());
+}
+
+// A failed batch waits for its own lane's stream, not the device: a client's RESOURCE_EXHAUSTED
+// (or an invalid argument) must not stall every other caller's lane with a cudaDeviceSynchronize.
+// A sticky error is still seen (ADeviceFaultFailsTheBatchAndMarksTheDeviceUnhealthy, which
+// counts nothing).
+TEST_F(CudaEmulationTest, AFailedBatchSynchronisesItsLaneNotTheDevice) {
+  for (cuda_emulation::Fault fault : {cuda_emulation::Fault::kGemmAllocFailed, cuda_emulation::Fault::kGemmInvalid,
+                                      cuda_emulation::Fault::kLaunchInvalid}) {
+    cuda_emulation::Reset();
+    auto backend = MakeEmulatedBackend();
+    ASSERT_NE(backend, nullptr);
+    const LayerWeights w = SmallLayer();
+    auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeSummed(w)));
+    ASSERT_TRUE(resident.ok());
+    testing::OwnedSequence seq = RandomSequence(rng_, 48, 24, 24, false, true, -1);
+    const Sequence batch[] = {seq.View()};
+    ASSERT_TRUE(backend->Forward(**resident, batch).ok());
+    cuda_emulation::ResetCounters();
+    cuda_emulation::InjectFault(fault);
+    const Status failed = backend->Forward(**resident, batch);
+    EXPECT_FALSE(failed.ok());
+    EXPECT_TRUE(backend->Healthy()) << failed.ToString();
+    EXPECT_EQ(cuda_emulation::ReadCounters().device_synchronizations, 0)
+        << failed.ToString() << ": a failed batch synchronised the whole device";
+    EXPECT_EQ(cudaPeekAtLastError(), cudaSuccess);
+  }
+}
+
+// With two devices and the backend on cuda:1, every device allocation is freed on device 1, also
+// when the last reference to a form and the backend go on a thread that never chose a device
+// (an unload on a gRPC thread): a free there would create a context on GPU 0.
+TEST_F(CudaEmulationTest, MemoryIsFreedOnTheDeviceItCameFrom) {
+  cuda_emulation::SetDeviceCount(2);
+  auto made = MakeCudaBackend({.device = 1});
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  std::unique_ptr<Backend> backend = std::move(made).value();
+  const LayerWeights w = SmallLayer();
+  auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  ASSERT_TRUE(resident.ok());
+  testing::OwnedSequence seq = RandomSequence(rng_, 48, 24, 24, false, true, -1);
+  const Sequence batch[] = {seq.View()};
+  ASSERT_TRUE(backend->Forward(**resident, batch).ok());
+  EXPECT_LT(RelativeL2(seq.output.data(), ReferenceForward(w, seq.View())), 1e-5);
+  EXPECT_EQ(backend->DeviceName(), "cuda:1");
+  const int64_t live_before = cuda_emulation::LiveDeviceAllocations();
+  cuda_emulation::ResetCounters();
+  std::shared_ptr<const ResidentForm> form = std::move(resident).value();
+  std::thread unload([&] {
+    form.reset();  // the weights
+    backend.reset();  // the lanes' workspaces
+  });
+  unload.join();
+  EXPECT_LT(cuda_emulation::LiveDeviceAllocations(), live_before) << "nothing was freed";
+  EXPECT_EQ(cuda_emulation::ReadCounters().frees_on_another_device, 0)
+      << "device memory of cuda:1 freed while the thread's current device was another";
+}
+
+// The host memory the server's budget charges a CUDA batch (Backend::ScratchBytes) is what its
+// lane pins for it: the inputs, the contexts when they differ from the queries, the outputs and
+// the batched GEMMs' pointer arrays. The oracle is measured, not computed: a fresh backend's
+// retained staging after running that one batch. And it is well below the CPU formula the
+// default charged (scores and projections, which live on the device here).
+TEST_F(CudaEmulationTest, TheHostFootprintChargedIsWhatTheLanePins) {
+  const LayerWeights w = SmallLayer();
+  struct Case {
+    bool summed, cross;
+    std::vector<std::pair<int64_t, int64_t>> shapes;  // n, m
+  };
+  for (const Case& c : {Case{false, false, {{24, 24}, {7, 7}, {40, 40}}}, Case{true, true, {{30, 12}, {9, 5}}},
+                        Case{true, false, {{16, 16}}}, Case{false, true, {{5, 33}, {12, 12}}}}) {
+    SCOPED_TRACE(std::string(c.summed ? "summed" : "factored") + (c.cross ? ", cross-attention" : ""));
+    auto backend = MakeEmulatedBackend();
+    ASSERT_NE(backend, nullptr);
+    auto form = std::make_shared<const FormWeights>(c.summed ? MaterializeSummed(w) : MaterializeFactored(w));
+    auto resident = backend->Upload(form);
+    ASSERT_TRUE(resident.ok());
+    std::vector<testing::OwnedSequence> seqs;
+    std::vector<SequenceShape> shapes;
+    for (const auto& [n, m] : c.shapes) {
+      seqs.push_back(RandomSequence(rng_, 48, n, m, c.cross, false, -1));
+      shapes.push_back({.n = n, .m = m});
+    }
+    std::vector<Sequence> batch;
+    for (auto& seq : seqs) batch.push_back(seq.View());
+    const int64_t charged = backend->ScratchBytes(*form, shapes, !c.cross);
+    ASSERT_EQ(backend->RetainedScratchBytes(), 0);
+    ASSERT_TRUE(backend->Forward(**resident, batch).ok());
+    EXPECT_EQ(charged, backend->RetainedScratchBytes()) << "charged a batch other than what its lane pinned";
+    EXPECT_LT(charged, ForwardScratchBytes(*form, shapes, !c.cross, 1, INT64_MAX));
+    for (auto& seq : seqs) EXPECT_LT(RelativeL2(seq.output.data(), ReferenceForward(w, seq.View())), 1e-5);
   }
 }
 

@@ -54,6 +54,9 @@ bool IsStickyError(cudaError_t e) {
     case cudaErrorInvalidAddressSpace:
     case cudaErrorInvalidPc:
     case cudaErrorAssert:
+    case cudaErrorContained:         // a contained hardware or peer-memory error
+    case cudaErrorTensorMemoryLeak:  // a kernel exited with tensor memory still allocated
+    case cudaErrorExternalDevice:    // an external device signalled its data invalid
     case cudaErrorUnknown:
       return true;
     default:
@@ -143,11 +146,20 @@ class DeviceArray {
       return CudaCheck(e, "cudaMalloc");
     }
     capacity_ = count;
+    cudaGetDevice(&device_);
     return OkStatus();
   }
-  // Gives the memory back to the device and the budget.
+  // Gives the memory back to the device and the budget. On the device it came from: the last
+  // reference to a form may go on any thread (an unload), and cudaFree on a thread whose
+  // current device is another (GPU 0 by default) would first create a context there.
   void Release() {
-    if (ptr_ != nullptr) cudaFree(ptr_);
+    if (ptr_ != nullptr) {
+      int current = device_;
+      cudaGetDevice(&current);
+      if (current != device_) cudaSetDevice(device_);
+      cudaFree(ptr_);
+      if (current != device_) cudaSetDevice(current);
+    }
     if (budget_) budget_->Give(static_cast<int64_t>(capacity_ * sizeof(float)));
     ptr_ = nullptr;
     capacity_ = 0;
@@ -168,6 +180,7 @@ class DeviceArray {
   std::shared_ptr<DeviceBudget> budget_;
   float* ptr_ = nullptr;
   size_t capacity_ = 0;
+  int device_ = 0;  // where ptr_ was allocated
 };
 
 // Page-locked host memory, so copies run asynchronously on the stream.
@@ -281,6 +294,14 @@ class Lane final : public DeviceOps {
     ReleaseWorkspace();
     reclaim_();
     return resident.Upload(stream_);
+  }
+
+  // Waits for what this lane's stream has queued: after a failed batch, the copies and kernels
+  // it issued before the failure, which still read the pinned staging and write the workspace.
+  // The stream's error, sticky or not, is what it reports.
+  cudaError_t Drain() {
+    cudaSetDevice(options_.device);
+    return cudaStreamSynchronize(stream_);
   }
 
   // Called on an idle lane (no work in flight: every batch synchronises before it returns).
@@ -1012,6 +1033,25 @@ class CudaBackend final : public Backend {
     return ForwardFlops(form, batch, SummedOrderOf(options_));
   }
   bool Healthy() const override { return healthy_.load(); }
+  // Host memory a batch needs here: what its lane pins (Prepare), the inputs (and the contexts,
+  // when some differ from the queries) and the outputs, and the batched GEMMs' pointer arrays
+  // (a part per sequence, and one more for a summed sequence that mixes first; one split into
+  // several blocks of query rows needs a few hundred bytes a block more). Not the CPU formula the
+  // default charges: the projections, scores and A_cat live on the device, under its own budget
+  // (--max-device-memory-mb), and charging them to the host refused batches the GPU can run.
+  int64_t ScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch,
+                       bool self_attention) const override {
+    int64_t queries = 0, contexts = 0, parts = 0;
+    const bool summed = form.head_combine() == HeadCombine::kSumOfMixes;
+    for (const SequenceShape& s : batch) {
+      queries += s.n;
+      contexts += s.m;
+      parts += 1 + (summed && SummedOrderOf(options_).mix_first_allowed && s.n < s.m ? 1 : 0);
+    }
+    const int64_t floats = (2 * queries + (self_attention ? 0 : contexts)) * form.config.d_model;
+    const int64_t pointers = 3 * (2 * form.config.heads + 1) * parts;
+    return floats * static_cast<int64_t>(sizeof(float)) + pointers * static_cast<int64_t>(sizeof(void*));
+  }
   // The idle lanes' pinned staging (a busy lane's counts once it is back).
   int64_t RetainedScratchBytes() const override {
     MutexLock lock(mu_);
@@ -1025,7 +1065,7 @@ class CudaBackend final : public Backend {
     ATTNSERVE_RETURN_IF_ERROR(CheckHeadCombine(*form));
     auto resident = std::make_shared<CudaResidentForm>(std::move(form), budget_);
     Status st = WithLane([&](Lane& lane) { return lane.Upload(*resident); });
-    if (!st.ok()) return MarkFailed(st);
+    if (!st.ok()) return st;
     return std::shared_ptr<const ResidentForm>(std::move(resident));
   }
 
@@ -1041,7 +1081,7 @@ class CudaBackend final : public Backend {
       last_times_ = lane.last_times();
       return OkStatus();
     });
-    return st.ok() ? st : MarkFailed(st);
+    return st;
   }
 
   std::optional<DeviceTimes> LastDeviceTimes() const override {
@@ -1050,14 +1090,15 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // After a failed upload or batch: the device is out of service only when its context is
-  // lost, which every CUDA call then reports (a sticky error); a recoverable error (out of
-  // memory, an invalid value) fails this batch alone. Its leftover is cleared here so that it
-  // cannot fail the next, unrelated call on this thread.
-  Status MarkFailed(Status st) {
-    const cudaError_t device = cudaDeviceSynchronize();
+  // After a failed upload or batch, given what draining its lane's stream reported (`drained`):
+  // the device is out of service only when its context is lost, which every CUDA call then
+  // reports (a sticky error; the lane's own stream reports it as well as the device would); a
+  // recoverable error (out of memory, an invalid value) fails this batch alone. No device-wide
+  // synchronisation: a client's RESOURCE_EXHAUSTED must not stall every other lane. The error's
+  // leftover is cleared here so that it cannot fail the next, unrelated call on this thread.
+  Status MarkFailed(Status st, cudaError_t drained) {
     const cudaError_t leftover = cudaGetLastError();
-    const cudaError_t lost = IsStickyError(device) ? device : (IsStickyError(leftover) ? leftover : cudaSuccess);
+    const cudaError_t lost = IsStickyError(drained) ? drained : (IsStickyError(leftover) ? leftover : cudaSuccess);
     if (lost != cudaSuccess) {
       healthy_.store(false);
       return InternalError(st.message() + " (the device is lost: " + cudaGetErrorString(lost) + ")");
@@ -1090,9 +1131,15 @@ class CudaBackend final : public Backend {
       }
     }
     if (!lane) {
-      ATTNSERVE_ASSIGN_OR_RETURN(lane, NewLane());
+      auto made = NewLane();
+      if (!made.ok()) return MarkFailed(made.status(), cudaSuccess);
+      lane = std::move(made).value();
     }
-    const Status st = work(*lane);
+    Status st = work(*lane);
+    // A failed batch may have left work queued on the lane's stream that reads its pinned staging
+    // buffers: the lane goes back only once the stream has drained, or the next batch on it would
+    // overwrite them under the failed batch's copies.
+    if (!st.ok()) st = MarkFailed(st, lane->Drain());
     MutexLock lock(mu_);
     idle_.push_back(std::move(lane));
     return st;

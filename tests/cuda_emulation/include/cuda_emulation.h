@@ -29,6 +29,13 @@ struct Counters {
   // Work queued on a stream by one thread while another thread's work was still queued on it:
   // two callers sharing a stream (and a lane) at once.
   int64_t threads_sharing_a_stream = 0;
+  // cudaDeviceSynchronize calls: each waits for every stream's work, so one a caller's failed
+  // batch makes stalls every other caller's lane.
+  int64_t device_synchronizations = 0;
+  // cudaFree calls made while the calling thread's current device (cudaSetDevice) was not the
+  // one the memory was allocated on: on a real device the call first creates a context on the
+  // current one (GPU 0 for a thread that never chose), holding its memory for good.
+  int64_t frees_on_another_device = 0;
 };
 Counters ReadCounters();
 void ResetCounters();
@@ -70,10 +77,23 @@ enum class Fault {
 };
 inline constexpr int kFaultKinds = 8;
 void InjectFault(Fault fault, int times = 1);
+// The error an injected kKernel, kGemm or kCopy fault raises (a cudaError_t; 0: each its own,
+// cudaErrorLaunchFailure or cudaErrorIllegalAddress), so that a test can raise each sticky error
+// a device reports (cudaErrorContained, cudaErrorExternalDevice, …). Reset() clears it. A
+// server process that loaded the emulated plugin sets ATTNSERVE_CUDA_EMULATION_FAULT_ERROR.
+void SetInjectedFaultError(int error);
 
 // Called first in every cudaStreamSynchronize (an empty function: none): a test's way to hold a
 // caller at the point where its batch has been issued and not yet run. Reset() clears it.
 void SetStreamSyncHook(std::function<void()> hook);
+
+// Called once, on the thread an injected fault (InjectFault) fired on, at the start of that
+// thread's next cudaStreamSynchronize, cudaDeviceSynchronize or cudaGetLastError: the moment the
+// failed caller first turns to the device again. A test's way to run another caller there, at
+// the backend's failure path (a lane handed back before its stream has drained is taken by that
+// caller while the failed batch's work is still queued on it: Counters::threads_sharing_a_stream).
+// Reset() clears it.
+void SetAfterFaultHook(std::function<void()> hook);
 
 // The seed of the emulated device's schedule: the order a launch runs its blocks in and the
 // threads of a block between barriers, and the order streams' work interleaves at a device-wide

@@ -28,6 +28,9 @@ enum cudaError_t {
   cudaErrorMisalignedAddress = 716,
   cudaErrorInvalidAddressSpace = 717,
   cudaErrorInvalidPc = 718,
+  cudaErrorContained = 226,
+  cudaErrorTensorMemoryLeak = 721,
+  cudaErrorExternalDevice = 911,
   cudaErrorUnknown = 999,
 };
 using cudaError = cudaError_t;
