@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "client/cli/ab_source.h"
+#include "client/cli/args.h"
 #include "client/cli/ab_stats.h"
 
 namespace attnserve::cli {
@@ -25,7 +26,7 @@ struct AbArgs {
   double window_seconds = 0;
   std::chrono::nanoseconds interval{0};  // --interval T (/metrics: scrape twice, T apart)
   std::string layer;                     // --layer L: only this layer
-  std::string baseline = "factored";     // --baseline F
+  std::string baseline = FormName(v1::FORM_FACTORED);  // --baseline F
   double alpha = 0.05;                   // --alpha: family-wise, split over the tests (Bonferroni)
   double power = 0.8;                    // --power
   double mde = 0.05;                     // --mde: the latency ratio that matters (0.05 = 5 %)

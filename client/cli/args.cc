@@ -1,5 +1,6 @@
 #include "client/cli/args.h"
 
+#include <cctype>
 #include <charconv>
 #include <climits>
 #include <limits>
@@ -165,35 +166,41 @@ bool ParseIntList(std::string_view text, std::string_view what, int64_t min_valu
   return true;
 }
 
-bool ParseForm(std::string_view text, v1::Form* out, std::string* error) {
-  if (text == "factored")
-    *out = v1::FORM_FACTORED;
-  else if (text == "summed")
-    *out = v1::FORM_SUMMED;
-  else if (text == "lowrank")
-    *out = v1::FORM_LOWRANK;
-  else if (text == "auto")
-    *out = v1::FORM_UNSPECIFIED;
-  else {
-    *error = "--form: expected factored, summed, lowrank or auto, got " + Quote(text);
-    return false;
-  }
-  return true;
+// A form's short name is its attnserve.v1.Form name without "FORM_", in lower case: the proto's
+// enum is the client's table of forms, so a form the server adds is known here by rebuilding.
+std::string FormName(v1::Form form) {
+  if (!v1::Form_IsValid(form)) return "form_" + std::to_string(static_cast<int>(form));
+  std::string name = v1::Form_Name(form).substr(std::string_view("FORM_").size());
+  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return name;
 }
 
-std::string FormName(v1::Form form) {
-  switch (form) {
-    case v1::FORM_FACTORED:
-      return "factored";
-    case v1::FORM_SUMMED:
-      return "summed";
-    case v1::FORM_LOWRANK:
-      return "lowrank";
-    case v1::FORM_UNSPECIFIED:
-      return "unspecified";
-    default:
-      return "form_" + std::to_string(static_cast<int>(form));
+std::vector<v1::Form> KnownForms() {
+  std::vector<v1::Form> forms;
+  const google::protobuf::EnumDescriptor* descriptor = v1::Form_descriptor();
+  for (int i = 0; i < descriptor->value_count(); ++i) {
+    const auto form = static_cast<v1::Form>(descriptor->value(i)->number());
+    if (form != v1::FORM_UNSPECIFIED) forms.push_back(form);
   }
+  return forms;
+}
+
+bool ParseForm(std::string_view text, v1::Form* out, std::string* error) {
+  std::string expected;
+  for (v1::Form form : KnownForms()) {
+    if (text == FormName(form)) {
+      *out = form;
+      return true;
+    }
+    expected += FormName(form) + ", ";
+  }
+  expected.resize(expected.size() - 2);
+  if (text == "auto") {
+    *out = v1::FORM_UNSPECIFIED;
+    return true;
+  }
+  *error = "--form: expected " + expected + " or auto, got " + Quote(text);
+  return false;
 }
 
 bool ParseGlobalArgs(const std::vector<std::string>& args, const GlobalEnv& env, GlobalArgs* out,
@@ -212,6 +219,7 @@ bool ParseGlobalArgs(const std::vector<std::string>& args, const GlobalEnv& env,
   flags.AddString("tls-cert", &tls_cert, "FILE", "");
   flags.AddString("tls-key", &tls_key, "FILE", "");
   flags.AddString("server-name", &server_name, "NAME", "");
+  flags.AddBool("version", &out->version, "");
   // Global flags end at the first positional (the subcommand); the rest belong to it.
   size_t i = 0;
   std::vector<std::string> globals;
@@ -283,6 +291,7 @@ std::string GlobalFlagsHelp() {
          "  --tls-key FILE            its private key (PEM)\n"
          "  --server-name NAME        the name the server's certificate must carry, when\n"
          "                            the target's host is not it (an IP address)\n"
+         "  --version                 print the client's version and exit\n"
          "  -h, --help                this help\n";
 }
 
@@ -291,7 +300,9 @@ namespace {
 void AddForwardFlags(FlagParser* f, ForwardArgs* a, std::string* form, std::string* random,
                      std::string* key_lengths, std::string* seed) {
   f->AddString("layer", &a->layer, "L", "layer to run (required)");
-  f->AddString("form", form, "F", "factored | summed | lowrank | auto (default: server decides)");
+  std::string forms;
+  for (v1::Form known : KnownForms()) forms += FormName(known) + " | ";
+  f->AddString("form", form, "F", forms + "auto (default: server decides)");
   f->AddString("input", &a->input, "X.npy", "input [batch, n, d_model] float32");
   f->AddString("random", random, "B,N[,M]",
                "random normal input [B, N, d_model] (and context [B, M, d_model])");

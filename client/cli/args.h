@@ -57,15 +57,18 @@ bool ParseUint64(std::string_view text, std::string_view what, uint64_t* out, st
 // "3,5,7": non-empty, comma-separated integers, each >= min_value.
 bool ParseIntList(std::string_view text, std::string_view what, int64_t min_value,
                   std::vector<int64_t>* out, std::string* error);
-// "factored" | "summed" | "lowrank" | "auto" (= FORM_UNSPECIFIED, the server decides).
+// A form's short name ("summed": FormName) or "auto" (= FORM_UNSPECIFIED, the server decides).
 bool ParseForm(std::string_view text, v1::Form* out, std::string* error);
-// The short name of a form ("summed"); "unspecified" for FORM_UNSPECIFIED.
+// The short name of a form ("summed" for FORM_SUMMED); "unspecified" for FORM_UNSPECIFIED.
 std::string FormName(v1::Form form);
+// Every attnserve.v1.Form but FORM_UNSPECIFIED, in the proto's order.
+std::vector<v1::Form> KnownForms();
 
 // The flags before the subcommand.
 struct GlobalArgs {
   ClientOptions client;
   bool help = false;
+  bool version = false;  // --version: print the client's version and exit
   std::string command;  // empty when none was given
   std::vector<std::string> command_args;
 };

@@ -124,7 +124,7 @@ std::string ErrorCodesText(const std::map<std::string, int64_t>& codes, char sep
 // The form measured against: factored when present, else the first.
 std::string BaselineForm(const std::vector<BenchRecord>& records) {
   for (const BenchRecord& r : records) {
-    if (r.form == "factored") return r.form;
+    if (r.form == FormName(v1::FORM_FACTORED)) return r.form;
   }
   return records.empty() ? "" : records.front().form;
 }
@@ -491,10 +491,13 @@ std::string Px(double v) {
   return buf;
 }
 
+// A form keeps its colour from plot to plot: the colour of its wire value (factored blue,
+// summed red, lowrank green); "auto" and forms past the palette take the others by position.
 const char* FormColour(const std::string& form, size_t index) {
-  if (form == "factored") return "#1f77b4";
-  if (form == "summed") return "#d62728";
-  if (form == "lowrank") return "#2ca02c";
+  static const char* kByWire[] = {"", "#1f77b4", "#d62728", "#2ca02c"};
+  for (v1::Form f : KnownForms()) {
+    if (form == FormName(f) && static_cast<size_t>(f) < std::size(kByWire)) return kByWire[f];
+  }
   static const char* kOthers[] = {"#9467bd", "#ff7f0e", "#8c564b"};
   return kOthers[index % 3];
 }
@@ -935,7 +938,7 @@ class NoopService final : public v1::AttentionService::CallbackService {
     info->set_name(req->name());
     info->set_source("noop");
     info->mutable_config()->set_d_model(d_model_);
-    for (v1::Form f : {v1::FORM_FACTORED, v1::FORM_SUMMED, v1::FORM_LOWRANK}) {
+    for (v1::Form f : KnownForms()) {
       v1::FormInfo* fi = info->add_forms();
       fi->set_form(f);
       fi->set_device("noop");

@@ -149,6 +149,10 @@ int RunCli(const std::vector<std::string>& args, const GlobalEnv& env, std::ostr
           << "usage: " << kProgram << " [global flags] COMMAND [args]  (see --help)\n";
       return kExitUsage;
     }
+    if (global.version) {
+      out << kProgram << " " << ATTNSERVE_VERSION << "\n";
+      return kExitOk;
+    }
     if (global.command == "help") {
       // `help COMMAND` is the same as `COMMAND --help`.
       if (global.command_args.empty()) {

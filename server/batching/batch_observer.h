@@ -35,6 +35,9 @@ class BatchObserver {
   virtual void JobQueued(std::string_view layer, Form form) = 0;
   // A job left that queue (taken into a batch, or dropped) after `queue_seconds` there.
   virtual void JobDequeued(std::string_view layer, Form form, double queue_seconds) = 0;
+  // A backend call of `requests` jobs of (layer, form) started; its BatchDone follows, whatever
+  // the call does. Queued (JobQueued − JobDequeued) plus computing is the layer's in-flight work.
+  virtual void BatchStarted(std::string_view layer, Form form, int32_t requests) = 0;
   // A backend call ended, well or not. FLOPs count only when code is kOk.
   virtual void BatchDone(const BatchReport& report) = 0;
 };

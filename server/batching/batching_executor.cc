@@ -84,6 +84,7 @@ void BatchingExecutor::RunBatch(const ForwardQueue& queue, std::vector<std::uniq
   const ResidentForm& form = *layer.Find(queue.form);
   const Clock::time_point start = Clock::now();
   for (auto& item : batch) item->Dequeue(start);
+  if (observer_ != nullptr) observer_->BatchStarted(layer.name, queue.form, static_cast<int32_t>(batch.size()));
   Status status;
   // No exception may escape a worker thread; the backend's only expected one is bad_alloc.
   try {

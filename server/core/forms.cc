@@ -4,6 +4,8 @@
 
 #include <Eigen/Core>
 
+#include "server/core/form_table.h"
+
 namespace attnserve {
 namespace {
 
@@ -40,30 +42,9 @@ FormWeights StartForm(Form form, const LayerWeights& w, int64_t value_cols) {
 
 }  // namespace
 
-std::string_view FormName(Form form) {
-  switch (form) {
-    case Form::kFactored: return "factored";
-    case Form::kSummed: return "summed";
-    case Form::kLowRank: return "lowrank";
-  }
-  return "unknown";
-}
+std::string_view FormName(Form form) { return DefOf(form).name; }
 
-// A form missing from the switch is an error here, not a warning: the backends' skeleton
-// branches on the answer, so a new form must choose before anything builds.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic error "-Wswitch"
-HeadCombine HeadCombineOf(Form form) {
-  switch (form) {
-    case Form::kFactored:
-    case Form::kLowRank:
-      return HeadCombine::kConcatThenProject;
-    case Form::kSummed:
-      return HeadCombine::kSumOfMixes;
-  }
-  return HeadCombine::kConcatThenProject;  // not reached: every form is a case above
-}
-#pragma GCC diagnostic pop
+HeadCombine HeadCombineOf(Form form) { return DefOf(form).combine; }
 
 Status CheckHeadCombine(const FormWeights& f) {
   const int64_t want = f.concat_then_project() ? f.out_rows * f.config.d_model : 0;
@@ -77,10 +58,9 @@ Status CheckHeadCombine(const FormWeights& f) {
 }
 
 std::optional<Form> ParseForm(std::string_view name) {
-  for (Form f : kAllForms) {
-    if (FormName(f) == name) return f;
-  }
-  return std::nullopt;
+  const FormDef* def = DefNamed(name);
+  if (def == nullptr) return std::nullopt;
+  return def->form;
 }
 
 int64_t FormWeights::Parameters() const {

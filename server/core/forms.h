@@ -25,10 +25,12 @@
 
 namespace attnserve {
 
+// Each form's name, wire value, load option, size and materialisation: one row of kFormTable
+// (server/core/form_table.h), which the rest of the server reads.
 enum class Form { kFactored = 0, kSummed = 1, kLowRank = 2 };
 inline constexpr Form kAllForms[] = {Form::kFactored, Form::kSummed, Form::kLowRank};
 
-// "factored", "summed", "lowrank": the label metrics and the CLI use.
+// "factored", "summed", "lowrank": the label metrics and the CLI use (its table row's name).
 std::string_view FormName(Form form);
 std::optional<Form> ParseForm(std::string_view name);
 
@@ -39,7 +41,7 @@ std::optional<Form> ParseForm(std::string_view name);
 //     stacked M_i, with no output projection (summed).
 enum class HeadCombine { kConcatThenProject, kSumOfMixes };
 
-// A switch over every form: a new form does not compile (-Wswitch) until it chooses.
+// The form's table row says (a form without a row does not build: form_table.cc).
 HeadCombine HeadCombineOf(Form form);
 
 struct FormWeights {

@@ -7,8 +7,13 @@
 #include <queue>
 #include <string>
 
+#include "server/core/form_table.h"
+
 namespace attnserve {
 namespace {
+
+// The low-rank selection's errors name its load option (its form's row), then the field.
+std::string LowRankField() { return std::string(DefOf(Form::kLowRank).hold_option); }
 
 using MatrixD = Eigen::MatrixXd;
 using RowMatrixF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -111,7 +116,7 @@ StatusOr<std::vector<int64_t>> SelectRanks(const LayerSpectrum& spectrum, const 
   switch (sel.kind) {
     case RankSelection::Kind::kEnergy:
       if (!(sel.energy > 0 && sel.energy <= 1)) {
-        return InvalidArgumentError("lowrank energy: expected a value in (0, 1], got " + std::to_string(sel.energy));
+        return InvalidArgumentError(LowRankField() + " energy: expected a value in (0, 1], got " + std::to_string(sel.energy));
       }
       for (size_t i = 0; i < heads; ++i) ranks[i] = RankForEnergy(spectrum.ov[i].singular_values, sel.energy);
       return ranks;
@@ -119,7 +124,7 @@ StatusOr<std::vector<int64_t>> SelectRanks(const LayerSpectrum& spectrum, const 
       int64_t max_total = 0;
       for (const auto& h : spectrum.ov) max_total += static_cast<int64_t>(h.singular_values.size());
       if (sel.budget < 1 || sel.budget > max_total) {
-        return InvalidArgumentError("lowrank budget: expected a total rank in [1, " + std::to_string(max_total) +
+        return InvalidArgumentError(LowRankField() + " budget: expected a total rank in [1, " + std::to_string(max_total) +
                                     "], got " + std::to_string(sel.budget));
       }
       // The largest singular values across all heads first: each head's next direction is on a
@@ -139,13 +144,13 @@ StatusOr<std::vector<int64_t>> SelectRanks(const LayerSpectrum& spectrum, const 
     }
     case RankSelection::Kind::kFixed:
       if (sel.ranks.size() != heads) {
-        return InvalidArgumentError("lowrank ranks: expected " + std::to_string(heads) + " values, got " +
+        return InvalidArgumentError(LowRankField() + " ranks: expected " + std::to_string(heads) + " values, got " +
                                     std::to_string(sel.ranks.size()));
       }
       for (size_t i = 0; i < heads; ++i) {
         const int64_t max_rank = static_cast<int64_t>(spectrum.ov[i].singular_values.size());
         if (sel.ranks[i] < 0 || sel.ranks[i] > max_rank) {
-          return InvalidArgumentError("lowrank ranks[" + std::to_string(i) + "]: expected a value in [0, " +
+          return InvalidArgumentError(LowRankField() + " ranks[" + std::to_string(i) + "]: expected a value in [0, " +
                                       std::to_string(max_rank) + "], got " + std::to_string(sel.ranks[i]));
         }
       }
@@ -158,12 +163,12 @@ StatusOr<FormWeights> MaterializeLowRank(const LayerWeights& w, const std::vecto
   const LayerConfig& c = w.config;
   const int64_t d = c.d_model, dh = c.d_head, k = std::min(d, dh);
   if (static_cast<int64_t>(ranks.size()) != c.heads) {
-    return InvalidArgumentError("lowrank ranks: expected " + std::to_string(c.heads) + " values, got " +
+    return InvalidArgumentError(LowRankField() + " ranks: expected " + std::to_string(c.heads) + " values, got " +
                                 std::to_string(ranks.size()));
   }
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (ranks[i] < 0 || ranks[i] > k) {
-      return InvalidArgumentError("lowrank ranks[" + std::to_string(i) + "]: expected a value in [0, " +
+      return InvalidArgumentError(LowRankField() + " ranks[" + std::to_string(i) + "]: expected a value in [0, " +
                                   std::to_string(k) + "], got " + std::to_string(ranks[i]));
     }
   }

@@ -83,6 +83,8 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
        "Floating-point operations the backend calls performed (multiply-add = 2); rate() is the achieved "
        "FLOP/s."},
       {"attnserve_queue_depth", "gauge", {"layer", "form"}, "Forward jobs waiting in the executor's queue."},
+      {"attnserve_computing_requests", "gauge", {"layer", "form"},
+       "Forward jobs in a backend call now; with attnserve_queue_depth, a layer's work in flight."},
       {"attnserve_inflight_requests", "gauge", {}, "Forward calls received and not yet answered."},
       {"attnserve_memory_reserved_bytes", "gauge", {},
        "Bytes admitted requests and shadow runs hold now under the memory budget (--max-memory-mb)."},
@@ -179,6 +181,7 @@ struct Metrics::Impl {
     std::atomic<prometheus::Histogram*> batch_requests{nullptr};
     std::atomic<prometheus::Histogram*> batch_tokens{nullptr};
     std::atomic<prometheus::Gauge*> queue_depth{nullptr};
+    std::atomic<prometheus::Gauge*> computing{nullptr};
     std::atomic<prometheus::Histogram*> shadow_divergence{nullptr};
     std::atomic<prometheus::Histogram*> shadow_max_abs{nullptr};
     std::atomic<prometheus::Counter*> nonfinite_outputs{nullptr};
@@ -201,6 +204,7 @@ struct Metrics::Impl {
   prometheus::Family<prometheus::Histogram>& batch_tokens = Histogram(*registry, "attnserve_batch_tokens");
   prometheus::Family<prometheus::Counter>& flops_total = Counter(*registry, "attnserve_flops_total");
   prometheus::Family<prometheus::Gauge>& queue_depth = Gauge(*registry, "attnserve_queue_depth");
+  prometheus::Family<prometheus::Gauge>& computing = Gauge(*registry, "attnserve_computing_requests");
   prometheus::Family<prometheus::Gauge>& inflight_family = Gauge(*registry, "attnserve_inflight_requests");
   prometheus::Family<prometheus::Histogram>& shadow_divergence = Histogram(*registry, "attnserve_shadow_divergence");
   prometheus::Family<prometheus::Histogram>& shadow_max_abs =
@@ -366,7 +370,19 @@ void Metrics::JobDequeued(std::string_view layer, Form form, double queue_second
       .Observe(queue_seconds);
 }
 
+void Metrics::BatchStarted(std::string_view layer, Form form, int32_t requests) {
+  const size_t slot = FormSlot(form);
+  Impl::FormSeries& s = impl_->Series(layer, slot);
+  Lazy(s.computing, impl_->computing, [&] { return Impl::LayerForm(layer, slot); }).Increment(requests);
+}
+
 void Metrics::BatchDone(const BatchReport& report) {
+  {
+    const size_t slot = FormSlot(report.form);
+    Impl::FormSeries& s = impl_->Series(report.layer, slot);
+    Lazy(s.computing, impl_->computing, [&] { return Impl::LayerForm(report.layer, slot); })
+        .Decrement(report.requests);
+  }
   impl_->backend_retained.Set(static_cast<double>(report.backend_retained_bytes));
   if (report.code == StatusCode::kInternal) CountDeviceError(report.device);
   if (report.code != StatusCode::kOk) return;  // nothing was computed, or not all of it

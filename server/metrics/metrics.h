@@ -116,6 +116,7 @@ class Metrics final : public BatchObserver, public RoutingObserver {
   // device error.
   void JobQueued(std::string_view layer, Form form) override;
   void JobDequeued(std::string_view layer, Form form, double queue_seconds) override;
+  void BatchStarted(std::string_view layer, Form form, int32_t requests) override;
   void BatchDone(const BatchReport& report) override;
 
   // RoutingObserver: route_weight, routes_generation, config_reload_total, shadow_divergence (rel_l2),

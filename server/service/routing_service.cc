@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "server/core/form_table.h"
 #include "server/metrics/metrics.h"
 #include "server/routing/router.h"
 #include "server/service/service.h"
@@ -37,7 +38,7 @@ StatusOr<RouteSplit> SplitOf(const v1::SetRoutingRequest& request) {
     const std::optional<Form> form = FormFromWire(w.form());
     if (!form) {
       return InvalidArgumentError("weights[" + std::to_string(i) +
-                                  "].form: expected FORM_FACTORED, FORM_SUMMED or FORM_LOWRANK, got " +
+                                  "].form: expected " + WireFormNames() + ", got " +
                                   v1::Form_Name(w.form()) + " (" + std::to_string(w.form()) + ")");
     }
     weights.emplace_back(*form, w.weight());

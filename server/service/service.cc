@@ -26,14 +26,12 @@
 
 namespace attnserve {
 
-// validation.h speaks the wire's numbers without including the proto; they must agree.
+// validation.h speaks the wire's numbers without including the proto; they must agree (the
+// forms' own: tests/unit/form_table_test.cc).
 static_assert(static_cast<int>(WireDtype::kFloat32) == v1::DATA_TYPE_FLOAT32);
 static_assert(static_cast<int>(WireDtype::kFloat16) == v1::DATA_TYPE_FLOAT16);
 static_assert(static_cast<int>(WireDtype::kBFloat16) == v1::DATA_TYPE_BFLOAT16);
 static_assert(static_cast<int>(WireForm::kUnspecified) == v1::FORM_UNSPECIFIED);
-static_assert(static_cast<int>(WireForm::kFactored) == v1::FORM_FACTORED);
-static_assert(static_cast<int>(WireForm::kSummed) == v1::FORM_SUMMED);
-static_assert(static_cast<int>(WireForm::kLowRank) == v1::FORM_LOWRANK);
 // attnserve::StatusCode has gRPC's numbers, so conversion is a cast.
 static_assert(static_cast<int>(StatusCode::kInvalidArgument) == grpc::StatusCode::INVALID_ARGUMENT);
 static_assert(static_cast<int>(StatusCode::kResourceExhausted) == grpc::StatusCode::RESOURCE_EXHAUSTED);

@@ -8,6 +8,7 @@
 #include <limits>
 #include <utility>
 
+#include "server/core/form_table.h"
 #include "server/store/safetensors.h"  // HalfToFloat, BFloat16ToFloat: one conversion for files and wire
 
 namespace attnserve {
@@ -79,34 +80,16 @@ int64_t WireDtypeSize(int dtype) {
 }
 
 std::optional<Form> FormFromWire(int wire_form) {
-  switch (static_cast<WireForm>(wire_form)) {
-    case WireForm::kFactored:
-      return Form::kFactored;
-    case WireForm::kSummed:
-      return Form::kSummed;
-    case WireForm::kLowRank:
-      return Form::kLowRank;
-    case WireForm::kUnspecified:
-      break;
-  }
-  return std::nullopt;
+  const FormDef* def = DefOfWire(wire_form);
+  if (def == nullptr) return std::nullopt;
+  return def->form;
 }
 
-WireForm FormToWire(Form form) {
-  switch (form) {
-    case Form::kFactored:
-      return WireForm::kFactored;
-    case Form::kSummed:
-      return WireForm::kSummed;
-    case Form::kLowRank:
-      return WireForm::kLowRank;
-  }
-  return WireForm::kUnspecified;
-}
+int FormToWire(Form form) { return DefOf(form).wire; }
 
 Status CheckWireForm(int wire_form) {
   if (wire_form == static_cast<int>(WireForm::kUnspecified) || FormFromWire(wire_form)) return OkStatus();
-  return InvalidArgumentError("form: expected FORM_UNSPECIFIED, FORM_FACTORED, FORM_SUMMED or FORM_LOWRANK, got " +
+  return InvalidArgumentError("form: expected FORM_UNSPECIFIED, " + WireFormNames() + ", got " +
                               std::to_string(wire_form));
 }
 

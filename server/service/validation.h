@@ -21,16 +21,17 @@
 
 namespace attnserve {
 
-// The numbers of attnserve.v1.DataType and attnserve.v1.Form (service.cc checks they match).
+// The numbers of attnserve.v1.DataType and attnserve.v1.Form (service.cc checks they match). A
+// form's own wire value is its row's in the form table (server/core/form_table.h).
 enum class WireDtype : int { kUnspecified = 0, kFloat32 = 1, kFloat16 = 2, kBFloat16 = 3 };
-enum class WireForm : int { kUnspecified = 0, kFactored = 1, kSummed = 2, kLowRank = 3 };
+enum class WireForm : int { kUnspecified = 0 };
 
 // "FLOAT32", "FLOAT16", ... or the number when it is no DataType.
 std::string WireDtypeName(int dtype);
 int64_t WireDtypeSize(int dtype);  // 0 when not a supported dtype
 
 std::optional<Form> FormFromWire(int wire_form);  // nullopt for UNSPECIFIED and unknown values
-WireForm FormToWire(Form form);
+int FormToWire(Form form);
 
 // A wire Tensor, viewed: `data` points into the request message, which outlives the request.
 struct WireTensor {

@@ -7,6 +7,7 @@
 #include <optional>
 #include <utility>
 
+#include "server/core/form_table.h"
 #include "server/store/checkpoint_file.h"
 #include "server/store/source.h"
 
@@ -36,23 +37,24 @@ StatusOr<std::shared_ptr<const ResidentForm>> UploadForm(Backend* backend, FormW
 // The low-rank form of a loaded source: ranks from the spectrum by the source's selection, its
 // size checked before it is allocated.
 StatusOr<FormWeights> BuildLowRank(const LayerSource& loaded, const LayerSpectrum& spectrum, int64_t max_form_bytes) {
+  const FormDef& lowrank = DefOf(Form::kLowRank);
+  const std::string option = "option '" + std::string(lowrank.hold_option) + "=" + loaded.lowrank->text + "': ";
   auto ranks = SelectRanks(spectrum, loaded.lowrank->selection);
-  if (!ranks.ok()) return Prefixed("option 'lowrank=" + loaded.lowrank->text + "': ", ranks.status());
+  if (!ranks.ok()) return Prefixed(option, ranks.status());
   int64_t total = 0;
   for (int64_t r : *ranks) total += r;
   if (total == 0) {
     // A form with no value columns would have no output projection either: refuse it rather
     // than serve a layer whose attention contributes nothing but the bias.
-    return InvalidArgumentError("option 'lowrank=" + loaded.lowrank->text +
-                                "': keeps no direction at all (every head's OV product W_V·W_O is zero)");
+    return InvalidArgumentError(option + "keeps no direction at all (every head's OV product W_V·W_O is zero)");
   }
-  const int64_t bytes = LowRankFormParameters(loaded.weights.config, total) * int64_t{sizeof(float)};
+  const int64_t bytes = lowrank.parameters(loaded.weights.config, total) * int64_t{sizeof(float)};
   if (bytes > max_form_bytes) {
     return ResourceExhaustedError("the low-rank form (total rank " + std::to_string(total) + ") would take " +
                                   std::to_string(bytes) + " bytes, more than the limit of " +
-                                  std::to_string(max_form_bytes) + " per form; choose a smaller lowrank=budget:R");
+                                  std::to_string(max_form_bytes) + " per form; choose a smaller " + std::string(lowrank.hold_option) + "=budget:R");
   }
-  return MaterializeLowRank(loaded.weights, *ranks);
+  return lowrank.materialize(loaded.weights, *ranks);
 }
 
 }  // namespace

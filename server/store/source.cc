@@ -11,9 +11,11 @@
 #include <utility>
 #include <vector>
 
+#include "server/core/form_table.h"
 #include "server/store/arch/arch.h"
 #include "server/store/arch/config_json.h"
 #include "server/store/arch/tensors.h"
+#include "server/store/pick_layout.h"
 #include "server/store/safetensors.h"
 
 namespace attnserve {
@@ -54,12 +56,19 @@ std::string Join(const std::vector<std::string_view>& items) {
 }
 
 // The options every kind of source takes, after its own.
-constexpr std::string_view kCommonOptions[] = {"summed", "spectrum", "lowrank", "rope_theta"};
+// The forms' hold options (summed=, lowrank=) come from the form table.
+constexpr std::string_view kCommonOptions[] = {"spectrum", "rope_theta"};
 
 std::vector<std::string_view> WithCommon(std::vector<std::string_view> own) {
+  for (const FormDef& def : kFormTable) {
+    if (!def.hold_option.empty()) own.push_back(def.hold_option);
+  }
   own.insert(own.end(), std::begin(kCommonOptions), std::end(kCommonOptions));
   return own;
 }
+
+std::string SummedOption() { return std::string(DefOf(Form::kSummed).hold_option); }
+std::string LowRankOption() { return std::string(DefOf(Form::kLowRank).hold_option); }
 
 // The key=value options of a source, each key at most once and each known to the kind.
 class Options {
@@ -157,7 +166,7 @@ class Options {
 // head's full rank, is checked at load against the layer's shape).
 StatusOr<LowRankSpec> ParseLowRank(const std::string& value) {
   const std::string expected =
-      "option 'lowrank': expected energy:E (a share of each head's energy, 0 < E <= 1) or budget:R (a total "
+      "option '" + LowRankOption() + "': expected energy:E (a share of each head's energy, 0 < E <= 1) or budget:R (a total "
       "rank over all heads, R >= 1), got '" + value + "'";
   const size_t colon = value.find(':');
   if (colon == std::string::npos) return InvalidArgumentError(expected);
@@ -188,13 +197,14 @@ StatusOr<LowRankSpec> ParseLowRank(const std::string& value) {
 }
 
 Status ParseCommon(const Options& o, SourceSpec* spec) {
-  ATTNSERVE_RETURN_IF_ERROR(o.Bool("summed", &spec->hold_summed));
+  ATTNSERVE_RETURN_IF_ERROR(o.Bool(SummedOption(), &spec->hold_summed));
   ATTNSERVE_RETURN_IF_ERROR(o.Bool("spectrum", &spec->compute_spectrum));
   ATTNSERVE_RETURN_IF_ERROR(o.Double("rope_theta", 0.0, kMaxRopeTheta, &spec->rope_theta));
-  if (o.Has("lowrank")) {
-    ATTNSERVE_ASSIGN_OR_RETURN(spec->lowrank, ParseLowRank(o.Get("lowrank")));
+  if (o.Has(LowRankOption())) {
+    ATTNSERVE_ASSIGN_OR_RETURN(spec->lowrank, ParseLowRank(o.Get(LowRankOption())));
     if (!spec->compute_spectrum) {
-      return InvalidArgumentError("option 'lowrank' needs the layer's spectrum, but spectrum=false: drop one of them");
+      return InvalidArgumentError("option '" + LowRankOption() +
+                                  "' needs the layer's spectrum, but spectrum=false: drop one of them");
     }
   }
   return OkStatus();
@@ -254,142 +264,19 @@ Status ParseSafetensors(const std::vector<std::string_view>& items, SourceSpec* 
   return OkStatus();
 }
 
-// ---- Picking the checkpoint layout ------------------------------------------------------
-
-// An anchor tensor's PREFIX and block number (-1 for a layout whose names carry none).
-struct Match {
-  std::string prefix;
-  int64_t index = -1;
-};
-
-// Splits `name` into PREFIX and INDEX when it is an anchor of `p`.
-std::optional<Match> MatchAnchor(const AnchorPattern& p, std::string_view name) {
-  if (name.size() < p.tail.size() || name.substr(name.size() - p.tail.size()) != p.tail) return std::nullopt;
-  name.remove_suffix(p.tail.size());
-  Match m;
-  if (p.indexed) {
-    size_t digits = 0;
-    while (digits < name.size() && digits < 10 && name[name.size() - 1 - digits] >= '0' &&
-           name[name.size() - 1 - digits] <= '9') {
-      ++digits;
-    }
-    if (digits == 0 || digits > 9) return std::nullopt;
-    m.index = 0;
-    for (char c : name.substr(name.size() - digits)) m.index = m.index * 10 + (c - '0');
-    name.remove_suffix(digits);
-  }
-  if (name.size() < p.head.size() || name.substr(name.size() - p.head.size()) != p.head) return std::nullopt;
-  name.remove_suffix(p.head.size());
-  if (!name.empty() && name.back() != '.') return std::nullopt;
-  m.prefix = std::string(name);
-  return m;
-}
-
-// Every anchor of `p` in the file, under `prefix` when one is given.
-std::vector<Match> FindAnchors(const SafetensorsFile& file, const AnchorPattern& p,
-                               const std::optional<std::string>& prefix) {
-  std::vector<Match> found;
-  for (const TensorInfo& t : file.tensors()) {
-    auto m = MatchAnchor(p, t.name);
-    if (m && (!prefix || m->prefix == *prefix)) found.push_back(std::move(*m));
-  }
-  return found;
-}
-
-// No layout's anchor is in the file: say which names were looked for.
-Status NoLayoutFound(const SafetensorsFile& file, const SourceSpec& spec) {
-  const std::string under = spec.prefix ? " under prefix '" + *spec.prefix + "'" : "";
-  if (spec.arch != CheckpointArch::kAuto) {
-    const ArchLayout* layout = FindArchLayout(spec.arch.name());
-    if (layout == nullptr) return UnknownArchError(spec.arch.name());
-    return NotFoundError(FileAt(file) + "no tensor named like '" + AnchorText(layout->anchor) + "'" + under +
-                         ", as arch=" + std::string(layout->name) + " needs");
-  }
-  std::string expected;
-  for (const ArchLayout* layout : ArchLayouts()) {
-    if (!expected.empty()) expected += ", ";
-    expected += "'" + AnchorText(layout->anchor) + "' (" + std::string(layout->name) + ")";
-  }
-  return NotFoundError(FileAt(file) + "cannot tell the layout: no tensor named like " + expected + under +
-                       "; give arch= (and prefix=) to say where the attention weights are");
-}
-
-// The one prefix `anchors` sit under; several: give prefix=, listing up to 8 of them.
-StatusOr<std::string> OnePrefix(const SafetensorsFile& file, const ArchLayout& layout,
-                                const std::vector<Match>& anchors) {
-  std::set<std::string> prefixes;
-  for (const Match& m : anchors) prefixes.insert(m.prefix);
-  if (prefixes.size() == 1) return *prefixes.begin();
-  std::string list;
-  int shown = 0;
-  for (const auto& pr : prefixes) {
-    if (shown++ == 8) {
-      list += ", ...";
-      break;
-    }
-    list += (list.empty() ? "'" : ", '") + pr + "'";
-  }
-  return InvalidArgumentError(FileAt(file) + "holds " + std::string(layout.name) + " layers under several prefixes (" +
-                              list + "); give prefix=");
-}
-
-// The block index= asks for must be among `anchors`; the error gives the range the file holds.
-Status CheckIndexPresent(const SafetensorsFile& file, const ArchLayout& layout, const std::vector<Match>& anchors,
-                         const LayerAt& at) {
-  if (!layout.anchor.indexed) return OkStatus();
-  bool present = false;
-  int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
-  for (const Match& m : anchors) {
-    present = present || m.index == at.index;
-    lo = std::min(lo, m.index);
-    hi = std::max(hi, m.index);
-  }
-  if (present) return OkStatus();
-  return NotFoundError(FileAt(file) + "no " + std::string(layout.name) + " layer index=" + std::to_string(at.index) +
-                       (at.prefix.empty() ? "" : " under prefix '" + at.prefix + "'") + " (the file holds indices " +
-                       std::to_string(lo) + ".." + std::to_string(hi) + ")");
-}
-
-struct PickedLayout {
-  const ArchLayout* layout;
-  LayerAt at;
-};
-
-// The layout arch= gives or the only one whose anchors the file holds, the prefix given or the
-// only one found, the index given or 0.
-StatusOr<PickedLayout> PickLayout(const SafetensorsFile& file, const SourceSpec& spec) {
-  std::vector<std::pair<const ArchLayout*, std::vector<Match>>> candidates;
-  for (const ArchLayout* layout : ArchLayouts()) {
-    if (spec.arch != CheckpointArch::kAuto && spec.arch != CheckpointArch(layout->name)) continue;
-    auto anchors = FindAnchors(file, layout->anchor, spec.prefix);
-    if (!anchors.empty()) candidates.emplace_back(layout, std::move(anchors));
-  }
-  if (candidates.empty()) return NoLayoutFound(file, spec);
-  if (candidates.size() > 1) {
-    std::string archs;
-    for (const auto& c : candidates) archs += (archs.empty() ? "" : ", ") + std::string(c.first->name);
-    return InvalidArgumentError(FileAt(file) + "holds tensors of several layouts (" + archs + "); give arch=");
-  }
-  const auto& [layout, anchors] = candidates[0];
-  ATTNSERVE_ASSIGN_OR_RETURN(auto prefix, OnePrefix(file, *layout, anchors));
-  PickedLayout picked{layout, {prefix, spec.index.value_or(0)}};
-  ATTNSERVE_RETURN_IF_ERROR(CheckIndexPresent(file, *layout, anchors, picked.at));
-  return picked;
-}
-
 // ---- Loading ------------------------------------------------------------------------------
 
 Status CheckFormSizes(const LayerConfig& config, bool hold_summed, int64_t max_form_bytes) {
-  const int64_t factored = FactoredFormParameters(config) * int64_t{sizeof(float)};
+  const int64_t factored = FormParameters(Form::kFactored, config) * int64_t{sizeof(float)};
   if (factored > max_form_bytes) {
     return ResourceExhaustedError("the layer (" + config.ToString() + ") takes " + std::to_string(factored) +
                                   " bytes, more than the limit of " + std::to_string(max_form_bytes) + " per form");
   }
-  const int64_t summed = SummedFormParameters(config) * int64_t{sizeof(float)};
+  const int64_t summed = FormParameters(Form::kSummed, config) * int64_t{sizeof(float)};
   if (hold_summed && summed > max_form_bytes) {
     return ResourceExhaustedError("the summed form of the layer (" + config.ToString() + ") would take " +
                                   std::to_string(summed) + " bytes, more than the limit of " +
-                                  std::to_string(max_form_bytes) + " per form; add summed=false to the source");
+                                  std::to_string(max_form_bytes) + " per form; add " + SummedOption() + "=false to the source");
   }
   return OkStatus();
 }
@@ -478,25 +365,6 @@ StatusOr<LayerSource> LoadSafetensors(const SourceSpec& spec, int64_t max_form_b
 }  // namespace
 
 std::string_view CheckpointArchName(CheckpointArch arch) { return arch.name(); }
-
-int64_t FactoredFormParameters(const LayerConfig& c) {
-  const int64_t q = c.heads * c.d_head, kv = c.kv_heads * c.d_head;
-  const int64_t biases = c.bias ? q + 2 * kv + c.d_model : 0;
-  return c.d_model * (q + 2 * kv) + q * c.d_model + biases;
-}
-
-int64_t LowRankFormParameters(const LayerConfig& c, int64_t total_rank) {
-  // W_in = [W_Q | W_K | P_1 … P_h], W_out = [Q_1; …; Q_h]; biases b_Q, b_K and b_eff.
-  const int64_t q = c.heads * c.d_head, kv = c.kv_heads * c.d_head;
-  const int64_t biases = c.bias ? q + kv + c.d_model : 0;
-  return c.d_model * (q + kv + total_rank) + total_rank * c.d_model + biases;
-}
-
-int64_t SummedFormParameters(const LayerConfig& c) {
-  const int64_t q = c.heads * c.d_head, kv = c.kv_heads * c.d_head;
-  const int64_t biases = c.bias ? q + kv + c.d_model : 0;
-  return c.d_model * (q + kv + c.heads * c.d_model) + biases;
-}
 
 StatusOr<SourceSpec> ParseSource(std::string_view source) {
   const std::string at = "source " + QuoteUntrusted(source, 256) + ": ";

@@ -113,10 +113,4 @@ StatusOr<LayerSource> LoadSource(const SourceSpec& spec, int64_t max_form_bytes 
 // ParseSource then LoadSource.
 StatusOr<LayerSource> LoadSource(std::string_view source, int64_t max_form_bytes = kDefaultMaxFormBytes);
 
-// Parameters (float32 values) of the factored and the summed forms of a complete config, and
-// of the low-rank form with a total rank R = Σ r_i.
-int64_t FactoredFormParameters(const LayerConfig& config);
-int64_t SummedFormParameters(const LayerConfig& config);
-int64_t LowRankFormParameters(const LayerConfig& config, int64_t total_rank);
-
 }  // namespace attnserve

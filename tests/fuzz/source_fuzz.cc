@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "server/core/form_table.h"
 #include "server/store/source.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -24,7 +25,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     // forms (UBSan sees any overflow in the products).
     StatusOr<LayerConfig> complete = CompleteConfig(c);
     if (complete.ok()) {
-      volatile int64_t sizes = FactoredFormParameters(*complete) + SummedFormParameters(*complete);
+      volatile int64_t sizes = FormParameters(Form::kFactored, *complete) + FormParameters(Form::kSummed, *complete);
       (void)sizes;
     }
   }

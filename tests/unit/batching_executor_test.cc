@@ -113,7 +113,14 @@ class CountingObserver final : public BatchObserver {
     EXPECT_GE(queue_seconds, 0.0);
     --depth;
   }
+  void BatchStarted(std::string_view layer, Form, int32_t n) override {
+    EXPECT_EQ(layer, "demo");
+    EXPECT_GT(n, 0);
+    computing += n;
+    started += n;
+  }
   void BatchDone(const BatchReport& report) override {
+    computing -= report.requests;
     EXPECT_EQ(report.device, "cpu");
     EXPECT_EQ(report.code, StatusCode::kOk);
     EXPECT_GT(report.compute_seconds, 0.0);
@@ -121,7 +128,7 @@ class CountingObserver final : public BatchObserver {
     requests += report.requests;
     tokens += report.tokens;
   }
-  std::atomic<int> depth{0}, batches{0}, requests{0};
+  std::atomic<int> depth{0}, batches{0}, requests{0}, computing{0}, started{0};
   std::atomic<int64_t> tokens{0};
 };
 
@@ -159,6 +166,8 @@ TEST(BatchingExecutorTest, ConcurrentJobsShareBatchesAndKeepTheirOutputs) {
   for (int j = 0; j < kJobs; ++j) want_tokens += 1 + j % 3;
   EXPECT_EQ(observer.tokens.load(), want_tokens);
   EXPECT_EQ(observer.depth.load(), 0) << "every queued job left the queue once";
+  EXPECT_EQ(observer.started.load(), kJobs) << "every job was in exactly one backend call";
+  EXPECT_EQ(observer.computing.load(), 0) << "every call that started ended";
 }
 
 // Waits until the backend has begun `n` Forward calls.
@@ -195,6 +204,26 @@ TEST(BatchingExecutorTest, CrossAttentionBatchesCountTheirContextRows) {
   }
 }
 
+// While the backend computes a job, the observer counts it as computing (attnserve_computing_requests),
+// and not once the call has ended.
+TEST(BatchingExecutorTest, AJobInABackendCallCountsAsComputingUntilItEnds) {
+  FakeBackend backend;
+  backend.delay = 300ms;
+  CountingObserver observer;
+  auto layer = MakeLayer(backend, 1.0f);
+  BatchingExecutor executor(&backend, {.max_batch_requests = 4, .max_batch_tokens = 1000, .max_queue_delay = 0ms},
+                            &observer);
+  OwnedJob job;
+  executor.Submit(job.Make(layer, 2, 1.0f));
+  ASSERT_TRUE(WaitEntered(backend, 1));
+  EXPECT_EQ(observer.computing.load(), 1) << "the call is under way for another 300 ms";
+  EXPECT_EQ(observer.depth.load(), 0) << "a job in a call has left the queue";
+  auto future = job.result.get_future();
+  ASSERT_EQ(future.wait_for(10s), std::future_status::ready);
+  EXPECT_TRUE(future.get().first.ok());
+  EXPECT_EQ(observer.computing.load(), 0);
+}
+
 // The queue time reported (the job's queue_us and the observer's seconds, which feed
 // attnserve_queue_duration_seconds) covers the time the job was held behind a busy worker: here
 // at least the 60 ms the blocker still had when the job came, measured by this test's clock.
@@ -205,6 +234,7 @@ TEST(BatchingExecutorTest, QueueTimeCoversAKnownHold) {
       std::lock_guard<std::mutex> lock(mu);
       seconds.push_back(queue_seconds);
     }
+    void BatchStarted(std::string_view, Form, int32_t) override {}
     void BatchDone(const BatchReport&) override {}
     std::mutex mu;
     std::vector<double> seconds;

@@ -285,6 +285,17 @@ TEST(ClientCliArgs, EveryCommandHasHelpAndUsage) {
   }
 }
 
+// The version is CMakeLists.txt's project(VERSION), passed to this test by CMake separately.
+TEST(ClientCliArgs, VersionPrintsTheProjectVersionWithoutConnecting) {
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--version"}, {"--target", "localhost:1", "--version", "forward"}}) {
+    std::ostringstream out, err;
+    EXPECT_EQ(cli_ns::RunCli(args, {}, out, err), 0);
+    EXPECT_EQ(out.str(), std::string("attnserve-cli ") + ATTNSERVE_EXPECTED_VERSION + "\n");
+    EXPECT_EQ(err.str(), "");
+  }
+}
+
 TEST(ClientCliArgs, UsageErrorsExitTwoWithoutConnecting) {
   const std::vector<std::vector<std::string>> cases = {
       {},

@@ -125,6 +125,7 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
       {"attnserve_batch_tokens", {"histogram", {"layer", "form"}}},
       {"attnserve_flops_total", {"counter", {"layer", "form", "device"}}},
       {"attnserve_queue_depth", {"gauge", {"layer", "form"}}},
+      {"attnserve_computing_requests", {"gauge", {"layer", "form"}}},
       {"attnserve_inflight_requests", {"gauge", {}}},
       {"attnserve_memory_reserved_bytes", {"gauge", {}}},
       {"attnserve_memory_budget_bytes", {"gauge", {}}},
@@ -253,6 +254,26 @@ TEST(MetricsTest, RefusedBeforeAFormIsKnownCountsUnderNone) {
   EXPECT_EQ(Sample(s, "attnserve_requests_total", {{"layer", ""}, {"form", "none"}, {"code", "NOT_FOUND"}}), 1);
 }
 
+// A layer's work in flight is its queue plus its jobs in a backend call; a call that fails ends
+// as surely as one that succeeds.
+TEST(MetricsTest, ComputingRequestsCountJobsInABackendCallPerLayerAndForm) {
+  Metrics m;
+  m.BatchStarted("demo", Form::kSummed, 2);
+  m.BatchStarted("demo", Form::kFactored, 1);
+  m.BatchStarted("other", Form::kSummed, 5);
+  Samples s = Parse(m.Scrape());
+  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "demo"}, {"form", "summed"}}), 2);
+  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "demo"}, {"form", "factored"}}), 1);
+  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "other"}, {"form", "summed"}}), 5);
+  m.BatchDone({.layer = "demo", .form = Form::kSummed, .device = "cpu", .requests = 2, .code = StatusCode::kOk});
+  m.BatchDone({.layer = "other", .form = Form::kSummed, .device = "cpu", .requests = 5,
+               .code = StatusCode::kResourceExhausted});
+  s = Parse(m.Scrape());
+  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "demo"}, {"form", "summed"}}), 0);
+  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "demo"}, {"form", "factored"}}), 1);
+  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "other"}, {"form", "summed"}}), 0);
+}
+
 TEST(MetricsTest, BatchesRecordQueueComputeSizesAndFlops) {
   Metrics m;
   m.JobQueued("demo", Form::kSummed);
@@ -260,6 +281,7 @@ TEST(MetricsTest, BatchesRecordQueueComputeSizesAndFlops) {
   m.JobQueued("demo", Form::kSummed);
   m.JobDequeued("demo", Form::kSummed, 0.002);
   m.JobDequeued("demo", Form::kSummed, 0.0001);
+  for (int i = 0; i < 3; ++i) m.BatchStarted("demo", Form::kSummed, 2);
   BatchReport r{.layer = "demo",
                 .form = Form::kSummed,
                 .device = "cpu",

@@ -19,6 +19,7 @@
 #include "client/cli/args.h"
 #include "client/cli/commands.h"
 #include "client/cli/spectrum_view.h"
+#include "server/core/form_table.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/core/forms.h"
 #include "server/service/service.h"
@@ -89,7 +90,7 @@ TEST(SpectrumProto, CarriesTheStoresSpectrumAndRanks) {
     EXPECT_EQ(std::vector<int64_t>(f.ranks().begin(), f.ranks().end()), layer->lowrank_ranks);
     EXPECT_EQ(f.rank_selection(), "budget:10");
     EXPECT_EQ(f.kept_energy(), layer->lowrank_kept_energy);
-    EXPECT_EQ(f.parameters(), LowRankFormParameters(layer->config, 10));
+    EXPECT_EQ(f.parameters(), FormParameters(Form::kLowRank, layer->config, 10));
   }
   EXPECT_EQ(lowrank_forms, 1);
 

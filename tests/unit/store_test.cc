@@ -20,6 +20,7 @@
 #include <tuple>
 #include <vector>
 
+#include "server/core/form_table.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/core/reference.h"
 #include "server/store/arch/arch.h"
@@ -768,7 +769,7 @@ TEST(LowRank, StoreHoldsTheSpectrumAndTheLowRankForm) {
   EXPECT_EQ((*full)->lowrank_ranks, std::vector<int64_t>(6, 8));
   EXPECT_NEAR((*full)->lowrank_kept_energy, 1.0, 1e-12);
   EXPECT_EQ((*full)->Find(Form::kLowRank)->weights().form, Form::kLowRank);
-  EXPECT_EQ((*full)->Find(Form::kLowRank)->weights().Parameters(), LowRankFormParameters(w.config, 48));
+  EXPECT_EQ((*full)->Find(Form::kLowRank)->weights().Parameters(), FormParameters(Form::kLowRank, w.config, 48));
   for (int k = 0; k < 3; ++k) {
     testing::OwnedSequence seq = testing::RandomSequence(rng, 48, 7, 7, false, k == 1, -1);
     const Sequence view = seq.View();
@@ -801,7 +802,7 @@ TEST(LowRank, StoreHoldsTheSpectrumAndTheLowRankForm) {
   ExpectError(store.Load("big", base + ",lowrank=budget:49").status(), StatusCode::kInvalidArgument,
               {"lowrank", "[1, 48]", "49"}, "budget 49");
   // The low-rank form's size is bounded like the others.
-  LayerStore small(&Cpu(), {.max_form_bytes = FactoredFormParameters(w.config) * 4});
+  LayerStore small(&Cpu(), {.max_form_bytes = FormParameters(Form::kFactored, w.config) * 4});
   ASSERT_TRUE(small.Load("fits", base + ",summed=false,lowrank=budget:4").ok());
   ExpectError(small.Load("too-big", base + ",summed=false,lowrank=energy:1").status(), StatusCode::kResourceExhausted,
               {"low-rank", "budget"}, "lowrank too big");
@@ -1016,12 +1017,12 @@ TEST(Sources, FormSizesAreBoundedBeforeAllocating) {
   for (const char* source : {"random:d_model=32,heads=4", "random:d_model=48,heads=6,kv_heads=2,d_head=5",
                              "random:d_model=16,heads=2,bias=false"}) {
     const LayerWeights w = MustLoad(source);
-    EXPECT_EQ(FactoredFormParameters(w.config), MaterializeFactored(w).Parameters()) << source;
-    EXPECT_EQ(SummedFormParameters(w.config), MaterializeSummed(w).Parameters()) << source;
+    EXPECT_EQ(FormParameters(Form::kFactored, w.config), MaterializeFactored(w).Parameters()) << source;
+    EXPECT_EQ(FormParameters(Form::kSummed, w.config), MaterializeSummed(w).Parameters()) << source;
   }
   auto spec = ParseSource("random:d_model=64,heads=16");
   ASSERT_TRUE(spec.ok());
-  const int64_t factored = FactoredFormParameters(spec->config) * 4, summed = SummedFormParameters(spec->config) * 4;
+  const int64_t factored = FormParameters(Form::kFactored, spec->config) * 4, summed = FormParameters(Form::kSummed, spec->config) * 4;
   ASSERT_LT(factored, summed);
   ExpectError(LoadSource(*spec, factored).status(), StatusCode::kResourceExhausted, {"summed", "summed=false"},
               "summed too large");

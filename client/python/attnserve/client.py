@@ -17,9 +17,10 @@ except ImportError as e:  # pragma: no cover - an unbuilt source tree
     raise ImportError(f"{e}: attnserve's gRPC stubs are generated when the package is built; install it with "
                       "`pip install ./client/python` from the attnserve repository") from None
 
-_FORMS = {"factored": pb.FORM_FACTORED, "summed": pb.FORM_SUMMED, "lowrank": pb.FORM_LOWRANK}
-_FORM_NAMES = {v: k for k, v in _FORMS.items()}
-_FORM_NAMES[pb.FORM_UNSPECIFIED] = "unspecified"
+# A form's name is its attnserve.v1.Form name without "FORM_", in lower case ("summed"): the
+# proto's enum is the one list of forms, so a form the server adds is known here from the stubs.
+_FORM_NAMES = {number: name[len("FORM_"):].lower() for name, number in pb.Form.items()}
+_FORMS = {name: number for number, name in _FORM_NAMES.items() if number != pb.FORM_UNSPECIFIED}
 
 PathOrBytes = Union[str, bytes, None]
 
