@@ -47,9 +47,10 @@ struct WeightBlock {
 
 // A form's weights as the device holds them.
 struct DeviceWeights {
-  WeightBlock w_in;              // [d_model, in_cols]: W_Q | W_K | the value block's weights
-  const float* b_in = nullptr;   // [in_cols], or null (FormWeights::b_in may cover Q and K only)
-  WeightBlock w_out;             // [out_rows, d_model]: concat-then-project forms only
+  WeightBlock w_in;             // [d_model, in_cols]: W_Q | W_K | the value block's weights
+  const float* b_in = nullptr;  // [in_cols], or null (FormWeights::b_in may cover Q and K only)
+  // [out_rows, d_model]: concat-then-project forms only (an empty view for the others)
+  WeightBlock w_out{WeightMatrix::kOut, 0, 0, ConstMatrixView()};
   const float* b_out = nullptr;  // [d_model], or null
 };
 
@@ -60,7 +61,6 @@ inline DeviceWeights WeightsAt(const FormWeights& f, const float* w_in, const fl
   DeviceWeights w;
   w.w_in = {WeightMatrix::kIn, 0, 0, ConstMatrixView(w_in, f.config.d_model, f.in_cols())};
   w.b_in = f.b_in.empty() ? nullptr : b_in;
-  w.w_out.matrix = WeightMatrix::kOut;
   if (!f.w_out.empty()) w.w_out.view = ConstMatrixView(w_out, f.out_rows, f.config.d_model);
   w.b_out = f.b_out.empty() ? nullptr : b_out;
   return w;
