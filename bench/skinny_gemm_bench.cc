@@ -93,7 +93,7 @@ void PackedWeightsTable() {
     const RowMatrix w = RowMatrix::Random(wt.depth, wt.cols);
     const ConstMatrixView wv(w.data(), wt.depth, wt.cols);
     const attnserve::PackedWeights packed = attnserve::PackPanels(wv, attnserve::PanelWidth());
-    const attnserve::PackedBlock block = *packed.Find(wv);
+    const attnserve::PackedBlock block = *packed.Block(0, 0, wv.rows, wv.cols);
     for (int64_t rows : {1, 4, 16, 64, 256, 1024}) {
       const RowMatrix x = RowMatrix::Random(rows, wt.depth);
       RowMatrix y(rows, wt.cols);

@@ -123,7 +123,7 @@ TEST(SkinnyGemmTest, AccumulatesAtEveryBlockEdge) {
 // y = x · w on weights packed once (PackPanels, PanelGemm) against float64: w lies inside a larger
 // source at a row offset and at a column offset of whole panels, as the blocks of W_in the
 // projections multiply do (the value block at q_cols + k_cols, a summed head's W_M_i), and the
-// block is found as the backend finds it (PackedWeights::Find). Every row count of the kernel's
+// block is found as the backend finds it (PackedWeights::Block). Every row count of the kernel's
 // blocks, column counts on both sides of a panel; written over y, added to it, and started from a
 // bias (the projections' y = b + x · W, with no pass of its own over y). Panels of bfloat16 are
 // checked against float64 on the weights rounded as PackPanels rounds them: the kernel adds no
@@ -151,7 +151,7 @@ void PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision precision) 
             }
             const PackedWeights pw = PackPanels(ConstMatrixView(src.data(), src_rows, src_cols), width, precision);
             EXPECT_EQ(pw.precision, precision);
-            const auto block = pw.Find(ConstMatrixView(src.data() + row0 * src_cols + col0, w.rows, w.cols, src_cols));
+            const auto block = pw.Block(row0, col0, w.rows, w.cols);
             ASSERT_TRUE(block.has_value());
             EXPECT_EQ(block->row0, row0);
             EXPECT_EQ(block->col0, col0);
@@ -242,13 +242,13 @@ TEST(PanelGemmTest, PaysWhereItWasMeasuredToWin) {
   }
 }
 
-// Find names a block only of the matrix packed, with its row stride, starting on a panel's first
-// column and inside its rows and columns: anything else (attention's activations passed to the
-// same Gemm, a column block starting mid-panel) is multiplied row-major by the library.
-TEST(PackedWeightsTest, FindNamesOnlyWholePanelBlocksOfTheSource) {
+// Block names a block only inside the matrix packed, starting on a panel's first column: anything
+// else (a column block starting mid-panel) is multiplied row-major by the library. The block is
+// named by its place, never by an address (cpu_ops_test: copies of the weights elsewhere).
+TEST(PackedWeightsTest, BlockNamesOnlyWholePanelBlocksOfTheSource) {
   std::mt19937_64 rng(testing::TestSeed());
   constexpr int64_t kRows = 10, kCols = 100, kWidth = 16;
-  const std::vector<float> src = testing::RandomVector(rng, kRows * kCols), other = src;
+  const std::vector<float> src = testing::RandomVector(rng, kRows * kCols);
   const ConstMatrixView w(src.data(), kRows, kCols);
   const PackedWeights pw = PackPanels(w, kWidth);
   ASSERT_EQ(pw.Bytes(), static_cast<int64_t>(7 * kRows * kWidth * sizeof(float)));  // 100 columns: 7 panels
@@ -259,20 +259,20 @@ TEST(PackedWeightsTest, FindNamesOnlyWholePanelBlocksOfTheSource) {
       ASSERT_EQ(pw.PanelRow(c / kWidth, r)[c % kWidth], want) << r << ", " << c;
     }
   }
-  const auto whole = pw.Find(w);
+  const auto whole = pw.Block(0, 0, kRows, kCols);
   ASSERT_TRUE(whole.has_value());
   EXPECT_EQ(whole->rows, kRows);
   EXPECT_EQ(whole->cols, kCols);
-  const auto block = pw.Find(w.RowBlock(3, 4).ColBlock(32, 50));
+  const auto block = pw.Block(3, 32, 4, 50);
   ASSERT_TRUE(block.has_value());
   EXPECT_EQ(block->row0, 3);
   EXPECT_EQ(block->col0, 32);
   EXPECT_EQ(block->cols, 50);
-  EXPECT_FALSE(pw.Find(w.ColBlock(8, 16)).has_value()) << "starts mid-panel";
-  EXPECT_FALSE(pw.Find(ConstMatrixView(other.data(), kRows, kCols)).has_value()) << "other memory, same contents";
-  EXPECT_FALSE(pw.Find(ConstMatrixView(src.data(), 5, 20, 20)).has_value()) << "another row stride";
-  EXPECT_FALSE(pw.Find(ConstMatrixView(src.data() + kCols, kRows, kCols)).has_value()) << "past the last row";
-  EXPECT_FALSE(PackedWeights().Find(w).has_value()) << "nothing packed";
+  EXPECT_FALSE(pw.Block(0, 8, kRows, 16).has_value()) << "starts mid-panel";
+  EXPECT_FALSE(pw.Block(1, 0, kRows, kCols).has_value()) << "past the last row";
+  EXPECT_FALSE(pw.Block(0, 96, kRows, 5).has_value()) << "past the last column";
+  EXPECT_FALSE(pw.Block(-1, 0, 2, 16).has_value()) << "before the first row";
+  EXPECT_FALSE(PackedWeights().Block(0, 0, kRows, kCols).has_value()) << "nothing packed";
 }
 
 TEST(WeightLayoutTest, NamesParseAndBadNamesSayWhatIsAccepted) {

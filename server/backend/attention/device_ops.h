@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "server/backend/attention/plan.h"
@@ -22,11 +23,34 @@
 
 namespace attnserve {
 
+// Which of a form's weight matrices (DeviceWeights) a GEMM multiplies by.
+enum class WeightMatrix { kIn, kOut };
+
+inline std::string_view WeightMatrixName(WeightMatrix m) { return m == WeightMatrix::kIn ? "W_in" : "W_out"; }
+
+// A block of one of the form's weight matrices, named by the matrix and its place in it, not by
+// its address: rows [row0, row0 + view.rows) and columns [col0, col0 + view.cols) of `matrix`,
+// where `view` is that block of the matrix the device holds. A device that keeps the weights in
+// another layout as well (the CPU's packed panels) finds the same block there by the name,
+// whatever memory `view` points into.
+struct WeightBlock {
+  WeightMatrix matrix = WeightMatrix::kIn;
+  int64_t row0 = 0, col0 = 0;
+  ConstMatrixView view;
+
+  bool empty() const { return view.empty(); }
+  // Columns [first, first + count) of this block.
+  WeightBlock ColBlock(int64_t first, int64_t count) const {
+    return {matrix, row0, col0 + first, view.ColBlock(first, count)};
+  }
+};
+
 // A form's weights as the device holds them.
 struct DeviceWeights {
-  ConstMatrixView w_in;          // [d_model, in_cols]: W_Q | W_K | the value block's weights
-  const float* b_in = nullptr;   // [in_cols], or null (FormWeights::b_in may cover Q and K only)
-  ConstMatrixView w_out;         // [out_rows, d_model]: concat-then-project forms only
+  WeightBlock w_in;             // [d_model, in_cols]: W_Q | W_K | the value block's weights
+  const float* b_in = nullptr;  // [in_cols], or null (FormWeights::b_in may cover Q and K only)
+  // [out_rows, d_model]: concat-then-project forms only (an empty view for the others)
+  WeightBlock w_out{WeightMatrix::kOut, 0, 0, ConstMatrixView()};
   const float* b_out = nullptr;  // [d_model], or null
 };
 
@@ -35,9 +59,9 @@ struct DeviceWeights {
 inline DeviceWeights WeightsAt(const FormWeights& f, const float* w_in, const float* b_in, const float* w_out,
                                const float* b_out) {
   DeviceWeights w;
-  w.w_in = ConstMatrixView(w_in, f.config.d_model, f.in_cols());
+  w.w_in = {WeightMatrix::kIn, 0, 0, ConstMatrixView(w_in, f.config.d_model, f.in_cols())};
   w.b_in = f.b_in.empty() ? nullptr : b_in;
-  if (!f.w_out.empty()) w.w_out = ConstMatrixView(w_out, f.out_rows, f.config.d_model);
+  if (!f.w_out.empty()) w.w_out.view = ConstMatrixView(w_out, f.out_rows, f.config.d_model);
   w.b_out = f.b_out.empty() ? nullptr : b_out;
   return w;
 }
@@ -128,6 +152,14 @@ class DeviceOps {
   // y = x · w + bias (a row vector over y's columns; null: none), or y += x · w + bias with
   // `accumulate`.
   virtual Status Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate) = 0;
+
+  // Gemm with a block of the form's weights as w: every product the skeleton runs by a weight
+  // matrix comes here. A device that holds the weights in a layout of its own as well finds the
+  // block there by its name (WeightBlock); by default, Gemm on the block's view.
+  virtual Status GemmWeights(ConstMatrixView x, const WeightBlock& w, const float* bias, MatrixView y,
+                             bool accumulate) {
+    return Gemm(x, w.view, bias, y, accumulate);
+  }
 
   // Rotates rows of `m` in place (RoPE, server/core/rope.h): `heads` heads of `d_head` columns,
   // each run's rows from its position on. The runs are a batch's sequences, in row order and

@@ -8,7 +8,7 @@ namespace {
 Status ProjectColumns(DeviceOps& ops, const FormWeights& f, const DeviceWeights& w, ConstMatrixView x, int64_t col0,
                       int64_t count, MatrixView y) {
   const bool has_bias = w.b_in != nullptr && static_cast<int64_t>(f.b_in.size()) >= col0 + count;
-  return ops.Gemm(x, w.w_in.ColBlock(col0, count), has_bias ? w.b_in + col0 : nullptr, y, /*accumulate=*/false);
+  return ops.GemmWeights(x, w.w_in.ColBlock(col0, count), has_bias ? w.b_in + col0 : nullptr, y, /*accumulate=*/false);
 }
 
 // Q and K of every token (one GEMM for both in self-attention: they come from the same rows;
@@ -64,7 +64,7 @@ Status ConcatThenProject(DeviceOps& ops, const FormWeights& f, const DeviceWeigh
         RangeOf(plan, batch, b, r, 0, n, b.val.RowBlock(plan.val_row[r], m), b.o.RowBlock(plan.rows.x_row[r], n)));
   }
   ATTNSERVE_RETURN_IF_ERROR(ops.Attend(job));
-  ATTNSERVE_RETURN_IF_ERROR(ops.Gemm(b.o, w.w_out, w.b_out, b.y, /*accumulate=*/false));
+  ATTNSERVE_RETURN_IF_ERROR(ops.GemmWeights(b.o, w.w_out, w.b_out, b.y, /*accumulate=*/false));
   return ops.Finish(plan, batch, b, /*stacked=*/true);
 }
 
@@ -88,8 +88,9 @@ Status SumMixingFirst(DeviceOps& ops, const FormWeights& f, const DeviceWeights&
     for (int64_t i = 0; i < f.config.heads; ++i) {
       const int64_t col = f.value_offset[i], width = f.value_width[i];
       // The first head's product (with the bias) sets Y; the others add to it.
-      ATTNSERVE_RETURN_IF_ERROR(ops.Gemm(range.out.ColBlock(col, width), w.w_in.ColBlock(value_col0 + col, width),
-                                         i == 0 ? w.b_out : nullptr, y, /*accumulate=*/i > 0));
+      ATTNSERVE_RETURN_IF_ERROR(ops.GemmWeights(range.out.ColBlock(col, width),
+                                                w.w_in.ColBlock(value_col0 + col, width), i == 0 ? w.b_out : nullptr, y,
+                                                /*accumulate=*/i > 0));
     }
   }
   return OkStatus();

@@ -1,8 +1,11 @@
 // The CPU backend: the attention skeleton (server/backend/attention) over the CPU's device
-// operations — GEMMs (oneDNN or Eigen, gemm.h) split across the threads for the projections (one
-// per batch over all stacked tokens), and attention as tasks on the compute team (a block of query
-// rows of one sequence, for the heads sharing a K/V tile) that runs the scores and the mix tile
-// by tile with an online softmax: no n × L matrix exists, memory is linear in the sequence length.
+// operations (CpuOps, cpu_ops.h) — GEMMs (oneDNN or Eigen, gemm.h) split across the threads for
+// the projections (one per batch over all stacked tokens), and attention as tasks on the compute
+// team (a block of query rows of one sequence, for the heads sharing a K/V tile) that runs the
+// scores and the mix tile by tile with an online softmax (tiled_attention.h): no n × L matrix
+// exists, memory is linear in the sequence length. This file holds what lasts between forwards:
+// the options, the pools of scratch and compute teams, Upload (packing the weights) and the
+// memory figures.
 // Thread-safety: Forward is reentrant: each call takes a scratch and a compute team of its own
 // from pools (guarded by mutexes) and gives them back at the end, so concurrent calls never
 // share one. Construction turns Eigen's own (process-wide) GEMM threading off: the backend

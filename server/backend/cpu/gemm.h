@@ -1,18 +1,20 @@
 // The CPU backend's one GEMM primitive, on the calling thread: y = alpha · x · w (or · wᵀ).
 //
-// The CPU backend's projections go through here (split by columns across threads in
-// cpu_backend.cc), and attention's products where its own tile kernel does not run (a CPU
+// The CPU backend's projections go through here (split by columns across threads: SplitGemm,
+// cpu_ops.cc), and attention's products where its own tile kernel does not run (a CPU
 // without AVX2, values wider than the kernel takes, the summed form's per-head score blocks:
 // AttendTiled and HeadScores). Which library computes it is a choice made
-// once per backend, from measurement (docs/journal/benchmarks-journal.md, "The GEMM library"):
-//   - oneDNN (Debian's libdnnl, JIT kernels dispatched at run time for AVX2 or AVX-512): 1.3–1.4×
-//     Eigen at the projection shapes on one thread, up to 2× at few rows. The default when the
-//     build found it (ATTNSERVE_ONEDNN=AUTO).
+// once per backend, from measurement (the figures in docs/journal/benchmarks-journal.md, "The
+// GEMM library"):
+//   - oneDNN (Debian's libdnnl, JIT kernels dispatched at run time for AVX2 or AVX-512): faster
+//     than Eigen at the projection shapes, most at few rows. The default when the build found it
+//     (ATTNSERVE_ONEDNN=AUTO).
 //   - Eigen: the portable fallback, compiled for the build's -march.
 // Below 64K multiply-adds (a small request's per-head score blocks) Eigen computes the product
 // whichever library was asked: oneDNN's fixed cost per call is larger than the product there.
 // A request of 2–4 rows keeps the backend's own SkinnyGemm (AVX-512), which streams the
-// weights without packing them: 1.1–1.4× oneDNN there. From 8 rows oneDNN wins (up to 1.7×).
+// weights without packing them and beats oneDNN there; from 8 rows oneDNN wins
+// (docs/journal/benchmarks-journal.md, "The skinny GEMM").
 // Thread-safety: the functions are reentrant; CpuIsaCap is read once, at first use.
 #pragma once
 

@@ -40,16 +40,9 @@ PackedWeights PackPanels(ConstMatrixView w, int64_t width, PanelPrecision precis
   return p;
 }
 
-std::optional<PackedBlock> PackedWeights::Find(ConstMatrixView view) const {
-  if (empty() || view.data == nullptr || view.ld != source.ld) return std::nullopt;
-  // Compared as addresses: `view` may point into any other buffer.
-  const auto begin = reinterpret_cast<uintptr_t>(source.data);
-  const auto at = reinterpret_cast<uintptr_t>(view.data);
-  if (at < begin || (at - begin) % sizeof(float) != 0) return std::nullopt;
-  const int64_t offset = static_cast<int64_t>((at - begin) / sizeof(float));
-  const int64_t row0 = offset / source.ld, col0 = offset % source.ld;
-  if (col0 % width != 0 || row0 + view.rows > source.rows || col0 + view.cols > source.cols) return std::nullopt;
-  return PackedBlock{this, row0, col0, view.rows, view.cols};
+std::optional<PackedBlock> PackedWeights::Block(int64_t row0, int64_t col0, int64_t rows, int64_t cols) const {
+  if (empty() || !Contains(row0, col0, rows, cols) || col0 % width != 0) return std::nullopt;
+  return PackedBlock{this, row0, col0, rows, cols};
 }
 
 }  // namespace attnserve

@@ -6,15 +6,16 @@
 // same cache sets. The GEMM libraries copy ("pack") the block they work on inside every call to
 // get around that; for a request of a few tokens the copy costs as much as the product.
 // Packed here once, each panel of `width` columns lies row after row in one contiguous run, which
-// the kernel streams and the hardware prefetchers follow. Measured against oneDNN's SGEMM on the
-// row-major weights, one thread (docs/journal/benchmarks-journal.md, "Weights packed once"): with AVX-512
-// 1.1–1.6× at 4–16 tokens of gpt2-medium's weights and level at bert-base's; with AVX2 1.4–2.1×
-// at 4–256 tokens of gpt2-medium's. Each call goes where it measured faster (PanelGemmPays).
+// the kernel streams and the hardware prefetchers follow. Each call goes where it measured faster,
+// the panels or the library on the row-major weights (PanelGemmPays; the figures in
+// docs/journal/benchmarks-journal.md, "Weights packed once").
 // The packed copy is a second copy of the weights in host memory (ResidentForm::HostBytes);
 // --cpu-weight-layout plain keeps only the row-major one.
 // Panels may hold the weights as bfloat16 (--cpu-weight-layout packed-bf16): half the bytes a
 // request streams, each weight rounded to the nearest bfloat16 (8 bits of mantissa) and widened
 // back to float32 in the kernel's registers; the products and sums stay float32.
+// A block is found by its place in the matrix packed (Block), never by the address of a view:
+// the caller names which matrix and where (WeightBlock, server/backend/attention/device_ops.h).
 // Thread-safety: immutable once packed; any number of forwards read it at once.
 #pragma once
 
@@ -52,7 +53,7 @@ struct PackedWeights {
   AlignedBf16 panels_bf16;
   PanelPrecision precision = PanelPrecision::kFloat32;
   int64_t width = 0;
-  ConstMatrixView source;  // the row-major matrix packed (its shape too): Find matches views against it
+  ConstMatrixView source;  // the row-major matrix packed: its shape and row stride
 
   bool empty() const { return width == 0; }
   int64_t Bytes() const {
@@ -63,10 +64,14 @@ struct PackedWeights {
   const float* PanelRow(int64_t p, int64_t r) const { return panels.data() + PanelOffset(p, r); }
   const uint16_t* PanelRowBf16(int64_t p, int64_t r) const { return panels_bf16.data() + PanelOffset(p, r); }
 
-  // The packed block of the source that `view` names: when it lies inside the source with the
-  // source's row stride and starts on a panel's first column. Else nothing (a view of other
-  // memory, such as attention's activations, or of columns that start mid-panel).
-  std::optional<PackedBlock> Find(ConstMatrixView view) const;
+  // Whether rows [row0, row0 + rows) and columns [col0, col0 + cols) lie inside the source.
+  bool Contains(int64_t row0, int64_t col0, int64_t rows, int64_t cols) const {
+    return row0 >= 0 && col0 >= 0 && rows >= 0 && cols >= 0 && row0 + rows <= source.rows && col0 + cols <= source.cols;
+  }
+  // That block of the source, packed, when it lies inside the source (Contains) and col0 is a
+  // panel's first column. Else nothing: nothing packed, or columns that start mid-panel (the
+  // caller multiplies those row-major).
+  std::optional<PackedBlock> Block(int64_t row0, int64_t col0, int64_t rows, int64_t cols) const;
 };
 
 // `w` packed into panels of `width` columns (> 0), each weight as `precision` says.

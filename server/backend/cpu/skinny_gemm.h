@@ -20,19 +20,18 @@
 namespace attnserve {
 
 // Whether SkinnyGemm beats Eigen's general GEMM for an x of `rows` rows times `cols` columns of
-// w: the kernel runs here (SkinnyGemmAvailable), 2 ≤ rows ≤ 16 and cols ≤ 4096. Measured at BERT-base
-// and GPT-2-medium weight blocks, one thread (bench/skinny_gemm_bench): 1.2–3.2× faster from 2 to
-// 16 rows; at 1 row Eigen's matrix-vector product is as fast (0.88–1.11), at 32 rows it depends
-// on the width (0.78–1.30). The column limit keeps out the summed form's value block (9216 and
-// more columns): alone it measured 0.99–2.7×, but inside a whole forward at 16 tokens on one
-// thread the summed form got 1.2× slower with it.
+// w: the kernel runs here (SkinnyGemmAvailable), 2 ≤ rows ≤ 16 and cols ≤ 4096, where it
+// measured faster at BERT-base and GPT-2-medium weight blocks (bench/skinny_gemm_bench); at 1 row
+// Eigen's matrix-vector product is as fast, at 32 rows it depends on the width. The column limit
+// keeps out the summed form's value block (9216 and more columns): faster alone, it made whole
+// summed forwards of few tokens slower (docs/journal/benchmarks-journal.md, "The skinny GEMM").
 bool SkinnyGemmPays(int64_t rows, int64_t cols);
 constexpr int64_t kSkinnyGemmMinRows = 2, kSkinnyGemmMaxRows = 16, kSkinnyGemmMaxCols = 4096;
 
 // Whether the backend runs SkinnyGemm for a block of `rows` rows of x × `cols` columns of w when
 // its GEMM library is `library`: where it pays against Eigen (SkinnyGemmPays), and against
 // oneDNN only with the AVX-512 kernel, up to kSkinnyGemmMaxRowsAgainstOneDnn rows. The AVX2
-// kernel ran at 0.7–1.0 of oneDNN's AVX2 GEMM from 2 to 16 rows on a Zen 3, so with oneDNN it is
+// kernel was slower than oneDNN's AVX2 GEMM from 2 to 16 rows on a Zen 3, so with oneDNN it is
 // not used there (docs/journal/benchmarks-journal.md, "The skinny GEMM").
 bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols);
 constexpr int64_t kSkinnyGemmMaxRowsAgainstOneDnn = 4;
@@ -48,7 +47,7 @@ std::string_view SkinnyGemmIsa();
 // y = x · w (y += x · w with `accumulate`); x is [rows, k], w is [k, cols], y is [rows, cols],
 // each with its own row stride. Requires SkinnyGemmAvailable(); any size works. SkinnyGemmPays
 // says when it beats a packing GEMM on weights streamed from memory; attention's tiles, whose
-// operands are already in cache, use it at any row count (AttendTiled, cpu_backend.cc).
+// operands are already in cache, use it at any row count (AttendTiled, tiled_attention.cc).
 void SkinnyGemm(ConstMatrixView x, ConstMatrixView w, MatrixView y, bool accumulate = false);
 
 // Floats in one 64-byte cache line: the step of the CPU backend's software prefetches.
@@ -81,19 +80,17 @@ void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accum
                const float* bias = nullptr);
 
 // Whether PanelGemm on packed weights beats the GEMM library on the row-major ones (their rows
-// `row_major_ld` floats apart) for an x of `rows` rows (docs/journal/benchmarks-journal.md, "Weights packed
-// once"):
-//   - the AVX-512 kernel: at every row count (0.94–1.60× oneDNN alone, one thread; 1.0–1.6 from
-//     4 rows). Whole batches of 1024 tokens too, since the bias starts the kernel's
-//     accumulators (PanelGemm's `bias`) where the library needs a pass of its own over y:
-//     bert-base and gpt2-medium forwards 2–8 % faster on the panels, on 1 and 2 threads (without
-//     the fused bias they ran 1–2 % slower, and the panels stopped at 256 rows);
-//   - the AVX2 one from kPanelGemmMinRowsAvx2 rows (1.04–2.10×), and from
-//     kPanelGemmMinRowsAliasedAvx2 rows where the row-major rows lie a multiple of 4 KiB apart
-//     (gpt2-medium's 1024 floats: 1.4–2.0×; each row the library's kernel walks down falls in the
-//     same cache sets), up to kPanelGemmMaxRowsAvx2. At bert-base's 768 floats and 1–16 rows it
-//     ran at 0.64–0.95×, and 1024-token forwards ran 0–8 % slower on it, fused bias or not: the
-//     library keeps those.
+// `row_major_ld` floats apart) for an x of `rows` rows, where it measured faster (the figures
+// in docs/journal/benchmarks-journal.md, "Weights packed once" and "The bias in the kernel's
+// accumulators"):
+//   - the AVX-512 kernel: at every row count, whole batches of 1024 tokens too, since the bias
+//     starts the kernel's accumulators (PanelGemm's `bias`) where the library needs a pass of
+//     its own over y;
+//   - the AVX2 one from kPanelGemmMinRowsAvx2 rows, and from kPanelGemmMinRowsAliasedAvx2 rows
+//     where the row-major rows lie a multiple of 4 KiB apart (gpt2-medium's 1024 floats: each
+//     row the library's kernel walks down falls in the same cache sets), up to
+//     kPanelGemmMaxRowsAvx2. At bert-base's 768 floats and few rows, and in whole 1024-token
+//     forwards, the library was faster: it keeps those.
 bool PanelGemmPays(int64_t rows, int64_t row_major_ld);
 constexpr int64_t kPanelGemmMinRowsAvx2 = 64, kPanelGemmMinRowsAliasedAvx2 = 4, kPanelGemmMaxRowsAvx2 = 256;
 

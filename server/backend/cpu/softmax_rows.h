@@ -1,10 +1,10 @@
 // The softmax's two passes over a row of scores, vectorised for AVX-512 and AVX2.
 //
-// Tiled attention (cpu_backend.cc) spends what its two GEMMs do not on these passes: per score,
+// Tiled attention (tiled_attention.cc) spends what its two GEMMs do not on these passes: per score,
 // the row's max (with the check that every score is finite) and exp(s − max) with the row's sum.
-// Written with Eigen's expressions they took 0.4–0.5 ns per score on one AMD EPYC (Zen 5) core,
-// a quarter of the tiled loop at d_h = 64: its NaN-propagating max and min reductions ran
-// scalar, and the exp and the sum were two passes. Here each is one pass of vector code,
+// Written with Eigen's expressions they were a large share of the tiled loop (the figures in
+// docs/journal/benchmarks-journal.md, "The softmax's row kernels"): its NaN-propagating max and
+// min reductions ran scalar, and the exp and the sum were two passes. Here each is one pass of vector code,
 // chosen once at run time like the skinny GEMM (an AVX-512 kernel whatever the build's -march,
 // AVX2 with FMA when the CPU has it, or ATTNSERVE_CPU_ISA=avx2 caps it; Eigen's code below that).
 //
