@@ -19,75 +19,17 @@
 
 #include "server/backend/attention/skeleton.h"
 #include "server/backend/compute_team.h"
+#include "server/backend/cuda/errors.h"
 #include "server/backend/cuda/kernels.h"
 #include "server/core/thread_annotations.h"
 
 namespace attnserve {
 namespace {
 
-std::string CublasName(cublasStatus_t s) {
-  switch (s) {
-    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
-    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
-    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
-    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
-    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
-    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
-    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
-    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
-    default: return "cuBLAS status " + std::to_string(static_cast<int>(s));
-  }
-}
-
-// Errors after which the CUDA context is lost: every later call on the device fails with the
-// same error until the process restarts (CUDA runtime API, "sticky" errors). Only these take
-// the device out of service; anything else fails the batch and the device keeps serving.
-bool IsStickyError(cudaError_t e) {
-  switch (e) {
-    case cudaErrorIllegalAddress:
-    case cudaErrorLaunchFailure:
-    case cudaErrorLaunchTimeout:
-    case cudaErrorECCUncorrectable:
-    case cudaErrorHardwareStackError:
-    case cudaErrorIllegalInstruction:
-    case cudaErrorMisalignedAddress:
-    case cudaErrorInvalidAddressSpace:
-    case cudaErrorInvalidPc:
-    case cudaErrorAssert:
-    case cudaErrorContained:         // a contained hardware or peer-memory error
-    case cudaErrorTensorMemoryLeak:  // a kernel exited with tensor memory still allocated
-    case cudaErrorExternalDevice:    // an external device signalled its data invalid
-    case cudaErrorUnknown:
-      return true;
-    default:
-      return false;
-  }
-}
-
-// Running out of device memory is the client's to retry (RESOURCE_EXHAUSTED, smaller or later);
-// anything else that fails a batch is INTERNAL.
-Status CudaCheck(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return OkStatus();
-  const std::string message = std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e);
-  if (e == cudaErrorMemoryAllocation) return ResourceExhaustedError(message + "; retry later or send less at once");
-  return InternalError(message);
-}
-
-Status CublasCheck(cublasStatus_t s, const char* what) {
-  if (s == CUBLAS_STATUS_SUCCESS) return OkStatus();
-  const std::string message = std::string("cuBLAS error in ") + what + ": " + CublasName(s);
-  if (s == CUBLAS_STATUS_ALLOC_FAILED) return ResourceExhaustedError(message + "; retry later or send less at once");
-  return InternalError(message);
-}
-
-#define CUDA_TRY(call) ATTNSERVE_RETURN_IF_ERROR(CudaCheck((call), #call))
-#define CUBLAS_TRY(call) ATTNSERVE_RETURN_IF_ERROR(CublasCheck((call), #call))
-
-std::string Mib(int64_t bytes) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
-  return text;
-}
+using cuda::CublasCheck;
+using cuda::CudaCheck;
+using cuda::IsStickyError;
+using cuda::Mib;
 
 // The device memory the backend may hold (CudaBackendOptions::max_device_bytes) and what its
 // weights and workspaces hold now. Thread-safe.
