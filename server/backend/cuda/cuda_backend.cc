@@ -19,6 +19,7 @@
 
 #include "server/backend/attention/skeleton.h"
 #include "server/backend/compute_team.h"
+#include "server/backend/cuda/device_memory.h"
 #include "server/backend/cuda/errors.h"
 #include "server/backend/cuda/kernels.h"
 #include "server/core/thread_annotations.h"
@@ -30,100 +31,9 @@ using cuda::CublasCheck;
 using cuda::CudaCheck;
 using cuda::IsStickyError;
 using cuda::Mib;
-
-// The device memory the backend may hold (CudaBackendOptions::max_device_bytes) and what its
-// weights and workspaces hold now. Thread-safe.
-class DeviceBudget {
- public:
-  explicit DeviceBudget(int64_t limit) : limit_(limit) {}
-  int64_t limit() const { return limit_; }
-  int64_t held() const {
-    MutexLock lock(mu_);
-    return held_;
-  }
-  // Takes `bytes` when they fit under the limit.
-  bool TryTake(int64_t bytes) {
-    MutexLock lock(mu_);
-    if (held_ + bytes > limit_) return false;
-    held_ += bytes;
-    return true;
-  }
-  void Give(int64_t bytes) {
-    MutexLock lock(mu_);
-    held_ -= bytes;
-  }
-
- private:
-  const int64_t limit_;
-  mutable Mutex mu_;
-  int64_t held_ ATTNSERVE_GUARDED_BY(mu_) = 0;
-};
-
-// "the device memory budget of 90.0 MiB (--max-device-memory-mb; 12.0 MiB held)"
-std::string BudgetText(const DeviceBudget& b) {
-  return "the device memory budget of " + Mib(b.limit()) + " (--max-device-memory-mb; " + Mib(b.held()) + " held)";
-}
-
-// Device memory that frees itself, counted against a budget when it has one.
-class DeviceArray {
- public:
-  explicit DeviceArray(std::shared_ptr<DeviceBudget> budget = nullptr) : budget_(std::move(budget)) {}
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  ~DeviceArray() { Release(); }
-  // Grows to at least `count` floats (contents not kept). RESOURCE_EXHAUSTED when the budget
-  // or the device has no room; the old memory is released either way.
-  Status Reserve(size_t count) {
-    if (count <= capacity_) return OkStatus();
-    Release();
-    const int64_t bytes = static_cast<int64_t>(count * sizeof(float));
-    if (budget_ && !budget_->TryTake(bytes)) {
-      return ResourceExhaustedError("device memory: " + Mib(bytes) + " more would pass " + BudgetText(*budget_) +
-                                    "; retry later or send less at once");
-    }
-    const cudaError_t e = cudaMalloc(&ptr_, bytes);
-    if (e != cudaSuccess) {
-      ptr_ = nullptr;
-      if (budget_) budget_->Give(bytes);
-      return CudaCheck(e, "cudaMalloc");
-    }
-    capacity_ = count;
-    cudaGetDevice(&device_);
-    return OkStatus();
-  }
-  // Gives the memory back to the device and the budget. On the device it came from: the last
-  // reference to a form may go on any thread (an unload), and cudaFree on a thread whose
-  // current device is another (GPU 0 by default) would first create a context there.
-  void Release() {
-    if (ptr_ != nullptr) {
-      int current = device_;
-      cudaGetDevice(&current);
-      if (current != device_) cudaSetDevice(device_);
-      cudaFree(ptr_);
-      if (current != device_) cudaSetDevice(current);
-    }
-    if (budget_) budget_->Give(static_cast<int64_t>(capacity_ * sizeof(float)));
-    ptr_ = nullptr;
-    capacity_ = 0;
-  }
-  size_t capacity() const { return capacity_; }
-  // Queued on `stream`: a plain cudaMemcpy runs on the legacy default stream, which the
-  // backend's non-blocking stream does not wait for, and from pageable memory it may return
-  // before the data has reached the device.
-  Status Upload(std::span<const float> host, cudaStream_t stream) {
-    if (host.empty()) return OkStatus();
-    ATTNSERVE_RETURN_IF_ERROR(Reserve(host.size()));
-    CUDA_TRY(cudaMemcpyAsync(ptr_, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
-    return OkStatus();
-  }
-  float* get() const { return ptr_; }
-
- private:
-  std::shared_ptr<DeviceBudget> budget_;
-  float* ptr_ = nullptr;
-  size_t capacity_ = 0;
-  int device_ = 0;  // where ptr_ was allocated
-};
+using cuda::BudgetText;
+using cuda::DeviceArray;
+using cuda::DeviceBudget;
 
 // Page-locked host memory, so copies run asynchronously on the stream.
 template <class T>
@@ -491,7 +401,8 @@ class Lane final : public DeviceOps {
   // With CudaBackendOptions::guard_zones, each piece is followed by at least this many floats of
   // a known pattern, checked when the batch ends.
   static constexpr int64_t kGuardFloats = 64;
-  static constexpr int kGuardByte = 0xA5;
+  static constexpr const char* kPieceNames[kPieces] = {"inputs", "Q and K", "values", "scores", "A_cat",
+                                                       "heads' outputs", "output", "mixes", "pointer arrays"};
   static constexpr int64_t kFloatsPerPointer = sizeof(void*) / sizeof(float);
 
   // The workspace `batch` needs with its blocks cut to `score_bytes` (0: one query row a block).
@@ -652,15 +563,15 @@ class Lane final : public DeviceOps {
     batch_bytes_ = std::max({batch_bytes_, Bytes(w), staged * static_cast<int64_t>(sizeof(float))});
     float* piece[kPieces];
     float* next = workspace_.get();
-    guards_.clear();
+    guards_.Clear();
     for (int p = 0; p < kPieces; ++p) {
       piece[p] = next;
       next += Aligned(w.sizes[p]) + guard;
       // The piece's alignment padding and the guard after it, filled on the stream before any
       // work of the batch: a kernel or GEMM that writes past its piece changes them.
       if (guard > 0) {
-        guards_.push_back({piece[p] + w.sizes[p], next - (piece[p] + w.sizes[p])});
-        CUDA_TRY(cudaMemsetAsync(guards_.back().first, kGuardByte, guards_.back().second * sizeof(float), stream_));
+        ATTNSERVE_RETURN_IF_ERROR(
+            guards_.Add(kPieceNames[p], piece[p] + w.sizes[p], next - (piece[p] + w.sizes[p]), stream_));
       }
     }
     score_bytes_ = w.score_bytes;
@@ -850,24 +761,6 @@ class Lane final : public DeviceOps {
     return OkStatus();
   }
 
-  // The guard zones of this batch's pieces (options_.guard_zones), read back once the stream is
-  // done: INTERNAL naming the piece whose guard a write reached.
-  Status CheckGuards() {
-    static constexpr const char* kNames[kPieces] = {"inputs",         "Q and K", "values", "scores",        "A_cat",
-                                                    "heads' outputs", "output",  "mixes",  "pointer arrays"};
-    for (size_t p = 0; p < guards_.size(); ++p) {
-      std::vector<unsigned char> seen(guards_[p].second * sizeof(float));
-      CUDA_TRY(cudaMemcpy(seen.data(), guards_[p].first, seen.size(), cudaMemcpyDeviceToHost));
-      const auto hit = std::find_if(seen.begin(), seen.end(), [](unsigned char c) { return c != kGuardByte; });
-      if (hit != seen.end()) {
-        return InternalError(std::string("workspace guard zone after the ") + kNames[p] +
-                             " piece overwritten at byte " + std::to_string(hit - seen.begin()) +
-                             ": a write ran past its piece");
-      }
-    }
-    return OkStatus();
-  }
-
   // Every output is in y (ForwardBuffers::outputs are its rows, ld = d): copied back a slice
   // at a time, each slice's rows unpacked into their sequences as soon as it has arrived while
   // the later slices are still on their way. Then the guard zones and the batch's split.
@@ -896,7 +789,7 @@ class Lane final : public DeviceOps {
       CopyRows(row_pointers_, staging_out_.get() + r0 * d, r0, r1, d, /*pack=*/false);
     }
     CUDA_TRY(cudaEventSynchronize(marks_[kOutputsOnHost]));
-    ATTNSERVE_RETURN_IF_ERROR(CheckGuards());
+    ATTNSERVE_RETURN_IF_ERROR(guards_.Check());
     return ReadTimes();
   }
 
@@ -926,7 +819,7 @@ class Lane final : public DeviceOps {
   float* mixes_ = nullptr;
   // This batch's pointer arena (Prepare): device slots, how many, how many used so far.
   const void** pointers_device_ = nullptr;
-  std::vector<std::pair<float*, int64_t>> guards_;  // this batch's guard zones (start, floats)
+  cuda::GuardZones guards_;  // this batch's (options_.guard_zones)
   int64_t pointer_slots_ = 0, pointers_used_ = 0;
   PinnedArray<float> staging_in_, staging_out_;
   PinnedArray<const void*> pointers_host_;  // the pointer arrays of batched GEMMs, staged

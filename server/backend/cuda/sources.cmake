@@ -3,4 +3,5 @@
 # (tests/cuda_emulation). kernels.cu is compiled by each build its own way.
 set(ATTNSERVE_CUDA_BACKEND_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/errors.cc
+  ${CMAKE_CURRENT_LIST_DIR}/device_memory.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_backend.cc)
