@@ -22,6 +22,7 @@
 #include "server/backend/cuda/device_memory.h"
 #include "server/backend/cuda/errors.h"
 #include "server/backend/cuda/kernels.h"
+#include "server/backend/cuda/staging.h"
 #include "server/core/thread_annotations.h"
 
 namespace attnserve {
@@ -34,41 +35,7 @@ using cuda::Mib;
 using cuda::BudgetText;
 using cuda::DeviceArray;
 using cuda::DeviceBudget;
-
-// Page-locked host memory, so copies run asynchronously on the stream.
-template <class T>
-class PinnedArray {
- public:
-  PinnedArray() = default;
-  PinnedArray(const PinnedArray&) = delete;
-  PinnedArray& operator=(const PinnedArray&) = delete;
-  ~PinnedArray() { Release(); }
-  Status Reserve(size_t count) {
-    if (count <= capacity_) return OkStatus();
-    Release();
-    CUDA_TRY(cudaMallocHost(reinterpret_cast<void**>(&ptr_), count * sizeof(T)));
-    capacity_ = count;
-    return OkStatus();
-  }
-  void Release() {
-    if (ptr_ != nullptr) cudaFreeHost(ptr_);
-    ptr_ = nullptr;
-    capacity_ = 0;
-  }
-  T* get() const { return ptr_; }
-  int64_t bytes() const { return static_cast<int64_t>(capacity_ * sizeof(T)); }
-
- private:
-  T* ptr_ = nullptr;
-  size_t capacity_ = 0;
-};
-
-// The staging team's threads: as many as asked, at least 1, at most the host's hardware threads
-// (more would only take turns on the same cores).
-int StagingThreads(const CudaBackendOptions& options) {
-  const int hardware = static_cast<int>(std::thread::hardware_concurrency());
-  return std::clamp(options.staging_threads, 1, std::max(1, hardware));
-}
+using cuda::PinnedArray;
 
 // The summed order the options ask for: by shape alone (no A_cat bound: it is blocked here).
 SummedOrder SummedOrderOf(const CudaBackendOptions& options) { return {.mix_first_allowed = options.summed_mix_first}; }
@@ -114,15 +81,12 @@ class Lane final : public DeviceOps {
         budget_(budget),
         reclaim_(std::move(reclaim)),
         workspace_(std::move(budget)),
-        staging_team_(StagingThreads(options), std::chrono::microseconds(0)) {}
+        staging_(options.staging_slice_bytes, cuda::StagingThreads(options.staging_threads)) {}
   Lane(const Lane&) = delete;
   Lane& operator=(const Lane&) = delete;
   ~Lane() {
     cudaSetDevice(options_.device);
-    for (cudaEvent_t e : marks_) {
-      if (e != nullptr) cudaEventDestroy(e);
-    }
-    for (cudaEvent_t e : slice_done_) cudaEventDestroy(e);
+    staging_.DestroyEvents();
     if (handle_ != nullptr) cublasDestroy(handle_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
@@ -133,7 +97,7 @@ class Lane final : public DeviceOps {
     CUBLAS_TRY(cublasCreate(&handle_));
     CUBLAS_TRY(cublasSetStream(handle_, stream_));
     CUBLAS_TRY(cublasSetMathMode(handle_, options_.tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
-    for (cudaEvent_t& e : marks_) CUDA_TRY(cudaEventCreate(&e));
+    ATTNSERVE_RETURN_IF_ERROR(staging_.Init(stream_));
     return OkStatus();
   }
 
@@ -494,7 +458,7 @@ class Lane final : public DeviceOps {
   const DeviceTimes& last_times() const { return last_times_; }
 
   // Host memory this lane keeps between batches: its pinned staging buffers.
-  int64_t PinnedBytes() const { return staging_in_.bytes() + staging_out_.bytes() + pointers_host_.bytes(); }
+  int64_t PinnedBytes() const { return staging_.PinnedBytes() + pointers_host_.bytes(); }
 
  private:
   // A batch whose workspace does not fit (the lane's bound, or the budget's room while other
@@ -527,8 +491,7 @@ class Lane final : public DeviceOps {
     }
     if (PinnedBytes() > keep) {
       cudaStreamSynchronize(stream_);
-      staging_in_.Release();
-      staging_out_.Release();
+      staging_.ReleasePinned();
       pointers_host_.Release();
     }
   }
@@ -583,8 +546,7 @@ class Lane final : public DeviceOps {
     pointers_device_ = reinterpret_cast<const void**>(piece[kPointers]);
     pointers_used_ = 0;
 
-    ATTNSERVE_RETURN_IF_ERROR(staging_in_.Reserve((tx + c_rows) * d));
-    ATTNSERVE_RETURN_IF_ERROR(StageInputs(batch, all_self, d, piece[kInputs]));
+    ATTNSERVE_RETURN_IF_ERROR(staging_.StageInputs(batch, all_self, d, piece[kInputs]));
     b.x = ConstMatrixView(piece[kInputs], tx, d);
     b.c = all_self ? b.x : ConstMatrixView(piece[kInputs] + tx * d, tc, d);
     if (all_self) {
@@ -604,65 +566,6 @@ class Lane final : public DeviceOps {
   }
 
   StatusOr<float*> MixBuffer(const BatchPlan&) override { return mixes_; }
-
-  // Rows of width d in one staging slice (options_.staging_slice_bytes; at least one).
-  int64_t SliceRows(int64_t d) const {
-    return std::max<int64_t>(1, options_.staging_slice_bytes / (d * static_cast<int64_t>(sizeof(float))));
-  }
-
-  // Copies rows [r0, r1) of width d between `rows` (one host pointer a row) and the contiguous
-  // pinned block `pinned` (its row r0 first), into pinned when `pack`, out of it else: on the
-  // staging team when the slice is large enough to pay for waking it.
-  void CopyRows(std::span<float* const> rows, float* pinned, int64_t r0, int64_t r1, int64_t d, bool pack) {
-    const int64_t bytes = (r1 - r0) * d * static_cast<int64_t>(sizeof(float));
-    const int64_t tasks = bytes < kTeamSliceBytes ? 1 : std::min<int64_t>(4 * staging_team_.size(), r1 - r0);
-    staging_team_.Run(tasks, [&](int64_t task, int) {
-      const int64_t lo = r0 + (r1 - r0) * task / tasks, hi = r0 + (r1 - r0) * (task + 1) / tasks;
-      for (int64_t r = lo; r < hi; ++r) {
-        float* block = pinned + (r - r0) * d;
-        if (pack) {
-          std::memcpy(block, rows[r], d * sizeof(float));
-        } else {
-          std::memcpy(rows[r], block, d * sizeof(float));
-        }
-      }
-    });
-  }
-
-  // The inputs (then the contexts, when staged) packed into pinned memory and queued to `device`
-  // a slice at a time: the copy engine moves one slice while the host packs the next, instead of
-  // waiting for the whole batch to be packed. marks_ bracket it for the split.
-  Status StageInputs(std::span<const Sequence> batch, bool all_self, int64_t d, float* device) {
-    row_pointers_.clear();
-    const auto add = [&](ConstMatrixView v) {
-      for (int64_t row = 0; row < v.rows; ++row) row_pointers_.push_back(const_cast<float*>(v.row(row)));
-    };
-    for (const Sequence& s : batch) add(s.input);
-    if (!all_self) {
-      for (const Sequence& s : batch) add(s.keys_source());
-    }
-    const int64_t rows = static_cast<int64_t>(row_pointers_.size()), slice_rows = SliceRows(d);
-    float* const pinned = staging_in_.get();
-    CUDA_TRY(cudaEventRecord(marks_[kStagingStarted], stream_));
-    for (int64_t r0 = 0; r0 < rows; r0 += slice_rows) {
-      const int64_t r1 = std::min(rows, r0 + slice_rows);
-      CopyRows(row_pointers_, pinned + r0 * d, r0, r1, d, /*pack=*/true);
-      CUDA_TRY(cudaMemcpyAsync(device + r0 * d, pinned + r0 * d, (r1 - r0) * d * sizeof(float),
-                               cudaMemcpyHostToDevice, stream_));
-    }
-    CUDA_TRY(cudaEventRecord(marks_[kInputsOnDevice], stream_));
-    return OkStatus();
-  }
-
-  // At least `count` events for the output slices (no timing: they only say a slice arrived).
-  Status SliceEvents(int64_t count) {
-    while (static_cast<int64_t>(slice_done_.size()) < count) {
-      cudaEvent_t e = nullptr;
-      CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-      slice_done_.push_back(e);
-    }
-    return OkStatus();
-  }
 
   Status Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate) override {
     ATTNSERVE_RETURN_IF_ERROR(CublasGemm(Block(x), Block(w), Block(y), 1.0f, accumulate ? 1.0f : 0.0f));
@@ -761,45 +664,12 @@ class Lane final : public DeviceOps {
     return OkStatus();
   }
 
-  // Every output is in y (ForwardBuffers::outputs are its rows, ld = d): copied back a slice
-  // at a time, each slice's rows unpacked into their sequences as soon as it has arrived while
-  // the later slices are still on their way. Then the guard zones and the batch's split.
+  // Every output is in y (ForwardBuffers::outputs are its rows, ld = d): brought back through
+  // pinned memory (Staging::ReturnOutputs). Then the guard zones and the batch's split.
   Status Finish(const BatchPlan& plan, std::span<const Sequence> batch, const ForwardBuffers& b, bool) override {
-    const int64_t tx = plan.rows.queries, d = b.y.cols, slice_rows = SliceRows(d);
-    const int64_t slices = (tx + slice_rows - 1) / slice_rows;
-    ATTNSERVE_RETURN_IF_ERROR(staging_out_.Reserve(tx * d));
-    ATTNSERVE_RETURN_IF_ERROR(SliceEvents(slices));
-    CUDA_TRY(cudaEventRecord(marks_[kComputed], stream_));
-    for (int64_t i = 0; i < slices; ++i) {
-      const int64_t r0 = i * slice_rows, rows = std::min(slice_rows, tx - r0);
-      CUDA_TRY(cudaMemcpyAsync(staging_out_.get() + r0 * d, b.y.data + r0 * d, rows * d * sizeof(float),
-                               cudaMemcpyDeviceToHost, stream_));
-      CUDA_TRY(cudaEventRecord(slice_done_[i], stream_));
-    }
-    CUDA_TRY(cudaEventRecord(marks_[kOutputsOnHost], stream_));
-    // Row r of y belongs to the sequence whose rows start at or before it (plan.rows.x_row).
-    row_pointers_.assign(tx, nullptr);
-    for (size_t i = 0; i < batch.size(); ++i) {
-      float** first = row_pointers_.data() + plan.rows.x_row[i];
-      for (int64_t row = 0; row < batch[i].n(); ++row) first[row] = batch[i].output.row(row);
-    }
-    for (int64_t i = 0; i < slices; ++i) {
-      const int64_t r0 = i * slice_rows, r1 = std::min(tx, r0 + slice_rows);
-      CUDA_TRY(cudaEventSynchronize(slice_done_[i]));
-      CopyRows(row_pointers_, staging_out_.get() + r0 * d, r0, r1, d, /*pack=*/false);
-    }
-    CUDA_TRY(cudaEventSynchronize(marks_[kOutputsOnHost]));
+    ATTNSERVE_RETURN_IF_ERROR(staging_.ReturnOutputs(plan, batch, b.y.data, b.y.cols));
     ATTNSERVE_RETURN_IF_ERROR(guards_.Check());
-    return ReadTimes();
-  }
-
-  // The batch's split from marks_ (all passed: Finish waited for the last).
-  Status ReadTimes() {
-    float inputs = 0, compute = 0, outputs = 0;
-    CUDA_TRY(cudaEventElapsedTime(&inputs, marks_[kStagingStarted], marks_[kInputsOnDevice]));
-    CUDA_TRY(cudaEventElapsedTime(&compute, marks_[kInputsOnDevice], marks_[kComputed]));
-    CUDA_TRY(cudaEventElapsedTime(&outputs, marks_[kComputed], marks_[kOutputsOnHost]));
-    last_times_ = {.inputs_ms = inputs, .compute_ms = compute, .outputs_ms = outputs};
+    ATTNSERVE_ASSIGN_OR_RETURN(last_times_, staging_.ReadTimes());
     return OkStatus();
   }
 
@@ -821,18 +691,8 @@ class Lane final : public DeviceOps {
   const void** pointers_device_ = nullptr;
   cuda::GuardZones guards_;  // this batch's (options_.guard_zones)
   int64_t pointer_slots_ = 0, pointers_used_ = 0;
-  PinnedArray<float> staging_in_, staging_out_;
   PinnedArray<const void*> pointers_host_;  // the pointer arrays of batched GEMMs, staged
-  // The batch's marks on the stream (with timing): staging began, the last input slice arrived,
-  // the compute ended, the last output slice arrived. Their differences are last_times_.
-  enum Mark { kStagingStarted, kInputsOnDevice, kComputed, kOutputsOnHost };
-  cudaEvent_t marks_[4] = {};
-  std::vector<cudaEvent_t> slice_done_;  // one per output slice (SliceEvents)
-  // The staging copies' host threads (options_.staging_threads), and a slice's smallest size for
-  // them: below it, waking the helpers costs more than the memcpy they would share.
-  ComputeTeam staging_team_;
-  static constexpr int64_t kTeamSliceBytes = int64_t{256} << 10;
-  std::vector<float*> row_pointers_;  // the batch's host rows in staging order (StageInputs, Finish)
+  cuda::Staging staging_;
   DeviceTimes last_times_;
   // The most device workspace or pinned staging this batch needed, in bytes (Prepare), and
   // whether the batch before it needed more than retain_workspace_bytes (TrimAfterBatch).

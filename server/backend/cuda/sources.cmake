@@ -4,4 +4,5 @@
 set(ATTNSERVE_CUDA_BACKEND_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/errors.cc
   ${CMAKE_CURRENT_LIST_DIR}/device_memory.cc
+  ${CMAKE_CURRENT_LIST_DIR}/staging.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_backend.cc)
