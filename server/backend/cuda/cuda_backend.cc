@@ -23,6 +23,7 @@
 #include "server/backend/cuda/errors.h"
 #include "server/backend/cuda/kernels.h"
 #include "server/backend/cuda/staging.h"
+#include "server/backend/cuda/workspace_plan.h"
 #include "server/core/thread_annotations.h"
 
 namespace attnserve {
@@ -36,6 +37,7 @@ using cuda::BudgetText;
 using cuda::DeviceArray;
 using cuda::DeviceBudget;
 using cuda::PinnedArray;
+using namespace cuda;  // NOLINT: the lane's own parts (moved to lane.cc next)
 
 // The summed order the options ask for: by shape alone (no A_cat bound: it is blocked here).
 SummedOrder SummedOrderOf(const CudaBackendOptions& options) { return {.mix_first_allowed = options.summed_mix_first}; }
@@ -223,73 +225,6 @@ class Lane final : public DeviceOps {
     return OkStatus();
   }
 
-  // Query rows per block of `seq`: as many as keep the block's scores, and the summed form's
-  // A_cat block beside them, within `score_bytes`; at least one, at most n.
-  static int64_t BlockRows(const FormWeights& f, const Sequence& seq, int64_t score_bytes) {
-    const int64_t copies = f.concat_then_project() ? 1 : 2;
-    const int64_t row_bytes = copies * f.config.heads * seq.visible_keys() * static_cast<int64_t>(sizeof(float));
-    return std::clamp<int64_t>(score_bytes / row_bytes, 1, seq.n());
-  }
-
-  // Calls `block(row0, rows, keys)` for the blocks of query rows of `range` (rows of its
-  // sequence) under the workspace's score bound; `keys` are those the block sees (causal: no
-  // row of the block sees past its last row's keys, so those are not computed).
-  template <class Block>
-  Status ForEachBlock(const FormWeights& f, const AttentionRange& range, Block block) {
-    const Sequence& s = *range.sequence;
-    const int64_t step = BlockRows(f, s, score_bytes_);
-    for (int64_t row0 = range.row0; row0 < range.row0 + range.rows; row0 += step) {
-      const int64_t rows = std::min(step, range.row0 + range.rows - row0);
-      const int64_t keys = s.causal ? std::min(s.visible_keys(), row0 + rows) : s.visible_keys();
-      ATTNSERVE_RETURN_IF_ERROR(block(row0, rows, keys));
-    }
-    return OkStatus();
-  }
-
-  // Ranges that one batched call of each kind serves: each a single block of query rows, all of
-  // `rows` rows seeing `keys` keys, with the same leading dimensions, their scores side by side
-  // within the score piece, at most kSoftmaxMaxBlocks of them. A batch of short sequences then
-  // costs one score GEMM, one softmax and one mix GEMM per shape, not per sequence, whatever
-  // order the shapes arrive in. A group of one (a range of several blocks among them) runs the
-  // per-sequence path.
-  struct RangeGroup {
-    std::vector<const AttentionRange*> ranges;
-    int64_t rows = 0, keys = 0;
-  };
-
-  std::vector<RangeGroup> GroupRanges(const FormWeights& f, std::span<const AttentionRange> ranges) const {
-    const int64_t heads = f.config.heads;
-    auto same_layout = [](const AttentionRange& a, const AttentionRange& b) {
-      return a.q.ld == b.q.ld && a.k.ld == b.k.ld && a.values.ld == b.values.ld && a.out.ld == b.out.ld;
-    };
-    std::vector<RangeGroup> groups;
-    std::vector<size_t> open;  // groups that may still take a range
-    for (const AttentionRange& range : ranges) {
-      const Sequence& s = *range.sequence;
-      if (range.rows > BlockRows(f, s, score_bytes_)) {
-        groups.push_back({{&range}, 0, 0});
-        continue;
-      }
-      const int64_t keys = s.causal ? std::min(s.visible_keys(), range.row0 + range.rows) : s.visible_keys();
-      const int64_t scores = heads * range.rows * keys;
-      bool placed = false;
-      for (size_t& g : open) {
-        RangeGroup& group = groups[g];
-        const int64_t count = static_cast<int64_t>(group.ranges.size());
-        if (group.rows != range.rows || group.keys != keys || !same_layout(*group.ranges.front(), range)) continue;
-        if (count == cuda::kSoftmaxMaxBlocks || (count + 1) * scores > score_capacity_) continue;
-        group.ranges.push_back(&range);
-        placed = true;
-        break;
-      }
-      if (!placed) {
-        open.push_back(groups.size());
-        groups.push_back({{&range}, range.rows, keys});
-      }
-    }
-    return groups;
-  }
-
   // Every head's scores and softmax for a group of single-block ranges: one pointer-array GEMM
   // (entry (r, i): S_ri^T = K_g(i) Q_i^T of range r), one softmax launch; range r's scores at
   // scores_ + r·heads·rows·keys, and its A_cat (when a_cat is set) at a_cat + r·rows·keys·heads.
@@ -352,51 +287,6 @@ class Lane final : public DeviceOps {
     return OkStatus();
   }
 
-  // The workspace of one batch: its pieces in floats, each 256-byte aligned in `total`.
-  static constexpr int kPieces = 9;
-  enum Piece { kInputs, kQK, kValues, kScores, kACat, kHeadOutputs, kOutput, kMixes, kPointers };
-  struct WorkspacePlan {
-    int64_t score_bytes = 0;  // the bound its blocks were cut to
-    int64_t sizes[kPieces] = {};
-    int64_t total = 0;
-  };
-  static int64_t Aligned(int64_t floats) { return (floats + 63) / 64 * 64; }
-  static int64_t Bytes(const WorkspacePlan& w) { return w.total * static_cast<int64_t>(sizeof(float)); }
-  // With CudaBackendOptions::guard_zones, each piece is followed by at least this many floats of
-  // a known pattern, checked when the batch ends.
-  static constexpr int64_t kGuardFloats = 64;
-  static constexpr const char* kPieceNames[kPieces] = {"inputs", "Q and K", "values", "scores", "A_cat",
-                                                       "heads' outputs", "output", "mixes", "pointer arrays"};
-  static constexpr int64_t kFloatsPerPointer = sizeof(void*) / sizeof(float);
-
-  // The workspace `batch` needs with its blocks cut to `score_bytes` (0: one query row a block).
-  // Inputs and (when staged) contexts share the first piece, in that order; contexts are staged
-  // only when some differ from the inputs.
-  static WorkspacePlan PlanWorkspace(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch,
-                                     int64_t score_bytes, int64_t guard_floats) {
-    const LayerConfig& c = f.config;
-    const int64_t d = c.d_model, tx = plan.rows.queries;
-    const int64_t c_rows = plan.rows.all_self ? 0 : plan.rows.contexts;
-    // The score piece holds the largest block, or more: the blocks of a group of short
-    // sequences side by side (GroupRanges), up to all of the batch's within the bound.
-    const int64_t copies = f.concat_then_project() ? 1 : 2;
-    int64_t max_scores = 0, all_scores = 0;
-    for (const Sequence& s : batch) {
-      max_scores = std::max(max_scores, c.heads * BlockRows(f, s, score_bytes) * s.visible_keys());
-      all_scores += c.heads * s.n() * s.visible_keys();
-    }
-    max_scores = std::max(max_scores, std::min<int64_t>(all_scores, score_bytes / (copies * sizeof(float))));
-    // The batched GEMMs' pointer arrays: three pointers an entry, at most 2·heads + 1 entries a
-    // range (scores, mixes, the summed head sum), a range a sequence or a mix-first part.
-    const int64_t pointer_slots = 3 * (2 * c.heads + 1) * static_cast<int64_t>(batch.size() + plan.mix_parts.size());
-    WorkspacePlan w{
-        score_bytes,
-        {(tx + c_rows) * d, plan.qk_floats, plan.value_floats, max_scores, f.concat_then_project() ? 0 : max_scores,
-         plan.o_floats, tx * d, plan.mix_floats, pointer_slots * kFloatsPerPointer}};
-    for (int64_t size : w.sizes) w.total += Aligned(size) + guard_floats;
-    return w;
-  }
-
   // Makes the workspace hold the plan `plan_for(max_score_workspace_bytes)` within the lane's
   // bound and the device memory budget: when it does not fit the budget, the idle lanes'
   // workspaces are taken back; when it still does not (or passes the lane's bound), the blocks
@@ -407,7 +297,7 @@ class Lane final : public DeviceOps {
     WorkspacePlan plan = plan_for(options_.max_score_workspace_bytes);
     const int64_t lane_bound = options_.max_lane_workspace_bytes;
     Status st;
-    if (Bytes(plan) <= lane_bound) {
+    if (plan.bytes() <= lane_bound) {
       if (static_cast<size_t>(plan.total) <= workspace_.capacity()) return plan;
       for (int attempt = 0; attempt < 2; ++attempt) {
         st = workspace_.Reserve(plan.total);
@@ -422,17 +312,16 @@ class Lane final : public DeviceOps {
     // When the plan fits it, the device refused, not the budget: smaller blocks would not help.
     const int64_t budget_room = budget_->limit() - budget_->held();
     const int64_t room = std::min(budget_room, lane_bound);
-    if (!st.ok() && Bytes(plan) <= room) return st;
+    if (!st.ok() && plan.bytes() <= room) return st;
     // Smaller blocks: the room less the pieces linear in the tokens, for the two score pieces.
     const WorkspacePlan smallest = plan_for(0);  // one query row per block
-    const int64_t linear = smallest.total - Aligned(smallest.sizes[kScores]) - Aligned(smallest.sizes[kACat]);
-    const int64_t score_bytes = room - (linear + 2 * 64) * static_cast<int64_t>(sizeof(float));
+    const int64_t score_bytes = ScoreBytesForRoom(smallest, room);
     plan = plan_for(std::max<int64_t>(0, score_bytes));
-    if (Bytes(plan) > room) {
+    if (plan.bytes() > room) {
       const std::string where = budget_room > lane_bound
                                     ? Mib(lane_bound) + " is one lane's bound (max_lane_workspace_bytes)"
                                     : Mib(std::max<int64_t>(room, 0)) + " is free under " + BudgetText(*budget_);
-      return ResourceExhaustedError("device memory: this batch needs " + Mib(Bytes(smallest)) +
+      return ResourceExhaustedError("device memory: this batch needs " + Mib(smallest.bytes()) +
                                     " of workspace even in blocks of one query row, and " + where +
                                     "; send fewer or shorter sequences at once, or raise the budget");
     }
@@ -523,18 +412,17 @@ class Lane final : public DeviceOps {
     }
     const WorkspacePlan& w = *fitted;
     const int64_t staged = (tx + c_rows) * d + tx * d;  // pinned floats: inputs (and contexts), outputs
-    batch_bytes_ = std::max({batch_bytes_, Bytes(w), staged * static_cast<int64_t>(sizeof(float))});
+    batch_bytes_ = std::max({batch_bytes_, w.bytes(), staged * static_cast<int64_t>(sizeof(float))});
+    const PieceLayout layout = LayOut(w, guard);
     float* piece[kPieces];
-    float* next = workspace_.get();
     guards_.Clear();
     for (int p = 0; p < kPieces; ++p) {
-      piece[p] = next;
-      next += Aligned(w.sizes[p]) + guard;
+      piece[p] = workspace_.get() + layout.offset[p];
       // The piece's alignment padding and the guard after it, filled on the stream before any
       // work of the batch: a kernel or GEMM that writes past its piece changes them.
       if (guard > 0) {
         ATTNSERVE_RETURN_IF_ERROR(
-            guards_.Add(kPieceNames[p], piece[p] + w.sizes[p], next - (piece[p] + w.sizes[p]), stream_));
+            guards_.Add(PieceName(p), workspace_.get() + layout.guard_offset[p], layout.guard_floats[p], stream_));
       }
     }
     score_bytes_ = w.score_bytes;
@@ -599,14 +487,14 @@ class Lane final : public DeviceOps {
   // the mix into the block's rows of out.
   Status Attend(const AttentionJob& job) override {
     const LayerConfig& c = job.form->config;
-    for (const RangeGroup& g : GroupRanges(*job.form, job.ranges)) {
+    for (const RangeGroup& g : GroupRanges(*job.form, job.ranges, score_bytes_, score_capacity_, cuda::kSoftmaxMaxBlocks)) {
       if (g.ranges.size() > 1) {
         ATTNSERVE_RETURN_IF_ERROR(GroupScores(c, g.ranges, g.rows, g.keys, nullptr));
         ATTNSERVE_RETURN_IF_ERROR(GroupMix(job, g.ranges, g.rows, g.keys));
         continue;
       }
       const AttentionRange& range = *g.ranges.front();
-      ATTNSERVE_RETURN_IF_ERROR(ForEachBlock(*job.form, range, [&](int64_t row0, int64_t rows, int64_t keys) {
+      ATTNSERVE_RETURN_IF_ERROR(ForEachBlock(*job.form, range, score_bytes_, [&](int64_t row0, int64_t rows, int64_t keys) {
         ATTNSERVE_RETURN_IF_ERROR(Scores(c, Block(range.q).Rows(row0, rows), Block(range.k).Rows(0, keys), row0,
                                          range.sequence->causal, scores_));
         return Mix(job, Block(range.values), scores_, rows, keys, Block(range.out).Rows(row0 - range.row0, rows));
@@ -621,7 +509,7 @@ class Lane final : public DeviceOps {
   Status SumHeadsProjectingFirst(const FormWeights& f, std::span<const AttentionRange> ranges,
                                  const float* bias) override {
     const LayerConfig& c = f.config;
-    for (const RangeGroup& g : GroupRanges(f, ranges)) {
+    for (const RangeGroup& g : GroupRanges(f, ranges, score_bytes_, score_capacity_, cuda::kSoftmaxMaxBlocks)) {
       if (g.ranges.size() > 1) {
         // Each range's A_cat [rows, keys·h] by the group's softmax, then every range's head sum
         // out_r = A_cat_r · [M_1; …; M_h] in one pointer-array GEMM.
@@ -639,7 +527,7 @@ class Lane final : public DeviceOps {
         continue;
       }
       const AttentionRange& range = *g.ranges.front();
-      ATTNSERVE_RETURN_IF_ERROR(ForEachBlock(f, range, [&](int64_t row0, int64_t rows, int64_t keys) {
+      ATTNSERVE_RETURN_IF_ERROR(ForEachBlock(f, range, score_bytes_, [&](int64_t row0, int64_t rows, int64_t keys) {
         ATTNSERVE_RETURN_IF_ERROR(Scores(c, Block(range.q).Rows(row0, rows), Block(range.k).Rows(0, keys), row0,
                                          range.sequence->causal, scores_, a_cat_));
         const MatrixView a_cat(a_cat_, rows, keys * c.heads);
