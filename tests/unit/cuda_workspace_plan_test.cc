@@ -3,8 +3,6 @@
 // apart with their guards, each holds what the batch puts there, blocks of query rows keep to the
 // score bound, a bound shrunk to the room fits it, and groups of short sequences keep to the
 // score piece and the launch's table while sharing every call they can.
-#include "server/backend/cuda/workspace_plan.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +10,7 @@
 #include <vector>
 
 #include "server/backend/attention/plan.h"
+#include "server/backend/cuda/workspace_plan.h"
 #include "server/core/forms.h"
 #include "server/core/layer.h"
 #include "tests/unit/test_support.h"
@@ -23,7 +22,9 @@ using testing::OwnedSequence;
 using testing::RandomSequence;
 using testing::TestSeed;
 
-int64_t Draw(std::mt19937_64& rng, int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); }
+int64_t Draw(std::mt19937_64& rng, int64_t lo, int64_t hi) {
+  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+}
 
 // A random layer and one of its forms (factored: one score piece; summed: scores and A_cat).
 FormWeights RandomForm(std::mt19937_64& rng, bool summed) {
@@ -101,9 +102,13 @@ TEST(CudaWorkspacePlanTest, PiecesAreAlignedApartAndHoldWhatTheBatchPutsThere) {
     for (const Sequence& s : batch) {
       const int64_t block_scores = c.heads * BlockRows(f, s, score_bytes) * s.visible_keys();
       EXPECT_GE(w.sizes[kScores], block_scores) << "the score piece holds any one block";
-      if (!f.concat_then_project()) EXPECT_GE(w.sizes[kACat], block_scores) << "so does A_cat's";
+      if (!f.concat_then_project()) {
+        EXPECT_GE(w.sizes[kACat], block_scores) << "so does A_cat's";
+      }
     }
-    if (f.concat_then_project()) EXPECT_EQ(w.sizes[kACat], 0);
+    if (f.concat_then_project()) {
+      EXPECT_EQ(w.sizes[kACat], 0);
+    }
   }
 }
 
@@ -116,7 +121,10 @@ TEST(CudaWorkspacePlanTest, BlocksCoverTheRangeAndKeepToTheScoreBound) {
     const Sequence s = owned.View();
     const int64_t score_bytes = Draw(rng, 0, 1 << 18);
     const int64_t row0 = Draw(rng, 0, s.n() - 1), rows = Draw(rng, 1, s.n() - row0);
-    const AttentionRange range{.sequence = &s, .row0 = row0, .rows = rows};
+    AttentionRange range;
+    range.sequence = &s;
+    range.row0 = row0;
+    range.rows = rows;
     const int64_t row_bytes = Copies(f) * f.config.heads * s.visible_keys() * static_cast<int64_t>(sizeof(float));
     int64_t next = row0;
     ASSERT_TRUE(ForEachBlock(f, range, score_bytes, [&](int64_t first, int64_t count, int64_t keys) {
@@ -179,7 +187,12 @@ TEST(CudaWorkspacePlanTest, GroupsKeepToTheScorePieceAndShareEveryCallTheyCan) {
     for (const Sequence& s : batch) {
       const int64_t ld = Draw(rng, 0, 3) == 0 ? 8 : 4;
       const ConstMatrixView v(memory.data(), 1, 4, ld);
-      ranges.push_back({.sequence = &s, .row0 = 0, .rows = s.n(), .q = v, .k = v, .values = v,
+      ranges.push_back({.sequence = &s,
+                        .row0 = 0,
+                        .rows = s.n(),
+                        .q = v,
+                        .k = v,
+                        .values = v,
                         .out = MatrixView(memory.data(), 1, 4, ld)});
     }
     const std::vector<RangeGroup> groups = GroupRanges(f, ranges, score_bytes, capacity, static_cast<int>(max_group));
@@ -188,7 +201,9 @@ TEST(CudaWorkspacePlanTest, GroupsKeepToTheScorePieceAndShareEveryCallTheyCan) {
     for (const RangeGroup& g : groups) {
       for (size_t r = 0; r < g.ranges.size(); ++r) {
         ++seen[g.ranges[r] - ranges.data()];
-        if (r > 0) EXPECT_LT(g.ranges[r - 1], g.ranges[r]) << "a group keeps the arrival order";
+        if (r > 0) {
+          EXPECT_LT(g.ranges[r - 1], g.ranges[r]) << "a group keeps the arrival order";
+        }
       }
       if (g.ranges.size() < 2) continue;
       EXPECT_LE(static_cast<int64_t>(g.ranges.size()), max_group) << "no more than the launch's table";

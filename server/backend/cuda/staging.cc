@@ -66,8 +66,8 @@ Status Staging::StageInputs(std::span<const Sequence> batch, bool all_self, int6
   for (int64_t r0 = 0; r0 < rows; r0 += slice_rows) {
     const int64_t r1 = std::min(rows, r0 + slice_rows);
     CopyRows(row_pointers_, pinned + r0 * d, r0, r1, d, /*pack=*/true);
-    CUDA_TRY(cudaMemcpyAsync(device + r0 * d, pinned + r0 * d, (r1 - r0) * d * sizeof(float),
-                             cudaMemcpyHostToDevice, stream_));
+    CUDA_TRY(cudaMemcpyAsync(device + r0 * d, pinned + r0 * d, (r1 - r0) * d * sizeof(float), cudaMemcpyHostToDevice,
+                             stream_));
   }
   CUDA_TRY(cudaEventRecord(marks_[kInputsOnDevice], stream_));
   return OkStatus();
@@ -90,8 +90,8 @@ Status Staging::ReturnOutputs(const BatchPlan& plan, std::span<const Sequence> b
   CUDA_TRY(cudaEventRecord(marks_[kComputed], stream_));
   for (int64_t i = 0; i < slices; ++i) {
     const int64_t r0 = i * slice_rows, rows = std::min(slice_rows, tx - r0);
-    CUDA_TRY(cudaMemcpyAsync(staging_out_.get() + r0 * d, y + r0 * d, rows * d * sizeof(float),
-                             cudaMemcpyDeviceToHost, stream_));
+    CUDA_TRY(cudaMemcpyAsync(staging_out_.get() + r0 * d, y + r0 * d, rows * d * sizeof(float), cudaMemcpyDeviceToHost,
+                             stream_));
     CUDA_TRY(cudaEventRecord(slice_done_[i], stream_));
   }
   CUDA_TRY(cudaEventRecord(marks_[kOutputsOnHost], stream_));

@@ -56,8 +56,8 @@ int64_t ScoreBytesForRoom(const WorkspacePlan& smallest, int64_t room_bytes) {
   return room_bytes - (linear + 2 * kAlignFloats) * static_cast<int64_t>(sizeof(float));
 }
 
-std::vector<RangeGroup> GroupRanges(const FormWeights& f, std::span<const AttentionRange> ranges,
-                                    int64_t score_bytes, int64_t score_capacity, int max_group) {
+std::vector<RangeGroup> GroupRanges(const FormWeights& f, std::span<const AttentionRange> ranges, int64_t score_bytes,
+                                    int64_t score_capacity, int max_group) {
   const int64_t heads = f.config.heads;
   auto same_layout = [](const AttentionRange& a, const AttentionRange& b) {
     return a.q.ld == b.q.ld && a.k.ld == b.k.ld && a.values.ld == b.values.ld && a.out.ld == b.out.ld;

@@ -91,7 +91,7 @@ struct RangeGroup {
   int64_t rows = 0, keys = 0;
 };
 // `score_bytes` is the bound the blocks were cut to, `score_capacity` the score piece's floats.
-std::vector<RangeGroup> GroupRanges(const FormWeights& f, std::span<const AttentionRange> ranges,
-                                    int64_t score_bytes, int64_t score_capacity, int max_group);
+std::vector<RangeGroup> GroupRanges(const FormWeights& f, std::span<const AttentionRange> ranges, int64_t score_bytes,
+                                    int64_t score_capacity, int max_group);
 
 }  // namespace attnserve::cuda
