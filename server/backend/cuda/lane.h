@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "server/backend/attention/device_ops.h"
 #include "server/backend/backend.h"
