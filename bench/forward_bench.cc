@@ -59,6 +59,7 @@
 #include "server/core/forms.h"
 #include "server/core/layer.h"
 #ifdef ATTNSERVE_HAVE_CUDA
+#include "bench/cuda_sgemm_ceiling.h"
 #include "server/backend/cuda/cuda_backend.h"
 #endif
 #ifdef ATTNSERVE_HAVE_ONEDNN

@@ -2,8 +2,9 @@
 // operations — cuBLAS for every GEMM, small kernels (kernels.cu) for the masked softmax, RoPE,
 // bias adds and the summed form's head interleave. Each sequence's attention runs in blocks of
 // query rows whose scores fit max_score_workspace_bytes, so device memory grows linearly with
-// the sequence length (docs/architecture.md, "The CUDA backend"). This header includes no CUDA
-// headers, so the server can choose a device without compiling against CUDA.
+// the sequence length (docs/architecture.md, "The CUDA backend", names the files that do each
+// part). This header includes no CUDA headers, so the server can choose a device without
+// compiling against CUDA.
 // Thread-safety: Upload and Forward may be called from several threads at once. Each call runs
 // on a lane — a stream, a cuBLAS handle, scratch and pinned buffers — that no other call uses
 // meanwhile; lanes are made on demand, so there are as many as callers at once (the executor's
@@ -54,10 +55,8 @@ struct CudaBackendOptions {
   // thread and staging_threads − 1 helpers of a compute team, server/backend/compute_team.h):
   // one thread's memcpy from pageable memory, rather than the copy engine, is the likely pace
   // of a large batch's copies. Slices of under 256 KiB are packed by the lane's thread alone.
-  // Capped at the host's hardware threads. 4: on an H200's 16-core host, 4 threads took a
-  // 32×512×1024 batch's call from 34.5 to 14.9 ms and bert-base's from 0.95 to 0.70; 8 bought
-  // little more (0.65 at bert-base, none at the larger shapes; docs/journal/benchmarks-journal.md, "The second
-  // run on a GPU").
+  // Capped at the host's hardware threads. 4 is where the gain stopped on an H200's 16-core
+  // host (docs/journal/benchmarks-journal.md, "The second run on a GPU", has the figures).
   int staging_threads = 4;
   // The summed form's association order (SummedMixesFirst): with it, a sequence with fewer
   // queries than keys mixes them first, Y = Σ_i (A_i C) W_M_i (m/n fewer projection FLOPs, one
@@ -78,8 +77,5 @@ int CudaDeviceCount(std::string* why);
 
 // Fails with UNAVAILABLE and the reason when the device cannot be used.
 StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(const CudaBackendOptions& options);
-
-// GFLOP/s of a size×size×size cuBLAS SGEMM on the device (the ceiling benchmarks compare with).
-StatusOr<double> CudaSgemmGflops(const CudaBackendOptions& options, int64_t size);
 
 }  // namespace attnserve

@@ -1,0 +1,77 @@
+// The GEMMs of a CUDA lane on its cuBLAS handle and stream: row-major blocks over cuBLAS's
+// column-major calls, strided batches, and pointer-array batches whose arrays go to the device
+// through the batch's pointer arena (docs/architecture.md, "The CUDA backend", step 4).
+// Thread-safety: a CublasOps serves one lane, on that lane's thread.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <span>
+
+#include "server/backend/cuda/staging.h"
+#include "server/core/status.h"
+
+namespace attnserve::cuda {
+
+// A row-major device matrix block: rows × cols, row stride ld.
+struct DeviceBlock {
+  float* data;
+  int64_t rows, cols, ld;
+  DeviceBlock Rows(int64_t first, int64_t count) const { return {data + first * ld, count, cols, ld}; }
+  DeviceBlock Cols(int64_t first, int64_t count) const { return {data + first, rows, count, ld}; }
+};
+
+class CublasOps {
+ public:
+  CublasOps() = default;
+  CublasOps(const CublasOps&) = delete;
+  CublasOps& operator=(const CublasOps&) = delete;
+  ~CublasOps() { Destroy(); }
+
+  // A handle whose every call is queued on `stream` (the lane's; never the legacy default
+  // stream, which the lane's non-blocking stream does not wait for), in TF32 when `tf32`.
+  Status Init(cudaStream_t stream, bool tf32);
+  // Destroys the handle on the current device, before the lane destroys its stream; idempotent.
+  void Destroy();
+
+  // Row-major y = alpha · x · w (+ beta · y). cuBLAS is column-major, where a row-major [r, c]
+  // block is a [c, r] one: y^T = w^T x^T, so the operands swap.
+  Status Gemm(DeviceBlock x, DeviceBlock w, DeviceBlock y, float alpha = 1.0f, float beta = 0.0f);
+
+  // `count` products C_b = op(A_b) · B_b laid out at fixed strides, column-major as cuBLAS sees them.
+  Status GemmStridedBatched(cublasOperation_t op_a, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                            int64_t lda, int64_t stride_a, const float* b, int64_t ldb, int64_t stride_b, float* c,
+                            int64_t ldc, int64_t stride_c, int64_t count);
+
+  // The batch's pointer arena: `slots` pointers at `device` (the workspace's pointer piece), and
+  // as many pinned on the host to stage them. Every pointer-array GEMM of the batch takes slots
+  // of its own from it.
+  Status StartBatch(const void** device, int64_t slots);
+
+  // `c.size()` products C_e = alpha · op(A_e) · B_e, column-major as cuBLAS sees them, in one
+  // call: the pointer arrays are staged in pinned memory and copied to the device in one copy,
+  // each call into slots of the batch's pointer arena of its own, so that no slot is rewritten
+  // before the stream has copied it. INTERNAL when the arena has no room left.
+  Status GemmPointerBatched(cublasOperation_t op_a, int64_t m, int64_t n, int64_t k, float alpha,
+                            std::span<const float* const> a, int64_t lda, std::span<const float* const> b, int64_t ldb,
+                            std::span<float* const> c, int64_t ldc);
+
+  // The pinned pointer staging kept between batches, and its release (the stream idle).
+  int64_t PinnedBytes() const { return pointers_host_.bytes(); }
+  void ReleasePinned() { pointers_host_.Release(); }
+
+ private:
+  cublasComputeType_t ComputeType() const { return tf32_ ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F; }
+
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t handle_ = nullptr;
+  bool tf32_ = false;
+  // This batch's pointer arena (StartBatch): device slots, how many, how many used so far.
+  const void** pointers_device_ = nullptr;
+  int64_t pointer_slots_ = 0, pointers_used_ = 0;
+  PinnedArray<const void*> pointers_host_;  // the pointer arrays of batched GEMMs, staged
+};
+
+}  // namespace attnserve::cuda
