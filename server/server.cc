@@ -173,14 +173,7 @@ Status Server::Build() {
   stop_fd_ = eventfd(0, EFD_CLOEXEC);
   if (signal_fd_ < 0 || stop_fd_ < 0) return InternalError(std::string("cannot watch for signals: ") + std::strerror(errno));
 
-  StatusOr<ChosenBackend> chosen =
-      ChooseBackend(DeviceChoice{.device = options_.device,
-                                 .cpu_threads = options_.threads,
-                                 .cpu_idle_spin_us = options_.cpu_idle_spin_us,
-                                 .cpu_gemm = options_.cpu_gemm,
-                                 .cpu_weight_layout = options_.cpu_weight_layout,
-                                 .tf32 = options_.gpu_math == "tf32",
-                                 .max_device_bytes = int64_t{options_.max_device_memory_mb} << 20});
+  StatusOr<ChosenBackend> chosen = ChooseBackend(options_.backend);
   if (!chosen.ok()) return InContext("cannot use the device: ", chosen.status());
   chosen_ = std::make_unique<ChosenBackend>(std::move(chosen).value());
   backend_ = chosen_->backend.get();

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "server/backend/select.h"
 #include "server/core/status.h"
 
 namespace attnserve {
@@ -17,10 +18,9 @@ struct ServerOptions {
   std::string port_file;  // when set, the bound port is written there once listening
   // NAME=SOURCE pairs in load order. Empty after parsing: serve the built-in demo layer.
   std::vector<std::pair<std::string, std::string>> layers;
-  int threads = 0;  // the CPU backend's threads per Forward; 0 = every core
-  // How long the CPU backend's helper threads spin after a forward before they sleep
-  // (ComputeTeam, server/backend/compute_team.h).
-  int cpu_idle_spin_us = 500;
+  // The backend (docs/architecture.md): the device (auto takes a usable GPU when there is one,
+  // else the CPU) and each kind's options, typed; the server passes them on as they are.
+  BackendOptions backend;
   int workers = 1;  // batcher threads running batches side by side
   // How long a batcher thread polls for the next request after a batch before it sleeps.
   int worker_idle_spin_us = 500;
@@ -31,11 +31,6 @@ struct ServerOptions {
   int max_queue_delay_us = 0;     // how long the oldest request waits for others (0: greedy)
   int max_queue_requests = 256;   // per (layer, form) queue; beyond: RESOURCE_EXHAUSTED
   int drain_timeout_s = 30;       // on SIGTERM: how long accepted requests get to finish
-  // The backend (docs/architecture.md): auto takes a usable GPU when there is one, else the CPU.
-  std::string device = "auto";
-  std::string cpu_gemm = "auto";  // auto, eigen or onednn: the CPU backend's GEMM library
-  std::string cpu_weight_layout = "auto";  // auto, packed, packed-bf16 or plain: the CPU backend's weights
-  std::string gpu_math = "fp32";  // fp32, or tf32 for TF32 tensor-core GEMMs on the GPU
   int max_message_mb = 64;   // receive and send limit
   // Attention scores one request may ask for, in millions: Σ over its sequences of n · m · heads.
   // A bound on its work (the scores and the mix grow with it), not on its memory: the backends
@@ -45,8 +40,6 @@ struct ServerOptions {
   // What admitted requests may hold at once (inputs, outputs, copies, backend scratch), MiB;
   // 0: half the container's memory limit, else half the machine's memory.
   int max_memory_mb = 0;
-  // Device memory the GPU backend may hold (weights and workspaces), MiB; 0: 90 % of the card's.
-  int max_device_memory_mb = 0;
   std::string log_level = "info";
   bool log_json = false;
   // The admin API (LoadLayer, UnloadLayer, SetRouting; docs/security.md). Closed on --listen
