@@ -89,7 +89,7 @@ Status Apply(const Setting& setting, const std::string& what, const std::string&
   if (auto* b = std::get_if<bool ServerOptions::*>(&m)) return CheckBool(what, text, &(o->**b));
   if (auto* b = std::get_if<bool* (*)(ServerOptions*)>(&m)) return CheckBool(what, text, (*b)(o));
   if (auto* d = std::get_if<double ServerOptions::*>(&m)) return CheckFraction(what, text, &(o->**d));
-  if (auto* bytes = std::get_if<Bytes>(&m)) {
+  if (auto* bytes = std::get_if<Scaled>(&m)) {
     int64_t units = 0;
     ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, text, setting.min, setting.max, &units));
     *bytes->at(o) = units << bytes->shift;
@@ -114,7 +114,7 @@ std::string ValueText(const Setting& s, ServerOptions& o) {
   if (auto* i = std::get_if<int* (*)(ServerOptions*)>(&m)) return std::to_string(*(*i)(&o));
   if (auto* b = std::get_if<bool ServerOptions::*>(&m)) return o.**b ? "true" : "false";
   if (auto* b = std::get_if<bool* (*)(ServerOptions*)>(&m)) return *(*b)(&o) ? "true" : "false";
-  if (auto* bytes = std::get_if<Bytes>(&m)) return std::to_string(*bytes->at(&o) >> bytes->shift);
+  if (auto* bytes = std::get_if<Scaled>(&m)) return std::to_string(*bytes->at(&o) >> bytes->shift);
   if (auto* us = std::get_if<Micros>(&m)) return std::to_string(us->at(&o)->count());
   if (auto* choice = std::get_if<Choice>(&m)) return std::string(choice->shown_default);
   if (auto* d = std::get_if<double ServerOptions::*>(&m)) {

@@ -3,13 +3,17 @@
 // Thread-safety: plain values and pure functions; parse once in main.
 #pragma once
 
+#include <chrono>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "server/backend/select.h"
+#include "server/batching/batcher.h"
 #include "server/core/status.h"
+#include "server/store/layer_store.h"
 
 namespace attnserve {
 
@@ -21,15 +25,16 @@ struct ServerOptions {
   // The backend (docs/architecture.md): the device (auto takes a usable GPU when there is one,
   // else the CPU) and each kind's options, typed; the server passes them on as they are.
   BackendOptions backend;
-  int workers = 1;  // batcher threads running batches side by side
-  // How long a batcher thread polls for the next request after a batch before it sleeps.
-  int worker_idle_spin_us = 500;
   // The dynamic batcher (docs/architecture.md, "Batching"); defaults measured in
-  // docs/journal/benchmarks-journal.md, "The dynamic batcher".
-  int max_batch_requests = 32;    // requests in one batch at most
-  int max_batch_tokens = 8192;    // tokens (query + context rows) in one batch at most
-  int max_queue_delay_us = 0;     // how long the oldest request waits for others (0: greedy)
-  int max_queue_requests = 256;   // per (layer, form) queue; beyond: RESOURCE_EXHAUSTED
+  // docs/journal/benchmarks-journal.md, "The dynamic batcher". max_queue_delay 0: greedy (a batch
+  // is what queued while the device was busy); beyond max_queue_requests per (layer, form)
+  // queue: RESOURCE_EXHAUSTED; a worker polls its queues idle_spin after a batch before it sleeps.
+  BatchPolicy batching{.max_batch_requests = 32,
+                       .max_batch_tokens = 8192,
+                       .max_queue_delay = std::chrono::microseconds(0),
+                       .max_queue_requests = 256,
+                       .workers = 1,
+                       .idle_spin = std::chrono::microseconds(500)};
   int drain_timeout_s = 30;       // on SIGTERM: how long accepted requests get to finish
   int max_message_mb = 64;   // receive and send limit
   // Attention scores one request may ask for, in millions: Σ over its sequences of n · m · heads.
@@ -48,11 +53,11 @@ struct ServerOptions {
   std::string admin_listen;  // HOST:PORT of a second listener that also serves the admin API
   std::string admin_port_file;
   int admin_queue = 8;             // admin calls waiting at most; beyond: RESOURCE_EXHAUSTED
-  int max_layers = 32;             // layers held at most
-  int max_layer_mb = 16384;        // weights of every held layer and form together, MiB
-  // Directories LoadLayer over gRPC may read checkpoints from; none: API loads of safetensors
-  // sources are refused (sources from flags and the config file are not confined).
-  std::vector<std::string> model_dirs;
+  // The layers held (at most max_layers, weights of every layer and form together at most
+  // max_total_bytes) and the directories LoadLayer over gRPC may read checkpoints from; none:
+  // API loads of safetensors sources are refused (sources from flags and the config file are
+  // not confined).
+  LayerStoreOptions store{.max_layers = 32, .max_total_bytes = int64_t{16384} << 20};
   // TLS on every gRPC listener (PEM files); with tls_client_ca, clients must present a
   // certificate it signed (mTLS).
   std::string tls_cert, tls_key, tls_client_ca;

@@ -71,7 +71,7 @@ Status AddModelDir(const std::string& what, const std::string& dir, ServerOption
   if (dir.empty() || dir[0] != '/') {
     return InvalidArgumentError(what + ": expected an absolute directory path, got '" + dir + "'");
   }
-  o->model_dirs.push_back(dir);
+  o->store.model_dirs.push_back(dir);
   return OkStatus();
 }
 
@@ -108,6 +108,14 @@ template <auto kField>
 auto* InCuda(ServerOptions* o) {
   return At<&O::backend, &BackendOptions::cuda, kField>(o);
 }
+template <auto kField>
+auto* InBatching(ServerOptions* o) {
+  return At<&O::batching, kField>(o);
+}
+template <auto kField>
+auto* InStore(ServerOptions* o) {
+  return At<&O::store, kField>(o);
+}
 
 const Setting kSettings[] = {
     {"--config", "", "FILE", &O::config_file, 0, 0, nullptr, nullptr,
@@ -136,17 +144,23 @@ const Setting kSettings[] = {
      "auto, packed, packed-bf16 or plain: packed keeps a copy of each layer's projection weights in panels for "
      "the CPU backend's own kernel (as many bytes again; auto: where the CPU has AVX2 and FMA), packed-bf16 the "
      "same copy rounded to bfloat16 (half the bytes, a few 1e-3 relative error), plain the row-major weights only"},
-    {"--workers", "workers", "N", &O::workers, 1, 256, nullptr, nullptr, "batches computed side by side"},
-    {"--worker-idle-spin-us", "worker_idle_spin_us", "US", &O::worker_idle_spin_us, 0, 1000000, nullptr, nullptr,
+    {"--workers", "workers", "N", &InBatching<&BatchPolicy::workers>, 1, 256, nullptr, nullptr,
+     "batches computed side by side"},
+    {"--worker-idle-spin-us", "worker_idle_spin_us", "US", Micros{&InBatching<&BatchPolicy::idle_spin>},
+     0, 1000000, nullptr, nullptr,
      "microseconds a batcher thread polls its queues after a batch, for the next request, before it sleeps "
      "(0: at once)"},
-    {"--max-batch-requests", "max_batch_requests", "N", &O::max_batch_requests, 1, 4096, nullptr, nullptr,
+    {"--max-batch-requests", "max_batch_requests", "N", &InBatching<&BatchPolicy::max_batch_requests>,
+     1, 4096, nullptr, nullptr,
      "requests in one batch at most (1: no batching)"},
-    {"--max-batch-tokens", "max_batch_tokens", "N", &O::max_batch_tokens, 1, 1 << 24, nullptr, nullptr,
+    {"--max-batch-tokens", "max_batch_tokens", "N", Scaled{&InBatching<&BatchPolicy::max_batch_tokens>, 0},
+     1, 1 << 24, nullptr, nullptr,
      "query + context rows in one batch at most"},
-    {"--max-queue-delay-us", "max_queue_delay_us", "N", &O::max_queue_delay_us, 0, 10000000, nullptr, nullptr,
+    {"--max-queue-delay-us", "max_queue_delay_us", "N", Micros{&InBatching<&BatchPolicy::max_queue_delay>},
+     0, 10000000, nullptr, nullptr,
      "how long the oldest queued request waits for others (0: take what queued while the device was busy)"},
-    {"--max-queue-requests", "max_queue_requests", "N", &O::max_queue_requests, 1, 1000000, nullptr, nullptr,
+    {"--max-queue-requests", "max_queue_requests", "N", &InBatching<&BatchPolicy::max_queue_requests>,
+     1, 1000000, nullptr, nullptr,
      "requests waiting per (layer, form) queue; beyond: RESOURCE_EXHAUSTED at once"},
     {"--drain-timeout-s", "drain_timeout_s", "N", &O::drain_timeout_s, 0, 3600, nullptr, nullptr,
      "on SIGTERM/SIGINT: NOT_SERVING, refuse new calls, give accepted ones N seconds, then exit 0"},
@@ -159,27 +173,27 @@ const Setting kSettings[] = {
      "memory every admitted request may hold at once (input, output, compare and shadow copies, backend scratch), "
      "in MiB; 0: half the container's memory limit, else half the machine's; beyond: RESOURCE_EXHAUSTED, or "
      "INVALID_ARGUMENT for a request that can never fit"},
-    {"--max-device-memory-mb", "max_device_memory_mb", "N", Bytes{&InCuda<&CudaBackendOptions::max_device_bytes>, 20},
+    {"--max-device-memory-mb", "max_device_memory_mb", "N", Scaled{&InCuda<&CudaBackendOptions::max_device_bytes>, 20},
      0, 1 << 30, nullptr, nullptr,
      "device memory the GPU backend may hold (weights and workspaces), in MiB; 0: 90% of the card's; a batch "
      "beyond runs in smaller query-row blocks, or fails with RESOURCE_EXHAUSTED"},
     {"--gpu-max-lane-workspace-mb", "gpu_max_lane_workspace_mb", "N",
-     Bytes{&InCuda<&CudaBackendOptions::max_lane_workspace_bytes>, 20},
+     Scaled{&InCuda<&CudaBackendOptions::max_lane_workspace_bytes>, 20},
      0, 1 << 30, nullptr, nullptr,
      "one GPU lane's workspace at most, in MiB (0: --max-device-memory-mb as resolved); a batch beyond runs in "
      "smaller query-row blocks, then in halves of its sequences"},
     {"--gpu-max-score-workspace-mb", "gpu_max_score_workspace_mb", "N",
-     Bytes{&InCuda<&CudaBackendOptions::max_score_workspace_bytes>, 20},
+     Scaled{&InCuda<&CudaBackendOptions::max_score_workspace_bytes>, 20},
      1, 1 << 30, nullptr, nullptr,
      "device memory for one block of a sequence's attention scores on the GPU, in MiB: its queries run in blocks "
      "of as many rows as fit (at least one)"},
     {"--gpu-retain-workspace-mb", "gpu_retain_workspace_mb", "N",
-     Bytes{&InCuda<&CudaBackendOptions::retain_workspace_bytes>, 20},
+     Scaled{&InCuda<&CudaBackendOptions::retain_workspace_bytes>, 20},
      0, 1 << 30, nullptr, nullptr,
      "what a GPU lane keeps after a batch for the next, in MiB: a larger workspace or pinned staging is released "
      "when its batch ends, unless the batch before needed more too"},
     {"--gpu-staging-slice-kb", "gpu_staging_slice_kb", "N",
-     Bytes{&InCuda<&CudaBackendOptions::staging_slice_bytes>, 10},
+     Scaled{&InCuda<&CudaBackendOptions::staging_slice_bytes>, 10},
      1, 1 << 30, nullptr, nullptr,
      "inputs go to the GPU, and outputs come back, in slices of about this many KiB (whole rows), packed on the "
      "host while the copy engine moves the one before"},
@@ -205,9 +219,10 @@ const Setting kSettings[] = {
      "also write the admin listener's port to FILE"},
     {"--admin-queue", "admin_queue", "N", &O::admin_queue, 1, 1024, nullptr, nullptr,
      "admin calls waiting at most; beyond: RESOURCE_EXHAUSTED"},
-    {"--max-layers", "max_layers", "N", &O::max_layers, 1, 100000, nullptr, nullptr,
+    {"--max-layers", "max_layers", "N", &InStore<&LayerStoreOptions::max_layers>, 1, 100000, nullptr, nullptr,
      "layers held at most; a load beyond: RESOURCE_EXHAUSTED"},
-    {"--max-layer-mb", "max_layer_mb", "N", &O::max_layer_mb, 1, 1 << 30, nullptr, nullptr,
+    {"--max-layer-mb", "max_layer_mb", "N", Scaled{&InStore<&LayerStoreOptions::max_total_bytes>, 20},
+     1, 1 << 30, nullptr, nullptr,
      "weights of every held layer and form together, in MiB; a load beyond: RESOURCE_EXHAUSTED"},
     {"--model-dir", "model_dirs", "DIR", {}, 0, 0, nullptr, AddModelDir,
      "where LoadLayer over gRPC may read checkpoints (repeatable; YAML: a list); none: API loads of "

@@ -28,8 +28,9 @@ auto* At(ServerOptions* o) {
 }
 // clang-format on
 
-// A byte count given in units of 2^shift bytes (20: MiB); the row's range is in those units.
-struct Bytes {
+// A 64-bit count given in units of 2^shift (bytes given in MiB: 20; a plain count: 0); the row's
+// range is in those units.
+struct Scaled {
   int64_t* (*at)(ServerOptions*);
   int shift;
 };
@@ -51,9 +52,9 @@ struct Setting {
   std::string_view metavar;  // what the value is; empty: a boolean flag
   std::variant<std::monostate, std::string ServerOptions::*, int ServerOptions::*, bool ServerOptions::*,
                double ServerOptions::*, std::string* (*)(ServerOptions*), int* (*)(ServerOptions*),
-               bool* (*)(ServerOptions*), Bytes, Micros, Choice>
+               bool* (*)(ServerOptions*), Scaled, Micros, Choice>
       member;
-  int64_t min = 0, max = 0;  // integers, byte counts (in their unit) and durations
+  int64_t min = 0, max = 0;  // integers, scaled counts (in their unit) and durations
   // Checks a string value (strings), or takes one entry of a repeatable setting (member empty).
   Status (*check)(const std::string& what, const std::string& value) = nullptr;
   Status (*add)(const std::string& what, const std::string& value, ServerOptions* o) = nullptr;

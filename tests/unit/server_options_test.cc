@@ -58,13 +58,13 @@ TEST(ServerOptionsTest, FlagsInBothSpellings) {
   EXPECT_EQ(o->layers[0], std::make_pair(std::string("a"), std::string("random:d_model=8,heads=2")));
   EXPECT_EQ(o->layers[1].second, "safetensors:/x.st");
   EXPECT_EQ(o->backend.cpu.threads, 3);
-  EXPECT_EQ(o->workers, 2);
+  EXPECT_EQ(o->batching.workers, 2);
   EXPECT_EQ(o->max_message_mb, 1);
   EXPECT_EQ(o->log_level, "debug");
   EXPECT_TRUE(o->log_json);
   EXPECT_EQ(o->admin_token, "s3cret-s3cret-s3cret");
   EXPECT_EQ(o->port_file, "/tmp/p");
-  EXPECT_EQ(o->max_queue_requests, 5);
+  EXPECT_EQ(o->batching.max_queue_requests, 5);
   EXPECT_EQ(o->max_scores_m, 16);
 }
 
@@ -173,17 +173,17 @@ TEST(ServerOptionsTest, BatchingSettingsFromFlagsAndYaml) {
   auto o = Parse({"--max-batch-requests", "1", "--max-batch-tokens=4096", "--max-queue-delay-us", "0",
                   "--drain-timeout-s", "5"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
-  EXPECT_EQ(o->max_batch_requests, 1);
-  EXPECT_EQ(o->max_batch_tokens, 4096);
-  EXPECT_EQ(o->max_queue_delay_us, 0);
-  EXPECT_EQ(o->max_queue_requests, 256);  // default
+  EXPECT_EQ(o->batching.max_batch_requests, 1);
+  EXPECT_EQ(o->batching.max_batch_tokens, 4096);
+  EXPECT_EQ(o->batching.max_queue_delay.count(), 0);
+  EXPECT_EQ(o->batching.max_queue_requests, 256);  // default
   EXPECT_EQ(o->drain_timeout_s, 5);
   ServerOptions from_yaml;
   ASSERT_TRUE(ApplyYamlConfig("max_batch_requests: 7\nmax_queue_delay_us: 250\ndrain_timeout_s: 12\n", "test.yaml",
                               &from_yaml)
                   .ok());
-  EXPECT_EQ(from_yaml.max_batch_requests, 7);
-  EXPECT_EQ(from_yaml.max_queue_delay_us, 250);
+  EXPECT_EQ(from_yaml.batching.max_batch_requests, 7);
+  EXPECT_EQ(from_yaml.batching.max_queue_delay.count(), 250);
   EXPECT_EQ(from_yaml.drain_timeout_s, 12);
   EXPECT_THAT(Parse({"--max-batch-requests", "0"}).status().message(),
               HasSubstr("--max-batch-requests: expected an integer in [1, 4096], got '0'"));
@@ -246,7 +246,7 @@ TEST(ServerOptionsTest, IdleSpinsFromFlagAndYaml) {
        {Spin{"--cpu-idle-spin-us", "cpu_idle_spin_us",
              [](const ServerOptions& o) -> int64_t { return o.backend.cpu.idle_spin.count(); }, 500},
         Spin{"--worker-idle-spin-us", "worker_idle_spin_us",
-             [](const ServerOptions& o) -> int64_t { return o.worker_idle_spin_us; }, 500}}) {
+             [](const ServerOptions& o) -> int64_t { return o.batching.idle_spin.count(); }, 500}}) {
     SCOPED_TRACE(spin.flag);
     auto defaults = Parse({});
     ASSERT_TRUE(defaults.ok()) << defaults.status().ToString();
