@@ -173,23 +173,14 @@ Status Server::Build() {
   stop_fd_ = eventfd(0, EFD_CLOEXEC);
   if (signal_fd_ < 0 || stop_fd_ < 0) return InternalError(std::string("cannot watch for signals: ") + std::strerror(errno));
 
-  StatusOr<ChosenBackend> chosen =
-      ChooseBackend(DeviceChoice{.device = options_.device,
-                                 .cpu_threads = options_.threads,
-                                 .cpu_idle_spin_us = options_.cpu_idle_spin_us,
-                                 .cpu_gemm = options_.cpu_gemm,
-                                 .cpu_weight_layout = options_.cpu_weight_layout,
-                                 .tf32 = options_.gpu_math == "tf32",
-                                 .max_device_bytes = int64_t{options_.max_device_memory_mb} << 20});
+  StatusOr<ChosenBackend> chosen = ChooseBackend(options_.backend);
   if (!chosen.ok()) return InContext("cannot use the device: ", chosen.status());
   chosen_ = std::make_unique<ChosenBackend>(std::move(chosen).value());
   backend_ = chosen_->backend.get();
   spdlog::info("backend {}", chosen_->why);
   metrics_ = std::make_unique<Metrics>();
   metrics_->SetBuildInfo(ATTNSERVE_VERSION, backend_->DeviceName(), chosen_->blas);
-  store_ = std::make_unique<LayerStore>(backend_, LayerStoreOptions{.max_layers = options_.max_layers,
-                                                                    .max_total_bytes = int64_t{options_.max_layer_mb} << 20,
-                                                                    .model_dirs = options_.model_dirs});
+  store_ = std::make_unique<LayerStore>(backend_, options_.store);
   for (const auto& [name, source] : options_.layers) {
     StatusOr<std::shared_ptr<const Layer>> layer = store_->Load(name, source);
     if (!layer.ok()) return InContext("cannot load layer '" + name + "': ", Status(layer.status().code(), layer.status().ToString()));
@@ -204,15 +195,7 @@ Status Server::Build() {
     ATTNSERVE_ASSIGN_OR_RETURN(metrics_web_, ReadMetricsWebConfig(options_.metrics_web_config));
   }
   ATTNSERVE_ASSIGN_OR_RETURN(metrics_endpoint_, MetricsEndpoint::Start(options_.metrics_listen, *metrics_, metrics_web_));
-  executor_ = std::make_unique<BatchingExecutor>(
-      backend_,
-      BatchPolicy{.max_batch_requests = options_.max_batch_requests,
-                  .max_batch_tokens = options_.max_batch_tokens,
-                  .max_queue_delay = std::chrono::microseconds(options_.max_queue_delay_us),
-                  .max_queue_requests = options_.max_queue_requests,
-                  .workers = options_.workers,
-                  .idle_spin = std::chrono::microseconds(options_.worker_idle_spin_us)},
-      metrics_.get());
+  executor_ = std::make_unique<BatchingExecutor>(backend_, options_.batching, metrics_.get());
   router_ = std::make_unique<Router>(metrics_.get());
   for (const auto& [layer, spec] : options_.routes) {
     ATTNSERVE_ASSIGN_OR_RETURN(RouteSplit split, ParseRouteSpec(spec));  // checked by ParseServerOptions too
@@ -265,7 +248,7 @@ Status Server::Build() {
       store_.get(), service_.get(),
       InferenceServiceOptions{.version = ATTNSERVE_VERSION,
                               .device_healthy = [backend] { return backend->Healthy(); },
-                              .max_queue_delay_us = options_.max_queue_delay_us});
+                              .max_queue_delay_us = options_.batching.max_queue_delay.count()});
   return OkStatus();
 }
 
@@ -311,9 +294,9 @@ void Server::LogListening() const {
   spdlog::info(
       "attnserve {} listening on {} (backend {}, {} workers spinning {} us when idle, batches of <= {} requests / "
       "{} tokens after <= {} us, queues of {}, max message {} MiB, memory budget {} MiB, {}, admin API {})",
-      ATTNSERVE_VERSION, listening_on(), backend_->DeviceName(), options_.workers, options_.worker_idle_spin_us,
-      options_.max_batch_requests,
-      options_.max_batch_tokens, options_.max_queue_delay_us, options_.max_queue_requests, options_.max_message_mb,
+      ATTNSERVE_VERSION, listening_on(), backend_->DeviceName(), options_.batching.workers,
+      options_.batching.idle_spin.count(), options_.batching.max_batch_requests, options_.batching.max_batch_tokens,
+      options_.batching.max_queue_delay.count(), options_.batching.max_queue_requests, options_.max_message_mb,
       memory_->budget() >> 20,
       options_.tls_cert.empty() ? "plaintext" : (options_.tls_client_ca.empty() ? "TLS" : "mTLS"),
       options_.admin_token.empty() ? "closed on this listener" : "with the admin token");

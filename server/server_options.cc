@@ -13,18 +13,16 @@
 #include <string_view>
 #include <variant>
 
-#include "server/backend/select.h"
-#include "server/routing/router.h"     // ParseRouteSpec, kDefaultRoute
-#include "server/store/layer_store.h"  // ValidateLayerName
+#include "server/settings_table.h"
 
 namespace attnserve {
 namespace {
 
-constexpr const char* kLogLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
 constexpr size_t kMinAdminTokenBytes = 16;
 
-Status CheckInt(const std::string& what, const std::string& text, int64_t min, int64_t max, int* out) {
-  int v = 0;
+template <typename Int>
+Status CheckInt(const std::string& what, const std::string& text, int64_t min, int64_t max, Int* out) {
+  int64_t v = 0;
   const char* end = text.data() + text.size();
   auto [p, ec] = std::from_chars(text.data(), end, v);
   if (ec != std::errc() || p != end || v < min || v > max) {
@@ -57,223 +55,17 @@ Status CheckFraction(const std::string& what, const std::string& text, double* o
   return OkStatus();
 }
 
-Status CheckLogLevel(const std::string& what, const std::string& level) {
-  for (const char* l : kLogLevels) {
-    if (level == l) return OkStatus();
-  }
-  return InvalidArgumentError(what + ": expected one of trace, debug, info, warn, error, critical, off, got '" + level +
-                              "'");
-}
-
-Status CheckDevice(const std::string& what, const std::string& device) {
-  Status st = ValidateDevice(device);
-  return st.ok() ? st : InvalidArgumentError(what + ": " + st.message());
-}
-
-Status CheckCpuGemm(const std::string& what, const std::string& gemm) {
-  Status st = ValidateCpuGemm(gemm);
-  return st.ok() ? st : InvalidArgumentError(what + ": " + st.message());
-}
-
-Status CheckCpuWeightLayout(const std::string& what, const std::string& layout) {
-  Status st = ValidateCpuWeightLayout(layout);
-  return st.ok() ? st : InvalidArgumentError(what + ": " + st.message());
-}
-
-Status CheckGpuMath(const std::string& what, const std::string& mode) {
-  if (mode == "fp32" || mode == "tf32") return OkStatus();
-  return InvalidArgumentError(what + ": expected fp32 or tf32, got '" + mode + "'");
-}
-
-Status CheckAddress(const std::string& what, const std::string& address) {
-  if (!address.empty()) return OkStatus();
-  return InvalidArgumentError(what + ": expected HOST:PORT (e.g. 0.0.0.0:50051), got an empty string");
-}
-
-// A route LAYER → SPEC, checked where it is given so the error names the flag or key.
-Status AddRoute(const std::string& what, const std::string& value, ServerOptions* o) {
-  const size_t eq = value.find('=');
-  if (eq == std::string::npos || eq == 0) {
-    return InvalidArgumentError(what + ": expected LAYER=FORM:WEIGHT,... (LAYER may be '*'), e.g. "
-                                "'*=factored:90,summed:10', got '" + value + "'");
-  }
-  const std::string layer = value.substr(0, eq), spec = value.substr(eq + 1);
-  if (layer != kDefaultRoute) {
-    Status name = ValidateLayerName(layer);
-    if (!name.ok()) return InvalidArgumentError(what + ": " + name.message());
-  }
-  ATTNSERVE_ASSIGN_OR_RETURN(RouteSplit split, ParseRouteSpec(spec, what + " " + layer));
-  for (auto& r : o->routes) {
-    if (r.first == layer) {
-      r.second = spec;
-      return OkStatus();
-    }
-  }
-  o->routes.emplace_back(layer, spec);
-  return OkStatus();
-}
-
-Status AddLayer(const std::string& what, const std::string& value, ServerOptions* o) {
-  StatusOr<std::pair<std::string, std::string>> layer = ParseLayerFlag(value);
-  if (!layer.ok()) return InvalidArgumentError(what + ": " + layer.status().message());
-  Status name = ValidateLayerName(layer->first);
-  if (!name.ok()) return InvalidArgumentError(what + ": " + name.message());
-  for (auto& l : o->layers) {
-    if (l.first == layer->first) {
-      l.second = std::move(layer->second);
-      return OkStatus();
-    }
-  }
-  o->layers.push_back(std::move(layer).value());
-  return OkStatus();
-}
-
-Status AddModelDir(const std::string& what, const std::string& dir, ServerOptions* o) {
-  if (dir.empty() || dir[0] != '/') {
-    return InvalidArgumentError(what + ": expected an absolute directory path, got '" + dir + "'");
-  }
-  o->model_dirs.push_back(dir);
-  return OkStatus();
-}
-
-// One row per setting: the flag, the YAML key, where it lands, its range and its help. The
-// flag parser, the YAML reader, the range checks and the usage text all read this table, so a
-// setting is added in one place (and in docs/service.md, which a test holds to this table).
-struct Setting {
-  std::string_view flag;     // "--listen"; empty: YAML only
-  std::string_view key;      // "listen"; empty: flag only
-  std::string_view metavar;  // what the value is; empty: a boolean flag
-  std::variant<std::monostate, std::string ServerOptions::*, int ServerOptions::*, bool ServerOptions::*,
-               double ServerOptions::*>
-      member;
-  int64_t min = 0, max = 0;  // integers
-  // Checks a string value (strings), or takes one entry of a repeatable setting (member empty).
-  Status (*check)(const std::string& what, const std::string& value) = nullptr;
-  Status (*add)(const std::string& what, const std::string& value, ServerOptions* o) = nullptr;
-  std::string_view help;
-  bool secret = false;  // its value never appears in an error or the log
-};
-
-using O = ServerOptions;
-const Setting kSettings[] = {
-    {"--config", "", "FILE", &O::config_file, 0, 0, nullptr, nullptr,
-     "YAML file of these settings (keys: the flag names with '_' for '-'); flags override it"},
-    {"--listen", "listen", "ADDR", &O::listen, 0, 0, CheckAddress, nullptr,
-     "gRPC address; port 0 picks a free port, printed as 'listening on HOST:PORT'"},
-    {"--port-file", "port_file", "FILE", &O::port_file, 0, 0, nullptr, nullptr,
-     "also write the bound port to FILE once listening"},
-    {"--layer", "layers", "NAME=SOURCE", {}, 0, 0, nullptr, AddLayer,
-     "load a layer at start-up (repeatable; YAML: a mapping NAME: SOURCE); SOURCE is random:... or "
-     "safetensors:... (docs/sources.md); without any, the built-in 'demo' layer"},
-    {"--device", "device", "DEV", &O::device, 0, 0, CheckDevice, nullptr,
-     "auto, cpu, cuda or cuda:N (auto: a usable GPU when there is one, else the CPU); an explicit "
-     "cuda without a usable GPU refuses to start"},
-    {"--gpu-math", "gpu_math", "MODE", &O::gpu_math, 0, 0, CheckGpuMath, nullptr,
-     "fp32 or tf32 (TF32 tensor-core GEMMs on the GPU)"},
-    {"--threads", "threads", "N", &O::threads, 0, 1024, nullptr, nullptr, "CPU backend threads per Forward (0: every core)"},
-    {"--cpu-idle-spin-us", "cpu_idle_spin_us", "US", &O::cpu_idle_spin_us, 0, 1000000, nullptr, nullptr,
-     "microseconds the CPU backend's helper threads spin after a forward, for the next, before they sleep "
-     "(0: at once; a forward wakes them as it starts)"},
-    {"--cpu-gemm", "cpu_gemm", "LIB", &O::cpu_gemm, 0, 0, CheckCpuGemm, nullptr,
-     "auto, eigen or onednn: the CPU backend's GEMM library (auto: oneDNN when the build has it, else Eigen)"},
-    {"--cpu-weight-layout", "cpu_weight_layout", "LAYOUT", &O::cpu_weight_layout, 0, 0, CheckCpuWeightLayout, nullptr,
-     "auto, packed, packed-bf16 or plain: packed keeps a copy of each layer's projection weights in panels for "
-     "the CPU backend's own kernel (as many bytes again; auto: where the CPU has AVX2 and FMA), packed-bf16 the "
-     "same copy rounded to bfloat16 (half the bytes, a few 1e-3 relative error), plain the row-major weights only"},
-    {"--workers", "workers", "N", &O::workers, 1, 256, nullptr, nullptr, "batches computed side by side"},
-    {"--worker-idle-spin-us", "worker_idle_spin_us", "US", &O::worker_idle_spin_us, 0, 1000000, nullptr, nullptr,
-     "microseconds a batcher thread polls its queues after a batch, for the next request, before it sleeps "
-     "(0: at once)"},
-    {"--max-batch-requests", "max_batch_requests", "N", &O::max_batch_requests, 1, 4096, nullptr, nullptr,
-     "requests in one batch at most (1: no batching)"},
-    {"--max-batch-tokens", "max_batch_tokens", "N", &O::max_batch_tokens, 1, 1 << 24, nullptr, nullptr,
-     "query + context rows in one batch at most"},
-    {"--max-queue-delay-us", "max_queue_delay_us", "N", &O::max_queue_delay_us, 0, 10000000, nullptr, nullptr,
-     "how long the oldest queued request waits for others (0: take what queued while the device was busy)"},
-    {"--max-queue-requests", "max_queue_requests", "N", &O::max_queue_requests, 1, 1000000, nullptr, nullptr,
-     "requests waiting per (layer, form) queue; beyond: RESOURCE_EXHAUSTED at once"},
-    {"--drain-timeout-s", "drain_timeout_s", "N", &O::drain_timeout_s, 0, 3600, nullptr, nullptr,
-     "on SIGTERM/SIGINT: NOT_SERVING, refuse new calls, give accepted ones N seconds, then exit 0"},
-    {"--max-message-mb", "max_message_mb", "N", &O::max_message_mb, 1, 2047, nullptr, nullptr,
-     "largest request and response in MiB"},
-    {"--max-scores-m", "max_scores_m", "N", &O::max_scores_m, 1, 1 << 30, nullptr, nullptr,
-     "attention scores one request may ask for, in millions: the sum over its sequences of n*m*heads (its work; "
-     "memory is linear in the sequence length); beyond: RESOURCE_EXHAUSTED"},
-    {"--max-memory-mb", "max_memory_mb", "N", &O::max_memory_mb, 0, 1 << 30, nullptr, nullptr,
-     "memory every admitted request may hold at once (input, output, compare and shadow copies, backend scratch), "
-     "in MiB; 0: half the container's memory limit, else half the machine's; beyond: RESOURCE_EXHAUSTED, or "
-     "INVALID_ARGUMENT for a request that can never fit"},
-    {"--max-device-memory-mb", "max_device_memory_mb", "N", &O::max_device_memory_mb, 0, 1 << 30, nullptr, nullptr,
-     "device memory the GPU backend may hold (weights and workspaces), in MiB; 0: 90% of the card's; a batch "
-     "beyond runs in smaller query-row blocks, or fails with RESOURCE_EXHAUSTED"},
-    {"--log-level", "log_level", "LEVEL", &O::log_level, 0, 0, CheckLogLevel, nullptr,
-     "trace, debug, info, warn, error, critical or off"},
-    {"--log-json", "log_json", "", &O::log_json, 0, 0, nullptr, nullptr, "log one JSON object per line"},
-    {"--admin-token", "admin_token", "TOKEN", &O::admin_token, 0, 0, nullptr, nullptr,
-     "opens the admin API (LoadLayer, UnloadLayer, SetRouting) to callers sending 'authorization: Bearer "
-     "TOKEN'; at least 16 bytes (or set ATTNSERVE_ADMIN_TOKEN, which keeps it out of ps)",
-     /*secret=*/true},
-    {"--admin-listen", "admin_listen", "ADDR", &O::admin_listen, 0, 0, nullptr, nullptr,
-     "a second gRPC listener that also serves the admin API; without a token only on a loopback address "
-     "(e.g. 127.0.0.1:50052)"},
-    {"--admin-port-file", "admin_port_file", "FILE", &O::admin_port_file, 0, 0, nullptr, nullptr,
-     "also write the admin listener's port to FILE"},
-    {"--admin-queue", "admin_queue", "N", &O::admin_queue, 1, 1024, nullptr, nullptr,
-     "admin calls waiting at most; beyond: RESOURCE_EXHAUSTED"},
-    {"--max-layers", "max_layers", "N", &O::max_layers, 1, 100000, nullptr, nullptr,
-     "layers held at most; a load beyond: RESOURCE_EXHAUSTED"},
-    {"--max-layer-mb", "max_layer_mb", "N", &O::max_layer_mb, 1, 1 << 30, nullptr, nullptr,
-     "weights of every held layer and form together, in MiB; a load beyond: RESOURCE_EXHAUSTED"},
-    {"--model-dir", "model_dirs", "DIR", {}, 0, 0, nullptr, AddModelDir,
-     "where LoadLayer over gRPC may read checkpoints (repeatable; YAML: a list); none: API loads of "
-     "safetensors sources are refused"},
-    {"--tls-cert", "tls_cert", "FILE", &O::tls_cert, 0, 0, nullptr, nullptr,
-     "PEM certificate chain: every gRPC listener speaks TLS (with --tls-key; read at start-up)"},
-    {"--tls-key", "tls_key", "FILE", &O::tls_key, 0, 0, nullptr, nullptr, "PEM private key of --tls-cert"},
-    {"--tls-client-ca", "tls_client_ca", "FILE", &O::tls_client_ca, 0, 0, nullptr, nullptr,
-     "PEM CA bundle: clients must present a certificate it signed (mTLS)"},
-    {"--max-concurrent-streams", "max_concurrent_streams", "N", &O::max_concurrent_streams, 1, 100000, nullptr,
-     nullptr, "concurrent calls per HTTP/2 connection"},
-    {"--keepalive-min-ping-interval-s", "keepalive_min_ping_interval_s", "N", &O::keepalive_min_ping_interval_s, 1,
-     86400, nullptr, nullptr, "client pings closer together than this are strikes"},
-    {"--keepalive-max-ping-strikes", "keepalive_max_ping_strikes", "N", &O::keepalive_max_ping_strikes, 0, 1000,
-     nullptr, nullptr, "strikes before the connection is closed (0: no limit)"},
-    {"--max-connection-age-s", "max_connection_age_s", "N", &O::max_connection_age_s, 0, 2000000, nullptr, nullptr,
-     "close connections after this long, gracefully (0: never)"},
-    {"--max-connection-age-grace-s", "max_connection_age_grace_s", "N", &O::max_connection_age_grace_s, 0, 86400,
-     nullptr, nullptr, "calls in flight on an aged connection get this long"},
-    {"--max-metadata-kb", "max_metadata_kb", "N", &O::max_metadata_kb, 1, 1024, nullptr, nullptr,
-     "request metadata (headers) at most, in KiB"},
-    {"--metrics-listen", "metrics_listen", "ADDR", &O::metrics_listen, 0, 0, CheckAddress, nullptr,
-     "serve Prometheus metrics at http(s)://ADDR/metrics; port 0 picks a free port (docs/metrics.md)"},
-    {"--metrics-port-file", "metrics_port_file", "FILE", &O::metrics_port_file, 0, 0, nullptr, nullptr,
-     "also write the metrics port to FILE once listening"},
-    {"--metrics-web-config", "metrics_web_config", "FILE", &O::metrics_web_config, 0, 0, nullptr, nullptr,
-     "TLS and basic auth of the metrics endpoint, in Prometheus's web.config.file format (docs/security.md)"},
-    {"--route", "routes", "LAYER=SPEC", {}, 0, 0, nullptr, AddRoute,
-     "split requests to LAYER that leave the form unspecified, SPEC = FORM:WEIGHT,... e.g. "
-     "factored:90,summed:10; LAYER '*' = every layer without its own (repeatable; YAML: a mapping)"},
-    {"--routes-file", "routes_file", "FILE", &O::routes_file, 0, 0, nullptr, nullptr,
-     "YAML file 'routes: {LAYER: SPEC}' read at start and followed (inotify; reloaded on change, a bad file refused "
-     "whole); the fleet's one split: excludes --route, and SetRouting may not change routes"},
-    {"--shadow-rate", "shadow_rate", "R", &O::shadow_rate, 0, 0, nullptr, nullptr,
-     "also run this fraction of requests by another held form, off the request path, and record the divergence"},
-    {"--shadow-queue", "shadow_queue", "N", &O::shadow_queue, 1, 100000, nullptr, nullptr,
-     "shadow runs waiting at most; beyond: dropped and counted"},
-    {"--help", "", "", &O::help, 0, 0, nullptr, nullptr, "print this help and exit"},
-    {"--version", "", "", &O::version, 0, 0, nullptr, nullptr, "print the version and exit"},
-};
 
 const Setting* FindFlag(std::string_view flag) {
   if (flag == "-h") flag = "--help";
-  for (const Setting& s : kSettings) {
+  for (const Setting& s : Settings()) {
     if (s.flag == flag) return &s;
   }
   return nullptr;
 }
 
 const Setting* FindKey(std::string_view key) {
-  for (const Setting& s : kSettings) {
+  for (const Setting& s : Settings()) {
     if (!s.key.empty() && s.key == key) return &s;
   }
   return nullptr;
@@ -282,22 +74,61 @@ const Setting* FindKey(std::string_view key) {
 // Sets one value of `setting` from text; `what` names the flag or key in errors.
 Status Apply(const Setting& setting, const std::string& what, const std::string& text, ServerOptions* o) {
   if (setting.add != nullptr) return setting.add(what, text, o);
-  if (auto* s = std::get_if<std::string ServerOptions::*>(&setting.member)) {
-    if (setting.check != nullptr) ATTNSERVE_RETURN_IF_ERROR(setting.check(what, text));
+  if (setting.check != nullptr) ATTNSERVE_RETURN_IF_ERROR(setting.check(what, text));
+  const auto& m = setting.member;
+  if (auto* s = std::get_if<std::string ServerOptions::*>(&m)) {
     o->**s = text;
     return OkStatus();
   }
-  if (auto* i = std::get_if<int ServerOptions::*>(&setting.member)) {
-    return CheckInt(what, text, setting.min, setting.max, &(o->**i));
+  if (auto* s = std::get_if<std::string* (*)(ServerOptions*)>(&m)) {
+    *(*s)(o) = text;
+    return OkStatus();
   }
-  if (auto* b = std::get_if<bool ServerOptions::*>(&setting.member)) return CheckBool(what, text, &(o->**b));
-  if (auto* d = std::get_if<double ServerOptions::*>(&setting.member)) return CheckFraction(what, text, &(o->**d));
+  if (auto* i = std::get_if<int ServerOptions::*>(&m)) return CheckInt(what, text, setting.min, setting.max, &(o->**i));
+  if (auto* i = std::get_if<int* (*)(ServerOptions*)>(&m)) return CheckInt(what, text, setting.min, setting.max, (*i)(o));
+  if (auto* b = std::get_if<bool ServerOptions::*>(&m)) return CheckBool(what, text, &(o->**b));
+  if (auto* b = std::get_if<bool* (*)(ServerOptions*)>(&m)) return CheckBool(what, text, (*b)(o));
+  if (auto* d = std::get_if<double ServerOptions::*>(&m)) return CheckFraction(what, text, &(o->**d));
+  if (auto* bytes = std::get_if<Scaled>(&m)) {
+    int64_t units = 0;
+    ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, text, setting.min, setting.max, &units));
+    *bytes->at(o) = units << bytes->shift;
+    return OkStatus();
+  }
+  if (auto* us = std::get_if<Micros>(&m)) {
+    int64_t micros = 0;
+    ATTNSERVE_RETURN_IF_ERROR(CheckInt(what, text, setting.min, setting.max, &micros));
+    *us->at(o) = std::chrono::microseconds(micros);
+    return OkStatus();
+  }
+  if (auto* choice = std::get_if<Choice>(&m)) return choice->set(what, text, o);
   return InternalError(what + ": setting has no destination");
+}
+
+// A setting's value in `o` as its flag takes it ("" for repeatable settings).
+std::string ValueText(const Setting& s, ServerOptions& o) {
+  const auto& m = s.member;
+  if (auto* str = std::get_if<std::string ServerOptions::*>(&m)) return o.**str;
+  if (auto* str = std::get_if<std::string* (*)(ServerOptions*)>(&m)) return *(*str)(&o);
+  if (auto* i = std::get_if<int ServerOptions::*>(&m)) return std::to_string(o.**i);
+  if (auto* i = std::get_if<int* (*)(ServerOptions*)>(&m)) return std::to_string(*(*i)(&o));
+  if (auto* b = std::get_if<bool ServerOptions::*>(&m)) return o.**b ? "true" : "false";
+  if (auto* b = std::get_if<bool* (*)(ServerOptions*)>(&m)) return *(*b)(&o) ? "true" : "false";
+  if (auto* bytes = std::get_if<Scaled>(&m)) return std::to_string(*bytes->at(&o) >> bytes->shift);
+  if (auto* us = std::get_if<Micros>(&m)) return std::to_string(us->at(&o)->count());
+  if (auto* choice = std::get_if<Choice>(&m)) return std::string(choice->shown_default);
+  if (auto* d = std::get_if<double ServerOptions::*>(&m)) {
+    std::string text = std::to_string(o.**d);
+    text.erase(text.find_last_not_of('0') + 1);
+    if (text.back() == '.') text.pop_back();
+    return text;
+  }
+  return "";
 }
 
 std::string KnownKeys() {
   std::string keys;
-  for (const Setting& s : kSettings) {
+  for (const Setting& s : Settings()) {
     if (!s.key.empty()) keys += (keys.empty() ? "" : ", ") + std::string(s.key);
   }
   return keys;
@@ -379,19 +210,11 @@ Status CheckCombinations(const ServerOptions& o) {
 }
 
 // "  --flag METAVAR   help (default X)", wrapped at 100 columns.
-std::string UsageLine(const Setting& s, const ServerOptions& defaults) {
+std::string UsageLine(const Setting& s, ServerOptions& defaults) {
   std::string head = "  " + std::string(s.flag) + (s.metavar.empty() ? "" : " " + std::string(s.metavar));
   std::string help(s.help);
-  std::string def;
-  if (auto* str = std::get_if<std::string ServerOptions::*>(&s.member)) {
-    def = defaults.**str;
-  } else if (auto* i = std::get_if<int ServerOptions::*>(&s.member)) {
-    def = std::to_string(defaults.**i);
-  } else if (auto* d = std::get_if<double ServerOptions::*>(&s.member)) {
-    def = std::to_string(defaults.**d);
-    def.erase(def.find_last_not_of('0') + 1);
-    if (def.back() == '.') def.pop_back();
-  }
+  // Booleans are off unless given; their default goes without saying.
+  const std::string def = s.metavar.empty() ? "" : ValueText(s, defaults);
   if (!def.empty() && !s.secret) help += " (default " + def + ")";
   constexpr size_t kHelpColumn = 34, kWidth = 100;
   std::string out = head;
@@ -537,14 +360,14 @@ StatusOr<ServerOptions> ParseServerOptions(int argc, const char* const* argv) {
 }
 
 std::string UsageText() {
-  const ServerOptions defaults;
+  ServerOptions defaults;  // not const: the accessors take a pointer
   std::string text =
       "Usage: attnserve [flags]\n"
       "Serves multi-head attention layers over gRPC (attnserve.v1.AttentionService, grpc.health.v1,\n"
       "server reflection). Flags override the --config file; docs/service.md has each setting.\n"
       "Without --layer the server serves '" +
       std::string(kDemoLayerName) + "' = " + kDemoLayerSource + ".\n\n";
-  for (const Setting& s : kSettings) {
+  for (const Setting& s : Settings()) {
     if (!s.flag.empty()) text += UsageLine(s, defaults);
   }
   text +=
@@ -556,15 +379,11 @@ std::string UsageText() {
 }
 
 std::vector<SettingDoc> SettingDocs() {
-  const ServerOptions defaults;
+  ServerOptions defaults;  // not const: the accessors take a pointer
   std::vector<SettingDoc> docs;
-  for (const Setting& s : kSettings) {
-    SettingDoc d{std::string(s.flag), std::string(s.key), std::string(s.metavar), std::string(s.help), ""};
-    if (auto* str = std::get_if<std::string ServerOptions::*>(&s.member)) d.default_value = defaults.**str;
-    if (auto* i = std::get_if<int ServerOptions::*>(&s.member)) d.default_value = std::to_string(defaults.**i);
-    if (auto* b = std::get_if<bool ServerOptions::*>(&s.member)) d.default_value = defaults.**b ? "true" : "false";
-    if (auto* f = std::get_if<double ServerOptions::*>(&s.member)) d.default_value = std::to_string(defaults.**f);
-    docs.push_back(std::move(d));
+  for (const Setting& s : Settings()) {
+    docs.push_back({std::string(s.flag), std::string(s.key), std::string(s.metavar), std::string(s.help),
+                    ValueText(s, defaults)});
   }
   return docs;
 }

@@ -3,12 +3,17 @@
 // Thread-safety: plain values and pure functions; parse once in main.
 #pragma once
 
+#include <chrono>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "server/backend/select.h"
+#include "server/batching/batcher.h"
 #include "server/core/status.h"
+#include "server/store/layer_store.h"
 
 namespace attnserve {
 
@@ -17,25 +22,20 @@ struct ServerOptions {
   std::string port_file;  // when set, the bound port is written there once listening
   // NAME=SOURCE pairs in load order. Empty after parsing: serve the built-in demo layer.
   std::vector<std::pair<std::string, std::string>> layers;
-  int threads = 0;  // the CPU backend's threads per Forward; 0 = every core
-  // How long the CPU backend's helper threads spin after a forward before they sleep
-  // (ComputeTeam, server/backend/compute_team.h).
-  int cpu_idle_spin_us = 500;
-  int workers = 1;  // batcher threads running batches side by side
-  // How long a batcher thread polls for the next request after a batch before it sleeps.
-  int worker_idle_spin_us = 500;
+  // The backend (docs/architecture.md): the device (auto takes a usable GPU when there is one,
+  // else the CPU) and each kind's options, typed; the server passes them on as they are.
+  BackendOptions backend;
   // The dynamic batcher (docs/architecture.md, "Batching"); defaults measured in
-  // docs/journal/benchmarks-journal.md, "The dynamic batcher".
-  int max_batch_requests = 32;    // requests in one batch at most
-  int max_batch_tokens = 8192;    // tokens (query + context rows) in one batch at most
-  int max_queue_delay_us = 0;     // how long the oldest request waits for others (0: greedy)
-  int max_queue_requests = 256;   // per (layer, form) queue; beyond: RESOURCE_EXHAUSTED
+  // docs/journal/benchmarks-journal.md, "The dynamic batcher". max_queue_delay 0: greedy (a batch
+  // is what queued while the device was busy); beyond max_queue_requests per (layer, form)
+  // queue: RESOURCE_EXHAUSTED; a worker polls its queues idle_spin after a batch before it sleeps.
+  BatchPolicy batching{.max_batch_requests = 32,
+                       .max_batch_tokens = 8192,
+                       .max_queue_delay = std::chrono::microseconds(0),
+                       .max_queue_requests = 256,
+                       .workers = 1,
+                       .idle_spin = std::chrono::microseconds(500)};
   int drain_timeout_s = 30;       // on SIGTERM: how long accepted requests get to finish
-  // The backend (docs/architecture.md): auto takes a usable GPU when there is one, else the CPU.
-  std::string device = "auto";
-  std::string cpu_gemm = "auto";  // auto, eigen or onednn: the CPU backend's GEMM library
-  std::string cpu_weight_layout = "auto";  // auto, packed, packed-bf16 or plain: the CPU backend's weights
-  std::string gpu_math = "fp32";  // fp32, or tf32 for TF32 tensor-core GEMMs on the GPU
   int max_message_mb = 64;   // receive and send limit
   // Attention scores one request may ask for, in millions: Σ over its sequences of n · m · heads.
   // A bound on its work (the scores and the mix grow with it), not on its memory: the backends
@@ -45,8 +45,6 @@ struct ServerOptions {
   // What admitted requests may hold at once (inputs, outputs, copies, backend scratch), MiB;
   // 0: half the container's memory limit, else half the machine's memory.
   int max_memory_mb = 0;
-  // Device memory the GPU backend may hold (weights and workspaces), MiB; 0: 90 % of the card's.
-  int max_device_memory_mb = 0;
   std::string log_level = "info";
   bool log_json = false;
   // The admin API (LoadLayer, UnloadLayer, SetRouting; docs/security.md). Closed on --listen
@@ -55,11 +53,11 @@ struct ServerOptions {
   std::string admin_listen;  // HOST:PORT of a second listener that also serves the admin API
   std::string admin_port_file;
   int admin_queue = 8;             // admin calls waiting at most; beyond: RESOURCE_EXHAUSTED
-  int max_layers = 32;             // layers held at most
-  int max_layer_mb = 16384;        // weights of every held layer and form together, MiB
-  // Directories LoadLayer over gRPC may read checkpoints from; none: API loads of safetensors
-  // sources are refused (sources from flags and the config file are not confined).
-  std::vector<std::string> model_dirs;
+  // The layers held (at most max_layers, weights of every layer and form together at most
+  // max_total_bytes) and the directories LoadLayer over gRPC may read checkpoints from; none:
+  // API loads of safetensors sources are refused (sources from flags and the config file are
+  // not confined).
+  LayerStoreOptions store{.max_layers = 32, .max_total_bytes = int64_t{16384} << 20};
   // TLS on every gRPC listener (PEM files); with tls_client_ca, clients must present a
   // certificate it signed (mTLS).
   std::string tls_cert, tls_key, tls_client_ca;

@@ -14,8 +14,12 @@ namespace attnserve {
 class Backend;
 }
 
-// Bumped whenever this table, or anything passed through it, changes shape.
-#define ATTNSERVE_PLUGIN_ABI_VERSION 3u
+// Bumped whenever this table, or anything passed through it, changes shape. 4: the backend's
+// options cross as key=value data (AttnserveOptions) instead of positional arguments.
+#define ATTNSERVE_PLUGIN_ABI_VERSION 4u
+
+// The layout of AttnserveOptions; the plugin refuses another (and a struct of another size).
+#define ATTNSERVE_PLUGIN_OPTIONS_VERSION 1u
 
 // This build's identity (the project version, commit and compiler, set by CMake); a plugin
 // reports the id of the build that made it.
@@ -25,15 +29,31 @@ class Backend;
 
 extern "C" {
 
+// One option: a key of the backend's options table (server/backend/cuda_options.h) and its value
+// as text. Both NUL-terminated, owned by the caller for the duration of the call.
+struct AttnserveOption {
+  const char* key;
+  const char* value;
+};
+
+// The backend's options as data: a new option is a new key, not a new parameter. The plugin
+// refuses a struct of another size or version, an unknown key or a value it cannot take, with
+// an error naming the option, what it expects and what it got; keys left out keep its defaults.
+struct AttnserveOptions {
+  uint32_t struct_size;  // sizeof(AttnserveOptions) in the caller's build
+  uint32_t version;      // ATTNSERVE_PLUGIN_OPTIONS_VERSION of the caller's build
+  const AttnserveOption* options;
+  size_t count;
+};
+
 struct AttnservePluginApi {
   uint32_t abi_version;  // ATTNSERVE_PLUGIN_ABI_VERSION of the plugin's build
   const char* build_id;  // ATTNSERVE_BUILD_ID of the plugin's build
   // Usable devices; 0 with the reason in `why`.
   int (*device_count)(char* why, size_t why_size);
-  // A new backend the caller owns, or nullptr with the reason in `error`. max_device_bytes:
-  // the device memory it may hold (0: its default share of the device).
-  attnserve::Backend* (*make_backend)(int device, bool tf32, int64_t max_device_bytes, char* error,
-                                      size_t error_size);
+  // A new backend the caller owns, or nullptr with the reason in `error` (a refused option
+  // among them).
+  attnserve::Backend* (*make_backend)(const AttnserveOptions* options, char* error, size_t error_size);
 };
 
 // The one symbol a plugin exports.

@@ -6,8 +6,10 @@
 #include <charconv>
 #include <climits>
 #include <cstdlib>
+#include <vector>
 
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/backend/cuda_options.h"
 #include "server/backend/plugin_abi.h"
 
 namespace attnserve {
@@ -23,20 +25,15 @@ int CudaIndex(const std::string& device) {
   return ec == std::errc() && p == end && index >= 0 ? index : -1;
 }
 
-StatusOr<ChosenBackend> Cpu(const DeviceChoice& choice, std::string why) {
-  ATTNSERVE_ASSIGN_OR_RETURN(const GemmLibrary gemm, ParseGemmLibrary(choice.cpu_gemm));
-  ATTNSERVE_ASSIGN_OR_RETURN(const WeightLayout layout, ParseWeightLayout(choice.cpu_weight_layout));
-  auto cpu = std::make_unique<CpuBackend>(
-      CpuBackendOptions{.threads = choice.cpu_threads,
-                        .gemm = gemm,
-                        .weight_layout = layout,
-                        .idle_spin = std::chrono::microseconds(choice.cpu_idle_spin_us)});
-  const std::string blas(GemmLibraryName(gemm));
+StatusOr<ChosenBackend> Cpu(const CpuBackendOptions& options, std::string why) {
+  const WeightLayout layout = options.weight_layout;
+  auto cpu = std::make_unique<CpuBackend>(options);
+  const std::string blas(GemmLibraryName(options.gemm));
   why += " (" + std::to_string(cpu->threads()) + " threads, " + blas + " GEMMs, " +
          (layout == WeightLayout::kPacked       ? "weights packed, "
           : layout == WeightLayout::kPackedBf16 ? "weights packed as bfloat16, "
                                                 : "weights row-major, ") +
-         "idle spin " + std::to_string(choice.cpu_idle_spin_us) + " µs, " + std::string(CpuIsa()) + ")";
+         "idle spin " + std::to_string(options.idle_spin.count()) + " µs, " + std::string(CpuIsa()) + ")";
   return ChosenBackend{std::move(cpu), std::move(why), blas};
 }
 
@@ -56,6 +53,10 @@ std::string PluginPath() {
 
 StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, bool tf32,
                                                   int64_t max_device_bytes) {
+  return LoadCudaPlugin(path, CudaBackendOptions{.device = index, .tf32 = tf32, .max_device_bytes = max_device_bytes});
+}
+
+StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, const CudaBackendOptions& options) {
   // Never unloaded: the backend's code lives there for the life of the process.
   void* plugin = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (plugin == nullptr) return UnavailableError(std::string("cannot load the CUDA backend: ") + dlerror());
@@ -78,7 +79,10 @@ StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int i
   }
   char why[512] = "";
   if (api->device_count(why, sizeof why) == 0) return UnavailableError(std::string("no usable GPU: ") + why);
-  Backend* backend = api->make_backend(index, tf32, max_device_bytes, why, sizeof why);
+  const OptionPairs pairs = EncodeCudaOptions(options);
+  std::vector<AttnserveOption> items;
+  const AttnserveOptions data = CudaOptionsView(pairs, &items);
+  Backend* backend = api->make_backend(&data, why, sizeof why);
   if (backend == nullptr) return UnavailableError(why);
   return std::unique_ptr<Backend>(backend);
 }
@@ -96,32 +100,30 @@ Status ValidateDevice(const std::string& device) {
   return InvalidArgumentError("device: expected auto, cpu, cuda or cuda:N, got '" + device + "'");
 }
 
-Status ValidateCpuGemm(const std::string& gemm) { return ParseGemmLibrary(gemm).status(); }
-
-Status ValidateCpuWeightLayout(const std::string& layout) { return ParseWeightLayout(layout).status(); }
-
-StatusOr<ChosenBackend> ChooseBackend(const DeviceChoice& choice) {
-  ATTNSERVE_RETURN_IF_ERROR(ValidateDevice(choice.device));
-  if (choice.device == "cpu") return Cpu(choice, "cpu: asked for");
-  const int index = choice.device == "auto" ? 0 : CudaIndex(choice.device);
+StatusOr<ChosenBackend> ChooseBackend(const BackendOptions& options) {
+  ATTNSERVE_RETURN_IF_ERROR(ValidateDevice(options.device));
+  if (options.device == "cpu") return Cpu(options.cpu, "cpu: asked for");
+  CudaBackendOptions cuda = options.cuda;
+  cuda.device = options.device == "auto" ? 0 : CudaIndex(options.device);
 #ifdef ATTNSERVE_CUDA_PLUGIN
-  auto gpu = LoadCudaPlugin(PluginPath(), index, choice.tf32, choice.max_device_bytes);
+  auto gpu = LoadCudaPlugin(PluginPath(), cuda);
   if (gpu.ok()) {
     return ChosenBackend{std::move(gpu).value(),
-                         "cuda:" + std::to_string(index) + ": " +
-                             (choice.device == "auto" ? "a usable GPU is present" : "asked for") +
-                             (choice.tf32 ? ", TF32 GEMMs" : ", fp32 GEMMs"),
-                         choice.tf32 ? "cublas-tf32" : "cublas"};
+                         "cuda:" + std::to_string(cuda.device) + ": " +
+                             (options.device == "auto" ? "a usable GPU is present" : "asked for") +
+                             (cuda.tf32 ? ", TF32 GEMMs" : ", fp32 GEMMs") + ", " +
+                             std::to_string(cuda.staging_threads) + " staging threads" +
+                             (cuda.summed_mix_first ? ", summed mix-first" : ""),
+                         cuda.tf32 ? "cublas-tf32" : "cublas"};
   }
-  if (choice.device != "auto") return UnavailableError("--device " + choice.device + ": " + gpu.status().message());
-  return Cpu(choice, "cpu: " + gpu.status().message());
+  if (options.device != "auto") return UnavailableError("--device " + options.device + ": " + gpu.status().message());
+  return Cpu(options.cpu, "cpu: " + gpu.status().message());
 #else
-  if (choice.device != "auto") {
-    return UnavailableError("--device " + choice.device +
+  if (options.device != "auto") {
+    return UnavailableError("--device " + options.device +
                             ": this build has no CUDA backend (built without the CUDA toolkit)");
   }
-  (void)index;
-  return Cpu(choice, "cpu: this build has no CUDA backend");
+  return Cpu(options.cpu, "cpu: this build has no CUDA backend");
 #endif
 }
 

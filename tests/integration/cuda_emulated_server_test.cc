@@ -167,6 +167,42 @@ TEST_F(CudaEmulatedServerTest, AContainedErrorTakesTheServerOutOfRotation) {
   EXPECT_EQ(server.process->Stop(SIGTERM), 0) << server.process->Log();
 }
 
+// The CUDA backend's flags reach the backend through the plugin's options: the start-up line
+// names them, small requests are still answered as float64 answers them, and a 1 MiB bound on a
+// lane's workspace refuses a 4096-token sequence, naming that bound.
+TEST_F(CudaEmulatedServerTest, TheGpuFlagsReachTheBackend) {
+  EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer, "--gpu-staging-threads", "2",
+                            "--gpu-summed-mix-first", "--gpu-max-lane-workspace-mb", "1",
+                            "--gpu-max-score-workspace-mb", "1", "--gpu-staging-slice-kb", "16"},
+                           {});
+  ASSERT_NE(server.process, nullptr) << server.error;
+  EXPECT_THAT(server.process->Log(), HasSubstr("2 staging threads, summed mix-first"));
+
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = kDModel, .heads = kHeads}), kSeed);
+  std::mt19937_64 rng(8);
+  const int64_t n = 9;
+  const std::vector<float> x = testing::RandomVector(rng, n * kDModel);
+  Sequence s;
+  s.input = ConstMatrixView(x.data(), n, kDModel);
+  s.causal = true;
+  const std::vector<double> want = ReferenceForward(w, s);
+  for (v1::Form form : {v1::FORM_FACTORED, v1::FORM_SUMMED}) {
+    v1::ForwardResponse resp;
+    const grpc::Status st = server.client().Forward(Request(form, x, 1, n), &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    std::vector<float> got;
+    ASSERT_TRUE(TensorToFloats(resp.output(), &got).ok());
+    EXPECT_LT(testing::RelativeL2(got.data(), want), 1e-5) << v1::Form_Name(form);
+  }
+
+  const int64_t long_n = 4096;  // its inputs, projections and outputs alone pass 1 MiB
+  v1::ForwardResponse resp;
+  const grpc::Status refused = server.client().Forward(
+      Request(v1::FORM_FACTORED, testing::RandomVector(rng, long_n * kDModel), 1, long_n), &resp);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), HasSubstr("1.0 MiB is one lane's bound (max_lane_workspace_bytes)"));
+}
+
 TEST_F(CudaEmulatedServerTest, NoGpuAutoFallsBackToTheCpuAndCudaRefusesToStart) {
   EmulatedGpuServer fallback({"--device", "auto", "--layer", kLayer}, {"ATTNSERVE_CUDA_EMULATION_DEVICES=0"});
   ASSERT_NE(fallback.process, nullptr) << fallback.error;

@@ -57,14 +57,14 @@ TEST(ServerOptionsTest, FlagsInBothSpellings) {
   ASSERT_EQ(o->layers.size(), 2u);
   EXPECT_EQ(o->layers[0], std::make_pair(std::string("a"), std::string("random:d_model=8,heads=2")));
   EXPECT_EQ(o->layers[1].second, "safetensors:/x.st");
-  EXPECT_EQ(o->threads, 3);
-  EXPECT_EQ(o->workers, 2);
+  EXPECT_EQ(o->backend.cpu.threads, 3);
+  EXPECT_EQ(o->batching.workers, 2);
   EXPECT_EQ(o->max_message_mb, 1);
   EXPECT_EQ(o->log_level, "debug");
   EXPECT_TRUE(o->log_json);
   EXPECT_EQ(o->admin_token, "s3cret-s3cret-s3cret");
   EXPECT_EQ(o->port_file, "/tmp/p");
-  EXPECT_EQ(o->max_queue_requests, 5);
+  EXPECT_EQ(o->batching.max_queue_requests, 5);
   EXPECT_EQ(o->max_scores_m, 16);
 }
 
@@ -109,7 +109,7 @@ TEST(ServerOptionsTest, YamlFileWithFlagsOverriding) {
   std::remove(path.c_str());
   ASSERT_TRUE(o.ok()) << o.status().ToString();
   EXPECT_EQ(o->listen, "127.0.0.1:6000");
-  EXPECT_EQ(o->threads, 2) << "the flag wins over the file";
+  EXPECT_EQ(o->backend.cpu.threads, 2) << "the flag wins over the file";
   EXPECT_EQ(o->max_message_mb, 8);
   EXPECT_EQ(o->max_scores_m, 100);
   EXPECT_EQ(o->log_level, "warn");
@@ -123,7 +123,7 @@ TEST(ServerOptionsTest, ConfigIsReadFirstWhereverItStands) {
   StatusOr<ServerOptions> o = Parse({"--threads", "2", "--config", path});
   std::remove(path.c_str());
   ASSERT_TRUE(o.ok());
-  EXPECT_EQ(o->threads, 2);
+  EXPECT_EQ(o->backend.cpu.threads, 2);
 }
 
 TEST(ServerOptionsTest, Errors) {
@@ -173,17 +173,17 @@ TEST(ServerOptionsTest, BatchingSettingsFromFlagsAndYaml) {
   auto o = Parse({"--max-batch-requests", "1", "--max-batch-tokens=4096", "--max-queue-delay-us", "0",
                   "--drain-timeout-s", "5"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
-  EXPECT_EQ(o->max_batch_requests, 1);
-  EXPECT_EQ(o->max_batch_tokens, 4096);
-  EXPECT_EQ(o->max_queue_delay_us, 0);
-  EXPECT_EQ(o->max_queue_requests, 256);  // default
+  EXPECT_EQ(o->batching.max_batch_requests, 1);
+  EXPECT_EQ(o->batching.max_batch_tokens, 4096);
+  EXPECT_EQ(o->batching.max_queue_delay.count(), 0);
+  EXPECT_EQ(o->batching.max_queue_requests, 256);  // default
   EXPECT_EQ(o->drain_timeout_s, 5);
   ServerOptions from_yaml;
   ASSERT_TRUE(ApplyYamlConfig("max_batch_requests: 7\nmax_queue_delay_us: 250\ndrain_timeout_s: 12\n", "test.yaml",
                               &from_yaml)
                   .ok());
-  EXPECT_EQ(from_yaml.max_batch_requests, 7);
-  EXPECT_EQ(from_yaml.max_queue_delay_us, 250);
+  EXPECT_EQ(from_yaml.batching.max_batch_requests, 7);
+  EXPECT_EQ(from_yaml.batching.max_queue_delay.count(), 250);
   EXPECT_EQ(from_yaml.drain_timeout_s, 12);
   EXPECT_THAT(Parse({"--max-batch-requests", "0"}).status().message(),
               HasSubstr("--max-batch-requests: expected an integer in [1, 4096], got '0'"));
@@ -202,13 +202,13 @@ namespace {
 TEST(ServerOptionsTest, MaxDeviceMemoryFromFlagAndYaml) {
   auto defaults = Parse({});
   ASSERT_TRUE(defaults.ok()) << defaults.status().ToString();
-  EXPECT_EQ(defaults->max_device_memory_mb, 0);
+  EXPECT_EQ(defaults->backend.cuda.max_device_bytes, 0);
   auto o = Parse({"--max-device-memory-mb", "40960"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
-  EXPECT_EQ(o->max_device_memory_mb, 40960);
+  EXPECT_EQ(o->backend.cuda.max_device_bytes, int64_t{40960} << 20);
   ServerOptions from_yaml;
   ASSERT_TRUE(ApplyYamlConfig("max_device_memory_mb: 1234\n", "gpu.yaml", &from_yaml).ok());
-  EXPECT_EQ(from_yaml.max_device_memory_mb, 1234);
+  EXPECT_EQ(from_yaml.backend.cuda.max_device_bytes, int64_t{1234} << 20);
   EXPECT_THAT(Parse({"--max-device-memory-mb", "-5"}).status().message(),
               HasSubstr("--max-device-memory-mb: expected an integer in [0, 1073741824], got '-5'"));
   EXPECT_THAT(ApplyYamlConfig("max_device_memory_mb: lots\n", "gpu.yaml", &from_yaml).message(),
@@ -218,16 +218,16 @@ TEST(ServerOptionsTest, MaxDeviceMemoryFromFlagAndYaml) {
 TEST(ServerOptionsTest, CpuWeightLayoutFromFlagAndYaml) {
   auto defaults = Parse({});
   ASSERT_TRUE(defaults.ok()) << defaults.status().ToString();
-  EXPECT_EQ(defaults->cpu_weight_layout, "auto");
+  EXPECT_EQ(defaults->backend.cpu.weight_layout, *ParseWeightLayout("auto"));
   auto o = Parse({"--cpu-weight-layout", "plain"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
-  EXPECT_EQ(o->cpu_weight_layout, "plain");
+  EXPECT_EQ(o->backend.cpu.weight_layout, WeightLayout::kPlain);
   ServerOptions from_yaml;
   ASSERT_TRUE(ApplyYamlConfig("cpu_weight_layout: plain\n", "cpu.yaml", &from_yaml).ok());
-  EXPECT_EQ(from_yaml.cpu_weight_layout, "plain");
+  EXPECT_EQ(from_yaml.backend.cpu.weight_layout, WeightLayout::kPlain);
   if (PanelWidth() > 0) {  // the bfloat16 panels need the backend's own kernel
     ASSERT_TRUE(ApplyYamlConfig("cpu_weight_layout: packed-bf16\n", "cpu.yaml", &from_yaml).ok());
-    EXPECT_EQ(from_yaml.cpu_weight_layout, "packed-bf16");
+    EXPECT_EQ(from_yaml.backend.cpu.weight_layout, WeightLayout::kPackedBf16);
   }
   EXPECT_THAT(Parse({"--cpu-weight-layout", "blocked"}).status().message(),
               HasSubstr("--cpu-weight-layout: cpu weight layout: expected auto, packed, packed-bf16 or plain, "
@@ -239,22 +239,24 @@ TEST(ServerOptionsTest, IdleSpinsFromFlagAndYaml) {
   struct Spin {
     const char* flag;
     const char* key;
-    int ServerOptions::*member;
+    int64_t (*us)(const ServerOptions&);
     int default_us;
   };
-  for (const Spin& spin : {Spin{"--cpu-idle-spin-us", "cpu_idle_spin_us", &ServerOptions::cpu_idle_spin_us, 500},
-                           Spin{"--worker-idle-spin-us", "worker_idle_spin_us", &ServerOptions::worker_idle_spin_us,
-                                500}}) {
+  for (const Spin& spin :
+       {Spin{"--cpu-idle-spin-us", "cpu_idle_spin_us",
+             [](const ServerOptions& o) -> int64_t { return o.backend.cpu.idle_spin.count(); }, 500},
+        Spin{"--worker-idle-spin-us", "worker_idle_spin_us",
+             [](const ServerOptions& o) -> int64_t { return o.batching.idle_spin.count(); }, 500}}) {
     SCOPED_TRACE(spin.flag);
     auto defaults = Parse({});
     ASSERT_TRUE(defaults.ok()) << defaults.status().ToString();
-    EXPECT_EQ((*defaults).*spin.member, spin.default_us);
+    EXPECT_EQ(spin.us(*defaults), spin.default_us);
     auto o = Parse({spin.flag, "0"});
     ASSERT_TRUE(o.ok()) << o.status().ToString();
-    EXPECT_EQ((*o).*spin.member, 0);
+    EXPECT_EQ(spin.us(*o), 0);
     ServerOptions from_yaml;
     ASSERT_TRUE(ApplyYamlConfig(std::string(spin.key) + ": 300\n", "spin.yaml", &from_yaml).ok());
-    EXPECT_EQ(from_yaml.*spin.member, 300);
+    EXPECT_EQ(spin.us(from_yaml), 300);
     EXPECT_THAT(Parse({spin.flag, "2000000"}).status().message(),
                 AllOf(HasSubstr(spin.flag), HasSubstr("[0, 1000000]"), HasSubstr("got '2000000'")));
     EXPECT_THAT(Parse({spin.flag, "-1"}).status().message(), HasSubstr(spin.flag));
@@ -309,6 +311,120 @@ TEST(ServerOptionsTest, RemovedSettingsSayWhatReplacedThem) {
   EXPECT_EQ(key.code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(key.message(), AllOf(HasSubstr("max_scores_mb: removed"), HasSubstr("max_scores_m")));
   EXPECT_THAT(Parse({"--max-scores-mbx", "1"}).status().message(), HasSubstr("unknown flag '--max-scores-mbx'"));
+}
+
+}  // namespace
+}  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// The CUDA backend's settings: each flag and key lands in BackendOptions::cuda in the backend's
+// own units, the defaults are the backend's (what the server ran with before they were
+// settings), and a bad value names the flag, the range and what was given.
+TEST(ServerOptionsTest, GpuSettingsFromFlagAndYaml) {
+  auto defaults = Parse({});
+  ASSERT_TRUE(defaults.ok()) << defaults.status().ToString();
+  const CudaBackendOptions backend_defaults;
+  const CudaBackendOptions& d = defaults->backend.cuda;
+  EXPECT_EQ(d.tf32, backend_defaults.tf32);
+  EXPECT_EQ(d.max_device_bytes, backend_defaults.max_device_bytes);
+  EXPECT_EQ(d.max_lane_workspace_bytes, backend_defaults.max_lane_workspace_bytes);
+  EXPECT_EQ(d.max_score_workspace_bytes, int64_t{256} << 20);
+  EXPECT_EQ(d.retain_workspace_bytes, int64_t{256} << 20);
+  EXPECT_EQ(d.staging_slice_bytes, int64_t{4} << 20);
+  EXPECT_EQ(d.staging_threads, 4);
+  EXPECT_FALSE(d.summed_mix_first);
+  EXPECT_FALSE(d.guard_zones);
+
+  auto o = Parse({"--gpu-math", "tf32", "--gpu-staging-threads", "7", "--gpu-summed-mix-first",
+                  "--gpu-max-score-workspace-mb", "33", "--gpu-max-lane-workspace-mb=65", "--gpu-retain-workspace-mb",
+                  "0", "--gpu-staging-slice-kb", "513"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  const CudaBackendOptions& c = o->backend.cuda;
+  EXPECT_TRUE(c.tf32);
+  EXPECT_EQ(c.staging_threads, 7);
+  EXPECT_TRUE(c.summed_mix_first);
+  EXPECT_EQ(c.max_score_workspace_bytes, int64_t{33} << 20);
+  EXPECT_EQ(c.max_lane_workspace_bytes, int64_t{65} << 20);
+  EXPECT_EQ(c.retain_workspace_bytes, 0);
+  EXPECT_EQ(c.staging_slice_bytes, int64_t{513} << 10);
+
+  ServerOptions from_yaml;
+  ASSERT_TRUE(ApplyYamlConfig("gpu_staging_threads: 3\ngpu_summed_mix_first: true\ngpu_max_lane_workspace_mb: 9\n"
+                              "gpu_math: tf32\n",
+                              "gpu.yaml", &from_yaml)
+                  .ok());
+  EXPECT_EQ(from_yaml.backend.cuda.staging_threads, 3);
+  EXPECT_TRUE(from_yaml.backend.cuda.summed_mix_first);
+  EXPECT_EQ(from_yaml.backend.cuda.max_lane_workspace_bytes, int64_t{9} << 20);
+  EXPECT_TRUE(from_yaml.backend.cuda.tf32);
+  auto off = Parse({"--gpu-summed-mix-first=false"});
+  ASSERT_TRUE(off.ok());
+  EXPECT_FALSE(off->backend.cuda.summed_mix_first);
+
+  struct Bad {
+    std::vector<std::string> args;
+    std::string message;
+  };
+  for (const Bad& bad :
+       {Bad{{"--gpu-staging-threads", "0"}, "--gpu-staging-threads: expected an integer in [1, 1024], got '0'"},
+        Bad{{"--gpu-staging-threads", "many"}, "--gpu-staging-threads: expected an integer in [1, 1024], got 'many'"},
+        Bad{{"--gpu-max-score-workspace-mb", "0"},
+            "--gpu-max-score-workspace-mb: expected an integer in [1, 1073741824], got '0'"},
+        Bad{{"--gpu-max-lane-workspace-mb", "-1"},
+            "--gpu-max-lane-workspace-mb: expected an integer in [0, 1073741824], got '-1'"},
+        Bad{{"--gpu-retain-workspace-mb", "2147483648"},
+            "--gpu-retain-workspace-mb: expected an integer in [0, 1073741824], got '2147483648'"},
+        Bad{{"--gpu-staging-slice-kb", "0"}, "--gpu-staging-slice-kb: expected an integer in [1, 1073741824], got '0'"},
+        Bad{{"--gpu-summed-mix-first=maybe"}, "--gpu-summed-mix-first: expected true or false, got 'maybe'"},
+        Bad{{"--gpu-math", "fp16"}, "--gpu-math: expected fp32 or tf32, got 'fp16'"}}) {
+    SCOPED_TRACE(bad.args[0]);
+    StatusOr<ServerOptions> got = Parse(bad.args);
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(got.status().message(), bad.message);
+  }
+  EXPECT_THAT(ApplyYamlConfig("gpu_staging_threads: 0\n", "gpu.yaml", &from_yaml).message(),
+              HasSubstr("gpu.yaml: gpu_staging_threads: expected an integer in [1, 1024], got '0'"));
+}
+
+// The enums are parsed once, at the settings: the CPU backend's GEMM library arrives typed, and
+// the default every enum row shows ("auto", "fp32") is what its field holds when not set.
+TEST(ServerOptionsTest, EnumsAreParsedOnceAndTheirShownDefaultsAreTheDefaults) {
+  auto o = Parse({"--cpu-gemm", "eigen"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->backend.cpu.gemm, GemmLibrary::kEigen);
+  EXPECT_THAT(Parse({"--cpu-gemm", "mkl"}).status().message(), AllOf(HasSubstr("--cpu-gemm: "), HasSubstr("'mkl'")));
+  const ServerOptions defaults;
+  for (const SettingDoc& s : SettingDocs()) {
+    if (s.flag != "--cpu-gemm" && s.flag != "--cpu-weight-layout" && s.flag != "--gpu-math") continue;
+    SCOPED_TRACE(s.flag);
+    auto shown = Parse({s.flag, s.default_value});
+    ASSERT_TRUE(shown.ok()) << shown.status().ToString();
+    EXPECT_EQ(shown->backend.cpu.gemm, defaults.backend.cpu.gemm);
+    EXPECT_EQ(shown->backend.cpu.weight_layout, defaults.backend.cpu.weight_layout);
+    EXPECT_EQ(shown->backend.cuda.tf32, defaults.backend.cuda.tf32);
+  }
+}
+
+// What the flags set is what the plugin receives: ChooseBackend loads the plugin that
+// ATTNSERVE_CUDA_PLUGIN_PATH names, here one that answers with the options it was given.
+TEST(ServerOptionsTest, TheGpuFlagsReachThePlugin) {
+  if (!BuiltWithCuda()) GTEST_SKIP() << "this build's server loads no CUDA plugin";
+  auto o = Parse({"--device", "cuda:2", "--gpu-math", "tf32", "--gpu-staging-threads", "6", "--gpu-summed-mix-first",
+                  "--max-device-memory-mb", "3000", "--gpu-max-lane-workspace-mb", "700",
+                  "--gpu-max-score-workspace-mb", "64", "--gpu-retain-workspace-mb", "32", "--gpu-staging-slice-kb",
+                  "256"});
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  setenv("ATTNSERVE_CUDA_PLUGIN_PATH", ATTNSERVE_ECHO_PLUGIN, 1);
+  StatusOr<ChosenBackend> chosen = ChooseBackend(o->backend);
+  unsetenv("ATTNSERVE_CUDA_PLUGIN_PATH");
+  ASSERT_FALSE(chosen.ok());
+  EXPECT_THAT(chosen.status().message(),
+              HasSubstr(" device=2 tf32=true max_score_workspace_bytes=67108864 max_device_bytes=3145728000 "
+                        "max_lane_workspace_bytes=734003200 retain_workspace_bytes=33554432 staging_slice_bytes=262144 "
+                        "staging_threads=6 summed_mix_first=true guard_zones=false"));
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "server/backend/cuda/cuda_backend.h"
+#include "server/backend/cuda_options.h"
 #include "server/backend/plugin_abi.h"
 
 namespace {
@@ -26,9 +27,15 @@ int DeviceCount(char* why, size_t why_size) {
   return count;
 }
 
-// A new CUDA backend the caller owns, or nullptr with the reason in `error`.
-attnserve::Backend* MakeBackend(int device, bool tf32, int64_t max_device_bytes, char* error, size_t error_size) {
-  auto backend = attnserve::MakeCudaBackend({.device = device, .tf32 = tf32, .max_device_bytes = max_device_bytes});
+// A new CUDA backend the caller owns, or nullptr with the reason in `error`: a refused option
+// (cuda_options.h names it) or a device that cannot be used.
+attnserve::Backend* MakeBackend(const AttnserveOptions* options, char* error, size_t error_size) {
+  auto decoded = attnserve::DecodeCudaOptions(options);
+  if (!decoded.ok()) {
+    CopyMessage(decoded.status().message(), error, error_size);
+    return nullptr;
+  }
+  auto backend = attnserve::MakeCudaBackend(*decoded);
   if (!backend.ok()) {
     CopyMessage(backend.status().message(), error, error_size);
     return nullptr;
