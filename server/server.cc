@@ -34,6 +34,7 @@
 #include "server/routing/router.h"
 #include "server/routing/routes_file.h"
 #include "server/routing/shadow.h"
+#include "server/service/forward_pipeline.h"
 #include "server/service/inference_service.h"
 #include "server/service/service.h"
 #include "server/store/layer_store.h"
@@ -236,33 +237,38 @@ Status Server::Build() {
   shadow_ = std::make_unique<ShadowRunner>(
       executor_.get(), ShadowOptions{.queue_capacity = options_.shadow_queue, .budget = memory_.get()}, metrics);
 
+  // One call path for every protocol and listener: one drain gate for all inference calls.
+  pipeline_ = std::make_unique<ForwardPipeline>(
+      store_.get(), executor_.get(),
+      ForwardPipelineOptions{.max_request_scores = int64_t{options_.max_scores_m} * 1000000,
+                             .metrics = metrics,
+                             .router = router_.get(),
+                             .shadow = shadow_.get(),
+                             .memory = memory_.get(),
+                             .backend = backend_,
+                             .max_response_bytes = int64_t{options_.max_message_mb} << 20});
   auto service_options = [&](AdminAccess access) {
     return ServiceOptions{.admin_access = access,
                           .admin_token = options_.admin_token,
                           .admin_queue = options_.admin_queue,
-                          .max_request_scores = int64_t{options_.max_scores_m} * 1000000,
                           .metrics = metrics,
                           .router = router_.get(),
-                          .routes_file = options_.routes_file,
-                          .shadow = shadow_.get(),
-                          .memory = memory_.get(),
-                          .backend = backend_,
-                          .max_response_bytes = int64_t{options_.max_message_mb} << 20};
+                          .routes_file = options_.routes_file};
   };
   // The public listener opens the admin API only to token holders; the admin listener, which
   // can only bind loopback without a token (server_options.cc), to whoever reaches it.
   const bool token = !options_.admin_token.empty();
-  service_ = std::make_unique<AttentionServiceImpl>(store_.get(), executor_.get(),
+  service_ = std::make_unique<AttentionServiceImpl>(store_.get(), pipeline_.get(),
                                                     service_options(token ? AdminAccess::kToken : AdminAccess::kClosed));
   if (!options_.admin_listen.empty()) {
     admin_service_ = std::make_unique<AttentionServiceImpl>(
-        store_.get(), executor_.get(), service_options(token ? AdminAccess::kToken : AdminAccess::kOpen));
+        store_.get(), pipeline_.get(), service_options(token ? AdminAccess::kToken : AdminAccess::kOpen));
   }
   // The Open Inference Protocol on the public listener, next to attnserve.v1: its ModelInfer
   // runs the same call path as Forward, so the drain and the device watch cover it too.
   Backend* backend = backend_;
   inference_service_ = std::make_unique<InferenceServiceImpl>(
-      store_.get(), service_.get(),
+      store_.get(), pipeline_.get(),
       InferenceServiceOptions{.version = ATTNSERVE_VERSION,
                               .device_healthy = [backend] { return backend->Healthy(); },
                               .max_queue_delay_us = options_.max_queue_delay_us});
@@ -370,12 +376,10 @@ void Server::Drain(int signal) {
   if (admin_listener_ != nullptr) admin_listener_->GetHealthCheckService()->Shutdown();
   const auto deadline = std::chrono::system_clock::now() + drain_timeout;
   const auto steady_deadline = std::chrono::steady_clock::now() + drain_timeout;
-  service_->StopAcceptingForwardCalls();
-  if (admin_service_ != nullptr) admin_service_->StopAcceptingForwardCalls();
+  pipeline_->Close();
   // No call can bring company now: what waits out --max-queue-delay-us runs at once.
   executor_->StopWaitingForCompany();
-  const bool answered = service_->WaitForForwardCalls(steady_deadline) &&
-                        (admin_service_ == nullptr || admin_service_->WaitForForwardCalls(steady_deadline));
+  const bool answered = pipeline_->WaitIdle(steady_deadline);
   if (answered) {
     std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
         kDrainLinger, std::max<std::chrono::steady_clock::duration>(steady_deadline - std::chrono::steady_clock::now(),

@@ -35,6 +35,7 @@ class Router;
 class RoutesFile;
 class ShadowRunner;
 class AttentionServiceImpl;
+class ForwardPipeline;
 struct ChosenBackend;
 
 // How Run() ended. kLoadStillRunning: a layer load outlived the drain on an admin thread (a hung
@@ -90,6 +91,7 @@ class Server {
   std::unique_ptr<RoutesFile> routes_file_;  // with --routes-file only
   std::unique_ptr<MemoryBudget> memory_;
   std::unique_ptr<ShadowRunner> shadow_;
+  std::unique_ptr<ForwardPipeline> pipeline_;  // every protocol's inference calls, one drain gate
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<AttentionServiceImpl> admin_service_;  // with --admin-listen only
   std::unique_ptr<InferenceServiceImpl> inference_service_;
