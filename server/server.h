@@ -36,6 +36,7 @@ class RoutesFile;
 class ShadowRunner;
 class AttentionServiceImpl;
 class ForwardPipeline;
+class HttpService;
 struct ChosenBackend;
 
 // How Run() ended. kLoadStillRunning: a layer load outlived the drain on an admin thread (a hung
@@ -58,6 +59,7 @@ class Server {
 
   int port() const { return port_; }              // the public listener's bound port
   int admin_port() const { return admin_port_; }  // 0 without --admin-listen
+  int http_port() const;                          // 0 without --http-listen
   int metrics_port() const;
   // "HOST:PORT" of the public listener, as the 'listening on' line prints it.
   std::string listening_on() const;
@@ -97,6 +99,7 @@ class Server {
   std::unique_ptr<InferenceServiceImpl> inference_service_;
   std::unique_ptr<grpc::Server> listener_;
   std::unique_ptr<grpc::Server> admin_listener_;
+  std::unique_ptr<HttpService> http_;  // with --http-listen only
   int port_ = 0;
   int admin_port_ = 0;
   // Wakes the monitor: a signalfd for SIGTERM and SIGINT, an eventfd for Stop().

@@ -54,6 +54,9 @@ struct ServerOptions {
   std::string admin_token;   // >= 16 bytes; callers send "authorization: Bearer TOKEN"
   std::string admin_listen;  // HOST:PORT of a second listener that also serves the admin API
   std::string admin_port_file;
+  // The Open Inference Protocol over HTTP/REST on its own listener (server/service/http); empty: off.
+  std::string http_listen;
+  std::string http_port_file;
   int admin_queue = 8;             // admin calls waiting at most; beyond: RESOURCE_EXHAUSTED
   int max_layers = 32;             // layers held at most
   int max_layer_mb = 16384;        // weights of every held layer and form together, MiB
