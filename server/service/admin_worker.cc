@@ -66,7 +66,8 @@ void AdminWorker::Run() {
       running_refuse_ = task.refuse;
     }
     if (std::chrono::steady_clock::now() >= task.deadline) {
-      task.refuse(Status(StatusCode::kDeadlineExceeded, "the deadline passed while the call waited for earlier admin calls"));
+      task.refuse(
+          Status(StatusCode::kDeadlineExceeded, "the deadline passed while the call waited for earlier admin calls"));
     } else {
       task.run();
     }

@@ -48,7 +48,7 @@ class AdminWorker {
   std::condition_variable cv_;
   std::condition_variable idle_cv_;
   std::deque<Task> tasks_ ATTNSERVE_GUARDED_BY(mu_);
-  bool running_ ATTNSERVE_GUARDED_BY(mu_) = false;  // a task is running
+  bool running_ ATTNSERVE_GUARDED_BY(mu_) = false;                        // a task is running
   std::function<void(Status)> running_refuse_ ATTNSERVE_GUARDED_BY(mu_);  // the running task's refuse
   bool stopping_ ATTNSERVE_GUARDED_BY(mu_) = false;
   std::thread thread_;

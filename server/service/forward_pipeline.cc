@@ -215,11 +215,11 @@ class ForwardCall {
     });
   }
 
-  const ForwardDone done_;  // ends the call in its protocol
+  const ForwardDone done_;                       // ends the call in its protocol
   const std::unique_ptr<ForwardAnswer> answer_;  // writes the protocol's response
-  std::string* output_bytes_ = nullptr;         // the served output in that response
-  const std::shared_ptr<const Layer> layer_;  // keeps the weights alive for every job
-  const AttentionRequest decoded_;  // may view the request message, which outlives the call
+  std::string* output_bytes_ = nullptr;          // the served output in that response
+  const std::shared_ptr<const Layer> layer_;     // keeps the weights alive for every job
+  const AttentionRequest decoded_;               // may view the request message, which outlives the call
   const CallReporting reporting_;
   // The call's share of the memory budget, given back when the call object goes (after the
   // answer, once the last job's completion lets go of it).
@@ -234,7 +234,7 @@ class ForwardCall {
   Mutex mu_;
   std::vector<Status> statuses_ ATTNSERVE_GUARDED_BY(mu_);  // each job's, as they complete
   JobTimings served_timings_ ATTNSERVE_GUARDED_BY(mu_);
-  int pending_ ATTNSERVE_GUARDED_BY(mu_) = 0;               // jobs not yet complete
+  int pending_ ATTNSERVE_GUARDED_BY(mu_) = 0;  // jobs not yet complete
 };
 
 }  // namespace
@@ -243,8 +243,7 @@ ForwardPipeline::ForwardPipeline(LayerStore* store, Executor* executor, ForwardP
     : store_(store), executor_(executor), options_(std::move(options)) {}
 
 void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<ForwardAnswer> answer, ForwardDone done,
-                            CallControl control, std::chrono::steady_clock::time_point arrived,
-                            const Status& refused) {
+                            CallControl control, std::chrono::steady_clock::time_point arrived, const Status& refused) {
   if (options_.metrics != nullptr) options_.metrics->RequestStarted();
   // What a refusal is counted under: a loaded layer's name only (a client-chosen name would
   // make a new series per typo), the form once known.
@@ -323,9 +322,8 @@ void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<F
       reporting.mirror = options_.router->ShadowMirror(held_forms, form);
     }
     // A copy of `done`: if building the call throws, the original still ends it below.
-    auto call = std::make_shared<ForwardCall>(done, std::move(answer), layer, std::move(decoded),
-                                              std::move(reporting), std::move(reservation), std::move(ticket),
-                                              timeline);
+    auto call = std::make_shared<ForwardCall>(done, std::move(answer), layer, std::move(decoded), std::move(reporting),
+                                              std::move(reservation), std::move(ticket), timeline);
     ForwardCall::Start(std::move(call), form, request.compare, executor_, control);
     return OkStatus();
   });

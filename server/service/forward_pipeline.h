@@ -104,8 +104,7 @@ class ForwardPipeline {
   // error would be (counted under the layer). `request` views bytes that must live until `done`
   // has run; so must `control.cancelled`'s captures. Never throws; `done` runs exactly once.
   void Start(const WireForwardRequest& request, std::unique_ptr<ForwardAnswer> answer, ForwardDone done,
-             CallControl control, std::chrono::steady_clock::time_point arrived,
-             const Status& refused = OkStatus());
+             CallControl control, std::chrono::steady_clock::time_point arrived, const Status& refused = OkStatus());
 
   // The drain (Server::Drain): from now on Start answers UNAVAILABLE ("draining"); the calls
   // accepted before keep running. WaitIdle: until every accepted call has been answered, or

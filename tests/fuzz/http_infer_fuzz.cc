@@ -41,7 +41,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!converted.refused.ok()) return 0;
   StatusOr<Form> form = ChooseForm(converted.wire.form, layer);
   if (!form.ok()) return 0;
-  auto decoded = DecodeForward(layer.config, converted.wire, ForwardLimits{.max_request_scores = fuzz::kMaxRequestScores});
+  auto decoded =
+      DecodeForward(layer.config, converted.wire, ForwardLimits{.max_request_scores = fuzz::kMaxRequestScores});
   if (!decoded.ok()) return 0;
 
   std::vector<float> output(decoded->output_elements());

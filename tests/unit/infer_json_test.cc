@@ -65,15 +65,20 @@ TEST(InferJsonTest, FlatAndNestedJsonArriveAsTheFloatBytesAGrpcClientSends) {
     std::vector<int32_t> key_lengths(batch);
     for (auto& k : key_lengths) k = 1 + static_cast<int32_t>(gen() % m);
     const bool nested = seed % 2 == 0;
-    json body = {{"id", "r" + std::to_string(seed)},
-                 {"parameters", {{"form", "summed"}, {"causal", true}, {"position_offset", 3},
-                                 {"request_key", "user-9"}, {"compare", false}}},
-                 {"inputs",
-                  {{{"name", "x"}, {"datatype", "FP32"}, {"shape", {batch, n, d}},
-                    {"data", nested ? Nested(x, batch, n, d) : json(x)}},
-                   {{"name", "context"}, {"datatype", "FP32"}, {"shape", {batch, m, d}},
-                    {"data", nested ? Nested(context, batch, m, d) : json(context)}},
-                   {{"name", "key_lengths"}, {"datatype", "INT32"}, {"shape", {batch}}, {"data", key_lengths}}}}};
+    json body = {
+        {"id", "r" + std::to_string(seed)},
+        {"parameters",
+         {{"form", "summed"}, {"causal", true}, {"position_offset", 3}, {"request_key", "user-9"}, {"compare", false}}},
+        {"inputs",
+         {{{"name", "x"},
+           {"datatype", "FP32"},
+           {"shape", {batch, n, d}},
+           {"data", nested ? Nested(x, batch, n, d) : json(x)}},
+          {{"name", "context"},
+           {"datatype", "FP32"},
+           {"shape", {batch, m, d}},
+           {"data", nested ? Nested(context, batch, m, d) : json(context)}},
+          {{"name", "key_lengths"}, {"datatype", "INT32"}, {"shape", {batch}}, {"data", key_lengths}}}}};
     HttpInferRequest parsed;
     ASSERT_TRUE(Parse(body.dump(), &parsed).ok()) << Parse(body.dump(), &parsed).ToString();
     const auto& r = parsed.request;
@@ -105,9 +110,13 @@ TEST(InferJsonTest, BinaryInputsArriveByteForByte) {
   const std::vector<float> x = Random(2 * 3 * 8, 7);
   const std::vector<int32_t> key_lengths = {3, 1};
   json header = {{"inputs",
-                  {{{"name", "x"}, {"datatype", "FP32"}, {"shape", {2, 3, 8}},
+                  {{{"name", "x"},
+                    {"datatype", "FP32"},
+                    {"shape", {2, 3, 8}},
                     {"parameters", {{"binary_data_size", x.size() * 4}}}},
-                   {{"name", "key_lengths"}, {"datatype", "INT32"}, {"shape", {2, 1}},
+                   {{"name", "key_lengths"},
+                    {"datatype", "INT32"},
+                    {"shape", {2, 1}},
                     {"parameters", {{"binary_data_size", 8}}}}}},
                  {"outputs", {{{"name", "y"}, {"parameters", {{"binary_data", true}}}}}}};
   const std::string text = header.dump();
@@ -237,50 +246,79 @@ TEST(InferJsonTest, EveryRefusalNamesTheFieldTheExpectationAndWhatCame) {
       {R"({"inputs":3})", {}, {"inputs", "expected an array of input tensors", "got an integer 3"}},
       {R"({})", {}, {"inputs", "expected an array", "got null"}},
       {R"({"inputs":[7]})", {}, {"inputs[0]", "expected an object", "got an integer"}},
-      {R"({"inputs":[{"datatype":"FP32","shape":[1],"data":[1]}]})", {}, {"inputs[0].name", "expected a string", "null"}},
+      {R"({"inputs":[{"datatype":"FP32","shape":[1],"data":[1]}]})",
+       {},
+       {"inputs[0].name", "expected a string", "null"}},
       {R"({"inputs":[{"name":"x","shape":[1],"data":[1]}]})", {}, {"inputs[0].datatype", "expected a string", "null"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","data":[1]}]})", {}, {"inputs[0].shape", "expected an array", "null"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1,-2],"data":[1]}]})", {},
+      {R"({"inputs":[{"name":"x","datatype":"FP32","data":[1]}]})",
+       {},
+       {"inputs[0].shape", "expected an array", "null"}},
+      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1,-2],"data":[1]}]})",
+       {},
        {"inputs[0].shape[1]", "expected a non-negative integer", "-2"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1,"a"],"data":[1]}]})", {},
+      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1,"a"],"data":[1]}]})",
+       {},
        {"inputs[0].shape[1]", "expected a non-negative integer", "a string"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[4294967296,4294967296],"data":[1]}]})", {},
+      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[4294967296,4294967296],"data":[1]}]})",
+       {},
        {"inputs[0].shape", "expected at most", "larger product"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1,1,3],"data":[1,2]}]})", {},
+      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1,1,3],"data":[1,2]}]})",
+       {},
        {"inputs[0].data", "expected 3 values (shape [1, 1, 3])", "got 2"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1,1,1],"data":[1,2]}]})", {},
+      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1,1,1],"data":[1,2]}]})",
+       {},
        {"inputs[0].data", "expected 1 values", "got more"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[2],"data":[1,"2"]}]})", {},
+      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[2],"data":[1,"2"]}]})",
+       {},
        {"inputs[0].data", "expected a number or an array of numbers", "a string"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]}]})", {},
+      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]}]})",
+       {},
        {"inputs[0].data", "nested at most 16 deep", "deeper"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[2]}]})", {}, {"inputs[0].data", "expected the tensor's 2 values", "got none"}},
-      {R"({"inputs":[{"name":"k","datatype":"INT32","shape":[2],"data":[1,2.5]}]})", {},
+      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[2]}]})",
+       {},
+       {"inputs[0].data", "expected the tensor's 2 values", "got none"}},
+      {R"({"inputs":[{"name":"k","datatype":"INT32","shape":[2],"data":[1,2.5]}]})",
+       {},
        {"inputs[0].data[1]", "expected an INT32 integer", "2.5"}},
-      {R"({"inputs":[{"name":"k","datatype":"INT32","shape":[1],"data":[3000000000]}]})", {},
+      {R"({"inputs":[{"name":"k","datatype":"INT32","shape":[1],"data":[3000000000]}]})",
+       {},
        {"inputs[0].data[0]", "expected an INT32 integer", "3000000000"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP64","shape":[1],"data":[1]}]})", {},
+      {R"({"inputs":[{"name":"x","datatype":"FP64","shape":[1],"data":[1]}]})",
+       {},
        {"inputs[0].data", "expected the datatype FP32, FP16, BF16 or INT32", "'FP64'"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1],"parameters":{"binary_data_size":8}}]})", "",
+      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1],"parameters":{"binary_data_size":8}}]})",
+       "",
        {"Inference-Header-Content-Length", "expected the JSON header's length", "got ''"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1],"parameters":{"binary_data_size":8}}]})" "abcd", "tail:4",
+      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1],"parameters":{"binary_data_size":8}}]})"
+       "abcd",
+       "tail:4",
        {"inputs[0].parameters.binary_data_size", "expected at most the 4 bytes left", "got 8"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1],"parameters":{"binary_data_size":-1}}]})", {},
+      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1],"parameters":{"binary_data_size":-1}}]})",
+       {},
        {"inputs[0].parameters.binary_data_size", "expected a non-negative integer", "-1"}},
-      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1],"parameters":{"binary_data_size":4}}]})" "abcd",
-       "tail:4", {"inputs[0]", "expected either data or parameters.binary_data_size", "got both"}},
+      {R"({"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1],"parameters":{"binary_data_size":4}}]})"
+       "abcd",
+       "tail:4",
+       {"inputs[0]", "expected either data or parameters.binary_data_size", "got both"}},
       {"{\"inputs\":[" + x + "]}" + "junk", "tail:4", {"body", "expected 0 bytes of binary data", "got 4"}},
-      {"{\"inputs\":[]}", "999", {"Inference-Header-Content-Length", "expected at most the body's 13 bytes", "got 999"}},
+      {"{\"inputs\":[]}",
+       "999",
+       {"Inference-Header-Content-Length", "expected at most the body's 13 bytes", "got 999"}},
       {"{\"inputs\":[]}", "12x", {"Inference-Header-Content-Length", "expected the JSON header's length", "'12x'"}},
       {"{\"id\":5,\"inputs\":[" + x + "]}", {}, {"id", "expected a string", "got an integer 5"}},
-      {"{\"parameters\":{\"form\":[1]},\"inputs\":[" + x + "]}", {},
+      {"{\"parameters\":{\"form\":[1]},\"inputs\":[" + x + "]}",
+       {},
        {"parameters['form']", "expected a bool, a number or a string", "got an array"}},
       {"{\"parameters\":7,\"inputs\":[" + x + "]}", {}, {"parameters", "expected an object", "got an integer"}},
       {"{\"outputs\":{},\"inputs\":[" + x + "]}", {}, {"outputs", "expected an array", "got an object"}},
-      {"{\"outputs\":[{\"name\":1}],\"inputs\":[" + x + "]}", {}, {"outputs[0].name", "expected a string", "an integer"}},
-      {"{\"outputs\":[{\"name\":\"y\",\"parameters\":{\"binary_data\":1}}],\"inputs\":[" + x + "]}", {},
+      {"{\"outputs\":[{\"name\":1}],\"inputs\":[" + x + "]}",
+       {},
+       {"outputs[0].name", "expected a string", "an integer"}},
+      {"{\"outputs\":[{\"name\":\"y\",\"parameters\":{\"binary_data\":1}}],\"inputs\":[" + x + "]}",
+       {},
        {"outputs[0].parameters.binary_data", "expected a bool", "an integer"}},
-      {"{\"parameters\":{\"binary_data_output\":\"yes\"},\"inputs\":[" + x + "]}", {},
+      {"{\"parameters\":{\"binary_data_output\":\"yes\"},\"inputs\":[" + x + "]}",
+       {},
        {"parameters['binary_data_output']", "expected a bool"}},
   };
   for (const Refusal& c : cases) {
@@ -300,19 +338,24 @@ TEST(InferJsonTest, TheGrpcConversionRefusesWhatIsItsToRefuseWithTheSameWords) {
   ASSERT_TRUE(Parse(body.dump(), &parsed).ok());
   InferForwardRequest converted;
   ConvertInferRequest(parsed.request, &converted);
-  EXPECT_THAT(converted.refused.message(), AllOf(HasSubstr("inputs[0].name"), HasSubstr("expected 'x'"), HasSubstr("'q'")));
+  EXPECT_THAT(converted.refused.message(),
+              AllOf(HasSubstr("inputs[0].name"), HasSubstr("expected 'x'"), HasSubstr("'q'")));
 }
 
 TEST(InferJsonTest, RandomBytesAreRefusedOrReadNeverCrash) {
   std::mt19937 gen(5);
-  const std::string seed = R"({"id":"a","parameters":{"form":"factored"},"inputs":[{"name":"x","datatype":"FP32","shape":[1,1,2],"data":[1,2]}],"outputs":[{"name":"y"}]})";
+  const std::string seed =
+      R"({"id":"a","parameters":{"form":"factored"},"inputs":[{"name":"x","datatype":"FP32","shape":[1,1,2],"data":[1,2]}],"outputs":[{"name":"y"}]})";
   for (int i = 0; i < 20000; ++i) {
     std::string body = seed;
     const int edits = 1 + gen() % 4;
     for (int e = 0; e < edits; ++e) body[gen() % body.size()] = static_cast<char>(gen() % 128);
     HttpInferRequest parsed;
-    const Status s = Parse(body, &parsed, i % 3 == 0 ? std::optional<std::string>(std::to_string(gen() % 200)) : std::nullopt);
-    if (!s.ok()) EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    const Status s =
+        Parse(body, &parsed, i % 3 == 0 ? std::optional<std::string>(std::to_string(gen() % 200)) : std::nullopt);
+    if (!s.ok()) {
+      EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    }
   }
 }
 

@@ -314,10 +314,10 @@ StatusOr<std::unique_ptr<HttpService>> HttpService::Start(HttpServiceOptions opt
   const HttpServiceOptions& o = service->options_;
   service->handler_ = std::make_unique<Handler>(service.get());
   try {
-    std::vector<std::string> civet = {"listening_ports", o.listen + (service->tls() ? "s" : ""),
-                                      "num_threads", std::to_string(o.threads),
+    std::vector<std::string> civet = {"listening_ports",    o.listen + (service->tls() ? "s" : ""),
+                                      "num_threads",        std::to_string(o.threads),
                                       "request_timeout_ms", kSocketTimeoutMs,
-                                      "enable_keep_alive", "no"};
+                                      "enable_keep_alive",  "no"};
     if (service->tls()) {
       // civetweb loads OpenSSL at run time by symbol name; where it cannot (Debian bookworm's
       // civetweb 1.15 asks for OpenSSL 1.1 names that OpenSSL 3 no longer exports), a TLS port

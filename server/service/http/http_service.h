@@ -24,10 +24,10 @@ class CivetServer;
 namespace attnserve {
 
 struct HttpServiceOptions {
-  std::string listen;                            // HOST:PORT; port 0 picks a free one
-  std::string version;                           // the server metadata's (GET /v2)
-  int64_t max_body_bytes = int64_t{64} << 20;    // larger request bodies: 413
-  int threads = 8;                               // requests served at once; more wait for a thread
+  std::string listen;                          // HOST:PORT; port 0 picks a free one
+  std::string version;                         // the server metadata's (GET /v2)
+  int64_t max_body_bytes = int64_t{64} << 20;  // larger request bodies: 413
+  int threads = 8;                             // requests served at once; more wait for a thread
   // PEM texts: TLS when cert_pem is set, and mTLS with client_ca_pem (the gRPC listeners' own).
   std::string cert_pem, key_pem, client_ca_pem;
   // Whether the device computes (Backend::Healthy); null: always. With the drain, readiness.

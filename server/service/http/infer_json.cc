@@ -10,9 +10,9 @@
 namespace attnserve {
 namespace {
 
-using nlohmann::json;
 using inference::InferParameter;
 using inference::ModelInferRequest;
+using nlohmann::json;
 
 // Deeper `data` nesting than any tensor attnserve takes (rank 3) by far; beyond it a body is
 // refused rather than recursed into.
@@ -206,9 +206,8 @@ Status ReadInput(const json& in, size_t i, std::string_view binary, size_t* offs
     }
     const size_t left = binary.size() - *offset;
     if (*binary_size > left) {
-      return InvalidArgumentError(field + ".parameters.binary_data_size: expected at most the " +
-                                  std::to_string(left) + " bytes left after the JSON header, got " +
-                                  std::to_string(*binary_size));
+      return InvalidArgumentError(field + ".parameters.binary_data_size: expected at most the " + std::to_string(left) +
+                                  " bytes left after the JSON header, got " + std::to_string(*binary_size));
     }
     raw->assign(binary.substr(*offset, *binary_size));
     *offset += *binary_size;
@@ -258,7 +257,8 @@ Status ReadBody(const json& j, std::string_view binary, HttpInferRequest* out) {
       const std::string field = "outputs[" + std::to_string(i) + "]";
       if (!o.is_object()) return Wrong(field, "an object with a name", o);
       auto name = o.find("name");
-      if (name == o.end() || !name->is_string()) return Wrong(field + ".name", "a string", name == o.end() ? json() : *name);
+      if (name == o.end() || !name->is_string())
+        return Wrong(field + ".name", "a string", name == o.end() ? json() : *name);
       request.add_outputs()->set_name(name->get<std::string>());
       any_output = true;
       if (auto params = o.find("parameters"); params != o.end()) {
@@ -300,7 +300,9 @@ json ParameterJson(const InferParameter& p) {
 }
 
 json TensorMetadataJson(const inference::ModelMetadataResponse::TensorMetadata& t) {
-  return json{{"name", t.name()}, {"datatype", t.datatype()}, {"shape", std::vector<int64_t>(t.shape().begin(), t.shape().end())}};
+  return json{{"name", t.name()},
+              {"datatype", t.datatype()},
+              {"shape", std::vector<int64_t>(t.shape().begin(), t.shape().end())}};
 }
 
 }  // namespace
@@ -313,7 +315,8 @@ Status ParseInferRequest(std::string_view body, std::optional<std::string_view> 
   std::string_view binary;
   if (header_length) {
     size_t length = 0;
-    const auto [end, ec] = std::from_chars(header_length->data(), header_length->data() + header_length->size(), length);
+    const auto [end, ec] =
+        std::from_chars(header_length->data(), header_length->data() + header_length->size(), length);
     if (header_length->empty() || ec != std::errc() || end != header_length->data() + header_length->size()) {
       return InvalidArgumentError("Inference-Header-Content-Length: expected the JSON header's length in bytes, got '" +
                                   std::string(header_length->substr(0, 32)) + "'");
@@ -348,7 +351,8 @@ HttpBody WriteInferResponse(const inference::ModelInferResponse& response, bool 
   std::string binary;
   for (int i = 0; i < response.outputs_size(); ++i) {
     const auto& t = response.outputs(i);
-    json o = {{"name", t.name()}, {"datatype", t.datatype()},
+    json o = {{"name", t.name()},
+              {"datatype", t.datatype()},
               {"shape", std::vector<int64_t>(t.shape().begin(), t.shape().end())}};
     const std::string& raw = i < response.raw_output_contents_size() ? response.raw_output_contents(i) : std::string();
     if (binary_output) {

@@ -31,8 +31,8 @@ struct HttpInferRequest {
 // (nullopt: the whole body is JSON); `model` and `version` come from the URL. Every refusal is
 // INVALID_ARGUMENT naming the JSON field (e.g. "inputs[0].shape"), what was expected and what
 // came.
-Status ParseInferRequest(std::string_view body, std::optional<std::string_view> header_length,
-                         std::string_view model, std::string_view version, HttpInferRequest* out);
+Status ParseInferRequest(std::string_view body, std::optional<std::string_view> header_length, std::string_view model,
+                         std::string_view version, HttpInferRequest* out);
 
 // An HTTP response body: JSON, or JSON followed by binary data (json_length then set: the
 // Inference-Header-Content-Length header's value).
