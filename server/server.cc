@@ -34,6 +34,8 @@
 #include "server/routing/router.h"
 #include "server/routing/routes_file.h"
 #include "server/routing/shadow.h"
+#include "server/service/forward_pipeline.h"
+#include "server/service/http/http_service.h"
 #include "server/service/inference_service.h"
 #include "server/service/service.h"
 #include "server/store/layer_store.h"
@@ -49,6 +51,10 @@ namespace {
 // time for clients to read their answers (Shutdown's socket close can reset a connection that
 // still holds unread bytes) while new calls are refused UNAVAILABLE.
 constexpr std::chrono::milliseconds kDrainLinger(300);
+
+// After the drain, how long the HTTP listener waits for the requests it is serving (an answer
+// being written, a body still arriving) before civetweb's stop cuts them.
+constexpr std::chrono::seconds kHttpStopGrace(5);
 
 // How often the monitor looks at the device's health while it waits for a signal.
 constexpr int kDeviceWatchMs = 250;
@@ -164,6 +170,8 @@ Server::~Server() {
 
 int Server::metrics_port() const { return metrics_endpoint_->port(); }
 
+int Server::http_port() const { return http_ != nullptr ? http_->port() : 0; }
+
 std::string Server::listening_on() const { return HostOf(options_.listen) + ":" + std::to_string(port_); }
 
 // Everything below the listeners, in start-up order.
@@ -219,33 +227,38 @@ Status Server::Build() {
   shadow_ = std::make_unique<ShadowRunner>(
       executor_.get(), ShadowOptions{.queue_capacity = options_.shadow_queue, .budget = memory_.get()}, metrics);
 
+  // One call path for every protocol and listener: one drain gate for all inference calls.
+  pipeline_ = std::make_unique<ForwardPipeline>(
+      store_.get(), executor_.get(),
+      ForwardPipelineOptions{.max_request_scores = int64_t{options_.max_scores_m} * 1000000,
+                             .metrics = metrics,
+                             .router = router_.get(),
+                             .shadow = shadow_.get(),
+                             .memory = memory_.get(),
+                             .backend = backend_,
+                             .max_response_bytes = int64_t{options_.max_message_mb} << 20});
   auto service_options = [&](AdminAccess access) {
     return ServiceOptions{.admin_access = access,
                           .admin_token = options_.admin_token,
                           .admin_queue = options_.admin_queue,
-                          .max_request_scores = int64_t{options_.max_scores_m} * 1000000,
                           .metrics = metrics,
                           .router = router_.get(),
-                          .routes_file = options_.routes_file,
-                          .shadow = shadow_.get(),
-                          .memory = memory_.get(),
-                          .backend = backend_,
-                          .max_response_bytes = int64_t{options_.max_message_mb} << 20};
+                          .routes_file = options_.routes_file};
   };
   // The public listener opens the admin API only to token holders; the admin listener, which
   // can only bind loopback without a token (server_options.cc), to whoever reaches it.
   const bool token = !options_.admin_token.empty();
-  service_ = std::make_unique<AttentionServiceImpl>(store_.get(), executor_.get(),
+  service_ = std::make_unique<AttentionServiceImpl>(store_.get(), pipeline_.get(),
                                                     service_options(token ? AdminAccess::kToken : AdminAccess::kClosed));
   if (!options_.admin_listen.empty()) {
     admin_service_ = std::make_unique<AttentionServiceImpl>(
-        store_.get(), executor_.get(), service_options(token ? AdminAccess::kToken : AdminAccess::kOpen));
+        store_.get(), pipeline_.get(), service_options(token ? AdminAccess::kToken : AdminAccess::kOpen));
   }
   // The Open Inference Protocol on the public listener, next to attnserve.v1: its ModelInfer
   // runs the same call path as Forward, so the drain and the device watch cover it too.
   Backend* backend = backend_;
   inference_service_ = std::make_unique<InferenceServiceImpl>(
-      store_.get(), service_.get(),
+      store_.get(), pipeline_.get(),
       InferenceServiceOptions{.version = ATTNSERVE_VERSION,
                               .device_healthy = [backend] { return backend->Healthy(); },
                               .max_queue_delay_us = options_.batching.max_queue_delay.count()});
@@ -268,6 +281,23 @@ Status Server::OpenListeners() {
       return UnavailableError("cannot listen on --admin-listen " + options_.admin_listen + " (address in use or invalid?)");
     }
   }
+  if (!options_.http_listen.empty()) {
+    // The Open Inference Protocol over HTTP/REST, TLS by the same --tls-* files as gRPC.
+    HttpServiceOptions http;
+    http.listen = options_.http_listen;
+    http.version = ATTNSERVE_VERSION;
+    http.max_body_bytes = int64_t{options_.max_message_mb} << 20;
+    if (!options_.tls_cert.empty()) {
+      ATTNSERVE_ASSIGN_OR_RETURN(http.cert_pem, ReadPem("--tls-cert", options_.tls_cert));
+      ATTNSERVE_ASSIGN_OR_RETURN(http.key_pem, ReadPem("--tls-key", options_.tls_key));
+      if (!options_.tls_client_ca.empty()) {
+        ATTNSERVE_ASSIGN_OR_RETURN(http.client_ca_pem, ReadPem("--tls-client-ca", options_.tls_client_ca));
+      }
+    }
+    Backend* backend = backend_;
+    http.device_healthy = [backend] { return backend->Healthy(); };
+    ATTNSERVE_ASSIGN_OR_RETURN(http_, HttpService::Start(std::move(http), store_.get(), pipeline_.get()));
+  }
   listener_->GetHealthCheckService()->SetServingStatus("attnserve.v1.AttentionService", true);
   listener_->GetHealthCheckService()->SetServingStatus("inference.GRPCInferenceService", true);
   struct PortFile {
@@ -277,6 +307,7 @@ Status Server::OpenListeners() {
   };
   const PortFile port_files[] = {{"metrics port file", options_.metrics_port_file, metrics_port()},
                                  {"admin port file", options_.admin_port_file, admin_port_},
+                                 {"HTTP port file", options_.http_port_file, http_port()},
                                  {"port file", options_.port_file, port_}};
   for (const PortFile& file : port_files) {
     if (!file.path.empty() && !WritePortFile(file.path, file.port)) {
@@ -287,6 +318,10 @@ Status Server::OpenListeners() {
 }
 
 void Server::LogListening() const {
+  if (http_ != nullptr) {
+    spdlog::info("Open Inference Protocol over HTTP/REST on {}://{}:{}/v2", http_->tls() ? "https" : "http",
+                 HostOf(options_.http_listen), http_->port());
+  }
   if (admin_listener_ != nullptr) {
     spdlog::info("admin listener on {}:{} ({})", HostOf(options_.admin_listen), admin_port_,
                  options_.admin_token.empty() ? "loopback, no token" : "admin token required");
@@ -353,12 +388,10 @@ void Server::Drain(int signal) {
   if (admin_listener_ != nullptr) admin_listener_->GetHealthCheckService()->Shutdown();
   const auto deadline = std::chrono::system_clock::now() + drain_timeout;
   const auto steady_deadline = std::chrono::steady_clock::now() + drain_timeout;
-  service_->StopAcceptingForwardCalls();
-  if (admin_service_ != nullptr) admin_service_->StopAcceptingForwardCalls();
+  pipeline_->Close();
   // No call can bring company now: what waits out --max-queue-delay-us runs at once.
   executor_->StopWaitingForCompany();
-  const bool answered = service_->WaitForForwardCalls(steady_deadline) &&
-                        (admin_service_ == nullptr || admin_service_->WaitForForwardCalls(steady_deadline));
+  const bool answered = pipeline_->WaitIdle(steady_deadline);
   if (answered) {
     std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
         kDrainLinger, std::max<std::chrono::steady_clock::duration>(steady_deadline - std::chrono::steady_clock::now(),
@@ -399,6 +432,13 @@ Stopped Server::Run() {
   shadow_->Shutdown();  // drops waiting mirrors; the running one needs the executor still
   const int abandoned = executor_->Drain(std::chrono::milliseconds(0));
   spdlog::info("batch workers stopped");
+  // The HTTP listener last: until now it answered new calls 503 (the pipeline is closed), and
+  // a call of its still open at the drain deadline was answered as the executor failed it
+  // above; civetweb's stop waits for those answers to be written.
+  if (http_ != nullptr) {
+    http_->Stop(kHttpStopGrace);
+    spdlog::info("HTTP listener closed");
+  }
   // gRPC cancelled every call still open at the drain deadline; a layer load can still be
   // running on an admin thread. It gets kAdminGrace; then the caller ends without it rather
   // than hold the drain forever.

@@ -35,6 +35,8 @@ class Router;
 class RoutesFile;
 class ShadowRunner;
 class AttentionServiceImpl;
+class ForwardPipeline;
+class HttpService;
 struct ChosenBackend;
 
 // How Run() ended. kLoadStillRunning: a layer load outlived the drain on an admin thread (a hung
@@ -57,6 +59,7 @@ class Server {
 
   int port() const { return port_; }              // the public listener's bound port
   int admin_port() const { return admin_port_; }  // 0 without --admin-listen
+  int http_port() const;                          // 0 without --http-listen
   int metrics_port() const;
   // "HOST:PORT" of the public listener, as the 'listening on' line prints it.
   std::string listening_on() const;
@@ -90,11 +93,13 @@ class Server {
   std::unique_ptr<RoutesFile> routes_file_;  // with --routes-file only
   std::unique_ptr<MemoryBudget> memory_;
   std::unique_ptr<ShadowRunner> shadow_;
+  std::unique_ptr<ForwardPipeline> pipeline_;  // every protocol's inference calls, one drain gate
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<AttentionServiceImpl> admin_service_;  // with --admin-listen only
   std::unique_ptr<InferenceServiceImpl> inference_service_;
   std::unique_ptr<grpc::Server> listener_;
   std::unique_ptr<grpc::Server> admin_listener_;
+  std::unique_ptr<HttpService> http_;  // with --http-listen only
   int port_ = 0;
   int admin_port_ = 0;
   // Wakes the monitor: a signalfd for SIGTERM and SIGINT, an eventfd for Stop().

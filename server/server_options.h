@@ -52,6 +52,9 @@ struct ServerOptions {
   std::string admin_token;   // >= 16 bytes; callers send "authorization: Bearer TOKEN"
   std::string admin_listen;  // HOST:PORT of a second listener that also serves the admin API
   std::string admin_port_file;
+  // The Open Inference Protocol over HTTP/REST on its own listener (server/service/http); empty: off.
+  std::string http_listen;
+  std::string http_port_file;
   int admin_queue = 8;             // admin calls waiting at most; beyond: RESOURCE_EXHAUSTED
   // The layers held (at most max_layers, weights of every layer and form together at most
   // max_total_bytes) and the directories LoadLayer over gRPC may read checkpoints from; none:

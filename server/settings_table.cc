@@ -217,6 +217,11 @@ const Setting kSettings[] = {
      "(e.g. 127.0.0.1:50052)"},
     {"--admin-port-file", "admin_port_file", "FILE", &O::admin_port_file, 0, 0, nullptr, nullptr,
      "also write the admin listener's port to FILE"},
+    {"--http-listen", "http_listen", "ADDR", &O::http_listen, 0, 0, CheckAddress, nullptr,
+     "also serve the Open Inference Protocol over HTTP/REST (KServe v2) on ADDR; TLS with --tls-cert, "
+     "bodies up to --max-message-mb (empty: off; docs/service.md, \"HTTP/REST\")"},
+    {"--http-port-file", "http_port_file", "FILE", &O::http_port_file, 0, 0, nullptr, nullptr,
+     "also write the HTTP listener's port to FILE"},
     {"--admin-queue", "admin_queue", "N", &O::admin_queue, 1, 1024, nullptr, nullptr,
      "admin calls waiting at most; beyond: RESOURCE_EXHAUSTED"},
     {"--max-layers", "max_layers", "N", &InStore<&LayerStoreOptions::max_layers>, 1, 100000, nullptr, nullptr,

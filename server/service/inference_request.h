@@ -1,7 +1,7 @@
 // The Open Inference Protocol's ModelInferRequest (package inference, Triton's
 // GRPCInferenceService) as validation.h's WireForwardRequest: the same view attnserve.v1's
 // Forward makes (wire_request.h), so both protocols run one validation and one call path
-// (AttentionServiceImpl::StartForward). Only what is the protocol's own is checked here: input
+// (ForwardPipeline::Start, forward_pipeline.h). Only what is the protocol's own is checked here: input
 // and output names, datatypes, raw versus typed contents, parameter types. Shapes, byte counts,
 // values and options are DecodeForward's. Needs the generated messages, nothing of gRPC.
 // Thread-safety: a pure function; the views live as long as the message (and `out`).

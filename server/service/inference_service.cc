@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "server/core/forms.h"
+#include "server/service/inference_model.h"
 #include "server/service/inference_request.h"
 
 namespace attnserve {
@@ -17,63 +18,6 @@ using inference::InferParameter;
 // its scores (--max-scores-m) and the memory budget, not by rows; Triton's clients want a
 // number > 0 to send batched shapes at all, and one that large requests never meet first.
 constexpr int32_t kReportedMaxBatchSize = 1 << 16;
-
-// The model's platform and backend in metadata and config.
-constexpr char kPlatform[] = "attnserve";
-
-std::string LoadedModels(const LayerStore& store) {
-  std::string names;
-  for (const auto& layer : store.List()) names += (names.empty() ? "" : ", ") + layer->name;
-  return names.empty() ? "none" : names;
-}
-
-void AddTensorMetadata(inference::ModelMetadataResponse::TensorMetadata* t, const char* name, const char* datatype,
-                       std::initializer_list<int64_t> shape) {
-  t->set_name(name);
-  t->set_datatype(datatype);
-  for (int64_t d : shape) t->add_shape(d);
-}
-
-// The OIP answer: the output `y` as raw_output_contents (tritonclient's as_numpy reads only
-// those), the served form and the timings as response parameters.
-class InferAnswer final : public ForwardAnswer {
- public:
-  InferAnswer(inference::ModelInferResponse* response, std::string model, std::string id)
-      : response_(response), model_(std::move(model)), id_(std::move(id)) {}
-
-  std::string* OutputBytes(int64_t batch, int64_t n, int64_t d_model) override {
-    response_->set_model_name(model_);
-    response_->set_model_version(kInferModelVersion);
-    response_->set_id(id_);
-    inference::ModelInferResponse::InferOutputTensor* y = response_->add_outputs();
-    y->set_name(kInferOutputY);
-    y->set_datatype("FP32");
-    y->add_shape(batch);
-    y->add_shape(n);
-    y->add_shape(d_model);
-    return response_->add_raw_output_contents();
-  }
-
-  void Served(Form form, const ServedTimings& timings, std::span<const FormDivergence> divergences) override {
-    auto& p = *response_->mutable_parameters();
-    p["form"].set_string_param(std::string(FormName(form)));
-    p["queue_us"].set_int64_param(timings.queue_us);
-    p["compute_us"].set_int64_param(timings.compute_us);
-    p["batch_requests"].set_int64_param(timings.batch_requests);
-    p["decode_us"].set_int64_param(timings.decode_us);
-    p["encode_us"].set_int64_param(timings.encode_us);
-    for (const FormDivergence& d : divergences) {
-      const std::string prefix = "divergence." + std::string(FormName(d.form));
-      p[prefix + ".max_abs"].set_double_param(d.stats.max_abs);
-      p[prefix + ".rel_l2"].set_double_param(d.stats.rel_l2);
-    }
-  }
-
- private:
-  inference::ModelInferResponse* const response_;
-  const std::string model_;
-  const std::string id_;
-};
 
 // ModelStreamInfer: answered UNIMPLEMENTED at once; the reactor deletes itself when gRPC is done.
 class UnimplementedStream final
@@ -95,26 +39,17 @@ grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, const Sta
 
 }  // namespace
 
-InferenceServiceImpl::InferenceServiceImpl(LayerStore* store, AttentionServiceImpl* forward,
+InferenceServiceImpl::InferenceServiceImpl(LayerStore* store, ForwardPipeline* pipeline,
                                            InferenceServiceOptions options)
-    : store_(store), forward_(forward), options_(std::move(options)) {}
+    : store_(store), pipeline_(pipeline), options_(std::move(options)) {}
 
 bool InferenceServiceImpl::Ready() const {
-  return !forward_->Draining() && (!options_.device_healthy || options_.device_healthy());
+  return !pipeline_->Draining() && (!options_.device_healthy || options_.device_healthy());
 }
 
 StatusOr<std::shared_ptr<const Layer>> InferenceServiceImpl::FindModel(const std::string& name,
                                                                        const std::string& version) const {
-  std::shared_ptr<const Layer> layer = store_->Get(name);
-  if (layer == nullptr) {
-    return NotFoundError("name: no model (layer) named " + QuoteUntrusted(name) +
-                         " is loaded (loaded: " + LoadedModels(*store_) + ")");
-  }
-  if (!version.empty() && version != kInferModelVersion) {
-    return NotFoundError("version: model " + QuoteUntrusted(name) + " has only version \"1\", got " +
-                         QuoteUntrusted(version));
-  }
-  return layer;
+  return FindInferModel(*store_, name, version);
 }
 
 grpc::ServerUnaryReactor* InferenceServiceImpl::ServerLive(grpc::CallbackServerContext* context,
@@ -156,16 +91,7 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelMetadata(grpc::CallbackServ
                                                               inference::ModelMetadataResponse* response) {
   const StatusOr<std::shared_ptr<const Layer>> layer = FindModel(request->name(), request->version());
   if (!layer.ok()) return Answer(context, layer.status());
-  const int64_t d = (*layer)->config.d_model;
-  response->set_name((*layer)->name);
-  response->add_versions(kInferModelVersion);
-  response->set_platform(kPlatform);
-  AddTensorMetadata(response->add_inputs(), kInferInputX, "FP32", {-1, -1, d});
-  AddTensorMetadata(response->add_inputs(), kInferInputContext, "FP32", {-1, -1, d});
-  // [batch, 1], as Triton reports the config's dims [1] (reshaped to one scalar per row); the
-  // batch dimension alone would leave clients that strip it (perf_analyzer) with no shape.
-  AddTensorMetadata(response->add_inputs(), kInferInputKeyLengths, "INT32", {-1, 1});
-  AddTensorMetadata(response->add_outputs(), kInferOutputY, "FP32", {-1, -1, d});
+  FillModelMetadata(**layer, response);
   return Answer(context, OkStatus());
 }
 
@@ -178,8 +104,8 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelConfig(grpc::CallbackServer
   const int64_t d = l.config.d_model;
   inference::ModelConfig* c = response->mutable_config();
   c->set_name(l.name);
-  c->set_platform(kPlatform);
-  c->set_backend(kPlatform);
+  c->set_platform(kInferPlatform);
+  c->set_backend(kInferPlatform);
   c->set_max_batch_size(kReportedMaxBatchSize);
   // dims without the batch dimension (max_batch_size > 0).
   auto add_input = [&](const char* name, inference::DataType type, std::initializer_list<int64_t> dims, bool optional) {
@@ -218,19 +144,17 @@ grpc::ServerUnaryReactor* InferenceServiceImpl::ModelInfer(grpc::CallbackServerC
                                                            const inference::ModelInferRequest* request,
                                                            inference::ModelInferResponse* response) {
   const auto arrived = std::chrono::steady_clock::now();
-  auto* reactor = forward_->NewForwardReactor();
   try {
     // The conversion's views (tensors, layer, key) point into the request message, which gRPC
-    // keeps until the call is finished; key_lengths are copied into StartForward's request.
+    // keeps until the call is finished; key_lengths are copied by DecodeForward during Start.
     InferForwardRequest converted;
     ConvertInferRequest(*request, &converted);
     auto answer = std::make_unique<InferAnswer>(response, request->model_name(), request->id());
-    forward_->StartForward(context, reactor, converted.wire, std::move(answer), arrived, converted.refused);
+    return StartGrpcForward(*pipeline_, context, converted.wire, std::move(answer), arrived, converted.refused);
   } catch (const std::bad_alloc&) {
-    // Only the conversion can end here (StartForward answers every call itself).
-    reactor->Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "ModelInfer: out of memory"));
+    // Only the conversion can end here (the pipeline answers every call itself).
+    return Answer(context, ResourceExhaustedError("ModelInfer: out of memory"));
   }
-  return reactor;
 }
 
 grpc::ServerBidiReactor<inference::ModelInferRequest, inference::ModelStreamInferResponse>*

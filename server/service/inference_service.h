@@ -1,7 +1,7 @@
 // The Open Inference Protocol (KServe v2; Triton's GRPCInferenceService, package inference) on
 // the same server and port as attnserve.v1: every loaded layer is a model of the same name,
 // version "1" (docs/service.md, "Open Inference Protocol"). ModelInfer converts its request
-// (inference_request.h) and runs attnserve.v1's one call path (AttentionServiceImpl::StartForward):
+// (inference_request.h) and runs the one call path of every protocol (forward_pipeline.h):
 // the same validation, router, batcher, memory budget, metrics, shadows and drain. No math here.
 // Thread-safety: every handler may run on any gRPC thread at once; it holds no state of its own.
 #pragma once
@@ -26,8 +26,8 @@ struct InferenceServiceOptions {
 
 class InferenceServiceImpl final : public inference::GRPCInferenceService::CallbackService {
  public:
-  // `store` and `forward` outlive the service (main.cc); destroy it after the server's Shutdown.
-  InferenceServiceImpl(LayerStore* store, AttentionServiceImpl* forward, InferenceServiceOptions options);
+  // `store` and `pipeline` outlive the service (server.cc); destroy it after the server's Shutdown.
+  InferenceServiceImpl(LayerStore* store, ForwardPipeline* pipeline, InferenceServiceOptions options);
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
@@ -77,7 +77,7 @@ class InferenceServiceImpl final : public inference::GRPCInferenceService::Callb
   StatusOr<std::shared_ptr<const Layer>> FindModel(const std::string& name, const std::string& version) const;
 
   LayerStore* const store_;
-  AttentionServiceImpl* const forward_;
+  ForwardPipeline* const pipeline_;
   const InferenceServiceOptions options_;
 };
 

@@ -43,7 +43,7 @@ struct WireTensor {
 
 // One inference request as either protocol carries it (attnserve.v1 Forward: wire_request.h;
 // the Open Inference Protocol's ModelInfer: inference_request.h). Every call runs the same
-// admission, decoding and compute on it (AttentionServiceImpl::StartForward).
+// admission, decoding and compute on it (ForwardPipeline::Start, forward_pipeline.h).
 struct WireForwardRequest {
   std::string_view layer;
   int form = 0;

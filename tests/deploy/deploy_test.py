@@ -1923,6 +1923,7 @@ class KServeTest(unittest.TestCase):
         self.assertEqual(model["runtime"], self.runtime["metadata"]["name"])
         self.assertIn(model["modelFormat"]["name"], [f["name"] for f in self.runtime["spec"]["supportedModelFormats"]])
         self.assertEqual(model["protocolVersion"], "grpc-v2")
+        self.assertTrue(self.runtime["spec"]["supportedModelFormats"][0]["autoSelect"])
         self.assertEqual(self.runtime["spec"]["protocolVersions"], ["grpc-v2"])
         self.assertEqual(self.container["name"], "kserve-container")
 
@@ -1958,6 +1959,69 @@ class KServeTest(unittest.TestCase):
         with running_server(self, self.args, "deploy/kserve ServingRuntime") as target:
             health = cli(target, "health", "inference.GRPCInferenceService")
             self.assertEqual(health.stdout.strip(), "SERVING", health.stderr)
+
+
+class KServeHttpTest(unittest.TestCase):
+    """deploy/kserve/v2-http: attnserve as a KServe serving runtime for the Open Inference
+    Protocol over HTTP/REST (v2), and an InferenceService that uses it."""
+
+    @classmethod
+    def setUpClass(cls):
+        def load(name):
+            with open(os.path.join(DEPLOY, "kserve", "v2-http", name)) as f:
+                docs = [d for d in yaml.safe_load_all(f) if d is not None]
+            assert len(docs) == 1, f"deploy/kserve/v2-http/{name}: expected one document, got {len(docs)}"
+            return docs[0]
+
+        cls.runtime = load("servingruntime.yaml")
+        cls.isvc = load("inferenceservice.yaml")
+        cls.container = cls.runtime["spec"]["containers"][0]
+        cls.args = cls.container.get("args", [])
+
+    def test_kinds_and_references(self):
+        self.assertEqual((self.runtime["apiVersion"], self.runtime["kind"]), ("serving.kserve.io/v1alpha1",
+                                                                              "ServingRuntime"))
+        self.assertEqual((self.isvc["apiVersion"], self.isvc["kind"]), ("serving.kserve.io/v1beta1",
+                                                                        "InferenceService"))
+        model = self.isvc["spec"]["predictor"]["model"]
+        self.assertEqual(model["runtime"], self.runtime["metadata"]["name"])
+        self.assertIn(model["modelFormat"]["name"], [f["name"] for f in self.runtime["spec"]["supportedModelFormats"]])
+        self.assertEqual(model["protocolVersion"], "v2")
+        self.assertEqual(self.runtime["spec"]["protocolVersions"], ["v2"])
+        self.assertEqual(self.container["name"], "kserve-container")
+        # Two runtimes for one model format: only the gRPC one is picked without a runtime named.
+        self.assertFalse(self.runtime["spec"]["supportedModelFormats"][0]["autoSelect"])
+
+    def test_http1_port_is_the_http_listener_and_probes_use_its_health(self):
+        ports = {p["name"]: p["containerPort"] for p in self.container["ports"]}
+        self.assertEqual(list(ports), ["http1"], "KServe routes HTTP/1.1 to the one port named http1")
+        http_port = port_of(flag_value(self.args, "--http-listen"))
+        self.assertEqual(ports["http1"], http_port)
+        self.assertEqual(self.container["readinessProbe"]["httpGet"], {"path": "/v2/health/ready", "port": http_port})
+        self.assertEqual(self.container["livenessProbe"]["httpGet"], {"path": "/v2/health/live", "port": http_port})
+        probe = self.container["startupProbe"]
+        self.assertEqual(probe["httpGet"]["port"], http_port)
+        self.assertGreaterEqual(probe["periodSeconds"] * probe["failureThreshold"], 300)
+
+    def test_flags_exist_and_grace_exceeds_drain(self):
+        assert_flags_exist(self, self.args, BINARY, "deploy/kserve/v2-http/servingruntime.yaml args")
+        drain = int(flag_value(self.args, "--drain-timeout-s", default_of("--drain-timeout-s")))
+        self.assertGreater(self.isvc["spec"]["predictor"]["terminationGracePeriodSeconds"], drain)
+
+    def test_security(self):
+        sc = self.container["securityContext"]
+        self.assertTrue(sc["runAsNonRoot"])
+        self.assertFalse(sc["allowPrivilegeEscalation"])
+        self.assertTrue(sc["readOnlyRootFilesystem"])
+        self.assertEqual(sc["capabilities"]["drop"], ["ALL"])
+
+    def test_args_start_a_server_whose_probe_paths_answer(self):
+        port = free_port()
+        with running_server(self, self.args + [f"--http-listen=127.0.0.1:{port}"], "deploy/kserve/v2-http"):
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                path = self.container[probe]["httpGet"]["path"]
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+                    self.assertEqual(r.status, 200, f"{probe} {path}")
 
 
 if __name__ == "__main__":

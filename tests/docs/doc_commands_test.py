@@ -12,6 +12,7 @@
 Ports in the docs (50051, 50052) become ephemeral ones; $PWD is the source tree.
 Environment: ATTNSERVE_BINARY, ATTNSERVE_CLI_BINARY, ATTNSERVE_SOURCE_DIR.
 """
+import json
 import os
 import re
 import shlex
@@ -201,6 +202,47 @@ class ServiceTryIt(unittest.TestCase):
             if exited is None:
                 exited = server.stop()
         self.assertEqual(exited, 0, "the server exits 0 on SIGTERM")
+
+
+class ServiceHttpTryIt(unittest.TestCase):
+    """The block after the line "Try it over HTTP" in docs/service.md: the server line, then each curl command as written
+    (its port the server's); the readiness answer and the infer answer as the doc says."""
+
+    def test_curl_commands(self):
+        block = code_block_after(doc("docs/service.md"), "Try it over HTTP")
+        commands, joined = [], ""
+        for line in block:  # shell continuation lines joined
+            joined += line[:-1] if line.endswith("\\") else line
+            if not line.endswith("\\"):
+                commands.append(joined.strip())
+                joined = ""
+        argv = shlex.split(commands[0].rstrip("&").strip())
+        self.assertEqual(argv[0], "attnserve")
+        http_listen = argv[argv.index("--http-listen") + 1]
+        port_file = tempfile.NamedTemporaryFile(prefix="attnserve-docs-http-", delete=False).name
+        os.unlink(port_file)
+        server = Server(Server.override(argv[1:], "--http-listen", "127.0.0.1:0") + ["--http-port-file", port_file])
+        try:
+            port = read(port_file).strip()
+            outputs = []
+            for command in commands[1:]:
+                self.assertTrue(command.startswith("curl "), command)
+                command = command.replace(http_listen.replace("127.0.0.1", "localhost"), f"localhost:{port}")
+                out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+                self.assertEqual(out.returncode, 0, f"{command}\n{out.stderr}")
+                outputs.append(json.loads(out.stdout))
+            self.assertEqual(outputs[0], {"ready": True})
+            answer = outputs[1]
+            self.assertEqual((answer["model_name"], answer["model_version"]), ("tiny", "1"))
+            self.assertEqual(answer["parameters"]["form"], "summed")
+            (y,) = answer["outputs"]
+            self.assertEqual((y["name"], y["datatype"], y["shape"]), ("y", "FP32", [1, 2, 4]))
+            self.assertEqual(len(y["data"]), 8)
+            self.assertTrue(all(isinstance(v, float) for v in y["data"]))
+        finally:
+            self.assertEqual(server.stop(), 0, "the server exits 0 on SIGTERM")
+            if os.path.exists(port_file):
+                os.unlink(port_file)
 
 
 if __name__ == "__main__":
