@@ -156,7 +156,7 @@ std::vector<std::pair<size_t, size_t>> ValueGroups(std::span<const int64_t> rows
 double ForwardFlops(const FormWeights& form, std::span<const SequenceShape> batch, const SummedOrder& order = {});
 
 // Bytes of host scratch the CPU backend allocates for one Forward of `batch` in this form
-// (server/backend/cpu/cpu_backend.cc, whose allocations this follows line by line): the stacked
+// (server/backend/cpu/cpu_ops.cc, whose allocations this follows line by line): the stacked
 // inputs, Q and K, the value block (m · h · d_model floats in the summed form, for the largest
 // group of sequences that project first, under `max_value_group_bytes`: ValueGroups), the heads' outputs and the stacked output (factored, low rank), a score
 // tile per thread (kQueryTile × kKeyTile, with its stacked queries and running output; a summed

@@ -200,7 +200,7 @@ TEST_F(CudaEmulatedServerTest, TheGpuFlagsReachTheBackend) {
   const grpc::Status refused = server.client().Forward(
       Request(v1::FORM_FACTORED, testing::RandomVector(rng, long_n * kDModel), 1, long_n), &resp);
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
-  EXPECT_THAT(refused.error_message(), HasSubstr("1.0 MiB is one lane's bound (max_lane_workspace_bytes)"));
+  EXPECT_THAT(refused.error_message(), HasSubstr("1.0 MiB is one lane's bound (--gpu-max-lane-workspace-mb)"));
 }
 
 TEST_F(CudaEmulatedServerTest, NoGpuAutoFallsBackToTheCpuAndCudaRefusesToStart) {

@@ -322,10 +322,42 @@ class HttpListener(unittest.TestCase):
         server = Server("--max-message-mb", "1")
         try:
             big = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[' + b"1," * (600 << 10) + b'1]}]}'
-            status, body = curl(f"http://{server.http}/v2/models/small/infer", big)
-            self.assertEqual(status, 413)
-            self.assertIn("body: expected at most 1048576 bytes (--max-message-mb)", json.loads(body)["error"])
+            url = f"http://{server.http}/v2/models/small/infer"
+            # curl asks "Expect: 100-continue" for a body this size and waits; "Expect:" (empty)
+            # makes it send the body at once, which the server must read and drop so that the
+            # client gets the 413 rather than a reset. Chunked: no Content-Length to refuse early.
+            for headers in ((), ("Expect:",), ("Expect:", "Transfer-Encoding: chunked")):
+                for _ in range(3):
+                    with self.subTest(headers=headers):
+                        status, body = curl(url, big, headers=headers)
+                        self.assertEqual(status, 413, body)
+                        self.assertIn("body: expected at most 1048576 bytes (--max-message-mb)",
+                                      json.loads(body)["error"])
+            status, body = curl(url, b"{}", headers=("Expect: something-else",))
+            self.assertEqual(status, 417, body)
+            self.assertIn("Expect: expected '100-continue', got 'something-else'", json.loads(body)["error"])
             self.assertEqual(curl(f"http://{server.http}/v2/health/live")[0], 200)
+        finally:
+            server.stop()
+
+    def test_a_large_body_is_answered_without_the_expect_stall(self):
+        # Without "100 Continue" from the server, curl waits its expect timeout (1 s) before it
+        # sends a body over 1 MiB: every large call would be a second late.
+        server = Server("--max-message-mb", "8")
+        try:
+            rng = np.random.default_rng(SEED)
+            x = rng.standard_normal((1, 1024, D)).astype(np.float32)
+            body = json_body([("x", "FP32", x)])
+            self.assertGreater(len(body), 1 << 20)
+            url = f"http://{server.http}/v2/models/small/infer"
+            timings = []
+            for _ in range(3):
+                start = time.monotonic()
+                status, answer = curl(url, body)
+                timings.append(time.monotonic() - start)
+                self.assertEqual(status, 200, answer[:300])
+                self.assertEqual(json.loads(answer)["outputs"][0]["shape"], [1, 1024, D])
+            self.assertLess(min(timings), 0.9, f"{timings}: the server never sent 100 Continue")
         finally:
             server.stop()
 

@@ -146,7 +146,7 @@ StatusOr<WorkspacePlan> Lane::FitWorkspace(const std::function<WorkspacePlan(int
   plan = plan_for(std::max<int64_t>(0, ScoreBytesForRoom(smallest, room)));
   if (plan.bytes() > room) {
     const std::string where = budget_room > lane_bound
-                                  ? Mib(lane_bound) + " is one lane's bound (max_lane_workspace_bytes)"
+                                  ? Mib(lane_bound) + " is one lane's bound (--gpu-max-lane-workspace-mb)"
                                   : Mib(std::max<int64_t>(room, 0)) + " is free under " + BudgetText(*budget_);
     return ResourceExhaustedError("device memory: this batch needs " + Mib(smallest.bytes()) +
                                   " of workspace even in blocks of one query row, and " + where +

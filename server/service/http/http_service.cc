@@ -5,6 +5,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <condition_variable>
@@ -14,6 +15,7 @@
 #include <string_view>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "server/service/guarded.h"
 #include "server/service/http/infer_json.h"
@@ -26,6 +28,11 @@ namespace {
 // A request's and a response's bytes may take this long on the socket: slow (or slowloris)
 // clients cannot hold a thread for ever. An infer call's compute is not counted in it.
 constexpr char kSocketTimeoutMs[] = "30000";
+// How much of a body one read takes. civetweb runs handlers on threads with 100 KiB stacks
+// (a constant compiled into the library) and glibc guards them with one page: a frame holding
+// a buffer this size would step over the guard into the next thread's stack. Buffers live on
+// the heap; the handlers' frames stay small.
+constexpr size_t kReadStep = 64 * 1024;
 
 int PortOf(const std::string& listen) {
   const size_t colon = listen.rfind(':');
@@ -70,6 +77,8 @@ const char* Reason(int status) {
       return "Method Not Allowed";
     case 413:
       return "Payload Too Large";
+    case 417:
+      return "Expectation Failed";
     case 429:
       return "Too Many Requests";
     case 501:
@@ -215,25 +224,57 @@ class HttpService::Handler final : public CivetHandler {
     Send(conn, 200, ModelMetadataJson(metadata));
   }
 
-  // The body, or false after answering 413 (too large) or 400 (cut short).
+  // A client that sent "Expect: 100-continue" (curl does for bodies over 1 MiB) waits for this
+  // line before it sends the body; without it every large call would stall for the client's
+  // expect timeout (1 s in curl). False after answering 417 to an expectation we cannot meet.
+  static bool ContinueIfExpected(mg_connection* conn) {
+    const char* expect = mg_get_header(conn, "Expect");
+    if (expect == nullptr) return true;
+    if (mg_strcasecmp(expect, "100-continue") != 0) {
+      Send(conn, 417, ErrorJson(std::string("Expect: expected '100-continue', got '") + expect + "'"));
+      return false;
+    }
+    static constexpr std::string_view kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
+    mg_write(conn, kContinue.data(), kContinue.size());
+    return true;
+  }
+
+  // Reads and drops what is left of a refused body, up to kDrainBytes: closing a socket with
+  // unread bytes sends a reset, and the client would see the reset instead of the 413. A client
+  // that waits for "100 Continue" sends nothing and closes after the answer, which ends the read.
+  static void DrainRefusedBody(mg_connection* conn) {
+    constexpr int64_t kDrainBytes = int64_t{64} << 20;
+    std::vector<char> chunk(kReadStep);  // on the heap: see kReadStep
+    for (int64_t dropped = 0; dropped < kDrainBytes;) {
+      const int n = mg_read(conn, chunk.data(), chunk.size());
+      if (n <= 0) return;
+      dropped += n;
+    }
+  }
+
+  // The body, or false after answering 413 (too large), 417 or 400 (cut short).
   bool ReadBody(mg_connection* conn, const mg_request_info* info, std::string* body) {
     const int64_t limit = service_->options_.max_body_bytes;
     auto too_large = [&](const std::string& got) {
       Send(conn, 413,
            ErrorJson("body: expected at most " + std::to_string(limit) + " bytes (--max-message-mb), got " + got));
+      DrainRefusedBody(conn);
       return false;
     };
     if (info->content_length > limit) return too_large(std::to_string(info->content_length) + " (Content-Length)");
+    if (!ContinueIfExpected(conn)) return false;
     if (info->content_length >= 0) body->reserve(static_cast<size_t>(info->content_length));
-    char chunk[64 * 1024];
     for (;;) {
-      const int n = mg_read(conn, chunk, sizeof chunk);
+      // Straight into the body: see kReadStep.
+      const size_t had = body->size();
+      body->resize(had + kReadStep);
+      const int n = mg_read(conn, body->data() + had, kReadStep);
+      body->resize(had + static_cast<size_t>(std::max(n, 0)));
       if (n < 0) {
         SendError(conn, InvalidArgumentError("body: the connection ended before the body did"));
         return false;
       }
       if (n == 0) break;
-      body->append(chunk, static_cast<size_t>(n));
       if (static_cast<int64_t>(body->size()) > limit) return too_large("more");
     }
     if (info->content_length >= 0 && static_cast<int64_t>(body->size()) != info->content_length) {
