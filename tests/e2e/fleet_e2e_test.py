@@ -180,6 +180,10 @@ class FleetE2E(unittest.TestCase):
         cls.prometheus = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cls.dir,
                                           preexec_fn=die_with_parent)
         cls.prom = f"http://127.0.0.1:{cls.prom_port}"
+        # Its query API answers 503 until the TSDB is open (seconds on a loaded machine): wait for
+        # /-/ready first, whose 503 (an HTTPError, an OSError) wait_for counts as "not yet".
+        wait_for(lambda: urllib.request.urlopen(cls.prom + "/-/ready", timeout=5).status == 200,
+                 START_TIMEOUT_S, "Prometheus ready")
         wait_for(lambda: cls.query_by_instance("sum by (instance) (up)") == {t: 1.0 for t in cls.metrics_targets()},
                  START_TIMEOUT_S, "Prometheus scraping all three servers")
 
