@@ -830,27 +830,33 @@ TEST_F(CudaEmulationTest, TheLastBatchsTimeIsSplitIntoCopiesAndCompute) {
 // stream: work on the legacy default stream would race the batch on a device (the backend's
 // stream is non-blocking), which the emulation, running each call at once, cannot show.
 TEST_F(CudaEmulationTest, EveryCallRunsOnTheLanesOwnStream) {
-  auto backend = MakeEmulatedBackend();
-  ASSERT_NE(backend, nullptr);
   const LayerWeights w = RandomLayerWeights(
       *CompleteConfig({.d_model = 48, .heads = 4, .kv_heads = 2, .d_head = 12, .rope_theta = 10000.0}), 31);
-  for (Form form : {Form::kFactored, Form::kSummed}) {
-    cuda_emulation::ResetCounters();
-    auto resident = backend->Upload(
-        std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(w) : MaterializeSummed(w)));
-    ASSERT_TRUE(resident.ok());
-    std::vector<testing::OwnedSequence> seqs;
-    seqs.push_back(RandomSequence(rng_, 48, 9, 9, false, true, -1));
-    seqs.push_back(RandomSequence(rng_, 48, 4, 13, true, false, 7));
-    seqs.back().position_offset = 21;
-    std::vector<Sequence> batch;
-    for (auto& s : seqs) batch.push_back(s.View());
-    ASSERT_TRUE(backend->Forward(**resident, batch).ok());
-    const cuda_emulation::Counters c = cuda_emulation::ReadCounters();
-    EXPECT_GT(c.kernel_launches, 0) << FormName(form);
-    EXPECT_GT(c.gemm_calls, 0) << FormName(form);
-    EXPECT_EQ(c.legacy_stream_work, 0) << FormName(form) << ": work issued on the legacy default stream";
-    for (auto& s : seqs) EXPECT_LT(RelativeL2(s.output.data(), ReferenceForward(w, s.View())), 1e-5);
+  // The fused attention and the GEMM path's score GEMMs and softmax (the summed form projecting
+  // first takes the latter either way).
+  for (const bool gemm_attention : {false, true}) {
+    auto made = MakeCudaBackend({.gemm_attention = gemm_attention});
+    ASSERT_TRUE(made.ok());
+    std::unique_ptr<Backend> backend = std::move(made).value();
+    for (Form form : {Form::kFactored, Form::kSummed}) {
+      cuda_emulation::ResetCounters();
+      auto resident = backend->Upload(
+          std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(w) : MaterializeSummed(w)));
+      ASSERT_TRUE(resident.ok());
+      std::vector<testing::OwnedSequence> seqs;
+      seqs.push_back(RandomSequence(rng_, 48, 9, 9, false, true, -1));
+      seqs.push_back(RandomSequence(rng_, 48, 4, 13, true, false, 7));
+      seqs.back().position_offset = 21;
+      std::vector<Sequence> batch;
+      for (auto& s : seqs) batch.push_back(s.View());
+      ASSERT_TRUE(backend->Forward(**resident, batch).ok());
+      const cuda_emulation::Counters c = cuda_emulation::ReadCounters();
+      EXPECT_GT(c.kernel_launches, 0) << FormName(form);
+      EXPECT_GT(c.gemm_calls, 0) << FormName(form);
+      EXPECT_EQ(c.legacy_stream_work, 0) << FormName(form) << (gemm_attention ? " (GEMM attention)" : "")
+                                         << ": work issued on the legacy default stream";
+      for (auto& s : seqs) EXPECT_LT(RelativeL2(s.output.data(), ReferenceForward(w, s.View())), 1e-5);
+    }
   }
 }
 
