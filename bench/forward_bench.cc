@@ -18,7 +18,9 @@
 // --staging-slice-kib 4096,1048576 runs the CUDA backend with each size of copy slice in turn
 // (CudaBackendOptions::staging_slice_bytes; a slice past the batch is one copy each way, as before
 // slicing), --staging-threads 1,4 with each number of host threads packing and unpacking them
-// (staging_threads); every pair of the two, labelled in the gemm column.
+// (staging_threads); every pair of the two, labelled in the gemm column. --gemm-attention runs the
+// CUDA backend's attention as GEMMs around the softmax kernel instead of the fused kernel
+// (CudaBackendOptions::gemm_attention), labelled cublas-gemm-attention.
 // The CPU ceiling is the fastest of every SGEMM library the build found (Eigen always; oneDNN
 // and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
 // own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
@@ -124,6 +126,7 @@ struct Options {
   int64_t idle_us = 0;  // --idle-us: a pause before each timed call, as between served requests
   bool ceiling = true;  // --no-ceiling: the forwards alone (ceiling 0), seconds instead of ten
   bool tf32 = false;
+  bool gemm_attention = false;  // --gemm-attention: CudaBackendOptions::gemm_attention
   // --staging-slice-kib: the CUDA backend's staging slices (CudaBackendOptions::
   // staging_slice_bytes) to run in turn; empty: its default alone.
   std::vector<int64_t> staging_slice_kib;
@@ -284,7 +287,7 @@ StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int thre
 #ifdef ATTNSERVE_HAVE_CUDA
   if (opt.device.rfind("cuda", 0) == 0) {
     const int device = opt.device.size() > 5 ? std::atoi(opt.device.c_str() + 5) : 0;
-    CudaBackendOptions options{.device = device, .tf32 = opt.tf32};
+    CudaBackendOptions options{.device = device, .tf32 = opt.tf32, .gemm_attention = opt.gemm_attention};
     if (staging_slice_kib > 0) options.staging_slice_bytes = staging_slice_kib << 10;
     if (staging_threads > 0) options.staging_threads = static_cast<int>(staging_threads);
     return MakeCudaBackend(options);
@@ -674,6 +677,7 @@ int Usage(const char* why) {
                "                     [--value-group-mib 64]   (the summed form's value groups; 0: a sequence each)\n"
                "                     [--staging-slice-kib 4096,1048576]   (the CUDA backend's copy slices, in turn)\n"
                "                     [--staging-threads 1,4]   (the CUDA backend's packing threads, in turn)\n"
+               "                     [--gemm-attention]   (the CUDA backend's attention as GEMMs, not fused)\n"
                "       forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]\n"
                "                     [--summed-order auto,mix-first]\n";
   return 2;
@@ -690,6 +694,10 @@ int Main(int argc, char** argv) {
     }
     if (arg == "--no-ceiling") {
       opt.ceiling = false;
+      continue;
+    }
+    if (arg == "--gemm-attention") {
+      opt.gemm_attention = true;
       continue;
     }
     if (i + 1 >= argc) return Usage(("missing value for " + arg).c_str());
@@ -762,6 +770,7 @@ int Main(int argc, char** argv) {
     }
   }
   const bool on_cpu = opt.device == "cpu";
+  if (on_cpu && opt.gemm_attention) return Usage("--gemm-attention sets the CUDA backend's attention; it needs --device cuda");
   if (on_cpu && (!opt.staging_slice_kib.empty() || !opt.staging_threads.empty())) {
     return Usage("--staging-slice-kib and --staging-threads set the CUDA backend's staging; they need --device cuda");
   }
@@ -787,7 +796,7 @@ int Main(int argc, char** argv) {
   const std::vector<GemmLibraryUnderTest> libraries = CeilingLibraries();
   const std::string isa(on_cpu ? CpuIsa() : "gpu");
   std::vector<Record> records;
-  if (!on_cpu) opt.gemms = {"cublas"};
+  if (!on_cpu) opt.gemms = {opt.gemm_attention ? "cublas-gemm-attention" : "cublas"};
   for (int threads : opt.threads) {
     // The ceiling is taken before the cases (every candidate) and after them (the winner again);
     // the larger is used, so drift in the machine's load cannot flatter the ratios.

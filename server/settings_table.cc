@@ -205,6 +205,10 @@ const Setting kSettings[] = {
      0, 0, nullptr, nullptr,
      "on the GPU, a summed-form sequence with fewer queries than keys mixes them first (fewer projection FLOPs); "
      "without it every summed sequence projects first"},
+    {"--gpu-gemm-attention", "gpu_gemm_attention", "", &InCuda<&CudaBackendOptions::gemm_attention>,
+     0, 0, nullptr, nullptr,
+     "on the GPU, attention as score GEMM, softmax kernel and mix GEMM with the scores in device memory, instead "
+     "of the fused kernel (scores, online softmax and mix in one launch)"},
     {"--log-level", "log_level", "LEVEL", &O::log_level, 0, 0, CheckLogLevel, nullptr,
      "trace, debug, info, warn, error, critical or off"},
     {"--log-json", "log_json", "", &O::log_json, 0, 0, nullptr, nullptr, "log one JSON object per line"},

@@ -30,6 +30,7 @@ const CudaOption kCudaOptions[] = {
     {"staging_slice_bytes", &C::staging_slice_bytes, 1, kMaxBytes},
     {"staging_threads", &C::staging_threads, 1, 1024},
     {"summed_mix_first", &C::summed_mix_first},
+    {"gemm_attention", &C::gemm_attention},
     {"guard_zones", &C::guard_zones},
 };
 

@@ -113,7 +113,8 @@ StatusOr<ChosenBackend> ChooseBackend(const BackendOptions& options) {
                              (options.device == "auto" ? "a usable GPU is present" : "asked for") +
                              (cuda.tf32 ? ", TF32 GEMMs" : ", fp32 GEMMs") + ", " +
                              std::to_string(cuda.staging_threads) + " staging threads" +
-                             (cuda.summed_mix_first ? ", summed mix-first" : ""),
+                             (cuda.summed_mix_first ? ", summed mix-first" : "") +
+                             (cuda.gemm_attention ? ", GEMM attention" : ""),
                          cuda.tf32 ? "cublas-tf32" : "cublas"};
   }
   if (options.device != "auto") return UnavailableError("--device " + options.device + ": " + gpu.status().message());

@@ -552,8 +552,9 @@ std::unique_ptr<Backend> MakeEmulatedBackend() {
 // one pointer-array GEMM for the mixes (5 · 3); the output projection (1 GEMM). Per sequence
 // this was 2 · group GEMMs and a softmax: 74 launches and 283 GEMM calls.
 TEST_F(CudaEmulationTest, LaunchesPerBatchArePinned) {
-  auto backend = MakeEmulatedBackend();
-  ASSERT_NE(backend, nullptr);
+  auto made = MakeCudaBackend({.gemm_attention = true});  // the fused kernel's: cuda_fused_attention_test.cc
+  ASSERT_TRUE(made.ok());
+  std::unique_ptr<Backend> backend = std::move(made).value();
   const LayerWeights w = RandomLayerWeights(
       *CompleteConfig({.d_model = 32, .heads = 4, .kv_heads = 2, .bias = false, .rope_theta = 10000.0}), rng_());
   auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
@@ -584,7 +585,8 @@ std::vector<std::pair<std::string, FormWeights>> EveryForm(const LayerWeights& w
 // ranks (one mix call per distinct rank) — over MHA with biases and GQA with RoPE, with causal
 // and plain sequences, padded keys and cross-attention of several shapes in one batch, in an
 // order that interleaves the shapes, against float64. Fewer softmax launches and GEMM calls
-// than sequences show the groups ran.
+// than sequences show the groups ran. (The groups are the GEMM path's,
+// CudaBackendOptions::gemm_attention; the fused kernel takes up to 48 ranges a launch.)
 // Its own suite: nothing here is concurrent, so the ThreadSanitizer run of CudaEmulationTest
 // (scripts/test) would only pay for its many forwards (28 s there).
 class CudaGroupedBatchTest : public CudaEmulationTest {};
@@ -626,7 +628,7 @@ TEST_F(CudaGroupedBatchTest, ShortSequencesOfOneShapeShareTheirCalls) {
     ASSERT_TRUE(low.ok());
     forms.emplace_back("low-rank ragged", std::move(low).value());
     for (const bool mix_first : {false, true}) {
-      auto made = MakeCudaBackend({.summed_mix_first = mix_first});
+      auto made = MakeCudaBackend({.summed_mix_first = mix_first, .gemm_attention = true});
       ASSERT_TRUE(made.ok());
       for (const auto& [name, form] : forms) {
         if (mix_first && name != "summed") continue;
@@ -676,7 +678,7 @@ TEST_F(CudaGroupedBatchTest, AGroupKeepsToTheScoreBound) {
   const int64_t one_sequence_bytes = w.config.heads * kTokens * kTokens * static_cast<int64_t>(sizeof(float));
   for (const auto& [name, form] : EveryForm(w)) {
     const int64_t copies = form.concat_then_project() ? 1 : 2;  // the summed form keeps A_cat too
-    auto made = MakeCudaBackend({.max_score_workspace_bytes = 2 * copies * one_sequence_bytes});
+    auto made = MakeCudaBackend({.max_score_workspace_bytes = 2 * copies * one_sequence_bytes, .gemm_attention = true});
     ASSERT_TRUE(made.ok());
     auto resident = (*made)->Upload(std::make_shared<const FormWeights>(form));
     ASSERT_TRUE(resident.ok()) << resident.status().ToString();
@@ -828,27 +830,33 @@ TEST_F(CudaEmulationTest, TheLastBatchsTimeIsSplitIntoCopiesAndCompute) {
 // stream: work on the legacy default stream would race the batch on a device (the backend's
 // stream is non-blocking), which the emulation, running each call at once, cannot show.
 TEST_F(CudaEmulationTest, EveryCallRunsOnTheLanesOwnStream) {
-  auto backend = MakeEmulatedBackend();
-  ASSERT_NE(backend, nullptr);
   const LayerWeights w = RandomLayerWeights(
       *CompleteConfig({.d_model = 48, .heads = 4, .kv_heads = 2, .d_head = 12, .rope_theta = 10000.0}), 31);
-  for (Form form : {Form::kFactored, Form::kSummed}) {
-    cuda_emulation::ResetCounters();
-    auto resident = backend->Upload(
-        std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(w) : MaterializeSummed(w)));
-    ASSERT_TRUE(resident.ok());
-    std::vector<testing::OwnedSequence> seqs;
-    seqs.push_back(RandomSequence(rng_, 48, 9, 9, false, true, -1));
-    seqs.push_back(RandomSequence(rng_, 48, 4, 13, true, false, 7));
-    seqs.back().position_offset = 21;
-    std::vector<Sequence> batch;
-    for (auto& s : seqs) batch.push_back(s.View());
-    ASSERT_TRUE(backend->Forward(**resident, batch).ok());
-    const cuda_emulation::Counters c = cuda_emulation::ReadCounters();
-    EXPECT_GT(c.kernel_launches, 0) << FormName(form);
-    EXPECT_GT(c.gemm_calls, 0) << FormName(form);
-    EXPECT_EQ(c.legacy_stream_work, 0) << FormName(form) << ": work issued on the legacy default stream";
-    for (auto& s : seqs) EXPECT_LT(RelativeL2(s.output.data(), ReferenceForward(w, s.View())), 1e-5);
+  // The fused attention and the GEMM path's score GEMMs and softmax (the summed form projecting
+  // first takes the latter either way).
+  for (const bool gemm_attention : {false, true}) {
+    auto made = MakeCudaBackend({.gemm_attention = gemm_attention});
+    ASSERT_TRUE(made.ok());
+    std::unique_ptr<Backend> backend = std::move(made).value();
+    for (Form form : {Form::kFactored, Form::kSummed}) {
+      cuda_emulation::ResetCounters();
+      auto resident = backend->Upload(
+          std::make_shared<const FormWeights>(form == Form::kFactored ? MaterializeFactored(w) : MaterializeSummed(w)));
+      ASSERT_TRUE(resident.ok());
+      std::vector<testing::OwnedSequence> seqs;
+      seqs.push_back(RandomSequence(rng_, 48, 9, 9, false, true, -1));
+      seqs.push_back(RandomSequence(rng_, 48, 4, 13, true, false, 7));
+      seqs.back().position_offset = 21;
+      std::vector<Sequence> batch;
+      for (auto& s : seqs) batch.push_back(s.View());
+      ASSERT_TRUE(backend->Forward(**resident, batch).ok());
+      const cuda_emulation::Counters c = cuda_emulation::ReadCounters();
+      EXPECT_GT(c.kernel_launches, 0) << FormName(form);
+      EXPECT_GT(c.gemm_calls, 0) << FormName(form);
+      EXPECT_EQ(c.legacy_stream_work, 0) << FormName(form) << (gemm_attention ? " (GEMM attention)" : "")
+                                         << ": work issued on the legacy default stream";
+      for (auto& s : seqs) EXPECT_LT(RelativeL2(s.output.data(), ReferenceForward(w, s.View())), 1e-5);
+    }
   }
 }
 
@@ -1138,7 +1146,9 @@ class CudaQueryRowBlockTest : public CudaEmulationTest {};
 // A backend whose score workspace (scores, and the summed form's A_cat beside them) is bounded
 // by `bytes`: each sequence's queries then run in blocks of rows.
 std::unique_ptr<Backend> MakeBackendWithScoreBound(int64_t bytes) {
-  auto backend = MakeCudaBackend({.max_score_workspace_bytes = bytes});
+  // The GEMM path: the blocks of query rows cut under the bound are its (the fused kernel's
+  // workspace holds no scores).
+  auto backend = MakeCudaBackend({.max_score_workspace_bytes = bytes, .gemm_attention = true});
   EXPECT_TRUE(backend.ok()) << backend.status().ToString();
   return backend.ok() ? std::move(backend).value() : nullptr;
 }
@@ -1192,7 +1202,7 @@ TEST_F(CudaQueryRowBlockTest, EveryFormMatchesFloat64Reference) {
     for (auto& s : seqs) want.push_back(ReferenceForward(*w, s.View()));
 
     auto blocked = MakeBackendWithScoreBound(kBound);
-    auto whole = MakeEmulatedBackend();
+    auto whole = MakeBackendWithScoreBound(CudaBackendOptions{}.max_score_workspace_bytes);
     ASSERT_NE(blocked, nullptr);
     ASSERT_NE(whole, nullptr);
     for (auto& [name, form] : EveryForm(*w)) {
@@ -1321,8 +1331,10 @@ class CudaDeviceMemoryTest : public CudaEmulationTest {
   }
 };
 
+// On the GEMM path, whose score pieces are what a budget cuts into blocks (the fused kernel's
+// workspace is linear in the tokens: cuda_fused_attention_test.cc).
 std::unique_ptr<Backend> MakeBackendWithDeviceBudget(int64_t bytes) {
-  auto backend = MakeCudaBackend({.max_device_bytes = bytes});
+  auto backend = MakeCudaBackend({.max_device_bytes = bytes, .gemm_attention = true});
   EXPECT_TRUE(backend.ok()) << backend.status().ToString();
   return backend.ok() ? std::move(backend).value() : nullptr;
 }
@@ -1472,8 +1484,9 @@ TEST_F(CudaDeviceMemoryTest, TheDefaultBudgetIsNinetyPercentOfTheFreeMemory) {
   ASSERT_EQ(cudaMalloc(&others, kHeldByOthers), cudaSuccess);
   {
     const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 16, .heads = 2, .d_head = 8}), rng_());
-    auto backend = MakeEmulatedBackend();
-    ASSERT_NE(backend, nullptr);
+    auto made = MakeCudaBackend({.gemm_attention = true});  // the path whose scores fill the budget
+    ASSERT_TRUE(made.ok());
+    std::unique_ptr<Backend> backend = std::move(made).value();
     auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
     ASSERT_TRUE(resident.ok()) << resident.status().ToString();
     testing::OwnedSequence seq = RandomSequence(rng_, w.config.d_model, 1024, 1024, false, false, -1);

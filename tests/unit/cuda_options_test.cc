@@ -32,6 +32,7 @@ void ExpectSameOptions(const CudaBackendOptions& a, const CudaBackendOptions& b)
   EXPECT_EQ(a.staging_slice_bytes, b.staging_slice_bytes);
   EXPECT_EQ(a.staging_threads, b.staging_threads);
   EXPECT_EQ(a.summed_mix_first, b.summed_mix_first);
+  EXPECT_EQ(a.gemm_attention, b.gemm_attention);
   EXPECT_EQ(a.guard_zones, b.guard_zones);
 }
 
@@ -48,6 +49,7 @@ CudaBackendOptions RandomOptions(std::mt19937_64& rng) {
   o.staging_slice_bytes = bytes();
   o.staging_threads = static_cast<int>(rng() % 64) + 5;
   o.summed_mix_first = true;
+  o.gemm_attention = true;
   o.guard_zones = true;
   return o;
 }
@@ -67,7 +69,7 @@ TEST(CudaOptionsTest, EveryOptionSurvivesTheRoundTrip) {
     for (const auto& [key, value] : pairs) EXPECT_TRUE(keys.insert(key).second) << "key " << key << " twice";
     EXPECT_EQ(keys, (std::set<std::string>{"device", "tf32", "max_score_workspace_bytes", "max_device_bytes",
                                            "max_lane_workspace_bytes", "retain_workspace_bytes", "staging_slice_bytes",
-                                           "staging_threads", "summed_mix_first", "guard_zones"}));
+                                           "staging_threads", "summed_mix_first", "gemm_attention", "guard_zones"}));
     StatusOr<CudaBackendOptions> got = Decode(pairs);
     ASSERT_TRUE(got.ok()) << got.status().ToString();
     ExpectSameOptions(*got, sent);

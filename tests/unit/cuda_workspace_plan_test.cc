@@ -13,6 +13,7 @@
 #include "server/backend/cuda/workspace_plan.h"
 #include "server/core/forms.h"
 #include "server/core/layer.h"
+#include "server/core/spectrum.h"
 #include "tests/unit/test_support.h"
 
 namespace attnserve::cuda {
@@ -230,6 +231,58 @@ TEST(CudaWorkspacePlanTest, GroupsKeepToTheScorePieceAndShareEveryCallTheyCan) {
       EXPECT_EQ(groups_of_it, (alike + per_group - 1) / per_group) << "rows " << r.rows << ", ld " << r.q.ld;
     }
   }
+}
+
+// With the fused kernel (PlanWorkspace's `fused`), a batch whose attention it takes plans no
+// score pieces and every other piece as before: the factored form always (at d_head ≤ 128), the
+// summed form when every sequence mixes first (d_model ≤ 128 here). The summed form projecting
+// first, the low-rank form at ragged ranks and heads past the kernel's bounds keep them.
+TEST(CudaWorkspacePlanTest, TheFusedPathPlansNoScorePieces) {
+  std::mt19937_64 rng(TestSeed());
+  for (int trial = 0; trial < 200; ++trial) {
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    const bool summed = trial % 2 == 1;
+    const FormWeights f = RandomForm(rng, summed);
+    const LayerConfig& c = f.config;
+    auto owned = RandomBatch(rng, c.d_model, 30);
+    const std::vector<Sequence> batch = Views(owned);
+    const bool mix_first = trial % 4 == 3;
+    const BatchPlan plan = PlanBatch(f, batch, {.summed_order = {.mix_first_allowed = mix_first}});
+    const int64_t score_bytes = Draw(rng, 0, 1 << 16);
+    const WorkspacePlan gemm = PlanWorkspace(f, plan, batch, score_bytes, kGuardFloats);
+    const WorkspacePlan fused = PlanWorkspace(f, plan, batch, score_bytes, kGuardFloats, /*fused=*/true);
+    const FusedShape shape = FusedShapeOf(f, summed ? AttentionValues::kContext : AttentionValues::kValueBlock);
+    EXPECT_EQ(shape.width, summed ? c.d_model : c.d_head);
+    for (int64_t i = 0; i < c.heads; ++i) {  // the context's columns, or head i's kv head's
+      EXPECT_EQ(i / shape.value_group * shape.value_stride, summed ? 0 : c.KvHeadOf(i) * c.d_head) << "head " << i;
+    }
+    const bool all_mix_first = std::all_of(plan.mixes_first.begin(), plan.mixes_first.end(), [](bool b) { return b; });
+    const bool none = !summed || all_mix_first;
+    EXPECT_EQ(fused.sizes[kScores], none ? 0 : gemm.sizes[kScores]);
+    EXPECT_EQ(fused.sizes[kACat], none ? 0 : gemm.sizes[kACat]);
+    if (none) {
+      EXPECT_GT(gemm.sizes[kScores], 0);
+    }
+    for (int p = 0; p < kPieces; ++p) {
+      if (p != kScores && p != kACat) {
+        EXPECT_EQ(fused.sizes[p], gemm.sizes[p]) << PieceName(p);
+      }
+    }
+  }
+  // What the kernel does not take: the low-rank form's ragged ranks, a d_head past its bound.
+  LayerConfig c{.d_model = 8, .heads = 4, .kv_heads = 2, .d_head = 2};
+  const LayerWeights w = RandomLayerWeights(c, 5);
+  auto ragged = MaterializeLowRank(w, {1, 2, 1, 2});
+  ASSERT_TRUE(ragged.ok());
+  EXPECT_EQ(FusedShapeOf(*ragged, AttentionValues::kValueBlock).width, 0);
+  auto even = MaterializeLowRank(w, {2, 2, 2, 2});
+  ASSERT_TRUE(even.ok());
+  EXPECT_EQ(FusedShapeOf(*even, AttentionValues::kValueBlock).width, 2);
+  c = {.d_model = 130, .heads = 1, .kv_heads = 1, .d_head = 130};
+  EXPECT_EQ(FusedShapeOf(MaterializeFactored(RandomLayerWeights(c, 6)), AttentionValues::kValueBlock).width, 0);
+  c = {.d_model = 256, .heads = 2, .kv_heads = 1, .d_head = 128};
+  EXPECT_EQ(FusedShapeOf(MaterializeFactored(RandomLayerWeights(c, 6)), AttentionValues::kValueBlock).width, 128);
+  EXPECT_EQ(FusedShapeOf(MaterializeSummed(RandomLayerWeights(c, 6)), AttentionValues::kContext).width, 0);
 }
 
 }  // namespace

@@ -27,6 +27,7 @@ TEST(PluginOptionsTest, EveryOptionCrossesAsKeyAndValue) {
                                    .staging_slice_bytes = 65536,
                                    .staging_threads = 11,
                                    .summed_mix_first = true,
+                                   .gemm_attention = true,
                                    .guard_zones = true};
   StatusOr<std::unique_ptr<Backend>> echo = LoadCudaPlugin(ATTNSERVE_ECHO_PLUGIN, options);
   ASSERT_FALSE(echo.ok());
@@ -36,7 +37,7 @@ TEST(PluginOptionsTest, EveryOptionCrossesAsKeyAndValue) {
                 " version=" + std::to_string(ATTNSERVE_PLUGIN_OPTIONS_VERSION) +
                 " device=3 tf32=true max_score_workspace_bytes=123456789 max_device_bytes=5368709120"
                 " max_lane_workspace_bytes=987654321 retain_workspace_bytes=7777 staging_slice_bytes=65536"
-                " staging_threads=11 summed_mix_first=true guard_zones=true");
+                " staging_threads=11 summed_mix_first=true gemm_attention=true guard_zones=true");
 }
 
 // The positional form the tests used before options crossed as data sends the same keys.
@@ -47,7 +48,7 @@ TEST(PluginOptionsTest, TheShortFormSendsTheDefaultsForTheRest) {
               AllOf(HasSubstr(" device=1 tf32=false max_score_workspace_bytes=268435456 max_device_bytes=1048576 "
                               "max_lane_workspace_bytes=0 retain_workspace_bytes=268435456 "
                               "staging_slice_bytes=4194304 staging_threads=4 summed_mix_first=false "
-                              "guard_zones=false")));
+                              "gemm_attention=false guard_zones=false")));
 }
 
 // The CUDA plugin (over the emulated device) takes every option, and refuses a value out of its
@@ -61,6 +62,7 @@ TEST(PluginOptionsTest, TheCudaPluginTakesEveryOptionAndRefusesABadOne) {
                              .staging_slice_bytes = int64_t{1} << 20,
                              .staging_threads = 2,
                              .summed_mix_first = true,
+                             .gemm_attention = true,
                              .guard_zones = true};
   StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_GOOD_PLUGIN, options);
   ASSERT_TRUE(backend.ok()) << backend.status().ToString();

@@ -83,10 +83,14 @@ std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why) 
     // The emulated backend is linked in: it maps no CUDA library.
     // With guard zones between the workspace's pieces: an overrun inside the one allocation,
     // which neither the emulation's bounds checks nor ASan see, fails the batch.
-    auto backend = MakeCudaBackend({.device = 0, .tf32 = name == "cuda-tf32", .guard_zones = true});
+    // "cuda" runs attention in the fused kernel, "cuda-tf32" as GEMMs around the softmax kernel
+    // (CudaBackendOptions::gemm_attention): the suite covers both paths.
+    auto backend = MakeCudaBackend(
+        {.device = 0, .tf32 = name == "cuda-tf32", .gemm_attention = name == "cuda-tf32", .guard_zones = true});
 #else
     // The real one through the plugin the server loads, as the server loads it.
-    auto backend = LoadCudaPlugin(ATTNSERVE_CUDA_PLUGIN_FILE, 0, name == "cuda-tf32");
+    auto backend = LoadCudaPlugin(ATTNSERVE_CUDA_PLUGIN_FILE,
+                                  {.device = 0, .tf32 = name == "cuda-tf32", .gemm_attention = name == "cuda-tf32"});
 #endif
     if (backend.ok()) return std::move(backend).value();
     *why = backend.status().message();

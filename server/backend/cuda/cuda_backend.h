@@ -63,6 +63,13 @@ struct CudaBackendOptions {
   // mix GEMM per head instead of strided batches); without it, every summed sequence projects
   // first, whose A_cat is a block of rows at a time here anyway. Off until measured on a device.
   bool summed_mix_first = false;
+  // Attention as the score GEMM, the masked softmax kernel and the mix GEMM, the scores through
+  // a workspace piece between them, instead of the fused kernel (fused_attention.h: scores,
+  // online softmax and mix in one launch, the scores never in device memory). The fused kernel
+  // takes every job whose heads are at most kFusedMaxDHead and kFusedMaxWidth wide at fixed
+  // strides (the factored form, the low-rank form at one rank, the summed form mixing first at
+  // d_model ≤ 128); the others take this path anyway.
+  bool gemm_attention = false;
   // Guard zones after every piece of a lane's workspace, filled with a pattern before a batch
   // and checked after it (a write past its piece fails the batch with INTERNAL naming the
   // piece): for the tests, which run the backend suite so; a device read-back per batch else.

@@ -160,7 +160,7 @@ StatusOr<BatchWorkspace> Lane::PlaceWorkspace(const FormWeights& f, const BatchP
                                               std::span<const Sequence> batch) {
   const int64_t guard = options_.guard_zones ? kGuardFloats : 0;
   ATTNSERVE_ASSIGN_OR_RETURN(const WorkspacePlan w, FitWorkspace([&](int64_t score_bytes) {
-                               return PlanWorkspace(f, plan, batch, score_bytes, guard);
+                               return PlanWorkspace(f, plan, batch, score_bytes, guard, !options_.gemm_attention);
                              }));
   const PieceLayout layout = LayOut(w, guard);
   BatchWorkspace placed{.score_bytes = w.score_bytes,

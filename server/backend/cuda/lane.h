@@ -122,6 +122,8 @@ class Lane final : public DeviceOps {
                      float* a_cat);
   Status GroupMix(const AttentionJob& job, std::span<const AttentionRange* const> group, int64_t rows, int64_t keys);
   std::vector<RangeGroup> Groups(const FormWeights& f, std::span<const AttentionRange> ranges) const;
+  // The whole job in the fused kernel, a launch per kFusedMaxRanges ranges.
+  Status FusedAttend(const AttentionJob& job, const FusedShape& shape);
 
   CudaBackendOptions options_;
   std::shared_ptr<DeviceBudget> budget_;

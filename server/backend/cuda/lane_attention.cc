@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "server/backend/cuda/errors.h"
+#include "server/backend/cuda/fused_attention.h"
 #include "server/backend/cuda/kernels.h"
 #include "server/backend/cuda/lane.h"
 
@@ -154,10 +155,55 @@ Status Lane::Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, std
   return flush();
 }
 
-// Per range, blocks of query rows: every head's scores and softmax in the score piece, then
-// the mix into the block's rows of out.
+// Every range in the fused kernel: its table filled in range order, a launch each time it is full
+// or the next range's leading dimensions differ (they do not within one batch's buffers).
+Status Lane::FusedAttend(const AttentionJob& job, const FusedShape& shape) {
+  const LayerConfig& c = job.form->config;
+  cuda::FusedRanges launch;
+  cuda::FusedLayout layout;
+  const auto flush = [&]() -> Status {
+    if (launch.count > 0) CUDA_TRY(cuda::FusedAttention(launch, layout, stream_));
+    launch.count = 0;
+    return OkStatus();
+  };
+  for (const AttentionRange& range : job.ranges) {
+    if (range.rows == 0) continue;
+    const cuda::FusedLayout mine{.q_ld = range.q.ld,
+                                 .k_ld = range.k.ld,
+                                 .values_ld = range.values.ld,
+                                 .out_ld = range.out.ld,
+                                 .heads = static_cast<int32_t>(c.heads),
+                                 .group = static_cast<int32_t>(c.group_size()),
+                                 .d_head = static_cast<int32_t>(c.d_head),
+                                 .width = static_cast<int32_t>(shape.width),
+                                 .value_stride = static_cast<int32_t>(shape.value_stride),
+                                 .value_group = static_cast<int32_t>(shape.value_group),
+                                 .scale = c.SoftmaxScale()};
+    const bool same = mine.q_ld == layout.q_ld && mine.k_ld == layout.k_ld && mine.values_ld == layout.values_ld &&
+                      mine.out_ld == layout.out_ld;
+    if (launch.count == cuda::kFusedMaxRanges || (launch.count > 0 && !same)) ATTNSERVE_RETURN_IF_ERROR(flush());
+    layout = mine;
+    launch.range[launch.count++] = {.q = range.q.row(range.row0),
+                                    .k = range.k.data,
+                                    .values = range.values.data,
+                                    .out = range.out.data,
+                                    .first_row = range.row0,
+                                    .rows = static_cast<int32_t>(range.rows),
+                                    .keys = static_cast<int32_t>(range.sequence->visible_keys()),
+                                    .causal = range.sequence->causal};
+  }
+  return flush();
+}
+
+// The fused kernel where it takes the job (CudaBackendOptions::gemm_attention, FusedShapeOf);
+// else per range, blocks of query rows: every head's scores and softmax in the score piece,
+// then the mix into the block's rows of out.
 Status Lane::Attend(const AttentionJob& job) {
   const LayerConfig& c = job.form->config;
+  if (!options_.gemm_attention) {
+    const FusedShape shape = FusedShapeOf(*job.form, job.values);
+    if (shape.width > 0) return FusedAttend(job, shape);
+  }
   for (const RangeGroup& g : Groups(*job.form, job.ranges)) {
     if (g.ranges.size() > 1) {
       ATTNSERVE_RETURN_IF_ERROR(GroupScores(c, g.ranges, g.rows, g.keys, nullptr));

@@ -14,8 +14,31 @@ int64_t BlockRows(const FormWeights& f, const Sequence& seq, int64_t score_bytes
   return std::clamp<int64_t>(score_bytes / row_bytes, 1, seq.n());
 }
 
+FusedShape FusedShapeOf(const FormWeights& f, AttentionValues values) {
+  const LayerConfig& c = f.config;
+  const AttentionJob job{.form = &f, .values = values, .ranges = {}};
+  const int64_t w = job.Width(0);
+  if (c.d_head > kFusedMaxDHead || w <= 0 || w > kFusedMaxWidth) return {};
+  for (const FusedShape shape : {FusedShape{w, w, c.group_size()}, FusedShape{w, w, 1}, FusedShape{w, 0, 1}}) {
+    bool all = true;
+    for (int64_t i = 0; i < c.heads && all; ++i) {
+      all = job.Width(i) == w && job.ValueColumn(i) == i / shape.value_group * shape.value_stride &&
+            job.OutColumn(i) == i * w;
+    }
+    if (all) return shape;
+  }
+  return {};
+}
+
+bool ScoresNeeded(const FormWeights& f, const BatchPlan& plan, bool fused) {
+  if (!fused) return true;
+  if (f.concat_then_project()) return FusedShapeOf(f, AttentionValues::kValueBlock).width == 0;
+  const bool all_mix_first = std::all_of(plan.mixes_first.begin(), plan.mixes_first.end(), [](bool b) { return b; });
+  return !all_mix_first || FusedShapeOf(f, AttentionValues::kContext).width == 0;
+}
+
 WorkspacePlan PlanWorkspace(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch,
-                            int64_t score_bytes, int64_t guard_floats) {
+                            int64_t score_bytes, int64_t guard_floats, bool fused) {
   const LayerConfig& c = f.config;
   const int64_t d = c.d_model, tx = plan.rows.queries;
   const int64_t c_rows = plan.rows.all_self ? 0 : plan.rows.contexts;
@@ -28,6 +51,7 @@ WorkspacePlan PlanWorkspace(const FormWeights& f, const BatchPlan& plan, std::sp
     all_scores += c.heads * s.n() * s.visible_keys();
   }
   max_scores = std::max(max_scores, std::min<int64_t>(all_scores, score_bytes / (copies * sizeof(float))));
+  if (!ScoresNeeded(f, plan, fused)) max_scores = 0;
   // The batched GEMMs' pointer arrays: three pointers an entry, at most 2·heads + 1 entries a
   // range (scores, mixes, the summed head sum), a range a sequence or a mix-first part.
   const int64_t pointer_slots = 3 * (2 * c.heads + 1) * static_cast<int64_t>(batch.size() + plan.mix_parts.size());

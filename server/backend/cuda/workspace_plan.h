@@ -15,6 +15,7 @@
 
 #include "server/backend/attention/device_ops.h"
 #include "server/backend/attention/plan.h"
+#include "server/backend/cuda/fused_bounds.h"
 #include "server/core/forms.h"
 #include "server/core/sequence.h"
 #include "server/core/status.h"
@@ -45,12 +46,29 @@ struct WorkspacePlan {
 // A_cat block beside them, within `score_bytes`; at least one, at most n.
 int64_t BlockRows(const FormWeights& f, const Sequence& seq, int64_t score_bytes);
 
+// How the fused kernel runs a form's attention jobs of one kind: head i reads value columns
+// [(i / value_group)·value_stride, +width) — its kv head's (the factored form), its own (the
+// low-rank form at one rank) or all the same (value_stride 0: the context the summed form
+// mixes first) — and writes out columns [i·width, +width). width 0: it does not run them (the
+// low-rank form's ragged ranks, d_head or a width past the bounds: the summed form mixing first
+// at d_model > 128).
+struct FusedShape {
+  int64_t width = 0, value_stride = 0, value_group = 1;
+};
+FusedShape FusedShapeOf(const FormWeights& f, AttentionValues values);
+
+// Whether the batch still needs the score pieces when the lane fuses what it can (`fused`):
+// the summed form projecting first (its A_cat is a block of scores) and any job FusedShapeOf
+// refuses do.
+bool ScoresNeeded(const FormWeights& f, const BatchPlan& plan, bool fused);
+
 // The workspace `batch` needs with its blocks cut to `score_bytes` (0: one query row a block),
 // each piece followed by `guard_floats` (0 or kGuardFloats). Inputs and (when staged) contexts
 // share the first piece, in that order; contexts are staged only when some differ from the
-// inputs.
+// inputs. With `fused` (the lane's fused attention), the score pieces are empty where
+// ScoresNeeded says the batch needs none.
 WorkspacePlan PlanWorkspace(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch,
-                            int64_t score_bytes, int64_t guard_floats);
+                            int64_t score_bytes, int64_t guard_floats, bool fused = false);
 
 // Where each piece starts in the workspace (floats from its start), and its guard zone: the
 // piece's alignment padding and the guard after it, [start + size, next piece's start).

@@ -1,0 +1,209 @@
+#include <cfloat>
+#include <cmath>
+
+#include "server/backend/cuda/fused_attention.h"
+
+// As in kernels.cu: nvcc launches on the device; compiled as C++, this file is the tests' host
+// emulation of the kernel (tests/cuda_emulation).
+#ifdef __CUDACC__
+#define ATTNSERVE_LAUNCH(kernel, grid, block, stream) kernel<<<(grid), (block), 0, (stream)>>>
+#else
+#define ATTNSERVE_LAUNCH(kernel, grid, block, stream) ::cuda_emulation::Launch(kernel, (grid), (block), (stream))
+#endif
+
+namespace attnserve::cuda {
+namespace {
+
+// A block: 4 warps, each 4 query rows of the tile; a lane a key of the key tile while scoring,
+// the columns lane + 32·c of the row while mixing.
+constexpr int kWarps = 4, kRowsPerWarp = 4;
+constexpr int kTileRows = kWarps * kRowsPerWarp;  // 16
+constexpr int kTileKeys = 32;
+constexpr int kColsPerLane = static_cast<int>(kFusedMaxWidth / 32);  // 4
+constexpr int kMaxDHead = static_cast<int>(kFusedMaxDHead);
+
+template <bool kMax, class T>
+__device__ T WarpAll(T v) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const T other = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = kMax ? static_cast<T>(fmax(v, other)) : v + other;
+  }
+  return v;
+}
+
+// q·k in float64 (kernels.cu's ExactDot: the products of floats are exact there).
+__device__ double ExactDot(const float* q, const float* k, int d_head) {
+  double dot = 0;
+  for (int t = 0; t < d_head; ++t) dot += static_cast<double>(q[t]) * static_cast<double>(k[t]);
+  return dot;
+}
+
+// A row one of whose visible scores was not finite in float32, again in float64 by its warp:
+// weights exp(scale · (dot − max)) with the dots and the max in float64 (the max over the
+// unscaled dots, the scale after the subtraction, as kernels.cu's ExactExponentials and for
+// its reason), the mix accumulated in float64. A non-finite dot makes the max +inf and the
+// row NaN, which the service reports as OUT_OF_RANGE. Warp-uniform: shuffles only.
+__device__ void ExactRow(const float* q, const float* k, const float* values, float* out, int visible,
+                         const FusedLayout& l) {
+  const int lane = threadIdx.x % 32;
+  double top = -DBL_MAX;
+  for (int j = lane; j < visible; j += 32) {
+    const double dot = ExactDot(q, k + j * l.k_ld, l.d_head);
+    top = fmax(top, fabs(dot) <= DBL_MAX ? dot : INFINITY);
+  }
+  top = WarpAll<true>(top);
+  double sum = 0, acc[kColsPerLane] = {};
+  for (int j0 = 0; j0 < visible; j0 += 32) {
+    const int j = j0 + lane;
+    const double e =
+        j < visible ? exp(static_cast<double>(l.scale) * (ExactDot(q, k + j * l.k_ld, l.d_head) - top)) : 0.0;
+    sum += e;
+    for (int b = 0; b < 32 && j0 + b < visible; ++b) {
+      const double weight = WarpAll<false>(lane == b ? e : 0.0);  // lane b's, to every lane
+      const float* v = values + (j0 + b) * l.values_ld;
+#pragma unroll
+      for (int c = 0; c < kColsPerLane; ++c) {
+        if (lane + 32 * c < l.width) acc[c] += weight * static_cast<double>(v[lane + 32 * c]);
+      }
+    }
+  }
+  sum = WarpAll<false>(sum);
+#pragma unroll
+  for (int c = 0; c < kColsPerLane; ++c) {
+    if (lane + 32 * c < l.width) out[lane + 32 * c] = static_cast<float>(acc[c] / sum);
+  }
+}
+
+__global__ void FusedAttentionKernel(FusedRanges ranges, FusedLayout l) {
+  __shared__ float q_tile[kTileRows][kMaxDHead];
+  __shared__ float k_tile[kTileKeys][kMaxDHead + 1];  // + 1: lane j reads row j without bank conflicts
+  __shared__ float v_tile[kTileKeys][kFusedMaxWidth];
+  __shared__ float p_tile[kTileRows][kTileKeys];
+
+  // The block's range: the last whose first block is at or before it (a binary search).
+  int lo = 0, hi = ranges.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (ranges.range[mid].tile0 <= static_cast<int>(blockIdx.x)) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const FusedRange r = ranges.range[lo];  // copied out of the arguments, as kernels.cu does
+  const int local = static_cast<int>(blockIdx.x) - r.tile0;
+  const int head = local % l.heads, row0 = local / l.heads * kTileRows;
+  const int tile_rows = min(kTileRows, r.rows - row0);
+  const int kv = head / l.group;
+  const float* q = r.q + row0 * l.q_ld + head * l.d_head;
+  const float* k = r.k + kv * l.d_head;
+  const float* values = r.values + head / l.value_group * l.value_stride;
+  float* out = r.out + row0 * l.out_ld + head * l.width;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  for (int e = threadIdx.x; e < kTileRows * l.d_head; e += blockDim.x) {
+    const int row = e / l.d_head, t = e % l.d_head;
+    q_tile[row][t] = row < tile_rows ? q[row * l.q_ld + t] : 0.0f;
+  }
+  // The keys any row of the tile sees (causal: none past its last row's), and each of the
+  // warp's rows' own (0 for a row past the range's end).
+  const auto seen_by = [&](int row) {  // row `row` of the tile, causal: keys [0, its query + 1)
+    return r.causal ? static_cast<int>(min(static_cast<int64_t>(r.keys), r.first_row + row0 + row + 1)) : r.keys;
+  };
+  const int keys = seen_by(tile_rows - 1);
+  int visible[kRowsPerWarp];
+  float top[kRowsPerWarp], sum[kRowsPerWarp], acc[kRowsPerWarp][kColsPerLane];
+  bool exact[kRowsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int row = warp * kRowsPerWarp + i;
+    visible[i] = row < tile_rows ? seen_by(row) : 0;
+    top[i] = -INFINITY;
+    sum[i] = 0.0f;
+    exact[i] = false;
+#pragma unroll
+    for (int c = 0; c < kColsPerLane; ++c) acc[i][c] = 0.0f;
+  }
+
+  for (int key0 = 0; key0 < keys; key0 += kTileKeys) {
+    __syncthreads();  // the last tile's reads of k_tile, v_tile and p_tile are done (and q_tile written)
+    const int tile_keys = min(kTileKeys, keys - key0);
+    for (int e = threadIdx.x; e < kTileKeys * l.d_head; e += blockDim.x) {
+      const int j = e / l.d_head, t = e % l.d_head;
+      k_tile[j][t] = j < tile_keys ? k[(key0 + j) * l.k_ld + t] : 0.0f;
+    }
+    for (int e = threadIdx.x; e < tile_keys * l.width; e += blockDim.x) {
+      const int j = e / l.width, c = e % l.width;
+      v_tile[j][c] = values[(key0 + j) * l.values_ld + c];
+    }
+    __syncthreads();
+    // Scores of the lane's key against the warp's rows, then each row's online softmax: the
+    // new max, the old sum and partial mix rescaled by exp(old max − new max).
+    float s[kRowsPerWarp] = {};
+    for (int t = 0; t < l.d_head; ++t) {
+      const float kt = k_tile[lane][t];
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) s[i] += q_tile[warp * kRowsPerWarp + i][t] * kt;
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const float score = l.scale * s[i];
+      const bool seen = key0 + lane < visible[i];
+      // A non-finite score sends the row to the float64 path at the end; it is left out here.
+      if (seen && !(fabsf(score) <= FLT_MAX)) exact[i] = true;
+      const float x = seen && fabsf(score) <= FLT_MAX ? score : -INFINITY;
+      const float new_top = fmaxf(top[i], WarpAll<true>(x));
+      const float p = x == -INFINITY ? 0.0f : __expf(x - new_top);
+      const float rescale = top[i] == -INFINITY ? 0.0f : __expf(top[i] - new_top);
+      sum[i] = sum[i] * rescale + WarpAll<false>(p);
+      top[i] = new_top;
+      p_tile[warp * kRowsPerWarp + i][lane] = p;
+#pragma unroll
+      for (int c = 0; c < kColsPerLane; ++c) acc[i][c] *= rescale;
+    }
+    __syncthreads();  // the warp's weights, for every lane's columns (the emulation has no __syncwarp)
+    for (int j = 0; j < tile_keys; ++j) {
+#pragma unroll
+      for (int c = 0; c < kColsPerLane; ++c) {
+        if (lane + 32 * c >= l.width) continue;
+        const float v = v_tile[j][lane + 32 * c];
+#pragma unroll
+        for (int i = 0; i < kRowsPerWarp; ++i) acc[i][c] += p_tile[warp * kRowsPerWarp + i][j] * v;
+      }
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int row = warp * kRowsPerWarp + i;
+    if (row >= tile_rows) continue;  // the same in every lane of the warp
+    if (WarpAll<true>(exact[i] ? 1.0f : 0.0f) > 0.0f) {
+      ExactRow(q + row * l.q_ld, k, values, out + row * l.out_ld, visible[i], l);
+      continue;
+    }
+    const float inv = 1.0f / sum[i];
+#pragma unroll
+    for (int c = 0; c < kColsPerLane; ++c) {
+      if (lane + 32 * c < l.width) out[row * l.out_ld + lane + 32 * c] = acc[i][c] * inv;
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t FusedAttention(FusedRanges ranges, const FusedLayout& layout, cudaStream_t stream) {
+  if (ranges.count <= 0 || ranges.count > kFusedMaxRanges || layout.d_head > kFusedMaxDHead ||
+      layout.width > kFusedMaxWidth) {
+    return cudaErrorInvalidValue;
+  }
+  int tiles = 0;
+  for (int i = 0; i < ranges.count; ++i) {
+    ranges.range[i].tile0 = tiles;
+    tiles += layout.heads * ((ranges.range[i].rows + kTileRows - 1) / kTileRows);
+  }
+  if (tiles == 0) return cudaSuccess;
+  ATTNSERVE_LAUNCH(FusedAttentionKernel, static_cast<unsigned>(tiles), kWarps * 32, stream)(ranges, layout);
+  return cudaGetLastError();
+}
+
+}  // namespace attnserve::cuda
