@@ -443,6 +443,12 @@ void CountGemm() {
   s.counters.gemm_calls++;
 }
 
+void CountBlasHandle() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.counters.blas_handles_created++;
+}
+
 void CountLegacyStreamWork() {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
@@ -692,6 +698,15 @@ cudaError_t cudaSetDevice(int device) {
 
 cudaError_t cudaGetDevice(int* device) {
   *device = cuda_emulation::current_device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetPCIBusId(char* pci_bus_id, int len, int device) {
+  int count = 0;
+  if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) return e;
+  if (device < 0 || device >= count) return last_error = cudaErrorInvalidDevice;
+  if (pci_bus_id == nullptr || len < 13) return last_error = cudaErrorInvalidValue;
+  std::snprintf(pci_bus_id, static_cast<size_t>(len), "0000:%02X:00.0", 0x10 + device);
   return cudaSuccess;
 }
 

@@ -36,6 +36,9 @@ struct Counters {
   // one the memory was allocated on: on a real device the call first creates a context on the
   // current one (GPU 0 for a thread that never chose), holding its memory for good.
   int64_t frees_on_another_device = 0;
+  // cublasCreate calls that made a handle (with its own workspace on a device, made lazily):
+  // what a warmed backend's first request must not do.
+  int64_t blas_handles_created = 0;
 };
 Counters ReadCounters();
 void ResetCounters();
