@@ -60,7 +60,9 @@ void SetDeviceCount(int count);
 // The next operation of this kind fails as a device fault would: the call reports it and the
 // error stays (sticky), as after a fault on a real device, until Reset(); for the first three.
 // A process that cannot call this (a server that loaded the emulated plugin) sets
-// ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=K instead: its GEMM number K (0 the first) faults.
+// ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=K instead: its GEMM number K (0 the first) faults,
+// counting from when the file ATTNSERVE_CUDA_EMULATION_FAULT_ARMED_BY names exists, when that
+// is set (the server's warmup runs GEMMs before it is ready: the test arms the fault after).
 // Recoverable errors, which a real device reports and keeps serving after (not sticky):
 // kOutOfMemory fails the next device cudaMalloc with cudaErrorMemoryAllocation, kGemmInvalid
 // the next cuBLAS GEMM with CUBLAS_STATUS_INVALID_VALUE, kLaunchInvalid the next kernel launch
