@@ -67,8 +67,11 @@ Status Lane::Warm(const CudaResidentForm& r) {
   batch[1].input = ConstMatrixView(inputs.data() + n * d, cross, d);
   batch[1].context = ConstMatrixView(inputs.data() + (n + cross) * d, n, d);
   batch[1].output = MatrixView(outputs.data() + n * d, cross, d);
-  ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(c, batch));
-  return RunBatch(r, batch);
+  // A layer that refuses the cross-attention sequence warms on the self-attention one alone.
+  const std::span<const Sequence> both(batch), self_only = both.first(1);
+  const std::span<const Sequence> warm = ValidateBatch(c, both).ok() ? both : self_only;
+  ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(c, warm));
+  return RunBatch(r, warm);
 }
 
 cudaError_t Lane::Drain() {
