@@ -24,14 +24,14 @@ namespace {
 // shutdown, which waits up to 10 s for its I/O objects: the sockets of clients that never read
 // their answers, which already held the drain to its deadline). So the process ends here, its
 // logs flushed. Sanitizer builds keep the normal exit: their leak check runs in it.
-int EndProcess() {
+int EndProcess(int status) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  return 0;
+  return status;
 #else
   spdlog::shutdown();
   std::cout.flush();
   std::fflush(nullptr);
-  std::_Exit(0);
+  std::_Exit(status);
 #endif
 }
 
@@ -60,10 +60,15 @@ int Run(int argc, char** argv) {
   }
   // Scripts read this line from stdout (logs go to stderr).
   std::cout << "listening on " << (*server)->listening_on() << std::endl;
-  if ((*server)->Run() == Stopped::kLoadStillRunning) std::_Exit(0);  // destructors would wait for the load
+  const Stopped stopped = (*server)->Run();
+  if (stopped == Stopped::kLoadStillRunning) std::_Exit(0);  // destructors would wait for the load
   server->reset();  // the metrics endpoint, the layers, every thread: a slow stop shows between the log lines
-  spdlog::info("exiting");
-  return EndProcess();
+  if (stopped == Stopped::kDeviceLost) {
+    spdlog::critical("exiting with status {}: the device was lost (--exit-on-device-loss)", kExitDeviceLost);
+  } else {
+    spdlog::info("exiting");
+  }
+  return EndProcess(stopped == Stopped::kDeviceLost ? kExitDeviceLost : 0);
 }
 
 }  // namespace

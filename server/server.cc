@@ -28,6 +28,7 @@
 #include "server/backend/select.h"
 #include "server/batching/batching_executor.h"
 #include "server/batching/memory_budget.h"
+#include "server/device_watch.h"
 #include "server/metrics/metrics.h"
 #include "server/metrics/metrics_endpoint.h"
 #include "server/metrics/web_config.h"
@@ -56,7 +57,8 @@ constexpr std::chrono::milliseconds kDrainLinger(300);
 // being written, a body still arriving) before civetweb's stop cuts them.
 constexpr std::chrono::seconds kHttpStopGrace(5);
 
-// How often the monitor looks at the device's health while it waits for a signal.
+// How often the monitor looks at the device's health, and refreshes its gauges, while it waits
+// for a signal.
 constexpr int kDeviceWatchMs = 250;
 
 // After the drain, how long a layer load still running on an admin thread may take before the
@@ -197,6 +199,10 @@ Status Server::Build() {
     spdlog::info("layer '{}' from '{}': {} (forms: {})", name, (*layer)->source, (*layer)->config.ToString(), forms);
     ReportLayerMetrics(**layer, *metrics_);
   }
+
+  // Before the listeners, which report ready as they open: a lane per worker, warm.
+  device_watch_ = std::make_unique<DeviceWatch>(backend_, metrics_.get(), options_.nvml_library);
+  ATTNSERVE_RETURN_IF_ERROR(device_watch_->Warm(*store_, options_.batching.workers));
 
   // After the layers: a bad layer is reported as such whatever the state of the metrics port.
   if (!options_.metrics_web_config.empty()) {
@@ -364,10 +370,15 @@ void Server::Monitor() {
       return Drain(static_cast<int>(info.ssi_signo));
     }
     if (ready > 0 && (wake[1].revents & POLLIN) != 0) return Drain(0);
+    device_watch_->Refresh();
     if (!device_reported && !backend_->Healthy()) {
       spdlog::error("device {} is unhealthy after a device error: health is NOT_SERVING", backend_->DeviceName());
       listener_->GetHealthCheckService()->SetServingStatus(false);
       device_reported = true;
+      if (options_.exit_on_device_loss) {
+        device_lost_.store(true);
+        return Drain("device " + backend_->DeviceName() + " lost (--exit-on-device-loss)");
+      }
     }
   }
 }
@@ -380,10 +391,13 @@ void Server::Monitor() {
 // the service, and closing a socket with unread client frames resets the connection, which
 // can discard answers the client's kernel holds but the client has not yet read.
 void Server::Drain(int signal) {
+  Drain(signal == 0 ? std::string("stop requested") : "signal " + std::to_string(signal));
+}
+
+void Server::Drain(const std::string& why) {
   const auto drain_timeout = std::chrono::seconds(options_.drain_timeout_s);
-  spdlog::info("{}: draining ({} requests queued; accepted requests get {} s)",
-               signal == 0 ? std::string("stop requested") : "signal " + std::to_string(signal),
-               executor_->QueueDepth(), options_.drain_timeout_s);
+  spdlog::info("{}: draining ({} requests queued; accepted requests get {} s)", why, executor_->QueueDepth(),
+               options_.drain_timeout_s);
   listener_->GetHealthCheckService()->Shutdown();  // health checks answer NOT_SERVING from now on
   if (admin_listener_ != nullptr) admin_listener_->GetHealthCheckService()->Shutdown();
   const auto deadline = std::chrono::system_clock::now() + drain_timeout;
@@ -449,7 +463,7 @@ Stopped Server::Run() {
     return Stopped::kLoadStillRunning;
   }
   spdlog::info("stopped ({} queued requests abandoned at the drain deadline)", abandoned);
-  return Stopped::kDrained;
+  return device_lost_.load() ? Stopped::kDeviceLost : Stopped::kDrained;
 }
 
 }  // namespace attnserve

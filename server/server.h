@@ -37,12 +37,16 @@ class ShadowRunner;
 class AttentionServiceImpl;
 class ForwardPipeline;
 class HttpService;
+class DeviceWatch;
 struct ChosenBackend;
 
 // How Run() ended. kLoadStillRunning: a layer load outlived the drain on an admin thread (a hung
 // network file system); destroying the Server would wait for it, so the process should end
 // without destructors (std::_Exit), as main does.
-enum class Stopped { kDrained, kLoadStillRunning };
+// kDeviceLost: the device was lost under --exit-on-device-loss and the server drained; the
+// process should exit with kExitDeviceLost.
+enum class Stopped { kDrained, kLoadStillRunning, kDeviceLost };
+inline constexpr int kExitDeviceLost = 3;
 
 // Blocks SIGTERM and SIGINT in the calling thread. Call it before any thread exists (before
 // Server::Start) so that every thread inherits the mask and only the monitor receives them.
@@ -79,12 +83,14 @@ class Server {
   // health meanwhile; on a signal it drains the listeners and returns.
   void Monitor();
   void Drain(int signal);
+  void Drain(const std::string& why);
 
   const ServerOptions options_;
   // Start-up order; destroyed in reverse, which is the shutdown order (see the file comment).
   std::unique_ptr<ChosenBackend> chosen_;
   Backend* backend_ = nullptr;  // chosen_->backend
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<DeviceWatch> device_watch_;  // the device's warmup and gauges
   std::unique_ptr<LayerStore> store_;
   MetricsWebConfig metrics_web_;  // --metrics-web-config's TLS and basic auth; empty without it
   std::unique_ptr<MetricsEndpoint> metrics_endpoint_;
@@ -106,6 +112,7 @@ class Server {
   int signal_fd_ = -1;
   int stop_fd_ = -1;
   std::atomic<bool> ran_{false};
+  std::atomic<bool> device_lost_{false};  // drained for --exit-on-device-loss
   std::thread monitor_;
 };
 

@@ -36,6 +36,13 @@ struct ServerOptions {
                        .workers = 1,
                        .idle_spin = std::chrono::microseconds(500)};
   int drain_timeout_s = 30;       // on SIGTERM: how long accepted requests get to finish
+  // A lost device (Backend::Healthy() false: a sticky CUDA error) drains the server as SIGTERM
+  // would and ends the process with kExitDeviceLost, for an orchestrator to restart it; without
+  // it the server stays up, NOT_SERVING, until a signal.
+  bool exit_on_device_loss = false;
+  // NVML, for the attnserve_gpu_* gauges: a library name the loader searches for, or a path;
+  // empty: not read. Absent, the gauges are absent (one info line at start-up).
+  std::string nvml_library = "libnvidia-ml.so.1";
   int max_message_mb = 64;   // receive and send limit
   // Attention scores one request may ask for, in millions: Σ over its sequences of n · m · heads.
   // A bound on its work (the scores and the mix grow with it), not on its memory: the backends

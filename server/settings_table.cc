@@ -164,6 +164,12 @@ const Setting kSettings[] = {
      "requests waiting per (layer, form) queue; beyond: RESOURCE_EXHAUSTED at once"},
     {"--drain-timeout-s", "drain_timeout_s", "N", &O::drain_timeout_s, 0, 3600, nullptr, nullptr,
      "on SIGTERM/SIGINT: NOT_SERVING, refuse new calls, give accepted ones N seconds, then exit 0"},
+    {"--exit-on-device-loss", "exit_on_device_loss", "", &O::exit_on_device_loss, 0, 0, nullptr, nullptr,
+     "when the GPU is lost (a sticky device error), drain as on SIGTERM and exit with status 3, for an "
+     "orchestrator to restart the process; without it the server stays up, NOT_SERVING, until a signal"},
+    {"--nvml-library", "nvml_library", "PATH", &O::nvml_library, 0, 0, nullptr, nullptr,
+     "the NVML library read for the attnserve_gpu_* gauges (a name the loader searches for, or a path; empty: "
+     "none); absent, those gauges are absent"},
     {"--max-message-mb", "max_message_mb", "N", &O::max_message_mb, 1, 2047, nullptr, nullptr,
      "largest request and response in MiB"},
     {"--max-scores-m", "max_scores_m", "N", &O::max_scores_m, 1, 1 << 30, nullptr, nullptr,

@@ -27,6 +27,15 @@ struct DeviceTimes {
   double outputs_ms = 0;
 };
 
+// What a backend with memory of its own holds on its device, for the operators' gauges: the
+// device budget's count (weights and every lane's workspace) against its limit, and the lanes
+// (streams with their handles and buffers) made so far.
+struct DeviceMemoryState {
+  int64_t held_bytes = 0;
+  int64_t limit_bytes = 0;
+  int lanes = 0;
+};
+
 // A form's weights made resident on a backend's device (a host pointer on the CPU, device
 // memory on a GPU). Lives as long as any batch that uses it.
 class ResidentForm {
@@ -72,6 +81,27 @@ class Backend {
   // The split of the last batch this backend finished (any caller's); nullopt where the
   // backend computes in host memory (the CPU) or has run no batch yet. For benchmarks.
   virtual std::optional<DeviceTimes> LastDeviceTimes() const { return std::nullopt; }
+
+  // The DeviceTimes of the last Forward this thread made on this backend, when it succeeded:
+  // the executor's worker reads it right after its call, for the per-call histograms (the
+  // "any caller's" LastDeviceTimes would mix workers' batches). nullopt on the CPU.
+  virtual std::optional<DeviceTimes> ThisThreadsDeviceTimes() const { return std::nullopt; }
+
+  // Readies the backend for `callers` concurrent callers before the server reports ready: on a
+  // GPU, one lane per caller made and each run over every form in `forms` once, with a small
+  // batch (its stream, cuBLAS handle and workspace, its pinned staging, the kernels' modules),
+  // so that the first requests do no lazy initialisation. The CPU has nothing to warm.
+  virtual Status Warmup(int callers, std::span<const ResidentForm* const> forms) {
+    (void)callers;
+    (void)forms;
+    return OkStatus();
+  }
+
+  // The device budget and lanes, for the gauges; nullopt on the CPU.
+  virtual std::optional<DeviceMemoryState> DeviceMemory() const { return std::nullopt; }
+
+  // The device's PCI bus id ("0000:3B:00.0"), by which NVML finds it; "" on the CPU.
+  virtual std::string PciBusId() const { return ""; }
 
   // FLOPs one Forward of `batch` does, as this backend computes it (the metrics' count).
   virtual double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const {

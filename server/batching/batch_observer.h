@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
 #include "server/core/forms.h"
@@ -26,6 +27,12 @@ struct BatchReport {
   double compute_seconds = 0;  // the backend call's wall time
   StatusCode code = StatusCode::kOk;
   int64_t backend_retained_bytes = 0;  // Backend::RetainedScratchBytes after the call
+  // The call's inputs / compute / outputs split on a device with memory of its own (this
+  // worker's call, Backend::ThisThreadsDeviceTimes, in seconds); nullopt on the CPU or when it failed.
+  struct DeviceSeconds {
+    double inputs = 0, compute = 0, outputs = 0;
+  };
+  std::optional<DeviceSeconds> device_seconds;
 };
 
 class BatchObserver {

@@ -111,6 +111,10 @@ void BatchingExecutor::RunBatch(const ForwardQueue& queue, std::vector<std::uniq
     report.compute_seconds = Seconds(end - start);
     report.code = status.code();
     report.backend_retained_bytes = backend_->RetainedScratchBytes();
+    if (const auto times = status.ok() ? backend_->ThisThreadsDeviceTimes() : std::nullopt) {
+      report.device_seconds = BatchReport::DeviceSeconds{
+          .inputs = times->inputs_ms / 1e3, .compute = times->compute_ms / 1e3, .outputs = times->outputs_ms / 1e3};
+    }
     observer_->BatchDone(report);
   }
   for (auto& item : batch) {

@@ -77,6 +77,9 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
       {"attnserve_stage_seconds", "histogram", {"stage"},
        "Time a served Forward call spent in each stage in the server (route, decode, admit, queue, compute, "
        "encode, send), in seconds."},
+      {"attnserve_device_time_seconds", "histogram", {"layer", "form", "device", "part"},
+       "One backend call's time on a GPU, by part: inputs (to the device, paced by packing pinned memory), "
+       "compute, outputs (back to the host), in seconds, from events on its stream."},
       {"attnserve_batch_requests", "histogram", {"layer", "form"}, "Jobs per backend call."},
       {"attnserve_batch_tokens", "histogram", {"layer", "form"}, "Query tokens (rows) per backend call."},
       {"attnserve_flops_total", "counter", {"layer", "form", "device"},
@@ -111,6 +114,18 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
       {"attnserve_build_info", "gauge", {"version", "device", "blas"}, "Always 1; the labels describe the build."},
       {"attnserve_device_errors_total", "counter", {"device"},
        "Backend calls that failed with a device error (the backend is then unhealthy)."},
+      {"attnserve_device_memory_held_bytes", "gauge", {"device"},
+       "Device memory the GPU backend holds under its budget: the weights and every lane's workspace."},
+      {"attnserve_device_memory_limit_bytes", "gauge", {"device"},
+       "The GPU backend's device memory budget (--max-device-memory-mb as resolved)."},
+      {"attnserve_device_lanes", "gauge", {"device"},
+       "GPU lanes made (a stream, a cuBLAS handle, a workspace each): one per worker once warmed."},
+      {"attnserve_gpu_utilization_ratio", "gauge", {"device"},
+       "NVML: share of the last sample period a kernel ran on the GPU, 0 to 1 (every process's)."},
+      {"attnserve_gpu_memory_used_bytes", "gauge", {"device"}, "NVML: device memory in use by every process."},
+      {"attnserve_gpu_memory_total_bytes", "gauge", {"device"}, "NVML: the GPU's device memory."},
+      {"attnserve_gpu_temperature_celsius", "gauge", {"device"}, "NVML: the GPU die's temperature."},
+      {"attnserve_gpu_power_watts", "gauge", {"device"}, "NVML: the board's power draw."},
       {"attnserve_nonfinite_outputs_total", "counter", {"layer", "form"},
        "Outputs a form computed with a NaN or an infinity in them (float32 overflowed on finite inputs): served "
        "ones are answered OUT_OF_RANGE, compare and shadow ones show as infinite divergence."},
@@ -172,6 +187,7 @@ struct Metrics::Impl {
     std::string device;
     prometheus::Histogram* compute = nullptr;
     prometheus::Counter* flops = nullptr;
+    std::array<prometheus::Histogram*, 3> parts = {};  // device_time_seconds: inputs, compute, outputs
   };
   // The series of one (layer, form).
   struct FormSeries {
@@ -200,6 +216,7 @@ struct Metrics::Impl {
   prometheus::Family<prometheus::Histogram>& queue_duration = Histogram(*registry, "attnserve_queue_duration_seconds");
   prometheus::Family<prometheus::Histogram>& compute_duration =
       Histogram(*registry, "attnserve_compute_duration_seconds");
+  prometheus::Family<prometheus::Histogram>& device_time = Histogram(*registry, "attnserve_device_time_seconds");
   prometheus::Family<prometheus::Histogram>& batch_requests = Histogram(*registry, "attnserve_batch_requests");
   prometheus::Family<prometheus::Histogram>& batch_tokens = Histogram(*registry, "attnserve_batch_tokens");
   prometheus::Family<prometheus::Counter>& flops_total = Counter(*registry, "attnserve_flops_total");
@@ -395,6 +412,20 @@ void Metrics::BatchDone(const BatchReport& report) {
   Impl::DeviceSeries& d = impl_->Device(s, report.layer, slot, report.device);
   d.compute->Observe(report.compute_seconds);
   d.flops->Increment(report.flops);
+  if (const auto& t = report.device_seconds) {
+    if (d.parts[0] == nullptr) {  // made on a device's first split: the CPU has none
+      const char* parts[] = {"inputs", "compute", "outputs"};
+      for (size_t i = 0; i < d.parts.size(); ++i) {
+        prometheus::Labels labels = Impl::LayerForm(report.layer, slot);
+        labels.emplace("device", std::string(report.device));
+        labels.emplace("part", parts[i]);
+        d.parts[i] = &impl_->device_time.Add(labels, StageBuckets());
+      }
+    }
+    d.parts[0]->Observe(t->inputs);
+    d.parts[1]->Observe(t->compute);
+    d.parts[2]->Observe(t->outputs);
+  }
 }
 
 void Metrics::RouteChanged(std::string_view layer, const std::vector<std::pair<Form, double>>& split) {

@@ -306,6 +306,7 @@ cublasStatus_t GemmEx(const char* name, cublasHandle_t handle, cublasOperation_t
 cublasStatus_t cublasCreate(cublasHandle_t* handle) {
   if (cuda_emulation::internal::StickyError() != cudaSuccess) return CUBLAS_STATUS_NOT_INITIALIZED;
   *handle = new cublasContext;
+  cuda_emulation::internal::CountBlasHandle();
   return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "cuda_emulation.h"
 #include "cuda_runtime_api.h"
 #include "state.h"
@@ -71,6 +73,9 @@ struct State {
   // From the environment, for a server process that loads the emulated plugin: the GEMM (0 the
   // first) that faults, and GEMMs issued so far; -1 for none.
   int64_t gemm_fault_at = -1, gemms_issued = 0;
+  // ATTNSERVE_CUDA_EMULATION_FAULT_ARMED_BY: GEMMs count towards gemm_fault_at only once this
+  // file exists (a test creates it when the server is up, after its warmup's GEMMs); "" always.
+  std::string gemm_fault_armed_by;
   std::string diagnostic;
   std::function<void()> sync_hook;
   std::function<void()> after_fault_hook;
@@ -108,6 +113,7 @@ State& GetState() {
     auto* s = new State;
     s->device_count = static_cast<int>(EnvInt("ATTNSERVE_CUDA_EMULATION_DEVICES", 1));
     s->gemm_fault_at = EnvInt("ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM", -1);
+    if (const char* armed = std::getenv("ATTNSERVE_CUDA_EMULATION_FAULT_ARMED_BY")) s->gemm_fault_armed_by = armed;
     s->injected_error = static_cast<cudaError_t>(EnvInt("ATTNSERVE_CUDA_EMULATION_FAULT_ERROR", 0));
     return s;
   }();
@@ -349,7 +355,11 @@ cudaError_t InjectedError(cudaError_t fallback) {
 bool TakeFault(Fault fault) {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
-  if (fault == Fault::kGemm && s.gemm_fault_at >= 0 && s.gemms_issued++ == s.gemm_fault_at) return true;
+  if (fault == Fault::kGemm && s.gemm_fault_at >= 0 &&
+      (s.gemm_fault_armed_by.empty() || access(s.gemm_fault_armed_by.c_str(), F_OK) == 0) &&
+      s.gemms_issued++ == s.gemm_fault_at) {
+    return true;
+  }
   int& pending = s.pending_fault[static_cast<int>(fault)];
   if (pending == 0) return false;
   --pending;
@@ -441,6 +451,12 @@ void CountGemm() {
   State& s = GetState();
   std::lock_guard<std::mutex> lock(s.mu);
   s.counters.gemm_calls++;
+}
+
+void CountBlasHandle() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.counters.blas_handles_created++;
 }
 
 void CountLegacyStreamWork() {
@@ -692,6 +708,15 @@ cudaError_t cudaSetDevice(int device) {
 
 cudaError_t cudaGetDevice(int* device) {
   *device = cuda_emulation::current_device;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetPCIBusId(char* pci_bus_id, int len, int device) {
+  int count = 0;
+  if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) return e;
+  if (device < 0 || device >= count) return last_error = cudaErrorInvalidDevice;
+  if (pci_bus_id == nullptr || len < 13) return last_error = cudaErrorInvalidValue;
+  std::snprintf(pci_bus_id, static_cast<size_t>(len), "0000:%02X:00.0", 0x10 + device);
   return cudaSuccess;
 }
 

@@ -60,6 +60,7 @@ uint64_t LaunchDraw();
 
 void CountKernelLaunch();
 void CountGemm();
+void CountBlasHandle();
 // Work issued on the legacy default stream (stream 0): Counters::legacy_stream_work.
 void CountLegacyStreamWork();
 

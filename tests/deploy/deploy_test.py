@@ -1542,6 +1542,8 @@ class KubernetesTest(unittest.TestCase):
         c = self.container(self.gpu)
         self.assertGreaterEqual(int(c["resources"]["limits"]["nvidia.com/gpu"]), 1)
         self.assertEqual(flag_value(c["args"], "--device"), "cuda")
+        self.assertIn("--exit-on-device-loss", c["args"], "a lost device restarts the container")
+        self.assertNotIn("--exit-on-device-loss", self.container(self.base)["args"])
         self.assertRegex(c["image"], r":cuda$", "the CUDA image (docker build --target cuda)")
         self.assertNotIn("nvidia.com/gpu", self.container(self.base)["resources"]["limits"])
 

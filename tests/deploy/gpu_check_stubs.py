@@ -14,6 +14,7 @@ Controlled by the environment:
                bench-tf32
   FAKE_SLEEP   what sleeps how long before it answers, "build:30,bench-fp32:60"
   FAKE_GPU     0: nvidia-smi lists no GPU (the default: an NVIDIA H200, compute capability 9.0)
+  FAKE_SANITIZER_REFUSES  1: compute-sanitizer refuses to run (its own error line, no test run)
 
 `gpu_check_stubs.py --write-torch DIR` writes a fake `torch` package into DIR instead: shapes
 only, no arithmetic, enough for bench/peers/torch_attention.py to run through; each
@@ -137,6 +138,11 @@ def compute_sanitizer():
     tool = arg("--tool")
     trace(f"ATTNSERVE_RANDOM_CASES={os.environ.get('ATTNSERVE_RANDOM_CASES', '')}")
     sleep_for(tool)
+    if os.environ.get("FAKE_SANITIZER_REFUSES") == "1":
+        # As on a host where it cannot attach: its own error, the application never started.
+        print("========= Internal Sanitizer Error: Device not supported. Please refer to the "
+              "\"Supported Devices\" section of the sanitizer documentation")
+        return 1
     print("[  PASSED  ] 31 tests.")
     if fails(tool):
         print("========= Invalid __global__ read of size 4 bytes\n========= ERROR SUMMARY: 1 error")
@@ -184,6 +190,7 @@ FAKE_TORCH = {
 import atexit, os, types
 __version__ = "2.7.0+fake"
 _seen = set()
+float32, bfloat16 = "float32", "bfloat16"
 
 
 class device:
@@ -192,16 +199,21 @@ class device:
 
 
 class Tensor:
-    def __init__(self, shape):
+    def __init__(self, shape, dtype="float32"):
         self.shape = tuple(shape)
+        self.dtype = dtype
 
     def __truediv__(self, other):
         return self
 
     __mul__ = __truediv__
 
-    def to(self, *args, **kwargs):
-        return self
+    def to(self, *args, dtype=None, **kwargs):
+        dtype = dtype or next((a for a in args if a in (float32, bfloat16)), None)
+        return Tensor(self.shape, dtype or self.dtype)
+
+    def float(self):
+        return Tensor(self.shape, float32)
 
     def pin_memory(self):
         return self
@@ -210,14 +222,14 @@ class Tensor:
         return self
 
     def view(self, *shape):
-        return Tensor(shape)
+        return Tensor(shape, self.dtype)
 
     reshape = view
 
     def transpose(self, a, b):
         s = list(self.shape)
         s[a], s[b] = s[b], s[a]
-        return Tensor(s)
+        return Tensor(s, self.dtype)
 
 
 class Generator:
@@ -250,8 +262,8 @@ backends = types.SimpleNamespace(cuda=types.SimpleNamespace(matmul=types.SimpleN
 @atexit.register
 def _record():
     with open(os.environ["FAKE_TRACE"], "a") as f:
-        for matmul, cudnn in sorted(_seen):
-            f.write(f"torch sdpa ran with matmul.allow_tf32={matmul} cudnn.allow_tf32={cudnn}\\n")
+        for matmul, cudnn, dtype in sorted(_seen):
+            f.write(f"torch sdpa ran with matmul.allow_tf32={matmul} cudnn.allow_tf32={cudnn} in {dtype}\\n")
 ''',
     "torch/nn/__init__.py": "",
     "torch/nn/functional.py": '''
@@ -259,12 +271,14 @@ import torch
 
 
 def linear(x, w, b):
-    return torch.Tensor(x.shape[:-1] + (w.shape[0],))
+    if len({x.dtype, w.dtype, b.dtype}) != 1:
+        raise RuntimeError(f"linear: mixed dtypes {x.dtype}, {w.dtype}, {b.dtype}")
+    return torch.Tensor(x.shape[:-1] + (w.shape[0],), x.dtype)
 
 
 def scaled_dot_product_attention(q, k, v):
-    torch._seen.add((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
-    return torch.Tensor(q.shape[:-1] + (v.shape[-1],))
+    torch._seen.add((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, q.dtype))
+    return torch.Tensor(q.shape[:-1] + (v.shape[-1],), q.dtype)
 ''',
 }
 

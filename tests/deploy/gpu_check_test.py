@@ -19,6 +19,7 @@ import re
 import shutil
 import stat
 import subprocess
+import tarfile
 import tempfile
 import time
 import unittest
@@ -26,11 +27,11 @@ import unittest
 SRC = os.path.abspath(os.environ.get("ATTNSERVE_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", "..")))
 STUBS = os.path.join(SRC, "tests", "deploy", "gpu_check_stubs.py")
 # What the script and the stand-ins need from the real machine; nothing else is on the PATH.
-REAL = ["bash", "cat", "chmod", "cp", "date", "dirname", "du", "env", "grep", "head", "ls", "mkdir", "nproc", "rm",
-        "sed", "sleep", "tail", "tee", "timeout", "touch", "tr"]
+REAL = ["bash", "cat", "chmod", "cp", "date", "dirname", "du", "env", "grep", "gzip", "head", "ls", "mkdir", "mv",
+        "nproc", "rm", "sed", "sleep", "tail", "tar", "tee", "timeout", "touch", "tr"]
 FAKES = ["nvidia-smi", "nvcc", "cmake", "c++", "ninja", "ctest", "compute-sanitizer"]
 STEPS = ["configure", "build", "tests", "memcheck", "racecheck", "synccheck", "bench-fp32", "bench-tf32",
-         "torch-fp32", "torch-tf32", "table-fp32", "table-tf32"]
+         "torch-fp32", "torch-tf32", "torch-bf16", "table-fp32", "table-tf32"]
 STEP_LINE = re.compile(r"^== \[(\d+)s\] ([a-z0-9-]+): (passed|FAILED|cut|not run|skipped)")
 
 
@@ -182,15 +183,36 @@ class GpuCheckTest(unittest.TestCase):
             self.assertIn("--shapes bert-base,gpt2-medium,small-request,large", call)
         self.assertEqual({r["ceiling_source"] for r in run.json("cuda-tf32.json")}, {"cublas-tf32 8192x8192x8192"})
         self.check_torch_fp32_and_tf32(run)
+        # The rows that wait for modes this tree does not have: marked TODO, neither run nor failed.
+        self.assertTrue(run.line(r"bench-bf16: TODO, not run: forward_bench has no BF16 mode yet"), run)
+        self.assertTrue(run.line(r"bench-fused: TODO, not run: no fused attention kernel yet"), run)
+        self.check_tarball(run)
+
+    def check_tarball(self, run):
+        """Every output in one file, the summary with its done line included."""
+        self.assertTrue(run.line(r"outputs: \S+/gpu-check\.tar\.gz"), run)
+        with tarfile.open(os.path.join(run.out, "gpu-check.tar.gz")) as tar:
+            names = {os.path.normpath(n) for n in tar.getnames()}
+            packed = set(os.listdir(run.out)) - {"gpu-check.tar.gz"}
+            self.assertEqual(names, packed)
+            summary = tar.extractfile("summary.txt").read().decode().splitlines()
+        self.assertEqual(summary, run.summary)
+        self.assertRegex(summary[-1], r"done: \w+ in \d+s")
 
     def check_torch_fp32_and_tf32(self, run):
         peers = [c for c in run.calls("python") if "torch_attention.py" in c]
-        self.assertEqual(len(peers), 2, run)
+        self.assertEqual(len(peers), 3, run)
         self.assertNotIn("--tf32", peers[0])
         self.assertIn("--tf32", peers[1])
+        self.assertIn("--bf16", peers[2])
+        # The BF16 peer's SDPA ran on bfloat16 tensors (the fake's linear refuses mixed dtypes), TF32 off.
+        self.assertIn("torch sdpa ran with matmul.allow_tf32=False cudnn.allow_tf32=False in bfloat16", run.trace)
+        self.assertIn("torch sdpa ran with matmul.allow_tf32=True cudnn.allow_tf32=True in float32", run.trace)
+        bf16 = run.json("torch-bf16.json")
+        self.assertEqual({r["precision"] for r in bf16}, {"bf16"})
+        self.assertEqual([r["shape"] for r in bf16], ["bert-base", "gpt2-medium", "small-request", "large"])
         # The real torch_attention.py set both switches, each way, whatever torch's defaults.
-        self.assertIn("torch sdpa ran with matmul.allow_tf32=False cudnn.allow_tf32=False", run.trace)
-        self.assertIn("torch sdpa ran with matmul.allow_tf32=True cudnn.allow_tf32=True", run.trace)
+        self.assertIn("torch sdpa ran with matmul.allow_tf32=False cudnn.allow_tf32=False in float32", run.trace)
         fp32, tf32 = run.json("torch.json"), run.json("torch-tf32.json")
         self.assertEqual({r["precision"] for r in fp32}, {"fp32"})
         self.assertEqual({r["precision"] for r in tf32}, {"tf32"})
@@ -269,8 +291,9 @@ class GpuCheckTest(unittest.TestCase):
             self.assertLessEqual(sum(shares.values()), budget * 95 // 100, plan)
             self.assertGreater(sum(shares.values()), budget * 90 // 100, plan)
         full_shares = dict(re.findall(r" ([a-z0-9-]+) (\d+)s", full.line(r"plan \(").split(":", 1)[1]))
-        self.assertEqual(list(full_shares), STEPS[:10] + ["table-fp32", "table-tf32"])
-        self.assertGreaterEqual(int(full_shares["build"]), 200)
+        self.assertEqual(list(full_shares), STEPS[:11] + ["table-fp32", "table-tf32"])
+        # Three times the H200 machine's 57-61 s build (2026-12-04).
+        self.assertGreaterEqual(int(full_shares["build"]), 180)
 
     def test_a_rerun_without_the_build_gives_the_others_its_time(self):
         box = Sandbox(self)
@@ -308,6 +331,26 @@ class GpuCheckTest(unittest.TestCase):
                                  r"memcheck/racecheck/synccheck not run"), run)
         self.assertEqual([s for s, _ in run.verdicts if "check" in s], [], run)
         self.assertEqual(run.verdict("bench-tf32"), "passed", run)
+
+    def test_a_compute_sanitizer_that_refuses_to_run_is_not_run_not_failed(self):
+        run = Sandbox(self).run(FAKE_SANITIZER_REFUSES=1)
+        self.assertEqual(run.rc, 0, run)
+        for tool in ("memcheck", "racecheck", "synccheck"):
+            self.assertEqual(run.verdict(tool), "not run", f"{tool}\n{run}")
+        self.assertTrue(run.line(r"memcheck: not run, compute-sanitizer refused to run on this host "
+                                 r"\(Internal Sanitizer Error: Device not supported.*, exit 1\)"), run)
+        # Tried once: the later tools would refuse alike, and their time goes to the steps after.
+        self.assertEqual(len(run.calls("compute-sanitizer")), 1, run)
+        self.assertEqual(run.verdict("bench-tf32"), "passed", run)
+        self.assertRegex(run.summary[-1], r"done: passed in \d+s")
+        # A real finding is still a failure (exit 86 with the test's output).
+        found = Sandbox(self).run(FAKE_FAIL="memcheck")
+        self.assertEqual(found.verdict("memcheck"), "FAILED", found)
+
+    def test_a_script_that_stops_early_still_packs_its_outputs(self):
+        run = Sandbox(self, missing=["cmake"]).run()
+        self.assertNotEqual(run.rc, 0, run)
+        self.check_tarball(run)
 
     def test_no_python(self):
         run = Sandbox(self, python=None).run()

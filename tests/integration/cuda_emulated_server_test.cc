@@ -48,6 +48,14 @@ struct EmulatedGpuServer {
   Client& client() { return process->client(); }
 };
 
+// The environment that makes GEMM `k` fault, counted from when Arm(dir) has run: a test arms
+// it once the server is up, after the warmup's GEMMs.
+std::vector<std::string> ArmedFault(const TempDir& dir, int k) {
+  return {"ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=" + std::to_string(k),
+          "ATTNSERVE_CUDA_EMULATION_FAULT_ARMED_BY=" + dir.File("armed")};
+}
+void Arm(const TempDir& dir) { std::ofstream(dir.File("armed")) << "armed\n"; }
+
 v1::ForwardRequest Request(v1::Form form, const std::vector<float>& x, int64_t batch, int64_t n) {
   v1::ForwardRequest req;
   req.set_layer("tiny");
@@ -119,9 +127,12 @@ TEST_F(CudaEmulatedServerTest, ServesBothFormsOnTheGpuAndLabelsTheDevice) {
 }
 
 TEST_F(CudaEmulatedServerTest, ADeviceFaultFailsTheRequestAndTakesTheServerOutOfRotation) {
-  // The first GEMM of the first batch faults (loading uploads weights but runs no GEMM).
-  EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer}, {"ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=0"});
+  // The first GEMM of the first batch faults: counted once the server is up (its warmup runs
+  // GEMMs before it reports ready).
+  TempDir armed;
+  EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer}, ArmedFault(armed, 0));
   ASSERT_NE(server.process, nullptr) << server.error;
+  Arm(armed);
   std::mt19937_64 rng(6);
   const std::vector<float> x = testing::RandomVector(rng, 1 * 5 * kDModel);
   v1::ForwardResponse resp;
@@ -150,9 +161,12 @@ TEST_F(CudaEmulatedServerTest, ADeviceFaultFailsTheRequestAndTakesTheServerOutOf
 // (cudaErrorContained, 226, raised by the first GEMM's injected fault): the server must leave
 // rotation, not stay SERVING and fail every request.
 TEST_F(CudaEmulatedServerTest, AContainedErrorTakesTheServerOutOfRotation) {
-  EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer},
-                           {"ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=0", "ATTNSERVE_CUDA_EMULATION_FAULT_ERROR=226"});
+  TempDir armed;
+  std::vector<std::string> env = ArmedFault(armed, 0);
+  env.push_back("ATTNSERVE_CUDA_EMULATION_FAULT_ERROR=226");
+  EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer}, env);
   ASSERT_NE(server.process, nullptr) << server.error;
+  Arm(armed);
   std::mt19937_64 rng(7);
   const std::vector<float> x = testing::RandomVector(rng, 1 * 5 * kDModel);
   v1::ForwardResponse resp;
@@ -214,6 +228,110 @@ TEST_F(CudaEmulatedServerTest, NoGpuAutoFallsBackToTheCpuAndCudaRefusesToStart) 
   EmulatedGpuServer refused({"--device", "cuda", "--layer", kLayer}, {"ATTNSERVE_CUDA_EMULATION_DEVICES=0"});
   EXPECT_EQ(refused.process, nullptr);
   EXPECT_THAT(refused.error, HasSubstr("no usable GPU"));
+}
+
+// Readiness comes after warmup: by the time health answers SERVING (ServerProcess::Start waits
+// for it) every worker's lane exists and the gauges say so; the log's warmup line comes before
+// the listening line. Requests then keep to those lanes.
+TEST_F(CudaEmulatedServerTest, EveryWorkersLaneIsWarmBeforeTheServerIsReady) {
+  EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer, "--workers", "3"}, {});
+  ASSERT_NE(server.process, nullptr) << server.error;
+  const std::string log = server.process->Log();
+  const size_t warmed = log.find("cuda:0 warmed: 3 lanes over 2 forms");
+  ASSERT_NE(warmed, std::string::npos) << log;
+  EXPECT_LT(warmed, log.find("listening on")) << log;
+  const std::string scrape = testing::ScrapeMetrics(server.metrics_port);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_device_lanes{device=\"cuda:0\"}"), 3) << scrape;
+  // The weights of both forms and three warm workspaces, under the default limit (90 % of the
+  // emulated 80 GiB).
+  const double held = testing::MetricSample(scrape, "attnserve_device_memory_held_bytes{device=\"cuda:0\"}");
+  const double limit = testing::MetricSample(scrape, "attnserve_device_memory_limit_bytes{device=\"cuda:0\"}");
+  EXPECT_GT(held, 2.0 * 4 * (4 * kDModel * kDModel)) << scrape;
+  EXPECT_NEAR(limit, 0.9 * static_cast<double>(int64_t{80} << 30), 1 << 20) << scrape;
+
+  std::mt19937_64 rng(9);
+  std::vector<std::vector<float>> inputs;
+  for (int t = 0; t < 6; ++t) inputs.push_back(testing::RandomVector(rng, 2 * 9 * kDModel));
+  std::vector<std::thread> callers;
+  std::vector<grpc::Status> got(6);
+  for (int t = 0; t < 6; ++t) {
+    callers.emplace_back([&, t] {
+      v1::ForwardResponse resp;
+      got[t] = server.client().Forward(Request(t % 2 == 0 ? v1::FORM_FACTORED : v1::FORM_SUMMED, inputs[t], 2, 9), &resp);
+    });
+    if (t % 3 == 2) {
+      for (auto& c : callers) c.join();
+      callers.clear();
+    }
+  }
+  for (const grpc::Status& st : got) EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(testing::MetricSample(testing::ScrapeMetrics(server.metrics_port), "attnserve_device_lanes{device=\"cuda:0\"}"),
+            3);
+  // Each answered batch's split, by part.
+  const std::string after = testing::ScrapeMetrics(server.metrics_port);
+  for (const char* part : {"inputs", "compute", "outputs"}) {
+    EXPECT_GE(testing::MetricSample(after, std::string("attnserve_device_time_seconds_count{device=\"cuda:0\",form=\"factored\","
+                                                       "layer=\"tiny\",part=\"") + part + "\"}"),
+              1)
+        << part;
+  }
+}
+
+// NVML's readings as gauges, from the fake libnvidia-ml.so.1 (tests/cuda_emulation/fake_nvml.cc)
+// found by --nvml-library and by LD_LIBRARY_PATH; without one the gauges are absent, one info
+// line says why, and the server serves.
+TEST_F(CudaEmulatedServerTest, NvmlReadingsAreGaugesAndNoNvmlIsNoGauges) {
+  const std::string fake = ATTNSERVE_FAKE_NVML;
+  const std::string fake_dir = fake.substr(0, fake.rfind('/'));
+  struct Case {
+    std::vector<std::string> args, env;
+  };
+  for (const Case& c : {Case{{"--nvml-library", fake}, {}}, Case{{}, {"LD_LIBRARY_PATH=" + fake_dir}}}) {
+    std::vector<std::string> args = {"--device", "cuda", "--layer", kLayer};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    EmulatedGpuServer server(args, c.env);
+    ASSERT_NE(server.process, nullptr) << server.error;
+    const std::string scrape = testing::ScrapeMetrics(server.metrics_port);
+    EXPECT_EQ(testing::MetricSample(scrape, "attnserve_gpu_utilization_ratio{device=\"cuda:0\"}"), 0.37) << scrape;
+    EXPECT_EQ(testing::MetricSample(scrape, "attnserve_gpu_memory_total_bytes{device=\"cuda:0\"}"),
+              static_cast<double>(int64_t{80} << 30));
+    EXPECT_EQ(testing::MetricSample(scrape, "attnserve_gpu_memory_used_bytes{device=\"cuda:0\"}"),
+              static_cast<double>((int64_t{3} << 30) + (int64_t{5} << 20)));
+    EXPECT_EQ(testing::MetricSample(scrape, "attnserve_gpu_temperature_celsius{device=\"cuda:0\"}"), 61);
+    EXPECT_EQ(testing::MetricSample(scrape, "attnserve_gpu_power_watts{device=\"cuda:0\"}"), 212.345);
+    EXPECT_EQ(server.process->Stop(SIGTERM), 0) << server.process->Log();
+  }
+  EmulatedGpuServer none({"--device", "cuda", "--layer", kLayer, "--nvml-library", "/nonexistent/libnvidia-ml.so.1"}, {});
+  ASSERT_NE(none.process, nullptr) << none.error;
+  EXPECT_THAT(none.process->Log(), HasSubstr("no GPU telemetry for cuda:0 (the attnserve_gpu_* gauges are absent)"));
+  const std::string scrape = testing::ScrapeMetrics(none.metrics_port);
+  EXPECT_THAT(scrape, ::testing::Not(HasSubstr("attnserve_gpu_")));
+  EXPECT_GT(testing::MetricSample(scrape, "attnserve_device_lanes{device=\"cuda:0\"}"), 0) << "the budget's are there";
+  std::mt19937_64 rng(10);
+  v1::ForwardResponse resp;
+  const grpc::Status st =
+      none.client().Forward(Request(v1::FORM_FACTORED, testing::RandomVector(rng, 5 * kDModel), 1, 5), &resp);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(none.process->Stop(SIGTERM), 0) << none.process->Log();
+}
+
+// --exit-on-device-loss: a fatal device error answers the request it failed (INTERNAL), then the
+// server drains and the process exits with status 3 by itself, for an orchestrator to restart
+// it. Without the flag the same fault leaves it up, NOT_SERVING (the tests above).
+TEST_F(CudaEmulatedServerTest, ExitOnDeviceLossExitsNonZeroAfterAnsweringTheFailedRequest) {
+  TempDir armed;
+  EmulatedGpuServer server({"--device", "cuda", "--layer", kLayer, "--exit-on-device-loss", "--drain-timeout-s", "5"},
+                           ArmedFault(armed, 0));
+  ASSERT_NE(server.process, nullptr) << server.error;
+  Arm(armed);
+  std::mt19937_64 rng(12);
+  v1::ForwardResponse resp;
+  const grpc::Status failed =
+      server.client().Forward(Request(v1::FORM_FACTORED, testing::RandomVector(rng, 5 * kDModel), 1, 5), &resp);
+  EXPECT_EQ(failed.error_code(), grpc::StatusCode::INTERNAL) << failed.error_message();
+  // Signal 0 sends nothing: Stop only waits for the exit the server makes by itself.
+  EXPECT_EQ(server.process->Stop(0, std::chrono::seconds(20)), 3) << server.process->Log();
+  EXPECT_THAT(server.process->Log(), HasSubstr("lost (--exit-on-device-loss): draining"));
 }
 
 }  // namespace

@@ -575,18 +575,25 @@ class ResponseLimit(unittest.TestCase):
 
 class DeviceFault(unittest.TestCase):
     """ServerReady and ModelReady follow the device's health as the health service does: a device
-    fault (the emulated GPU of tests/cuda_emulation, told to fail its first GEMM) fails the
-    request and takes the server out of rotation; ServerLive stays true."""
+    fault (the emulated GPU of tests/cuda_emulation, told to fail its first GEMM once the server
+    is up: its warmup runs GEMMs before it is ready) fails the request and takes the server out of
+    rotation; ServerLive stays true."""
 
     def test_not_ready_after_a_device_fault(self):
         if os.environ.get("ATTNSERVE_SERVER_LOADS_CUDA_PLUGIN", "1") != "1":
             self.skipTest("this attnserve was built without the CUDA toolkit: --device cuda loads no plugin")
         plugin = os.environ.get("ATTNSERVE_EMULATED_PLUGIN", "")
         self.assertTrue(os.path.exists(plugin), f"the emulated CUDA plugin is missing: '{plugin}'")
+        armed = tempfile.TemporaryDirectory(prefix="attnserve-oip-fault-")
+        self.addCleanup(armed.cleanup)
+        armed_file = os.path.join(armed.name, "armed")
         server = Server("--device", "cuda", "--layer", f"small={SOURCE}",
                         env=dict(os.environ, ATTNSERVE_CUDA_PLUGIN_PATH=plugin,
-                                 ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM="0"))
+                                 ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM="0",
+                                 ATTNSERVE_CUDA_EMULATION_FAULT_ARMED_BY=armed_file))
         try:
+            with open(armed_file, "w") as f:
+                f.write("armed\n")
             client = triton.InferenceServerClient(server.target)
             self.assertTrue(client.is_server_ready())
             self.assertEqual(client.get_model_config("small").config.parameters["device"].string_value, "cuda:0")

@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "server/metrics/device_gauges.h"
 #include "server/metrics/metrics_endpoint.h"
 
 namespace attnserve {
@@ -100,6 +101,8 @@ Metrics& FullyRecorded(Metrics& m) {
   m.JobDequeued("demo", Form::kFactored, 0.0002);
   m.BatchDone({.layer = "demo", .form = Form::kFactored, .device = "cpu", .requests = 1, .tokens = 8,
                .flops = 1e6, .compute_seconds = 0.0005});
+  m.BatchDone({.layer = "demo", .form = Form::kFactored, .device = "cuda:0", .requests = 1, .tokens = 8,
+               .flops = 1e6, .compute_seconds = 0.0005, .device_seconds = {{1e-4, 3e-4, 5e-5}}});
   m.SetLayerForm("demo", Form::kFactored, "cpu", 100, 400);
   m.RouteChanged("*", {{Form::kFactored, 0.9}, {Form::kSummed, 0.1}});
   m.RoutesApplied(12345);
@@ -142,6 +145,17 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
       {"attnserve_nonfinite_outputs_total", {"counter", {"layer", "form"}}},
       {"attnserve_backend_retained_bytes", {"gauge", {}}},
       {"attnserve_stage_seconds", {"histogram", {"stage"}}},
+      // What GPU operators expect (issue 48): the backend call's split, the device budget and
+      // lanes, NVML's readings.
+      {"attnserve_device_time_seconds", {"histogram", {"layer", "form", "device", "part"}}},
+      {"attnserve_device_memory_held_bytes", {"gauge", {"device"}}},
+      {"attnserve_device_memory_limit_bytes", {"gauge", {"device"}}},
+      {"attnserve_device_lanes", {"gauge", {"device"}}},
+      {"attnserve_gpu_utilization_ratio", {"gauge", {"device"}}},
+      {"attnserve_gpu_memory_used_bytes", {"gauge", {"device"}}},
+      {"attnserve_gpu_memory_total_bytes", {"gauge", {"device"}}},
+      {"attnserve_gpu_temperature_celsius", {"gauge", {"device"}}},
+      {"attnserve_gpu_power_watts", {"gauge", {"device"}}},
   };
   std::map<std::string, std::pair<std::string, std::vector<std::string_view>>> got;
   for (const MetricFamilySpec& f : MetricFamilies()) got[std::string(f.name)] = {std::string(f.type), f.labels};
@@ -149,7 +163,11 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
 
   // And a scrape declares each with that type (a family appears once it has a series).
   Metrics metrics;
-  const std::string text = FullyRecorded(metrics).Scrape();
+  FullyRecorded(metrics);
+  DeviceGauges device(metrics, "cuda:0");
+  device.SetDeviceMemory(1 << 20, 1 << 30, 2);
+  device.SetGpuSample({.utilization = 0.5, .memory_used = 1, .memory_total = 2, .temperature_c = 40, .power_w = 100});
+  const std::string text = metrics.Scrape();
   for (const auto& [name, spec] : want) {
     EXPECT_THAT(text, HasSubstr("# TYPE " + name + " " + spec.first + "\n")) << name;
   }

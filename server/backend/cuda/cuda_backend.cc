@@ -25,6 +25,13 @@ using cuda::IsStickyError;
 using cuda::Lane;
 using cuda::SummedOrderOf;
 
+// The split of the last batch each thread finished, and on which backend (ThisThreadsDeviceTimes).
+struct ThreadTimes {
+  const void* backend = nullptr;
+  DeviceTimes times;
+};
+thread_local ThreadTimes this_threads_times;
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(CudaBackendOptions options) : options_(options) {}
@@ -41,6 +48,9 @@ class CudaBackend final : public Backend {
     options_.max_device_bytes = limit;
     if (options_.max_lane_workspace_bytes <= 0) options_.max_lane_workspace_bytes = limit;
     budget_ = std::make_shared<DeviceBudget>(limit);
+    char bus_id[32] = {};
+    if (cudaDeviceGetPCIBusId(bus_id, sizeof bus_id, options_.device) == cudaSuccess) pci_bus_id_ = bus_id;
+    cudaGetLastError();  // no bus id is no error: NVML then finds no device
     ATTNSERVE_ASSIGN_OR_RETURN(auto lane, NewLane());
     MutexLock lock(mu_);
     idle_.push_back(std::move(lane));
@@ -95,14 +105,65 @@ class CudaBackend final : public Backend {
     if (batch.empty()) return OkStatus();
     ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(resident->weights().config, batch));
     if (!Healthy()) return InternalError(DeviceName() + " is unhealthy after an earlier device error");
+    this_threads_times.backend = nullptr;
     const Status st = WithLane([&](Lane& lane) {
       ATTNSERVE_RETURN_IF_ERROR(lane.RunBatch(*resident, batch));
+      this_threads_times = {this, lane.last_times()};
       MutexLock lock(mu_);
       last_times_ = lane.last_times();
       return OkStatus();
     });
     return st;
   }
+
+  std::optional<DeviceTimes> ThisThreadsDeviceTimes() const override {
+    if (this_threads_times.backend != this) return std::nullopt;
+    return this_threads_times.times;
+  }
+
+  // `callers` lanes held at once (the idle ones first, then new ones), each run over every form:
+  // afterwards as many callers as that find a warm lane each. A failure fails the warmup (a lost
+  // device also marks the backend unhealthy); the lanes go back to the pool either way.
+  Status Warmup(int callers, std::span<const ResidentForm* const> forms) override {
+    std::vector<std::unique_ptr<Lane>> lanes;
+    {
+      MutexLock lock(mu_);
+      while (!idle_.empty() && static_cast<int>(lanes.size()) < callers) {
+        lanes.push_back(std::move(idle_.back()));
+        idle_.pop_back();
+      }
+    }
+    Status st;
+    while (st.ok() && static_cast<int>(lanes.size()) < callers) {
+      auto made = NewLane();
+      if (made.ok()) {
+        lanes.push_back(std::move(made).value());
+      } else {
+        st = MarkFailed(made.status(), cudaSuccess);
+      }
+    }
+    for (auto& lane : lanes) {
+      for (const ResidentForm* form : forms) {
+        const auto* resident = dynamic_cast<const CudaResidentForm*>(form);
+        if (!st.ok()) break;
+        if (resident == nullptr) {
+          st = InvalidArgumentError("Warmup: form was not uploaded to " + DeviceName());
+          break;
+        }
+        st = lane->Warm(*resident);
+        if (!st.ok()) st = MarkFailed(st, lane->Drain());
+      }
+    }
+    MutexLock lock(mu_);
+    for (auto& lane : lanes) idle_.push_back(std::move(lane));
+    return st;
+  }
+
+  std::optional<DeviceMemoryState> DeviceMemory() const override {
+    return DeviceMemoryState{.held_bytes = budget_->held(), .limit_bytes = budget_->limit(), .lanes = lanes_.load()};
+  }
+
+  std::string PciBusId() const override { return pci_bus_id_; }
 
   std::optional<DeviceTimes> LastDeviceTimes() const override {
     MutexLock lock(mu_);
@@ -135,6 +196,7 @@ class CudaBackend final : public Backend {
   StatusOr<std::unique_ptr<Lane>> NewLane() {
     auto lane = std::make_unique<Lane>(options_, budget_, [this] { ReleaseIdleWorkspaces(); });
     ATTNSERVE_RETURN_IF_ERROR(lane->Init());
+    lanes_.fetch_add(1);
     return lane;
   }
 
@@ -168,6 +230,8 @@ class CudaBackend final : public Backend {
   CudaBackendOptions options_;
   std::shared_ptr<DeviceBudget> budget_;  // set by Init, shared with the lanes and the weights
   std::atomic<bool> healthy_{true};
+  std::atomic<int> lanes_{0};  // made and not destroyed (a lane lives as long as the backend)
+  std::string pci_bus_id_;     // set by Init
   mutable Mutex mu_;
   std::vector<std::unique_ptr<Lane>> idle_ ATTNSERVE_GUARDED_BY(mu_);
   std::optional<DeviceTimes> last_times_ ATTNSERVE_GUARDED_BY(mu_);

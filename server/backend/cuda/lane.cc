@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "server/backend/attention/skeleton.h"
 #include "server/backend/cuda/errors.h"
@@ -52,6 +53,25 @@ Status Lane::Upload(CudaResidentForm& resident) {
   ReleaseWorkspace();
   reclaim_();
   return resident.Upload(stream_);
+}
+
+Status Lane::Warm(const CudaResidentForm& r) {
+  const LayerConfig& c = r.weights().config;
+  const int64_t d = c.d_model, n = kWarmupRows, cross = kWarmupRows / 4;
+  // Inputs of a fixed, non-zero pattern (what the outputs are does not matter).
+  std::vector<float> inputs((n + cross + n) * d), outputs((n + cross) * d);
+  for (size_t i = 0; i < inputs.size(); ++i) inputs[i] = 0.01f * static_cast<float>(i % 97) - 0.48f;
+  Sequence batch[2];
+  batch[0].input = ConstMatrixView(inputs.data(), n, d);
+  batch[0].output = MatrixView(outputs.data(), n, d);
+  batch[1].input = ConstMatrixView(inputs.data() + n * d, cross, d);
+  batch[1].context = ConstMatrixView(inputs.data() + (n + cross) * d, n, d);
+  batch[1].output = MatrixView(outputs.data() + n * d, cross, d);
+  // A layer that refuses the cross-attention sequence warms on the self-attention one alone.
+  const std::span<const Sequence> both(batch), self_only = both.first(1);
+  const std::span<const Sequence> warm = ValidateBatch(c, both).ok() ? both : self_only;
+  ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(c, warm));
+  return RunBatch(r, warm);
 }
 
 cudaError_t Lane::Drain() {

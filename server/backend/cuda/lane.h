@@ -76,6 +76,13 @@ class Lane final : public DeviceOps {
   // once the outputs are written.
   Status RunBatch(const CudaResidentForm& r, std::span<const Sequence> batch);
 
+  // Runs one small batch of `r` (kWarmupRows self-attention queries and a cross-attention
+  // sequence of kWarmupRows / 4 queries over kWarmupRows contexts), its outputs discarded: the
+  // stream, handle, workspace, pinned staging and the kernels `r` uses are ready afterwards, so
+  // a later batch no larger than this one allocates nothing (Backend::Warmup).
+  Status Warm(const CudaResidentForm& r);
+  static constexpr int64_t kWarmupRows = 64;
+
   // Waits for what this lane's stream has queued: after a failed batch, the copies and kernels
   // it issued before the failure, which still read the pinned staging and write the workspace.
   // The stream's error, sticky or not, is what it reports.

@@ -36,6 +36,9 @@ struct Counters {
   // one the memory was allocated on: on a real device the call first creates a context on the
   // current one (GPU 0 for a thread that never chose), holding its memory for good.
   int64_t frees_on_another_device = 0;
+  // cublasCreate calls that made a handle (with its own workspace on a device, made lazily):
+  // what a warmed backend's first request must not do.
+  int64_t blas_handles_created = 0;
 };
 Counters ReadCounters();
 void ResetCounters();
@@ -57,7 +60,9 @@ void SetDeviceCount(int count);
 // The next operation of this kind fails as a device fault would: the call reports it and the
 // error stays (sticky), as after a fault on a real device, until Reset(); for the first three.
 // A process that cannot call this (a server that loaded the emulated plugin) sets
-// ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=K instead: its GEMM number K (0 the first) faults.
+// ATTNSERVE_CUDA_EMULATION_FAULT_AT_GEMM=K instead: its GEMM number K (0 the first) faults,
+// counting from when the file ATTNSERVE_CUDA_EMULATION_FAULT_ARMED_BY names exists, when that
+// is set (the server's warmup runs GEMMs before it is ready: the test arms the fault after).
 // Recoverable errors, which a real device reports and keeps serving after (not sticky):
 // kOutOfMemory fails the next device cudaMalloc with cudaErrorMemoryAllocation, kGemmInvalid
 // the next cuBLAS GEMM with CUBLAS_STATUS_INVALID_VALUE, kLaunchInvalid the next kernel launch

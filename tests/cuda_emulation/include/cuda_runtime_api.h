@@ -62,6 +62,8 @@ cudaError_t cudaPeekAtLastError();
 cudaError_t cudaGetDeviceCount(int* count);
 cudaError_t cudaSetDevice(int device);
 cudaError_t cudaGetDevice(int* device);
+// "0000:1N:00.0" for device N (bus 0x10 + N): what NVML is asked for (tests' fake NVML knows it).
+cudaError_t cudaDeviceGetPCIBusId(char* pci_bus_id, int len, int device);
 cudaError_t cudaDeviceSynchronize();
 
 cudaError_t cudaMalloc(void** ptr, size_t bytes);
