@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <iostream>
 #include <cmath>
 #include <random>
 #include <string>
@@ -93,6 +94,10 @@ TEST(LowRankShadowTest, TheShadowDivergenceOfTrafficLikeTheCalibrationStaysUnder
     const std::string count = "attnserve_shadow_divergence_count{form=\"factored\",layer=\"" + name + "\"}";
     EXPECT_EQ(server.WaitForSample(count, kRequests, std::chrono::seconds(30)), kRequests) << name;
   }
+  const double cal_mean = server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"cal\"}") / kRequests;
+  const double crude_mean = server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"crude\"}") / kRequests;
+  std::cout << "total rank " << total << " of 32, calibration divergence " << lowrank->calibration_divergence()
+            << ", shadow divergence mean: calibrated " << cal_mean << ", budget:4 " << crude_mean << "\n";
   // Every mirror of the calibrated form within EPS; the crude form's are not.
   EXPECT_EQ(server.Sample(Bucket("cal", "0.1")), kRequests)
       << "mean " << server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"cal\"}") / kRequests;
