@@ -254,6 +254,10 @@ def svg(all_curves, served, path):
         for r in (0, 96, 192, 288, 384):
             x = ox + pw * r / 384
             parts.append(f'<text x="{x:.1f}" y="{oy + h - 46}" font-size="9" text-anchor="middle">{r}</text>')
+        parts.append(f'<text x="{ox + pw / 2:.1f}" y="{oy + h - 34}" font-size="10" text-anchor="middle">'
+                     'total rank R = Σ r_i</text>')
+        parts.append(f'<text x="{ox - 36}" y="{oy + (h - 60) / 2:.1f}" font-size="10" text-anchor="middle" '
+                     f'transform="rotate(-90 {ox - 36} {oy + (h - 60) / 2:.1f})">rel L2 vs factored</text>')
         for method, color in (("weight", "#1f77b4"), ("aware", "#ff7f0e")):
             pts = " ".join(f"{ox + pw * 12 * r / 384:.1f},{ypix(v, oy):.1f}" for r, v in enumerate(c[method]) if r > 0)
             parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.6" points="{pts}"/>')
