@@ -58,13 +58,20 @@ int Main(int argc, char** argv) {
   int repeats = 15, threads = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], v = argv[i + 1];
-    if (flag == "--source") source = v;
-    else if (flag == "--inputs") inputs = v;
-    else if (flag == "--selection") selections.push_back(v);
-    else if (flag == "--n") n = std::stoll(v);
-    else if (flag == "--repeats") repeats = std::stoi(v);
-    else if (flag == "--threads") threads = std::stoi(v);
-    else Fail("unknown flag " + flag);
+    if (flag == "--source")
+      source = v;
+    else if (flag == "--inputs")
+      inputs = v;
+    else if (flag == "--selection")
+      selections.push_back(v);
+    else if (flag == "--n")
+      n = std::stoll(v);
+    else if (flag == "--repeats")
+      repeats = std::stoi(v);
+    else if (flag == "--threads")
+      threads = std::stoi(v);
+    else
+      Fail("unknown flag " + flag);
   }
   if (source.empty() || inputs.empty() || selections.empty() || n < 1 || repeats < 1) Fail("missing flags");
   NpyArray rows_npy;
@@ -81,7 +88,8 @@ int Main(int argc, char** argv) {
   const ResidentForm& factored = *(*exact)->Find(Form::kFactored);
   const std::vector<float> want = Forward(backend, factored, rows_npy.data, rows, d, n);
   for (size_t si = 0; si < selections.size(); ++si) {
-    auto layer = store.Load("lowrank-" + std::to_string(si), source + ",summed=false,spectrum=true,lowrank=" + selections[si]);
+    auto layer =
+        store.Load("lowrank-" + std::to_string(si), source + ",summed=false,spectrum=true,lowrank=" + selections[si]);
     if (!layer.ok()) Fail(layer.status().ToString());
     const Layer& l = **layer;
     const ResidentForm& lowrank = *l.Find(Form::kLowRank);
@@ -102,11 +110,12 @@ int Main(int argc, char** argv) {
       }
     }
     const int64_t total = std::accumulate(l.lowrank_ranks.begin(), l.lowrank_ranks.end(), int64_t{0});
-    std::printf("{\"selection\": \"%s\", \"total_rank\": %lld, \"kept_energy\": %.6g, \"calibration_divergence\": %.6g, "
-                "\"divergence\": %.6g, \"ms_factored\": %.4f, \"ms_lowrank\": %.4f, \"rows\": %lld, \"n\": %lld}\n",
-                l.lowrank_selection.c_str(), static_cast<long long>(total), l.lowrank_kept_energy,
-                l.lowrank_calibration_divergence, std::sqrt(diff / norm), best[0], best[1], static_cast<long long>(rows),
-                static_cast<long long>(n));
+    std::printf(
+        "{\"selection\": \"%s\", \"total_rank\": %lld, \"kept_energy\": %.6g, \"calibration_divergence\": %.6g, "
+        "\"divergence\": %.6g, \"ms_factored\": %.4f, \"ms_lowrank\": %.4f, \"rows\": %lld, \"n\": %lld}\n",
+        l.lowrank_selection.c_str(), static_cast<long long>(total), l.lowrank_kept_energy,
+        l.lowrank_calibration_divergence, std::sqrt(diff / norm), best[0], best[1], static_cast<long long>(rows),
+        static_cast<long long>(n));
     (void)store.Unload(l.name);
   }
   return 0;

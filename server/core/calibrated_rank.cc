@@ -33,7 +33,8 @@ void Rope(MatrixD& m, int64_t heads, int64_t dh, double theta) {
   const int64_t half = dh / 2;
   for (int64_t r = 0; r < m.rows(); ++r) {
     for (int64_t t = 0; t < half; ++t) {
-      const double angle = static_cast<double>(r) * std::pow(theta, -2.0 * static_cast<double>(t) / static_cast<double>(dh));
+      const double angle =
+          static_cast<double>(r) * std::pow(theta, -2.0 * static_cast<double>(t) / static_cast<double>(dh));
       const double c = std::cos(angle), s = std::sin(angle);
       for (int64_t h = 0; h < heads; ++h) {
         const double x1 = m(r, h * dh + t), x2 = m(r, h * dh + t + half);
@@ -107,7 +108,8 @@ Status ValidateCalibration(const CalibrationSet& set, const LayerConfig& config,
   if (set.rows < config.d_model || set.rows > kMaxCalibrationRows) {
     return InvalidArgumentError(field + ": expected between d_model = " + std::to_string(config.d_model) + " and " +
                                 std::to_string(kMaxCalibrationRows) +
-                                " rows (fewer leave the inputs' second moment singular), got " + std::to_string(set.rows));
+                                " rows (fewer leave the inputs' second moment singular), got " +
+                                std::to_string(set.rows));
   }
   if (static_cast<int64_t>(set.x.size()) != set.rows * set.d_model) {
     return InvalidArgumentError(field + ": expected " + std::to_string(set.rows * set.d_model) + " values, got " +
@@ -136,7 +138,8 @@ StatusOr<CalibratedLowRank> MaterializeCalibratedLowRank(const LayerWeights& w, 
   if (!(mean_eigenvalue > 0)) return InvalidArgumentError("calibration: the inputs are all zero");
   g.diagonal().array() += kRidge * mean_eigenvalue;
   const Eigen::LLT<MatrixD> llt(g);
-  if (llt.info() != Eigen::Success) return InvalidArgumentError("calibration: the inputs' second moment is not positive definite");
+  if (llt.info() != Eigen::Success)
+    return InvalidArgumentError("calibration: the inputs' second moment is not positive definite");
   const MatrixD s_factor = llt.matrixU();  // Sᵀ S = XᵀX + ridge
 
   std::vector<WhitenedHead> heads(c.heads);

@@ -46,11 +46,11 @@ Status ValidateCalibration(const CalibrationSet& set, const LayerConfig& config,
 
 struct CalibratedLowRank {
   FormWeights form;
-  std::vector<int64_t> ranks;              // r_i per query head
-  std::vector<double> head_divergence;     // ‖Z_i (W_M_i − W̃_i)‖_F / ‖Z_i W_M_i‖_F on the calibration rows
-  std::vector<double> head_kept_energy;    // 1 − head_divergence²: the share of ‖Z_i W_M_i‖² kept
-  double kept_energy = 0;                  // the same over all heads: Σ kept / Σ ‖Z_i W_M_i‖²
-  double divergence = 0;                   // the layer output's relative L2 against factored
+  std::vector<int64_t> ranks;            // r_i per query head
+  std::vector<double> head_divergence;   // ‖Z_i (W_M_i − W̃_i)‖_F / ‖Z_i W_M_i‖_F on the calibration rows
+  std::vector<double> head_kept_energy;  // 1 − head_divergence²: the share of ‖Z_i W_M_i‖² kept
+  double kept_energy = 0;                // the same over all heads: Σ kept / Σ ‖Z_i W_M_i‖²
+  double divergence = 0;                 // the layer output's relative L2 against factored
 };
 
 // The form for `eps` in (0, 1); `set` must have passed ValidateCalibration.

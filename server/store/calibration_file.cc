@@ -40,7 +40,8 @@ Status ParseHeader(std::string_view text, const std::string& name, std::string* 
   size_t pos = 0;
   while (pos < s.size()) {
     const size_t colon = s.find(':', pos);
-    if (colon == std::string::npos) return InvalidArgumentError(name + ": header: expected 'key': value, got '" + Printable(s.substr(pos)) + "'");
+    if (colon == std::string::npos)
+      return InvalidArgumentError(name + ": header: expected 'key': value, got '" + Printable(s.substr(pos)) + "'");
     const std::string key = s.substr(pos, colon - pos);
     size_t end = colon + 1;
     if (end < s.size() && s[end] == '(') {
@@ -52,8 +53,13 @@ Status ParseHeader(std::string_view text, const std::string& name, std::string* 
       if (end == std::string::npos) end = s.size();
     }
     const std::string value = s.substr(colon + 1, end - colon - 1);
-    std::string* slot = key == "'descr'" ? descr : key == "'fortran_order'" ? fortran : key == "'shape'" ? shape : nullptr;
-    if (slot == nullptr) return InvalidArgumentError(name + ": header: expected keys 'descr', 'fortran_order', 'shape', got " + Printable(key));
+    std::string* slot = key == "'descr'"           ? descr
+                        : key == "'fortran_order'" ? fortran
+                        : key == "'shape'"         ? shape
+                                                   : nullptr;
+    if (slot == nullptr)
+      return InvalidArgumentError(name + ": header: expected keys 'descr', 'fortran_order', 'shape', got " +
+                                  Printable(key));
     if (!slot->empty()) return InvalidArgumentError(name + ": header: key " + key + " appears twice");
     *slot = value;
     pos = end;
@@ -94,12 +100,14 @@ Status ParseShape(const std::string& shape, const std::string& name, int64_t* ro
 
 StatusOr<CalibrationSet> ParseCalibrationNpy(std::string_view bytes, const std::string& name) {
   if (bytes.size() < 10 || bytes.substr(0, kMagic.size()) != kMagic) {
-    return InvalidArgumentError(name + ": expected a .npy file (magic \\x93NUMPY), got '" + Printable(bytes.substr(0, 6)) + "'");
+    return InvalidArgumentError(name + ": expected a .npy file (magic \\x93NUMPY), got '" +
+                                Printable(bytes.substr(0, 6)) + "'");
   }
   const int major = static_cast<unsigned char>(bytes[6]);
   size_t header_len = 0, header_at = 0;
   if (major == 1) {
-    header_len = static_cast<unsigned char>(bytes[8]) | (static_cast<size_t>(static_cast<unsigned char>(bytes[9])) << 8);
+    header_len =
+        static_cast<unsigned char>(bytes[8]) | (static_cast<size_t>(static_cast<unsigned char>(bytes[9])) << 8);
     header_at = 10;
   } else if (major == 2 || major == 3) {
     if (bytes.size() < 12) return InvalidArgumentError(name + ": the header length is cut off");
@@ -115,12 +123,14 @@ StatusOr<CalibrationSet> ParseCalibrationNpy(std::string_view bytes, const std::
   std::string descr, fortran, shape;
   ATTNSERVE_RETURN_IF_ERROR(ParseHeader(bytes.substr(header_at, header_len), name, &descr, &fortran, &shape));
   if (descr != "'<f4'") return InvalidArgumentError(name + ": expected dtype '<f4' (float32), got " + Printable(descr));
-  if (fortran != "False") return InvalidArgumentError(name + ": expected fortran_order False (C order), got " + Printable(fortran));
+  if (fortran != "False")
+    return InvalidArgumentError(name + ": expected fortran_order False (C order), got " + Printable(fortran));
   CalibrationSet set;
   ATTNSERVE_RETURN_IF_ERROR(ParseShape(shape, name, &set.rows, &set.d_model));
   if (set.rows > kMaxCalibrationRows || set.d_model > kMaxDModel) {
-    return InvalidArgumentError(name + ": expected at most " + std::to_string(kMaxCalibrationRows) + " rows of at most " +
-                                std::to_string(kMaxDModel) + " values, got shape " + Printable(shape));
+    return InvalidArgumentError(name + ": expected at most " + std::to_string(kMaxCalibrationRows) +
+                                " rows of at most " + std::to_string(kMaxDModel) + " values, got shape " +
+                                Printable(shape));
   }
   const size_t data_bytes = static_cast<size_t>(set.rows * set.d_model) * sizeof(float);
   const size_t data_at = header_at + header_len;
@@ -140,7 +150,8 @@ StatusOr<CalibrationSet> ReadCalibrationNpy(const std::string& model_dir, const 
   if (fstat(fd.get(), &st) != 0) return InternalError(name + ": fstat: " + std::strerror(errno));
   const size_t limit = kMaxHeader + 16 + static_cast<size_t>(kMaxCalibrationRows) * 8192 * sizeof(float);
   if (static_cast<size_t>(st.st_size) > limit) {
-    return InvalidArgumentError(name + ": expected at most " + std::to_string(limit) + " bytes, got " + std::to_string(st.st_size));
+    return InvalidArgumentError(name + ": expected at most " + std::to_string(limit) + " bytes, got " +
+                                std::to_string(st.st_size));
   }
   std::string bytes(static_cast<size_t>(st.st_size), '\0');
   size_t done = 0;

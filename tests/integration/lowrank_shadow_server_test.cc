@@ -7,8 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <iostream>
 #include <cmath>
+#include <iostream>
 #include <random>
 #include <string>
 #include <thread>
@@ -53,9 +53,9 @@ TEST(LowRankShadowTest, TheShadowDivergenceOfTrafficLikeTheCalibrationStaysUnder
   NpyArray calibration{{512, kDModel}, Rows(512, kMix, 1)};
   ASSERT_TRUE(WriteNpy(files.File("calib.npy"), calibration).ok());
   const std::string layer = "random:d_model=32,heads=4,seed=5,summed=false,lowrank=";
-  testing::MetricsServer server(ATTNSERVE_BINARY,
-                                {"--layer", "cal=" + layer + "divergence:0.1,calibration=" + files.File("calib.npy"),
-                                 "--layer", "crude=" + layer + "budget:4", "--shadow-rate", "1"});
+  testing::MetricsServer server(
+      ATTNSERVE_BINARY, {"--layer", "cal=" + layer + "divergence:0.1,calibration=" + files.File("calib.npy"), "--layer",
+                         "crude=" + layer + "budget:4", "--shadow-rate", "1"});
   ASSERT_NE(server.process, nullptr);
   Client& client = server.client();
 
@@ -95,7 +95,8 @@ TEST(LowRankShadowTest, TheShadowDivergenceOfTrafficLikeTheCalibrationStaysUnder
     EXPECT_EQ(server.WaitForSample(count, kRequests, std::chrono::seconds(30)), kRequests) << name;
   }
   const double cal_mean = server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"cal\"}") / kRequests;
-  const double crude_mean = server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"crude\"}") / kRequests;
+  const double crude_mean =
+      server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"crude\"}") / kRequests;
   std::cout << "total rank " << total << " of 32, calibration divergence " << lowrank->calibration_divergence()
             << ", shadow divergence mean: calibrated " << cal_mean << ", budget:4 " << crude_mean << "\n";
   // Every mirror of the calibrated form within EPS; the crude form's are not.

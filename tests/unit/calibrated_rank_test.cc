@@ -3,6 +3,8 @@
 // layer's and each head's divergence, a full SVD of the whitened d×d product for the optimal
 // activation-aware error, and the weight-only truncation it must beat; then the calibration
 // file's and the source options' refusals, and the store's load.
+#include "server/core/calibrated_rank.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -16,7 +18,6 @@
 #include <vector>
 
 #include "server/backend/cpu/cpu_backend.h"
-#include "server/core/calibrated_rank.h"
 #include "server/core/reference.h"
 #include "server/core/spectrum.h"
 #include "server/store/calibration_file.h"
@@ -255,8 +256,10 @@ TEST(CalibratedRankTest, RefusalsNameTheFieldExpectedAndGot) {
   CalibrationSet few = k.set;
   few.rows = 47;
   few.x.resize(47 * 48);
-  EXPECT_THAT(ValidateCalibration(few, k.config, "calibration").message(),
-              HasSubstr("expected between d_model = 48 and 65536 rows (fewer leave the inputs' second moment singular), got 47"));
+  EXPECT_THAT(
+      ValidateCalibration(few, k.config, "calibration").message(),
+      HasSubstr(
+          "expected between d_model = 48 and 65536 rows (fewer leave the inputs' second moment singular), got 47"));
   CalibrationSet nan = k.set;
   nan.x[5 * 48 + 7] = NAN;
   EXPECT_THAT(ValidateCalibration(nan, k.config, "calibration").message(),
@@ -295,7 +298,8 @@ TEST(CalibratedRankTest, CalibrationFilesAreCheckedBeforeUse) {
       {Npy("<f4", "(2, 4)", six), "c: expected 32 bytes of data for shape (2,4), got 24"},
       {"PK\x03\x04 not numpy", "c: expected a .npy file (magic \\x93NUMPY)"},
   };
-  for (const auto& [bytes, want] : bad) EXPECT_THAT(ParseCalibrationNpy(bytes, "c").status().message(), HasSubstr(want));
+  for (const auto& [bytes, want] : bad)
+    EXPECT_THAT(ParseCalibrationNpy(bytes, "c").status().message(), HasSubstr(want));
 }
 
 TEST(CalibratedRankTest, SourceOptionsGoTogether) {
@@ -303,8 +307,9 @@ TEST(CalibratedRankTest, SourceOptionsGoTogether) {
               HasSubstr("needs calibration inputs: add calibration=PATH"));
   EXPECT_THAT(ParseSource("random:d_model=48,heads=4,lowrank=energy:0.9,calibration=c.npy").status().message(),
               HasSubstr("option 'calibration' is read only by lowrank=divergence:EPS"));
-  EXPECT_THAT(ParseSource("random:d_model=48,heads=4,lowrank=divergence:1.5,calibration=c.npy").status().message(),
-              HasSubstr("divergence:EPS (the output's relative L2 on calibration= inputs, 0 < EPS < 1), got 'divergence:1.5'"));
+  EXPECT_THAT(
+      ParseSource("random:d_model=48,heads=4,lowrank=divergence:1.5,calibration=c.npy").status().message(),
+      HasSubstr("divergence:EPS (the output's relative L2 on calibration= inputs, 0 < EPS < 1), got 'divergence:1.5'"));
   auto spec = ParseSource("random:d_model=48,heads=4,lowrank=divergence:0.05,calibration=c.npy");
   ASSERT_TRUE(spec.ok()) << spec.status().ToString();
   EXPECT_EQ(spec->lowrank->text, "divergence:0.05");
