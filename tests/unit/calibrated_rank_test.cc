@@ -11,6 +11,7 @@
 #include <Eigen/Dense>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <random>
@@ -363,6 +364,33 @@ TEST(CalibratedRankTest, TheStoreHoldsTheFormAndWhatItMeasured) {
   // A file of the wrong width is refused, naming the option and the file.
   EXPECT_THAT(store.Load("bad", base + dir.File("narrow.npy")).status().message(),
               HasSubstr("narrow.npy': expected rows of d_model = 32 values (shape [rows, 32]), got 4"));
+}
+
+// Over the API the calibration file is confined like a checkpoint: beneath a model dir, shown
+// relative to it, and anything else refused with the one answer that says nothing of outside.
+TEST(CalibratedRankTest, OverTheApiTheCalibrationFileLiesBeneathAModelDir) {
+  testing::TempDir models, outside;
+  const std::vector<float> x = AnisotropicRows(64, 16, testing::TestSeed() + 11);
+  std::filesystem::create_directories(models.File("cal"));
+  Write(models.File("cal/rows.npy"), Npy("<f4", "(64, 16)", x));
+  Write(outside.File("rows.npy"), Npy("<f4", "(64, 16)", x));
+  CpuBackend backend;
+  const std::string base = "random:d_model=16,heads=2,lowrank=divergence:0.2,calibration=";
+  LayerStore closed(&backend);
+  EXPECT_EQ(closed.Load("a", base + "cal/rows.npy", LoadOrigin::kApi).status().code(), StatusCode::kPermissionDenied);
+  LayerStore store(&backend, {.model_dirs = {models.path()}});
+  auto relative = store.Load("a", base + "cal/rows.npy", LoadOrigin::kApi);
+  ASSERT_TRUE(relative.ok()) << relative.status().ToString();
+  EXPECT_EQ((*relative)->source, base + "cal/rows.npy");
+  auto absolute = store.Load("b", base + models.File("cal/rows.npy"), LoadOrigin::kApi);
+  ASSERT_TRUE(absolute.ok()) << absolute.status().ToString();
+  EXPECT_EQ((*absolute)->source, base + "cal/rows.npy");
+  for (const std::string& path :
+       {outside.File("rows.npy"), std::string("../") + "rows.npy", std::string("cal/none.npy")}) {
+    const Status st = store.Load("c", base + path, LoadOrigin::kApi).status();
+    EXPECT_FALSE(st.ok()) << path;
+    EXPECT_THAT(st.message(), HasSubstr("calibration")) << path;
+  }
 }
 
 }  // namespace
