@@ -110,10 +110,13 @@ int Main(int argc, char** argv) {
       }
     }
     const int64_t total = std::accumulate(l.lowrank_ranks.begin(), l.lowrank_ranks.end(), int64_t{0});
+    std::string ranks;
+    for (int64_t r : l.lowrank_ranks) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
     std::printf(
-        "{\"selection\": \"%s\", \"total_rank\": %lld, \"kept_energy\": %.6g, \"calibration_divergence\": %.6g, "
-        "\"divergence\": %.6g, \"ms_factored\": %.4f, \"ms_lowrank\": %.4f, \"rows\": %lld, \"n\": %lld}\n",
-        l.lowrank_selection.c_str(), static_cast<long long>(total), l.lowrank_kept_energy,
+        "{\"selection\": \"%s\", \"ranks\": [%s], \"total_rank\": %lld, \"kept_energy\": %.6g, "
+        "\"calibration_divergence\": %.9g, \"divergence\": %.9g, \"ms_factored\": %.4f, \"ms_lowrank\": %.4f, "
+        "\"rows\": %lld, \"n\": %lld}\n",
+        l.lowrank_selection.c_str(), ranks.c_str(), static_cast<long long>(total), l.lowrank_kept_energy,
         l.lowrank_calibration_divergence, std::sqrt(diff / norm), best[0], best[1], static_cast<long long>(rows),
         static_cast<long long>(n));
     (void)store.Unload(l.name);

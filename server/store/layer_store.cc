@@ -42,9 +42,17 @@ StatusOr<FormWeights> BuildLowRank(const LayerSource& loaded, const LayerSpectru
   const FormDef& lowrank = DefOf(Form::kLowRank);
   const std::string option = "option '" + std::string(lowrank.hold_option) + "=" + loaded.lowrank->text + "': ";
   if (loaded.lowrank->selection.kind == RankSelection::Kind::kDivergence) {
-    // Its size is bounded by the factored form's (every rank at most d_head), checked already.
+    if (!loaded.calibration) return InvalidArgumentError(option + "no calibration inputs were read (calibration=PATH)");
     auto built = MaterializeCalibratedLowRank(loaded.weights, *loaded.calibration, loaded.lowrank->selection.divergence);
     if (!built.ok()) return Prefixed(option, built.status());
+    // At most 2 · d_model · h · d_head more than its query and key blocks (every rank full): for
+    // grouped heads that can pass the factored form's size, so it is checked here too.
+    if (built->form.Bytes() > max_form_bytes) {
+      return ResourceExhaustedError("the low-rank form (total rank " + std::to_string(built->form.value_cols) +
+                                    ") would take " + std::to_string(built->form.Bytes()) +
+                                    " bytes, more than the limit of " + std::to_string(max_form_bytes) +
+                                    " per form; choose a larger EPS");
+    }
     layer->lowrank_kept_energy = built->kept_energy;
     layer->lowrank_head_kept_energy = std::move(built->head_kept_energy);
     layer->lowrank_head_divergence = std::move(built->head_divergence);
