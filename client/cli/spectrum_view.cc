@@ -268,7 +268,22 @@ std::string LowRankSummary(const v1::LayerInfo& info) {
     line += " params_vs_factored=" + Fmt("%.3f", static_cast<double>(lowrank->parameters()) / factored->parameters()) +
             " flops_vs_factored=" + Fmt("%.3f", lowrank->flops_per_token() / factored->flops_per_token());
   }
-  return line + "\n";
+  const bool calibrated = lowrank->calibration_rows() > 0;
+  if (calibrated) {
+    line += " calibration_divergence=" + Fmt("%.4g", lowrank->calibration_divergence()) +
+            " calibration_rows=" + std::to_string(lowrank->calibration_rows());
+  }
+  line += "\n";
+  // Per head: its rank, the share of its energy kept and (calibrated) its output divergence.
+  if (lowrank->head_kept_energy_size() == lowrank->ranks_size() && lowrank->ranks_size() > 0) {
+    line += calibrated ? "HEAD RANK KEPT_ENERGY DIVERGENCE\n" : "HEAD RANK KEPT_ENERGY\n";
+    for (int i = 0; i < lowrank->ranks_size(); ++i) {
+      line += std::to_string(i) + " " + std::to_string(lowrank->ranks(i)) + " " + Fmt("%.6g", lowrank->head_kept_energy(i));
+      if (calibrated && i < lowrank->head_divergence_size()) line += " " + Fmt("%.4g", lowrank->head_divergence(i));
+      line += "\n";
+    }
+  }
+  return line;
 }
 
 }  // namespace attnserve::cli

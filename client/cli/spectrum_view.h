@@ -23,8 +23,9 @@ std::string SpectrumTable(const v1::LayerInfo& info);
 std::string SpectrumSvg(const v1::LayerInfo& info);
 
 // One line on the low-rank form, when the layer holds it: its selection, the ranks, the energy
-// kept, and its parameters and FLOPs per token as multiples of the factored form's. Empty
-// otherwise.
+// kept, and its parameters and FLOPs per token as multiples of the factored form's (and, when
+// chosen by divergence:, the calibration's divergence and rows); then a table of each head's
+// rank, kept energy and (calibrated) divergence. Empty otherwise.
 std::string LowRankSummary(const v1::LayerInfo& info);
 
 }  // namespace attnserve::cli

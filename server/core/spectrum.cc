@@ -8,27 +8,15 @@
 #include <string>
 
 #include "server/core/form_table.h"
+#include "server/core/spectrum_internal.h"
 
 namespace attnserve {
-namespace {
 
-// The low-rank selection's errors name its load option (its form's row), then the field.
-std::string LowRankField() { return std::string(DefOf(Form::kLowRank).hold_option); }
+namespace spectrum_internal {
 
-using MatrixD = Eigen::MatrixXd;
-using RowMatrixF = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-
-// Columns [col0, col0 + count) of a row-major [rows, cols] float matrix, as float64.
 MatrixD ColumnsOf(const std::vector<float>& m, int64_t rows, int64_t cols, int64_t col0, int64_t count) {
   return Eigen::Map<const RowMatrixF>(m.data(), rows, cols).middleCols(col0, count).cast<double>();
 }
-
-// A · B^T = left · diag(s) · right^T for A, B [d, k0], via thin QRs and a small SVD.
-struct Factorization {
-  Eigen::VectorXd s;  // descending
-  MatrixD left;       // [d, k]
-  MatrixD right;      // [d, k]
-};
 
 Factorization FactorProduct(const MatrixD& a, const MatrixD& b) {
   const int64_t d = a.rows(), k = std::min<int64_t>(a.rows(), a.cols());
@@ -40,6 +28,54 @@ Factorization FactorProduct(const MatrixD& a, const MatrixD& b) {
   Eigen::JacobiSVD<MatrixD> svd(r1 * r2.transpose(), Eigen::ComputeFullU | Eigen::ComputeFullV);
   return {svd.singularValues(), q1 * svd.matrixU(), q2 * svd.matrixV()};
 }
+
+std::pair<MatrixD, MatrixD> OvFactors(const LayerWeights& w, int64_t head) {
+  const LayerConfig& c = w.config;
+  const int64_t d = c.d_model, dh = c.d_head;
+  MatrixD a = ColumnsOf(w.w_v, d, c.kv_heads * dh, c.KvHeadOf(head) * dh, dh);
+  MatrixD b = Eigen::Map<const RowMatrixF>(w.w_o.data(), c.heads * dh, d).middleRows(head * dh, dh).cast<double>().transpose();
+  return {std::move(a), std::move(b)};
+}
+
+FormWeights AssembleLowRank(const LayerWeights& w, const std::vector<HeadFactors>& heads) {
+  const LayerConfig& c = w.config;
+  const int64_t d = c.d_model;
+  int64_t total = 0;
+  for (const HeadFactors& h : heads) total += h.p.cols();
+  const FormWeights q_and_k = MaterializeQueryKeyOnly(Form::kLowRank, w);
+  const int64_t qk_cols = q_and_k.in_cols();
+  FormWeights f = q_and_k;
+  f.value_cols = total;
+  f.out_rows = total;
+  f.w_in.assign(d * f.in_cols(), 0.0f);
+  f.w_out.assign(total * d, 0.0f);
+  f.b_out = FoldedOutputBias(w);
+  Eigen::Map<RowMatrixF> w_in(f.w_in.data(), d, f.in_cols());
+  w_in.leftCols(qk_cols) = Eigen::Map<const RowMatrixF>(q_and_k.w_in.data(), d, qk_cols);
+  Eigen::Map<RowMatrixF> w_out(f.w_out.data(), total, d);
+  int64_t offset = 0;
+  for (int64_t i = 0; i < c.heads; ++i) {
+    const int64_t r = heads[i].p.cols();
+    if (r > 0) {
+      w_in.middleCols(qk_cols + offset, r) = heads[i].p.cast<float>();
+      w_out.middleRows(offset, r) = heads[i].q.cast<float>();
+    }
+    f.value_offset.push_back(offset);
+    f.value_width.push_back(r);
+    f.mix_offset.push_back(offset);
+    offset += r;
+  }
+  return f;
+}
+
+}  // namespace spectrum_internal
+
+namespace {
+
+using namespace spectrum_internal;  // NOLINT: the shared helpers of this file
+
+// The low-rank selection's errors name its load option (its form's row), then the field.
+std::string LowRankField() { return std::string(DefOf(Form::kLowRank).hold_option); }
 
 // Singular values only: the R factors of the two QRs suffice (Q is never formed), which is
 // what the spectrum needs: 4x faster than FactorProduct (d_model 2048, 16 heads of 128: 0.43 s
@@ -70,15 +106,6 @@ HeadSpectrum Describe(const Eigen::VectorXd& s) {
   h.rank_99 = RankForEnergy(h.singular_values, 0.99);
   h.rank_999 = RankForEnergy(h.singular_values, 0.999);
   return h;
-}
-
-// A and B of head i's OV product W_V_g · W_O_i = A B^T: A = W_V_g [d, d_h], B = W_O_i^T.
-std::pair<MatrixD, MatrixD> OvFactors(const LayerWeights& w, int64_t head) {
-  const LayerConfig& c = w.config;
-  const int64_t d = c.d_model, dh = c.d_head;
-  MatrixD a = ColumnsOf(w.w_v, d, c.kv_heads * dh, c.KvHeadOf(head) * dh, dh);
-  MatrixD b = Eigen::Map<const RowMatrixF>(w.w_o.data(), c.heads * dh, d).middleRows(head * dh, dh).cast<double>().transpose();
-  return {std::move(a), std::move(b)};
 }
 
 }  // namespace
@@ -155,6 +182,9 @@ StatusOr<std::vector<int64_t>> SelectRanks(const LayerSpectrum& spectrum, const 
         }
       }
       return sel.ranks;
+    case RankSelection::Kind::kDivergence:
+      return InvalidArgumentError(LowRankField() + " divergence: chooses ranks from calibration inputs, which the "
+                                  "spectrum alone does not have (MaterializeCalibratedLowRank does)");
   }
   return InternalError("unknown rank selection");
 }
@@ -172,34 +202,20 @@ StatusOr<FormWeights> MaterializeLowRank(const LayerWeights& w, const std::vecto
                                   std::to_string(k) + "], got " + std::to_string(ranks[i]));
     }
   }
-  const int64_t total = std::accumulate(ranks.begin(), ranks.end(), int64_t{0});
-  const FormWeights q_and_k = MaterializeQueryKeyOnly(Form::kLowRank, w);
-  const int64_t qk_cols = q_and_k.in_cols();
-  FormWeights f = q_and_k;
-  f.value_cols = total;
-  f.out_rows = total;
-  f.w_in.assign(d * f.in_cols(), 0.0f);
-  f.w_out.assign(total * d, 0.0f);
-  f.b_out = FoldedOutputBias(w);
-  Eigen::Map<RowMatrixF> w_in(f.w_in.data(), d, f.in_cols());
-  w_in.leftCols(qk_cols) = Eigen::Map<const RowMatrixF>(q_and_k.w_in.data(), d, qk_cols);
-  Eigen::Map<RowMatrixF> w_out(f.w_out.data(), total, d);
-  int64_t offset = 0;
+  std::vector<HeadFactors> heads(c.heads);
   for (int64_t i = 0; i < c.heads; ++i) {
     const int64_t r = ranks[i];
+    heads[i].p = MatrixD(d, r);
+    heads[i].q = MatrixD(r, d);
     if (r > 0) {
       auto [a, b] = OvFactors(w, i);
       const Factorization fac = FactorProduct(a, b);
       const Eigen::VectorXd root = fac.s.head(r).cwiseSqrt();
-      w_in.middleCols(qk_cols + offset, r) = (fac.left.leftCols(r) * root.asDiagonal()).cast<float>();
-      w_out.middleRows(offset, r) = (root.asDiagonal() * fac.right.leftCols(r).transpose()).cast<float>();
+      heads[i].p = fac.left.leftCols(r) * root.asDiagonal();
+      heads[i].q = root.asDiagonal() * fac.right.leftCols(r).transpose();
     }
-    f.value_offset.push_back(offset);
-    f.value_width.push_back(r);
-    f.mix_offset.push_back(offset);
-    offset += r;
   }
-  return f;
+  return AssembleLowRank(w, heads);
 }
 
 }  // namespace attnserve

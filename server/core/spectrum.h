@@ -36,8 +36,11 @@ int64_t RankForEnergy(const std::vector<double>& singular_values, double energy)
 
 // How the low-rank form chooses each head's rank r_i.
 struct RankSelection {
-  enum class Kind { kEnergy, kBudget, kFixed } kind = Kind::kEnergy;
+  enum class Kind { kEnergy, kBudget, kFixed, kDivergence } kind = Kind::kEnergy;
   double energy = 0.99;        // kEnergy: per head, keep this share of the head's Σ σ²
+  // kDivergence: the layer's output divergence on calibration inputs stays under this
+  // (server/core/calibrated_rank.h); SelectRanks refuses it, having no calibration inputs.
+  double divergence = 0;
   int64_t budget = 0;          // kBudget: Σ r_i, filled by the largest σ across all heads
   std::vector<int64_t> ranks;  // kFixed: r_i per head
 };

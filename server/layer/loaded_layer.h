@@ -38,6 +38,14 @@ struct Layer {
   std::string lowrank_selection;
   std::vector<int64_t> lowrank_ranks;
   double lowrank_kept_energy = 0;
+  // Per query head: the share of its energy kept (energy:, budget: — of ‖W_M_i‖_F²;
+  // divergence: — of its output's on the calibration inputs), and with divergence: its output
+  // divergence there and the layer's (relative L2 against the factored form, float64), and
+  // how many calibration rows it came from. Empty / 0 otherwise.
+  std::vector<double> lowrank_head_kept_energy;
+  std::vector<double> lowrank_head_divergence;
+  double lowrank_calibration_divergence = 0;
+  int64_t lowrank_calibration_rows = 0;
 
   // nullptr when the layer does not hold that form.
   const ResidentForm* Find(Form form) const {

@@ -20,6 +20,10 @@ void FillLowRankInfo(const Layer& layer, v1::LayerInfo* info) {
     f.mutable_ranks()->Assign(layer.lowrank_ranks.begin(), layer.lowrank_ranks.end());
     f.set_rank_selection(layer.lowrank_selection);
     f.set_kept_energy(layer.lowrank_kept_energy);
+    f.mutable_head_kept_energy()->Assign(layer.lowrank_head_kept_energy.begin(), layer.lowrank_head_kept_energy.end());
+    f.mutable_head_divergence()->Assign(layer.lowrank_head_divergence.begin(), layer.lowrank_head_divergence.end());
+    f.set_calibration_divergence(layer.lowrank_calibration_divergence);
+    f.set_calibration_rows(layer.lowrank_calibration_rows);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <optional>
 #include <utility>
 
+#include "server/core/calibrated_rank.h"
 #include "server/core/form_table.h"
 #include "server/store/checkpoint_file.h"
 #include "server/store/source.h"
@@ -36,9 +37,29 @@ StatusOr<std::shared_ptr<const ResidentForm>> UploadForm(Backend* backend, FormW
 
 // The low-rank form of a loaded source: ranks from the spectrum by the source's selection, its
 // size checked before it is allocated.
-StatusOr<FormWeights> BuildLowRank(const LayerSource& loaded, const LayerSpectrum& spectrum, int64_t max_form_bytes) {
+StatusOr<FormWeights> BuildLowRank(const LayerSource& loaded, const LayerSpectrum& spectrum, int64_t max_form_bytes,
+                                   Layer* layer) {
   const FormDef& lowrank = DefOf(Form::kLowRank);
   const std::string option = "option '" + std::string(lowrank.hold_option) + "=" + loaded.lowrank->text + "': ";
+  if (loaded.lowrank->selection.kind == RankSelection::Kind::kDivergence) {
+    if (!loaded.calibration) return InvalidArgumentError(option + "no calibration inputs were read (calibration=PATH)");
+    auto built = MaterializeCalibratedLowRank(loaded.weights, *loaded.calibration, loaded.lowrank->selection.divergence);
+    if (!built.ok()) return Prefixed(option, built.status());
+    // At most 2 · d_model · h · d_head more than its query and key blocks (every rank full): for
+    // grouped heads that can pass the factored form's size, so it is checked here too.
+    if (built->form.Bytes() > max_form_bytes) {
+      return ResourceExhaustedError("the low-rank form (total rank " + std::to_string(built->form.value_cols) +
+                                    ") would take " + std::to_string(built->form.Bytes()) +
+                                    " bytes, more than the limit of " + std::to_string(max_form_bytes) +
+                                    " per form; choose a larger EPS");
+    }
+    layer->lowrank_kept_energy = built->kept_energy;
+    layer->lowrank_head_kept_energy = std::move(built->head_kept_energy);
+    layer->lowrank_head_divergence = std::move(built->head_divergence);
+    layer->lowrank_calibration_divergence = built->divergence;
+    layer->lowrank_calibration_rows = loaded.calibration->rows;
+    return std::move(built->form);
+  }
   auto ranks = SelectRanks(spectrum, loaded.lowrank->selection);
   if (!ranks.ok()) return Prefixed(option, ranks.status());
   int64_t total = 0;
@@ -53,6 +74,16 @@ StatusOr<FormWeights> BuildLowRank(const LayerSource& loaded, const LayerSpectru
     return ResourceExhaustedError("the low-rank form (total rank " + std::to_string(total) + ") would take " +
                                   std::to_string(bytes) + " bytes, more than the limit of " +
                                   std::to_string(max_form_bytes) + " per form; choose a smaller " + std::string(lowrank.hold_option) + "=budget:R");
+  }
+  layer->lowrank_kept_energy = KeptEnergy(spectrum, *ranks);
+  for (size_t i = 0; i < ranks->size(); ++i) {
+    const std::vector<double>& s = spectrum.ov[i].singular_values;
+    double kept = 0, all = 0;
+    for (size_t j = 0; j < s.size(); ++j) {
+      all += s[j] * s[j];
+      if (static_cast<int64_t>(j) < (*ranks)[i]) kept += s[j] * s[j];
+    }
+    layer->lowrank_head_kept_energy.push_back(all > 0 ? kept / all : 1.0);
   }
   return lowrank.materialize(loaded.weights, *ranks);
 }
@@ -114,45 +145,56 @@ bool HasDotDot(const std::string& path) {
   }
 }
 
-// Points an API load's checkpoint at the model dir that holds it: an absolute path must lie
-// under one; a relative one is looked up in each in turn. Whatever is refused gets one answer.
-Status ConfineToModelDirs(const std::vector<std::string>& model_dirs, SourceSpec* spec) {
+// Points an API load's file (`what`: "checkpoint", "calibration") at the model dir that holds
+// it: an absolute path must lie under one; a relative one is looked up in each in turn.
+// Whatever is refused gets one answer.
+Status ConfineToModelDirs(const std::vector<std::string>& model_dirs, const std::string& what, std::string* path,
+                          std::string* model_dir) {
   if (model_dirs.empty()) {
     return PermissionDeniedError(
-        "safetensors sources over the API need the server started with --model-dir DIR (the checkpoints it may "
-        "read); without it only the operator's own --layer and config sources load checkpoints");
+        what + " files over the API need the server started with --model-dir DIR (the files it may "
+        "read); without it only the operator's own --layer and config sources read files");
   }
-  if (HasDotDot(spec->path)) return InvalidArgumentError("checkpoint path: '..' is not allowed");
+  if (HasDotDot(*path)) return InvalidArgumentError(what + " path: '..' is not allowed");
   for (const std::string& dir : model_dirs) {
-    const std::string relative = spec->path.starts_with('/') ? RelativeTo(dir, spec->path) : spec->path;
+    const std::string relative = path->starts_with('/') ? RelativeTo(dir, *path) : *path;
     if (relative.empty()) continue;
     if (OpenCheckpointFile(dir, relative).ok()) {
-      spec->model_dir = dir;
-      spec->path = relative;
+      *model_dir = dir;
+      *path = relative;
       return OkStatus();
     }
   }
-  return NotFoundError("checkpoint: no readable regular file " + QuoteUntrusted(spec->path) +
-                       " beneath the model dirs");
+  return NotFoundError(what + ": no readable regular file " + QuoteUntrusted(*path) + " beneath the model dirs");
+}
+
+// A path as the server shows it: relative to its model dir, or its file name alone.
+std::string ShownPath(const std::string& path, const std::string& model_dir, const std::vector<std::string>& model_dirs) {
+  if (!model_dir.empty()) return path;
+  for (const std::string& dir : model_dirs) {
+    const std::string relative = RelativeTo(dir, path);
+    if (!relative.empty()) return relative;
+  }
+  return std::filesystem::path(path).filename().string();
 }
 
 // The source as ListLayers shows it: a checkpoint's path relative to its model dir, or its
 // file name alone when it lies under none.
 std::string ShownSource(const std::string& source, const SourceSpec& spec, const std::vector<std::string>& model_dirs) {
-  if (spec.kind != SourceKind::kSafetensors) return source;
-  std::string shown = spec.path;
-  if (spec.model_dir.empty()) {
-    shown = std::filesystem::path(spec.path).filename().string();
-    for (const std::string& dir : model_dirs) {
-      const std::string relative = RelativeTo(dir, spec.path);
-      if (!relative.empty()) {
-        shown = relative;
-        break;
-      }
-    }
+  std::string shown = source;
+  if (spec.kind == SourceKind::kSafetensors) {
+    const size_t comma = source.find(',');
+    shown = "safetensors:" + ShownPath(spec.path, spec.model_dir, model_dirs) +
+            (comma == std::string::npos ? "" : source.substr(comma));
   }
-  const size_t comma = source.find(',');
-  return "safetensors:" + shown + (comma == std::string::npos ? "" : source.substr(comma));
+  // calibration=PATH, likewise (the option is given at most once).
+  if (const size_t at = shown.find("calibration="); !spec.calibration.empty() && at != std::string::npos) {
+    const size_t value = at + std::string_view("calibration=").size();
+    const size_t end = shown.find(',', value);
+    shown = shown.substr(0, value) + ShownPath(spec.calibration, spec.calibration_dir, model_dirs) +
+            (end == std::string::npos ? "" : shown.substr(end));
+  }
+  return shown;
 }
 
 }  // namespace
@@ -165,7 +207,11 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
   auto spec = ParseSource(source);
   if (!spec.ok()) return Prefixed(at, spec.status());
   if (origin == LoadOrigin::kApi && spec->kind == SourceKind::kSafetensors) {
-    ATTNSERVE_RETURN_IF_ERROR(Prefixed(at, ConfineToModelDirs(options_.model_dirs, &*spec)));
+    ATTNSERVE_RETURN_IF_ERROR(Prefixed(at, ConfineToModelDirs(options_.model_dirs, "checkpoint", &spec->path, &spec->model_dir)));
+  }
+  if (origin == LoadOrigin::kApi && !spec->calibration.empty()) {
+    ATTNSERVE_RETURN_IF_ERROR(
+        Prefixed(at, ConfineToModelDirs(options_.model_dirs, "calibration", &spec->calibration, &spec->calibration_dir)));
   }
   ATTNSERVE_RETURN_IF_ERROR(Prefixed(at, CheckLayerCount(name)));
   const std::string layer_source_shown = ShownSource(source, *spec, options_.model_dirs);
@@ -190,14 +236,14 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
     if (loaded->compute_spectrum || loaded->lowrank) layer->spectrum = std::make_shared<const LayerSpectrum>(ComputeSpectrum(loaded->weights));
     std::optional<FormWeights> lowrank;
     if (loaded->lowrank) {
-      auto built = BuildLowRank(*loaded, *layer->spectrum, options_.max_form_bytes);
+      auto built = BuildLowRank(*loaded, *layer->spectrum, options_.max_form_bytes, layer.get());
       if (!built.ok()) return Prefixed(at + "source " + QuoteUntrusted(layer_source_shown) + ": ", built.status());
       layer->lowrank_selection = loaded->lowrank->text;
       layer->lowrank_ranks = built->value_width;
-      layer->lowrank_kept_energy = KeptEnergy(*layer->spectrum, layer->lowrank_ranks);
       lowrank = std::move(*built);
     }
     loaded->weights = LayerWeights();  // the forms hold all we need: free the source copy now
+    loaded->calibration.reset();
 
     auto resident = UploadForm(backend_, std::move(factored));
     if (!resident.ok()) return Prefixed(at, resident.status());

@@ -15,6 +15,7 @@
 #include "server/store/arch/arch.h"
 #include "server/store/arch/config_json.h"
 #include "server/store/arch/tensors.h"
+#include "server/store/calibration_file.h"
 #include "server/store/pick_layout.h"
 #include "server/store/safetensors.h"
 
@@ -57,7 +58,7 @@ std::string Join(const std::vector<std::string_view>& items) {
 
 // The options every kind of source takes, after its own.
 // The forms' hold options (summed=, lowrank=) come from the form table.
-constexpr std::string_view kCommonOptions[] = {"spectrum", "rope_theta"};
+constexpr std::string_view kCommonOptions[] = {"spectrum", "rope_theta", "calibration"};
 
 std::vector<std::string_view> WithCommon(std::vector<std::string_view> own) {
   for (const FormDef& def : kFormTable) {
@@ -162,12 +163,14 @@ class Options {
   std::map<std::string, std::string> values_;
 };
 
-// lowrank=energy:E (0 < E <= 1) or lowrank=budget:R (R >= 1; its upper bound, the sum of every
-// head's full rank, is checked at load against the layer's shape).
+// lowrank=energy:E (0 < E <= 1), lowrank=budget:R (R >= 1; its upper bound, the sum of every
+// head's full rank, is checked at load against the layer's shape) or lowrank=divergence:EPS
+// (0 < EPS < 1, with calibration=).
 StatusOr<LowRankSpec> ParseLowRank(const std::string& value) {
   const std::string expected =
       "option '" + LowRankOption() + "': expected energy:E (a share of each head's energy, 0 < E <= 1) or budget:R (a total "
-      "rank over all heads, R >= 1), got '" + value + "'";
+      "rank over all heads, R >= 1) or divergence:EPS (the output's relative L2 on calibration= inputs, 0 < EPS < 1), "
+      "got '" + value + "'";
   const size_t colon = value.find(':');
   if (colon == std::string::npos) return InvalidArgumentError(expected);
   const std::string kind(Trim(std::string_view(value).substr(0, colon)));
@@ -193,6 +196,15 @@ StatusOr<LowRankSpec> ParseLowRank(const std::string& value) {
     out.text = "budget:" + std::to_string(r);
     return out;
   }
+  if (kind == "divergence") {
+    double eps = 0;
+    const auto [end, ec] = std::from_chars(arg.data(), arg.data() + arg.size(), eps);
+    if (ec != std::errc() || end != arg.data() + arg.size() || !(eps > 0 && eps < 1)) return InvalidArgumentError(expected);
+    out.selection.kind = RankSelection::Kind::kDivergence;
+    out.selection.divergence = eps;
+    out.text = "divergence:" + FormatDouble(eps);
+    return out;
+  }
   return InvalidArgumentError(expected);
 }
 
@@ -206,6 +218,16 @@ Status ParseCommon(const Options& o, SourceSpec* spec) {
       return InvalidArgumentError("option '" + LowRankOption() +
                                   "' needs the layer's spectrum, but spectrum=false: drop one of them");
     }
+  }
+  if (o.Has("calibration")) spec->calibration = o.Get("calibration");
+  const bool by_divergence = spec->lowrank && spec->lowrank->selection.kind == RankSelection::Kind::kDivergence;
+  if (by_divergence && spec->calibration.empty()) {
+    return InvalidArgumentError("option '" + LowRankOption() + "=" + spec->lowrank->text +
+                                "' needs calibration inputs: add calibration=PATH (a .npy of float32 [rows, d_model])");
+  }
+  if (!by_divergence && !spec->calibration.empty()) {
+    return InvalidArgumentError("option 'calibration' is read only by " + LowRankOption() +
+                                "=divergence:EPS, which the source does not ask for");
   }
   return OkStatus();
 }
@@ -340,6 +362,15 @@ LayerSource WithOptionsOf(const SourceSpec& spec) {
   return out;
 }
 
+// calibration=: read once the layer's shape is known, and checked against it.
+Status ReadCalibration(const SourceSpec& spec, LayerSource* out) {
+  if (spec.calibration.empty()) return OkStatus();
+  ATTNSERVE_ASSIGN_OR_RETURN(CalibrationSet set, ReadCalibrationNpy(spec.calibration_dir, spec.calibration));
+  ATTNSERVE_RETURN_IF_ERROR(ValidateCalibration(set, out->weights.config, "calibration '" + spec.calibration + "'"));
+  out->calibration = std::move(set);
+  return OkStatus();
+}
+
 // Open the file, pick the layout, let it check the shapes and read its config, then size the
 // forms before any weight is read, and let the layout fill the weights.
 StatusOr<LayerSource> LoadSafetensors(const SourceSpec& spec, int64_t max_form_bytes) {
@@ -359,6 +390,7 @@ StatusOr<LayerSource> LoadSafetensors(const SourceSpec& spec, int64_t max_form_b
   ATTNSERVE_RETURN_IF_ERROR(layout.fill(file, picked.at, widths, &out.weights));
   Status valid = ValidateWeights(out.weights);
   if (!valid.ok()) return Prefixed(at, valid);
+  ATTNSERVE_RETURN_IF_ERROR(ReadCalibration(spec, &out));
   return out;
 }
 
@@ -397,6 +429,7 @@ StatusOr<LayerSource> LoadSource(const SourceSpec& spec, int64_t max_form_bytes)
     LayerSource out = WithOptionsOf(spec);
     out.weights = RandomLayerWeights(config, spec.seed);
     ATTNSERVE_RETURN_IF_ERROR(ValidateWeights(out.weights));
+    ATTNSERVE_RETURN_IF_ERROR(ReadCalibration(spec, &out));
     return out;
   } catch (const std::bad_alloc&) {
     return ResourceExhaustedError("out of memory loading the layer's weights");

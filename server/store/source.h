@@ -2,7 +2,8 @@
 // LoadLayer RPC, and how each becomes validated LayerWeights (docs/sources.md):
 //   random:d_model=D,heads=H[,kv_heads=K][,d_head=E][,bias=B][,seed=S][,COMMON...]
 //   safetensors:PATH[,arch=NAME][,index=I][,prefix=P][,heads=H][,kv_heads=K][,COMMON...]
-//   COMMON: summed=B, rope_theta=T, lowrank=energy:E|budget:R, spectrum=B
+//   COMMON: summed=B, rope_theta=T, lowrank=energy:E|budget:R|divergence:EPS, calibration=PATH,
+//           spectrum=B
 // NAME is a checkpoint layout registered in server/store/arch/arch.cc.
 // Parsing (ParseSource) does no I/O, so the grammar is checked before any file is touched.
 // Thread-safety: free functions over values; call from any thread.
@@ -14,6 +15,7 @@
 #include <string>
 #include <string_view>
 
+#include "server/core/calibrated_rank.h"
 #include "server/core/layer.h"
 #include "server/core/spectrum.h"
 #include "server/core/status.h"
@@ -53,10 +55,11 @@ std::string_view CheckpointArchName(CheckpointArch arch);
 // beyond that the angles are all zero and the value is surely a typo.
 inline constexpr double kMaxRopeTheta = 1e12;
 
-// The low-rank form a source asks for: lowrank=energy:E or lowrank=budget:R.
+// The low-rank form a source asks for: lowrank=energy:E, budget:R or divergence:EPS (the last
+// with calibration=PATH).
 struct LowRankSpec {
   RankSelection selection;
-  std::string text;  // as written, normalised: "energy:0.99", "budget:256"
+  std::string text;  // as written, normalised: "energy:0.99", "budget:256", "divergence:0.05"
 };
 
 // A parsed SOURCE string. Fields that a kind does not use keep their defaults.
@@ -67,6 +70,10 @@ struct SourceSpec {
   // low-rank form needs them, so lowrank= and spectrum=false exclude each other.
   bool compute_spectrum = true;
   std::optional<LowRankSpec> lowrank;  // lowrank=: also hold the low-rank form
+  // calibration=: a .npy of float32 [rows, d_model] inputs (lowrank=divergence:EPS needs it and
+  // nothing else reads it). `calibration_dir` is set like `model_dir`, for loads over the API.
+  std::string calibration;
+  std::string calibration_dir;
   // rope_theta=: rotary embedding on Q and K (0: none). When absent, random sources have none
   // and arch=llama reads it from config.json.
   std::optional<double> rope_theta;
@@ -97,6 +104,7 @@ struct LayerSource {
   bool hold_summed = true;
   bool compute_spectrum = true;
   std::optional<LowRankSpec> lowrank;
+  std::optional<CalibrationSet> calibration;  // read and checked against the layer's shape
   CheckpointArch arch = CheckpointArch::kAuto;  // safetensors: the layout read (given or detected)
 };
 

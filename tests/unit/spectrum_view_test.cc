@@ -11,6 +11,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "client/cli/args.h"
 #include "client/cli/commands.h"
 #include "client/cli/spectrum_view.h"
+#include "client/npy.h"
 #include "server/core/form_table.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/core/forms.h"
@@ -216,6 +218,47 @@ TEST(SpectrumView, LowRankSummaryComparesWithTheFactoredForm) {
   EXPECT_THAT(line, HasSubstr(" params_vs_factored=0."));
   EXPECT_THAT(line, HasSubstr(" flops_vs_factored=0."));
   EXPECT_EQ(cli::LowRankSummary(Describe(*MustLoad(store, "p", "random:d_model=16,heads=2"), false)), "");
+}
+
+// lowrank=divergence: on the wire and in the CLI's layer listing: each head's rank, kept energy
+// and calibration divergence, as the store computed them.
+TEST(SpectrumView, CalibratedRanksPerHeadOnTheWireAndInTheListing) {
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("attnserve_calib_" + std::to_string(getpid()) + ".npy")).string();
+  NpyArray rows{{64, 16}, {}};
+  std::mt19937_64 rng(7);
+  std::normal_distribution<float> normal;
+  for (int64_t i = 0; i < 64 * 16; ++i) rows.data.push_back(normal(rng) * static_cast<float>(1 + i % 16));
+  ASSERT_TRUE(WriteNpy(path, rows).ok());
+  LayerStore store(&Cpu());
+  const auto layer = MustLoad(store, "c", "random:d_model=16,heads=2,d_head=8,lowrank=divergence:0.2,calibration=" + path);
+  std::filesystem::remove(path);
+  ASSERT_NE(layer, nullptr);
+  const v1::LayerInfo info = Describe(*layer, false);
+  const v1::FormInfo* lowrank = nullptr;
+  for (const v1::FormInfo& f : info.forms()) {
+    if (f.form() == v1::FORM_LOWRANK) lowrank = &f;
+  }
+  ASSERT_NE(lowrank, nullptr);
+  ASSERT_EQ(lowrank->ranks_size(), 2);
+  ASSERT_EQ(lowrank->head_kept_energy_size(), 2);
+  ASSERT_EQ(lowrank->head_divergence_size(), 2);
+  EXPECT_EQ(lowrank->calibration_rows(), 64);
+  EXPECT_EQ(lowrank->calibration_divergence(), layer->lowrank_calibration_divergence);
+  EXPECT_LE(lowrank->calibration_divergence(), 0.2);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(lowrank->ranks(i), layer->lowrank_ranks[i]);
+    EXPECT_EQ(lowrank->head_divergence(i), layer->lowrank_head_divergence[i]);
+    EXPECT_NEAR(lowrank->head_kept_energy(i), 1 - lowrank->head_divergence(i) * lowrank->head_divergence(i), 1e-12);
+  }
+  const std::string text = cli::LowRankSummary(info);
+  EXPECT_THAT(text, HasSubstr("lowrank: selection=divergence:0.2 ranks="));
+  EXPECT_THAT(text, HasSubstr(" calibration_rows=64"));
+  EXPECT_THAT(text, HasSubstr("\nHEAD RANK KEPT_ENERGY DIVERGENCE\n0 " + std::to_string(lowrank->ranks(0)) + " "));
+  // energy: lists each head's rank and kept energy, with no divergence column.
+  const std::string energy = cli::LowRankSummary(Describe(*MustLoad(store, "e", "random:d_model=16,heads=2,lowrank=energy:0.9"), false));
+  EXPECT_THAT(energy, HasSubstr("\nHEAD RANK KEPT_ENERGY\n0 "));
+  EXPECT_THAT(energy, Not(HasSubstr("calibration")));
 }
 
 TEST(SpectrumView, LayerArguments) {

@@ -67,6 +67,12 @@ class FormInfo:
     ranks: List[int]        # lowrank only
     rank_selection: str     # lowrank only
     kept_energy: float      # lowrank only
+    # lowrank only, per head: the share of its energy kept; and with divergence:EPS its output
+    # divergence on the calibration rows, the layer's, and how many rows (docs/spectra.md)
+    head_kept_energy: List[float] = dataclasses.field(default_factory=list)
+    head_divergence: List[float] = dataclasses.field(default_factory=list)
+    calibration_divergence: float = 0.0
+    calibration_rows: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +164,9 @@ def _layer_info(info, with_spectrum: bool) -> LayerInfo:
     c = info.config
     forms = {_FORM_NAMES.get(f.form, str(f.form)): FormInfo(f.parameters, f.bytes, f.device, f.flops_per_token,
                                                             f.flops_reference_length, list(f.ranks), f.rank_selection,
-                                                            f.kept_energy)
+                                                            f.kept_energy, list(f.head_kept_energy),
+                                                            list(f.head_divergence), f.calibration_divergence,
+                                                            f.calibration_rows)
              for f in info.forms}
     spectrum = None
     if with_spectrum:

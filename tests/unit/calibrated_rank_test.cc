@@ -1,0 +1,397 @@
+// lowrank=divergence:EPS (server/core/calibrated_rank.h) against independent float64 oracles:
+// the reference forward (server/core/reference.h) over the calibration sequences for the
+// layer's and each head's divergence, a full SVD of the whitened d×d product for the optimal
+// activation-aware error, and the weight-only truncation it must beat; then the calibration
+// file's and the source options' refusals, and the store's load.
+#include "server/core/calibrated_rank.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <Eigen/Dense>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "server/backend/cpu/cpu_backend.h"
+#include "server/core/reference.h"
+#include "server/core/spectrum.h"
+#include "server/store/calibration_file.h"
+#include "server/store/layer_store.h"
+#include "server/store/source.h"
+#include "tests/unit/temp_dir.h"
+#include "tests/unit/test_support.h"
+
+namespace attnserve {
+namespace {
+
+using ::testing::HasSubstr;
+using MatrixD = Eigen::MatrixXd;
+
+// W_V_g(i) W_O_i by explicit sums, in float64.
+MatrixD DirectOv(const LayerWeights& w, int64_t i) {
+  const LayerConfig& c = w.config;
+  const int64_t d = c.d_model, dh = c.d_head, kvc = c.kv_heads * dh, g = c.KvHeadOf(i);
+  MatrixD m = MatrixD::Zero(d, d);
+  for (int64_t r = 0; r < d; ++r)
+    for (int64_t col = 0; col < d; ++col)
+      for (int64_t t = 0; t < dh; ++t) m(r, col) += double{w.w_v[r * kvc + g * dh + t]} * w.w_o[(i * dh + t) * d + col];
+  return m;
+}
+
+// Head i's P_i Q_i as the low-rank form holds it (its float32 weights), in float64.
+MatrixD HeldOv(const FormWeights& f, int64_t i) {
+  const int64_t d = f.config.d_model, r = f.value_width[i], col0 = f.q_cols + f.k_cols + f.value_offset[i];
+  MatrixD p(d, r), q(r, d);
+  for (int64_t a = 0; a < d; ++a)
+    for (int64_t t = 0; t < r; ++t) p(a, t) = f.w_in[a * f.in_cols() + col0 + t];
+  for (int64_t t = 0; t < r; ++t)
+    for (int64_t b = 0; b < d; ++b) q(t, b) = f.w_out[(f.mix_offset[i] + t) * d + b];
+  return p * q;
+}
+
+std::vector<double> Flat(const MatrixD& m) {
+  std::vector<double> out(m.size());
+  for (int64_t a = 0; a < m.rows(); ++a)
+    for (int64_t b = 0; b < m.cols(); ++b) out[a * m.cols() + b] = m(a, b);
+  return out;
+}
+
+// Rows drawn from an anisotropic Gaussian: N(0, I) · diag(0.85^j) · a random rotation, so that
+// the calibration inputs' second moment is far from the identity and whitening matters.
+std::vector<float> AnisotropicRows(int64_t rows, int64_t d, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal;
+  MatrixD g(d, d);
+  for (int64_t a = 0; a < d; ++a)
+    for (int64_t b = 0; b < d; ++b) g(a, b) = normal(rng);
+  const MatrixD rotation = Eigen::HouseholderQR<MatrixD>(g).householderQ();
+  std::mt19937_64 draw(seed + 1);
+  std::vector<float> x(rows * d);
+  for (int64_t r = 0; r < rows; ++r) {
+    Eigen::RowVectorXd z(d);
+    for (int64_t j = 0; j < d; ++j) z[j] = normal(draw) * std::pow(0.85, j);
+    const Eigen::RowVectorXd row = z * rotation;
+    for (int64_t j = 0; j < d; ++j) x[r * d + j] = static_cast<float>(row[j]);
+  }
+  return x;
+}
+
+// The calibration sequences as the selection cuts them: kCalibrationSequence rows each.
+std::vector<Sequence> CalibrationSequences(const CalibrationSet& set, std::vector<std::vector<float>>& outputs) {
+  std::vector<Sequence> seqs;
+  for (int64_t start = 0; start < set.rows; start += kCalibrationSequence) {
+    const int64_t n = std::min(kCalibrationSequence, set.rows - start);
+    outputs.emplace_back(n * set.d_model);
+    Sequence s;
+    s.input = ConstMatrixView{set.x.data() + start * set.d_model, n, set.d_model};
+    s.output = MatrixView{outputs.back().data(), n, set.d_model};
+    seqs.push_back(s);
+  }
+  return seqs;
+}
+
+// ‖Σ_seq (want − got)‖ / ‖want‖ over the calibration sequences, each output from the reference
+// forward with the given head matrices (empty: the layer's own W_V, W_O).
+struct Divergences {
+  double layer = 0;
+  std::vector<double> head;
+};
+
+Divergences OracleDivergences(const LayerWeights& w, const FormWeights& f, const CalibrationSet& set) {
+  const LayerConfig& c = w.config;
+  std::vector<std::vector<float>> outputs;
+  const std::vector<Sequence> seqs = CalibrationSequences(set, outputs);
+  std::vector<std::vector<double>> exact(c.heads), held(c.heads);
+  for (int64_t i = 0; i < c.heads; ++i) {
+    exact[i] = Flat(DirectOv(w, i));
+    held[i] = Flat(HeldOv(f, i));
+  }
+  std::vector<double> b_eff(f.b_out.begin(), f.b_out.end());
+  Divergences out;
+  double err = 0, norm = 0;
+  std::vector<double> head_err(c.heads, 0), head_norm(c.heads, 0);
+  for (const Sequence& s : seqs) {
+    const std::vector<double> want = ReferenceForward(w, s);
+    const std::vector<double> got = ReferenceForwardWithHeadMatrices(w, held, b_eff, s);
+    for (size_t j = 0; j < want.size(); ++j) {
+      err += (want[j] - got[j]) * (want[j] - got[j]);
+      norm += want[j] * want[j];
+    }
+    for (int64_t i = 0; i < c.heads; ++i) {
+      std::vector<std::vector<double>> only_exact(c.heads, std::vector<double>(exact[i].size(), 0.0));
+      std::vector<std::vector<double>> only_held = only_exact;
+      only_exact[i] = exact[i];
+      only_held[i] = held[i];
+      const std::vector<double> a = ReferenceForwardWithHeadMatrices(w, only_exact, {}, s);
+      const std::vector<double> b = ReferenceForwardWithHeadMatrices(w, only_held, {}, s);
+      for (size_t j = 0; j < a.size(); ++j) {
+        head_err[i] += (a[j] - b[j]) * (a[j] - b[j]);
+        head_norm[i] += a[j] * a[j];
+      }
+    }
+  }
+  out.layer = std::sqrt(err / norm);
+  for (int64_t i = 0; i < c.heads; ++i) out.head.push_back(std::sqrt(head_err[i] / head_norm[i]));
+  return out;
+}
+
+struct Case {
+  LayerConfig config;
+  LayerWeights weights;
+  CalibrationSet set;
+};
+
+Case MakeCase(double rope_theta, uint64_t seed) {
+  Case k;
+  k.config = *CompleteConfig({.d_model = 48, .heads = 4, .kv_heads = 2, .d_head = 16, .rope_theta = rope_theta});
+  k.weights = RandomLayerWeights(k.config, seed);
+  k.set.rows = 300;  // three sequences, the last one short
+  k.set.d_model = 48;
+  k.set.x = AnisotropicRows(k.set.rows, 48, seed + 10);
+  return k;
+}
+
+TEST(CalibratedRankTest, DivergenceOnCalibrationMatchesAFloat64ForwardAndStaysUnderEps) {
+  for (const double theta : {0.0, 10000.0}) {
+    const Case k = MakeCase(theta, testing::TestSeed() + 3);
+    int64_t previous_total = 0;
+    for (const double eps : {0.3, 0.1, 0.03}) {
+      SCOPED_TRACE("rope_theta " + std::to_string(theta) + ", eps " + std::to_string(eps));
+      auto built = MaterializeCalibratedLowRank(k.weights, k.set, eps);
+      ASSERT_TRUE(built.ok()) << built.status().ToString();
+      const int64_t total = std::accumulate(built->ranks.begin(), built->ranks.end(), int64_t{0});
+      EXPECT_LT(total, 4 * 16) << "an EPS this large keeps fewer than every direction";
+      EXPECT_GE(total, previous_total) << "a smaller EPS never keeps fewer directions";
+      previous_total = total;
+      EXPECT_EQ(built->form.value_width, built->ranks);
+      const Divergences oracle = OracleDivergences(k.weights, built->form, k.set);
+      EXPECT_LE(oracle.layer, eps);
+      EXPECT_NEAR(built->divergence, oracle.layer, 1e-5 + 1e-4 * oracle.layer);
+      ASSERT_EQ(built->head_divergence.size(), 4u);
+      for (int64_t i = 0; i < 4; ++i) {
+        EXPECT_NEAR(built->head_divergence[i], oracle.head[i], 1e-5 + 1e-4 * oracle.head[i]) << "head " << i;
+        EXPECT_NEAR(built->head_kept_energy[i], 1 - oracle.head[i] * oracle.head[i], 1e-4) << "head " << i;
+      }
+    }
+  }
+}
+
+TEST(CalibratedRankTest, ActivationAwareTruncationIsOptimalOnTheCalibrationRowsAndBeatsWeightOnly) {
+  const Case k = MakeCase(0.0, testing::TestSeed() + 4);
+  auto built = MaterializeCalibratedLowRank(k.weights, k.set, 0.1);
+  ASSERT_TRUE(built.ok()) << built.status().ToString();
+  const int64_t d = 48;
+  MatrixD x(k.set.rows, d);
+  for (int64_t r = 0; r < k.set.rows; ++r)
+    for (int64_t j = 0; j < d; ++j) x(r, j) = k.set.x[r * d + j];
+  // ‖X W‖_F = ‖R W‖_F with X = Q R: the best rank-r error is the tail of R W_M_i's spectrum.
+  const MatrixD rx = Eigen::HouseholderQR<MatrixD>(x).matrixQR().topRows(d).triangularView<Eigen::Upper>();
+  auto weight_only = MaterializeLowRank(k.weights, built->ranks);
+  ASSERT_TRUE(weight_only.ok());
+  int strictly_better = 0;
+  for (int64_t i = 0; i < 4; ++i) {
+    const int64_t r = built->ranks[i];
+    const MatrixD w_m = DirectOv(k.weights, i);
+    const Eigen::VectorXd sigma = Eigen::JacobiSVD<MatrixD>(rx * w_m).singularValues();
+    const double optimal = std::sqrt(sigma.tail(d - r).squaredNorm());
+    const double aware = (x * (w_m - HeldOv(built->form, i))).norm();
+    const double weight = (x * (w_m - HeldOv(*weight_only, i))).norm();
+    EXPECT_LE(aware, optimal * 1.001 + 1e-5 * (x * w_m).norm()) << "head " << i << " rank " << r;
+    EXPECT_LE(aware, weight * (1 + 1e-6)) << "head " << i << " rank " << r;
+    if (aware < 0.9 * weight) ++strictly_better;
+  }
+  EXPECT_GE(strictly_better, 3) << "on anisotropic inputs whitening should cut the error markedly";
+  // And so, at the same ranks, the weight-only form's layer divergence is larger.
+  EXPECT_GT(OracleDivergences(k.weights, *weight_only, k.set).layer, built->divergence);
+}
+
+// Two heads that attend alike (one key/value head, the same W_Q) and whose outputs nearly cancel:
+// W_O_2 = −W_O_1 V Vᵀ with V the top 14 right singular vectors of W_M_1, so the layer's output is
+// head 1's last two directions alone. Each head within EPS of its own output is far more than
+// EPS of that small sum: the target must shrink until the layer's divergence is within EPS.
+TEST(CalibratedRankTest, HeadsThatCancelStillKeepTheLayerUnderEps) {
+  const LayerConfig c = *CompleteConfig({.d_model = 48, .heads = 2, .kv_heads = 1, .d_head = 16, .bias = false});
+  LayerWeights w = RandomLayerWeights(c, testing::TestSeed() + 8);
+  for (int64_t r = 0; r < 48; ++r)
+    for (int64_t t = 0; t < 16; ++t) w.w_q[r * 32 + 16 + t] = w.w_q[r * 32 + t];
+  const MatrixD v = Eigen::JacobiSVD<MatrixD>(DirectOv(w, 0), Eigen::ComputeThinV).matrixV().leftCols(14);
+  MatrixD w_o1(16, 48);
+  for (int64_t t = 0; t < 16; ++t)
+    for (int64_t col = 0; col < 48; ++col) w_o1(t, col) = w.w_o[t * 48 + col];
+  const MatrixD w_o2 = -w_o1 * v * v.transpose();
+  for (int64_t t = 0; t < 16; ++t)
+    for (int64_t col = 0; col < 48; ++col) w.w_o[(16 + t) * 48 + col] = static_cast<float>(w_o2(t, col));
+  CalibrationSet set{.rows = 256, .d_model = 48, .x = AnisotropicRows(256, 48, testing::TestSeed() + 10)};
+  constexpr double kEps = 0.1;
+  auto built = MaterializeCalibratedLowRank(w, set, kEps);
+  ASSERT_TRUE(built.ok()) << built.status().ToString();
+  const Divergences oracle = OracleDivergences(w, built->form, set);
+  EXPECT_LE(oracle.layer, kEps);
+  EXPECT_NEAR(built->divergence, oracle.layer, 1e-5 + 1e-4 * oracle.layer);
+  // The per-head target went far below EPS to get there.
+  EXPECT_LT(built->head_divergence[0], 0.5 * kEps);
+}
+
+TEST(CalibratedRankTest, ATinyEpsKeepsEveryDirectionExactly) {
+  const Case k = MakeCase(0.0, testing::TestSeed() + 5);
+  auto built = MaterializeCalibratedLowRank(k.weights, k.set, 1e-9);
+  ASSERT_TRUE(built.ok());
+  EXPECT_EQ(built->ranks, std::vector<int64_t>(4, 16));
+  EXPECT_LT(OracleDivergences(k.weights, built->form, k.set).layer, 1e-5);
+}
+
+TEST(CalibratedRankTest, RefusalsNameTheFieldExpectedAndGot) {
+  const Case k = MakeCase(0.0, testing::TestSeed() + 6);
+  EXPECT_THAT(MaterializeCalibratedLowRank(k.weights, k.set, 1.0).status().message(),
+              HasSubstr("divergence: expected a relative L2 in (0, 1), got 1"));
+  CalibrationSet narrow = k.set;
+  narrow.d_model = 40;
+  EXPECT_THAT(ValidateCalibration(narrow, k.config, "calibration 'c.npy'").message(),
+              HasSubstr("calibration 'c.npy': expected rows of d_model = 48 values (shape [rows, 48]), got 40"));
+  CalibrationSet few = k.set;
+  few.rows = 47;
+  few.x.resize(47 * 48);
+  EXPECT_THAT(
+      ValidateCalibration(few, k.config, "calibration").message(),
+      HasSubstr(
+          "expected between d_model = 48 and 65536 rows (fewer leave the inputs' second moment singular), got 47"));
+  CalibrationSet nan = k.set;
+  nan.x[5 * 48 + 7] = NAN;
+  EXPECT_THAT(ValidateCalibration(nan, k.config, "calibration").message(),
+              HasSubstr("expected finite values, got nan at row 5, column 7"));
+  EXPECT_TRUE(ValidateCalibration(k.set, k.config, "calibration").ok());
+}
+
+// A .npy image: version 1.0, the given descr and shape text.
+std::string Npy(const std::string& descr, const std::string& shape, const std::vector<float>& data) {
+  std::string header = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + shape + ", }";
+  while ((10 + header.size() + 1) % 64 != 0) header += ' ';
+  header += '\n';
+  std::string out = "\x93NUMPY";
+  out += '\x01';
+  out += '\x00';
+  out += static_cast<char>(header.size() & 0xff);
+  out += static_cast<char>(header.size() >> 8);
+  out += header;
+  out.append(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float));
+  return out;
+}
+
+void Write(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
+
+TEST(CalibratedRankTest, CalibrationFilesAreCheckedBeforeUse) {
+  const std::vector<float> six(6, 0.5f);
+  auto ok = ParseCalibrationNpy(Npy("<f4", "(2, 3)", six), "c");
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(ok->rows, 2);
+  EXPECT_EQ(ok->d_model, 3);
+  EXPECT_EQ(ok->x, six);
+  const std::pair<std::string, std::string> bad[] = {
+      {Npy("<f8", "(2, 3)", six), "c: expected dtype '<f4' (float32), got '<f8'"},
+      {Npy("<f4", "(6,)", six), "c: expected shape [rows, d_model] (2 dimensions), got (6,)"},
+      {Npy("<f4", "(1, 2, 3)", six), "c: expected shape [rows, d_model] (2 dimensions), got (1,2,3)"},
+      {Npy("<f4", "(2, 4)", six), "c: expected 32 bytes of data for shape (2,4), got 24"},
+      {"PK\x03\x04 not numpy", "c: expected a .npy file (magic \\x93NUMPY)"},
+  };
+  for (const auto& [bytes, want] : bad)
+    EXPECT_THAT(ParseCalibrationNpy(bytes, "c").status().message(), HasSubstr(want));
+}
+
+TEST(CalibratedRankTest, SourceOptionsGoTogether) {
+  EXPECT_THAT(ParseSource("random:d_model=48,heads=4,lowrank=divergence:0.05").status().message(),
+              HasSubstr("needs calibration inputs: add calibration=PATH"));
+  EXPECT_THAT(ParseSource("random:d_model=48,heads=4,lowrank=energy:0.9,calibration=c.npy").status().message(),
+              HasSubstr("option 'calibration' is read only by lowrank=divergence:EPS"));
+  EXPECT_THAT(
+      ParseSource("random:d_model=48,heads=4,lowrank=divergence:1.5,calibration=c.npy").status().message(),
+      HasSubstr("divergence:EPS (the output's relative L2 on calibration= inputs, 0 < EPS < 1), got 'divergence:1.5'"));
+  auto spec = ParseSource("random:d_model=48,heads=4,lowrank=divergence:0.05,calibration=c.npy");
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+  EXPECT_EQ(spec->lowrank->text, "divergence:0.05");
+  EXPECT_EQ(spec->calibration, "c.npy");
+}
+
+TEST(CalibratedRankTest, TheStoreHoldsTheFormAndWhatItMeasured) {
+  testing::TempDir dir;
+  const std::vector<float> x = AnisotropicRows(256, 32, testing::TestSeed() + 7);
+  Write(dir.File("calib.npy"), Npy("<f4", "(256, 32)", x));
+  Write(dir.File("narrow.npy"), Npy("<f4", "(8, 4)", std::vector<float>(32, 1.0f)));
+  CpuBackend backend;
+  LayerStore store(&backend);
+  const std::string base = "random:d_model=32,heads=4,seed=9,summed=false,lowrank=divergence:0.1,calibration=";
+  auto layer = store.Load("cal", base + dir.File("calib.npy"));
+  ASSERT_TRUE(layer.ok()) << layer.status().ToString();
+  const Layer& l = **layer;
+  EXPECT_EQ(l.lowrank_selection, "divergence:0.1");
+  EXPECT_EQ(l.lowrank_calibration_rows, 256);
+  EXPECT_GT(l.lowrank_calibration_divergence, 0);
+  EXPECT_LE(l.lowrank_calibration_divergence, 0.1);
+  EXPECT_EQ(l.lowrank_head_divergence.size(), 4u);
+  EXPECT_EQ(l.lowrank_head_kept_energy.size(), 4u);
+  EXPECT_EQ(l.lowrank_ranks.size(), 4u);
+  ASSERT_NE(l.Find(Form::kLowRank), nullptr);
+  EXPECT_THAT(l.source, HasSubstr("calibration=calib.npy")) << "no server path leaves the server";
+  EXPECT_THAT(l.source, ::testing::Not(HasSubstr(dir.path())));
+  // The served form's divergence on the calibration rows, through the CPU backend in float32.
+  const LayerWeights w = RandomLayerWeights(l.config, 9);
+  double err = 0, norm = 0;
+  for (int64_t start = 0; start < 256; start += kCalibrationSequence) {
+    std::vector<float> out(kCalibrationSequence * 32);
+    Sequence s;
+    s.input = ConstMatrixView{x.data() + start * 32, kCalibrationSequence, 32};
+    s.output = MatrixView{out.data(), kCalibrationSequence, 32};
+    const std::vector<double> want = ReferenceForward(w, s);
+    const Sequence batch[] = {s};
+    ASSERT_TRUE(backend.Forward(*l.Find(Form::kLowRank), batch).ok());
+    for (size_t j = 0; j < want.size(); ++j) {
+      err += (want[j] - out[j]) * (want[j] - out[j]);
+      norm += want[j] * want[j];
+    }
+  }
+  EXPECT_NEAR(std::sqrt(err / norm), l.lowrank_calibration_divergence, 1e-4);
+  // energy: selections report each head's kept share too, and no calibration.
+  auto energy = store.Load("e", "random:d_model=32,heads=4,seed=9,lowrank=energy:0.9");
+  ASSERT_TRUE(energy.ok());
+  EXPECT_EQ((*energy)->lowrank_head_kept_energy.size(), 4u);
+  for (double kept : (*energy)->lowrank_head_kept_energy) EXPECT_GE(kept, 0.9 - 1e-12);
+  EXPECT_EQ((*energy)->lowrank_calibration_rows, 0);
+  // A file of the wrong width is refused, naming the option and the file.
+  EXPECT_THAT(store.Load("bad", base + dir.File("narrow.npy")).status().message(),
+              HasSubstr("narrow.npy': expected rows of d_model = 32 values (shape [rows, 32]), got 4"));
+}
+
+// Over the API the calibration file is confined like a checkpoint: beneath a model dir, shown
+// relative to it, and anything else refused with the one answer that says nothing of outside.
+TEST(CalibratedRankTest, OverTheApiTheCalibrationFileLiesBeneathAModelDir) {
+  testing::TempDir models, outside;
+  const std::vector<float> x = AnisotropicRows(64, 16, testing::TestSeed() + 11);
+  std::filesystem::create_directories(models.File("cal"));
+  Write(models.File("cal/rows.npy"), Npy("<f4", "(64, 16)", x));
+  Write(outside.File("rows.npy"), Npy("<f4", "(64, 16)", x));
+  CpuBackend backend;
+  const std::string base = "random:d_model=16,heads=2,lowrank=divergence:0.2,calibration=";
+  LayerStore closed(&backend);
+  EXPECT_EQ(closed.Load("a", base + "cal/rows.npy", LoadOrigin::kApi).status().code(), StatusCode::kPermissionDenied);
+  LayerStore store(&backend, {.model_dirs = {models.path()}});
+  auto relative = store.Load("a", base + "cal/rows.npy", LoadOrigin::kApi);
+  ASSERT_TRUE(relative.ok()) << relative.status().ToString();
+  EXPECT_EQ((*relative)->source, base + "cal/rows.npy");
+  auto absolute = store.Load("b", base + models.File("cal/rows.npy"), LoadOrigin::kApi);
+  ASSERT_TRUE(absolute.ok()) << absolute.status().ToString();
+  EXPECT_EQ((*absolute)->source, base + "cal/rows.npy");
+  for (const std::string& path :
+       {outside.File("rows.npy"), std::string("../") + "rows.npy", std::string("cal/none.npy")}) {
+    const Status st = store.Load("c", base + path, LoadOrigin::kApi).status();
+    EXPECT_FALSE(st.ok()) << path;
+    EXPECT_THAT(st.message(), HasSubstr("calibration")) << path;
+  }
+}
+
+}  // namespace
+}  // namespace attnserve
