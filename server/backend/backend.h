@@ -73,6 +73,10 @@ class Backend {
   // backend computes in host memory (the CPU) or has run no batch yet. For benchmarks.
   virtual std::optional<DeviceTimes> LastDeviceTimes() const { return std::nullopt; }
 
+  // The order this backend runs a summed sequence in (SummedMixesFirst): what the cost model of
+  // `auto` counts (server/core/form_cost.h). The default: every summed sequence projects first.
+  virtual SummedOrder summed_order() const { return {}; }
+
   // FLOPs one Forward of `batch` does, as this backend computes it (the metrics' count).
   virtual double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const {
     return ForwardFlops(form, batch);

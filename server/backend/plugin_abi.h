@@ -15,8 +15,9 @@ class Backend;
 }
 
 // Bumped whenever this table, or anything passed through it, changes shape. 4: the backend's
-// options cross as key=value data (AttnserveOptions) instead of positional arguments.
-#define ATTNSERVE_PLUGIN_ABI_VERSION 4u
+// options cross as key=value data (AttnserveOptions) instead of positional arguments. 5:
+// Backend::summed_order, a new virtual.
+#define ATTNSERVE_PLUGIN_ABI_VERSION 5u
 
 // The layout of AttnserveOptions; the plugin refuses another (and a struct of another size).
 #define ATTNSERVE_PLUGIN_OPTIONS_VERSION 1u

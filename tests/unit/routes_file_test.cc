@@ -28,7 +28,7 @@ using testing::TempDir;
 
 class CountingObserver final : public RoutingObserver {
  public:
-  void RouteChanged(std::string_view, const std::vector<std::pair<Form, double>>&) override {}
+  void RouteChanged(std::string_view, const RouteSplit&) override {}
   void RoutesApplied(uint64_t g) override {
     std::lock_guard<std::mutex> lock(mu);
     generation = g;

@@ -1,0 +1,119 @@
+#include "server/service/auto_form.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <exception>
+#include <random>
+#include <vector>
+
+namespace attnserve {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One synthetic sequence's buffers: random inputs (the backend's time does not depend on the
+// values, but zeros could take a denormal-free shortcut somewhere), self-attention when n = m.
+struct SyntheticSequence {
+  std::vector<float> input, context, output;
+  Sequence sequence;
+
+  SyntheticSequence(const SequenceShape& shape, int64_t d, std::mt19937& rng) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    input.resize(static_cast<size_t>(shape.n * d));
+    for (float& v : input) v = u(rng);
+    output.resize(input.size());
+    sequence.input = ConstMatrixView{input.data(), shape.n, d};
+    if (shape.m != shape.n) {
+      context.resize(static_cast<size_t>(shape.m * d));
+      for (float& v : context) v = u(rng);
+      sequence.context = ConstMatrixView{context.data(), shape.m, d};
+    }
+    sequence.output = MatrixView{output.data(), shape.n, d};
+  }
+};
+
+}  // namespace
+
+AutoFormChooser::AutoFormChooser(Backend* backend, AutoFormOptions options)
+    : backend_(backend), options_(options) {}
+
+FormCostModel AutoFormChooser::Fit(const Layer& layer) const {
+  FormCostModel model = FlopCountModel();
+  const ResidentForm* summed = layer.Find(Form::kSummed);
+  if (options_.calibration_budget.count() <= 0 || summed == nullptr) return model;  // one form: nothing to choose
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point until = start + options_.calibration_budget;
+  const SummedOrder order = backend_->summed_order();
+  std::mt19937 rng(static_cast<uint32_t>(layer.serial));
+  std::vector<CostSample> samples[std::size(kAllForms)];
+  for (const SequenceShape& shape : CalibrationShapes(options_.max_context)) {
+    if (Clock::now() >= until) break;
+    SyntheticSequence s(shape, layer.config.d_model, rng);
+    for (Form form : kExactForms) {
+      const ResidentForm* resident = layer.Find(form);
+      if (resident == nullptr) continue;
+      // The best of three runs after a warm-up: the others' noise is the machine's, not the form's.
+      double best = INFINITY;
+      for (int run = 0; run < 4; ++run) {
+        const Clock::time_point t0 = Clock::now();
+        if (Status st = backend_->Forward(*resident, std::span<const Sequence>(&s.sequence, 1)); !st.ok()) {
+          spdlog::warn("layer '{}': auto's calibration of the {} form failed ({}); the flop count decides", layer.name,
+                       FormName(form), st.ToString());
+          return model;
+        }
+        if (run > 0) best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+        if (Clock::now() >= until && run > 0) break;
+      }
+      samples[static_cast<size_t>(form)].push_back(
+          {.terms = ForwardCostTerms(resident->weights(), std::span<const SequenceShape>(&shape, 1), order),
+           .seconds = best});
+    }
+  }
+  FormCostModel fitted;
+  for (Form form : kExactForms) {
+    StatusOr<FormCostCoefficients> c = FitFormCost(samples[static_cast<size_t>(form)]);
+    if (!c.ok()) {
+      spdlog::warn("layer '{}': auto's calibration of the {} form has too few samples within --auto-calibration-ms "
+                   "({}); the flop count decides",
+                   layer.name, FormName(form), c.status().ToString());
+      return model;
+    }
+    fitted.by_form[static_cast<size_t>(form)] = *c;
+  }
+  fitted.measured = true;
+  spdlog::info("layer '{}': auto's cost model fitted from {} timed forwards in {:.0f} ms", layer.name,
+               samples[0].size() + samples[1].size(),
+               std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  return fitted;
+}
+
+const FormCostModel& AutoFormChooser::Calibrate(const Layer& layer) {
+  std::unique_lock lock(mu_);
+  auto [it, inserted] = models_.try_emplace(layer.serial);
+  if (!inserted) {
+    fitted_.wait(lock, [&] { return it->second != nullptr; });
+    return *it->second;
+  }
+  lock.unlock();
+  std::unique_ptr<FormCostModel> model;
+  try {
+    model = std::make_unique<FormCostModel>(Fit(layer));
+  } catch (const std::exception& e) {  // the waiters must not wait forever
+    spdlog::warn("layer '{}': auto's calibration failed ({}); the flop count decides", layer.name, e.what());
+    model = std::make_unique<FormCostModel>(FlopCountModel());
+  }
+  lock.lock();
+  it->second = std::move(model);
+  fitted_.notify_all();
+  return *it->second;
+}
+
+ExactChoice AutoFormChooser::Choose(const Layer& layer, std::span<const SequenceShape> batch) {
+  const FormCostModel& model = Calibrate(layer);
+  const ResidentForm* summed = layer.Find(Form::kSummed);
+  return ChooseExactForm(model, layer.Find(Form::kFactored)->weights(), summed ? &summed->weights() : nullptr, batch,
+                         backend_->summed_order());
+}
+
+}  // namespace attnserve
