@@ -64,6 +64,9 @@ const FormDef* DefNamed(std::string_view name);
 std::string WireFormNames();
 // "factored, summed or lowrank".
 std::string FormNames();
+// "FORM_FACTORED, FORM_SUMMED, FORM_LOWRANK or FORM_AUTO": what a request's form or a route's
+// target may be.
+std::string WireChoiceNames();
 
 // Floats `form` holds for a layer of `config` (FormDef::parameters).
 int64_t FormParameters(Form form, const LayerConfig& config, int64_t total_rank = 0);

@@ -38,7 +38,7 @@ StatusOr<RouteSplit> SplitOf(const v1::SetRoutingRequest& request) {
     const std::optional<Form> form = FormFromWire(w.form());
     if (!form && w.form() != kAutoChoice.wire) {
       return InvalidArgumentError("weights[" + std::to_string(i) +
-                                  "].form: expected " + WireFormNames() + " or FORM_AUTO, got " +
+                                  "].form: expected " + WireChoiceNames() + ", got " +
                                   v1::Form_Name(w.form()) + " (" + std::to_string(w.form()) + ")");
     }
     weights.emplace_back(form ? RouteTarget(*form) : RouteTarget::Auto(), w.weight());

@@ -92,7 +92,7 @@ Status CheckWireForm(int wire_form) {
       FormFromWire(wire_form)) {
     return OkStatus();
   }
-  return InvalidArgumentError("form: expected FORM_UNSPECIFIED, FORM_AUTO, " + WireFormNames() + ", got " +
+  return InvalidArgumentError("form: expected FORM_UNSPECIFIED, " + WireChoiceNames() + ", got " +
                               std::to_string(wire_form));
 }
 

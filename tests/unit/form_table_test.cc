@@ -51,6 +51,7 @@ TEST(FormTableTest, EveryWireFormHasOneRowAndEveryRowIsOnTheWire) {
   ASSERT_NE(last, std::string::npos);
   expected_names.replace(last, 2, " or ");
   EXPECT_EQ(WireFormNames(), expected_names);
+  EXPECT_EQ(WireChoiceNames(), "FORM_FACTORED, FORM_SUMMED, FORM_LOWRANK or FORM_AUTO");
 }
 
 TEST(FormTableTest, RowsAreFoundByFormNameAndWire) {
