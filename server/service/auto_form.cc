@@ -63,18 +63,27 @@ FormCostModel AutoFormChooser::Fit(const Layer& layer) const {
     sequences.push_back(std::make_unique<SyntheticSequence>(shapes[i], layer.config.d_model, rng));
     for (Form form : kExactForms) probes.push_back({.shape = i, .resident = layer.Find(form)});
   }
-  // Pass 0 warms up (first touch of the buffers and the backend's scratch) and is not timed.
+  // Pass 0 warms up (first touch of the buffers and the backend's scratch) and is not timed. A
+  // forward cannot be cut short, so one the fastest rate seen so far says would overrun the
+  // budget is not started (a wide layer's summed form at n = m takes seconds).
+  double flops_per_second = 0;
   for (int pass = 0; pass <= kPasses && Clock::now() < until; ++pass) {
     for (Probe& p : probes) {
-      if (Clock::now() >= until) break;
       const Clock::time_point t0 = Clock::now();
+      if (t0 >= until) break;
+      const double flops = ForwardFlops(p.resident->weights(), std::span(&shapes[p.shape], 1), order);
+      if (flops_per_second > 0 && flops / flops_per_second > std::chrono::duration<double>(until - t0).count()) {
+        continue;
+      }
       if (Status st = backend_->Forward(*p.resident, std::span<const Sequence>(&sequences[p.shape]->sequence, 1));
           !st.ok()) {
         spdlog::warn("layer '{}': auto's calibration of the {} form failed ({}); the flop count decides", layer.name,
                      FormName(p.resident->weights().form), st.ToString());
         return model;
       }
-      if (pass > 0) p.best = std::min(p.best, std::chrono::duration<double>(Clock::now() - t0).count());
+      const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (seconds > 0) flops_per_second = std::max(flops_per_second, flops / seconds);
+      if (pass > 0) p.best = std::min(p.best, seconds);
     }
   }
   std::vector<CostSample> samples[std::size(kAllForms)];
@@ -103,24 +112,33 @@ FormCostModel AutoFormChooser::Fit(const Layer& layer) const {
 }
 
 const FormCostModel& AutoFormChooser::Calibrate(const Layer& layer) {
-  std::unique_lock lock(mu_);
-  auto [it, inserted] = models_.try_emplace(layer.serial);
-  if (!inserted) {
-    fitted_.wait(lock, [&] { return it->second != nullptr; });
-    return *it->second;
+  {
+    MutexLock lock(mu_);
+    const auto emplaced = models_.try_emplace(layer.serial);
+    const auto it = emplaced.first;
+    if (!emplaced.second) {
+      fitted_.wait(lock.native(), [&] {
+        mu_.AssertHeld();  // the wait runs its predicate under the lock
+        return it->second != nullptr;
+      });
+      return *it->second;
+    }
   }
-  lock.unlock();
-  std::unique_ptr<FormCostModel> model;
+  // This caller fits it, outside the lock (it takes up to the budget); others wait above.
+  std::unique_ptr<const FormCostModel> model;
   try {
-    model = std::make_unique<FormCostModel>(Fit(layer));
+    model = std::make_unique<const FormCostModel>(Fit(layer));
   } catch (const std::exception& e) {  // the waiters must not wait forever
     spdlog::warn("layer '{}': auto's calibration failed ({}); the flop count decides", layer.name, e.what());
-    model = std::make_unique<FormCostModel>(FlopCountModel());
+    model = std::make_unique<const FormCostModel>(FlopCountModel());
   }
-  lock.lock();
-  it->second = std::move(model);
+  const FormCostModel& fitted = *model;
+  {
+    MutexLock lock(mu_);
+    models_[layer.serial] = std::move(model);
+  }
   fitted_.notify_all();
-  return *it->second;
+  return fitted;
 }
 
 ExactChoice AutoFormChooser::Choose(const Layer& layer, std::span<const SequenceShape> batch) {

@@ -13,12 +13,12 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <span>
 
 #include "server/backend/backend.h"
 #include "server/core/form_cost.h"
 #include "server/core/forms.h"
+#include "server/core/thread_annotations.h"
 #include "server/layer/loaded_layer.h"
 
 namespace attnserve {
@@ -48,11 +48,11 @@ class AutoFormChooser {
 
   Backend* const backend_;
   const AutoFormOptions options_;
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable fitted_;
-  // By Layer::serial: a reloaded layer is a new entry. A model is never moved once inserted
-  // (std::map), so a reference to it stays valid.
-  std::map<uint64_t, std::unique_ptr<FormCostModel>> models_;  // null: being fitted
+  // By Layer::serial: a reloaded layer is a new entry. A model is never moved once made (it is
+  // on the heap), so a reference to it stays valid.
+  std::map<uint64_t, std::unique_ptr<const FormCostModel>> models_ ATTNSERVE_GUARDED_BY(mu_);  // null: being fitted
 };
 
 }  // namespace attnserve

@@ -10,13 +10,13 @@
 #include <vector>
 
 #include "server/batching/divergence.h"
+#include "server/core/form_cost.h"
+#include "server/core/form_table.h"
 #include "server/core/forms.h"
 #include "server/core/thread_annotations.h"
 #include "server/metrics/metrics.h"
 #include "server/routing/router.h"
 #include "server/routing/shadow.h"
-#include "server/core/form_cost.h"
-#include "server/core/form_table.h"
 #include "server/service/auto_form.h"
 #include "server/service/footprint.h"
 #include "server/service/guarded.h"
