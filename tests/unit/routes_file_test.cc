@@ -168,7 +168,7 @@ TEST(RoutesFileParseTest, RoutesMustNameLayersAndFormsHeld) {
   EXPECT_TRUE(CheckRoutesHeld({{"*", *ParseRouteSpec("factored:1,summed:1")}}, layers).ok());    // enc holds it
   Status s = CheckRoutesHeld({{"dec", *ParseRouteSpec("factored:1,summed:1")}}, layers);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
-  EXPECT_THAT(s.message(), HasSubstr("routes: dec: expected forms the layer holds (factored), got summed"));
+  EXPECT_THAT(s.message(), HasSubstr("routes: dec: expected forms the layer holds (factored) or auto, got summed"));
   EXPECT_THAT(CheckRoutesHeld({{"nope", *ParseRouteSpec("factored:1")}}, layers).message(),
               HasSubstr("routes: nope: expected a loaded layer (loaded: enc, dec), got 'nope'"));
   EXPECT_THAT(CheckRoutesHeld({{"*", *ParseRouteSpec("lowrank:1")}}, layers).message(),
