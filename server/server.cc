@@ -35,6 +35,7 @@
 #include "server/routing/router.h"
 #include "server/routing/routes_file.h"
 #include "server/routing/shadow.h"
+#include "server/service/auto_form.h"
 #include "server/service/forward_pipeline.h"
 #include "server/service/http/http_service.h"
 #include "server/service/inference_service.h"
@@ -233,6 +234,8 @@ Status Server::Build() {
   shadow_ = std::make_unique<ShadowRunner>(
       executor_.get(), ShadowOptions{.queue_capacity = options_.shadow_queue, .budget = memory_.get()}, metrics);
 
+  auto_form_ = std::make_unique<AutoFormChooser>(
+      backend_, AutoFormOptions{.calibration_budget = std::chrono::milliseconds(options_.auto_calibration_ms)});
   // One call path for every protocol and listener: one drain gate for all inference calls.
   pipeline_ = std::make_unique<ForwardPipeline>(
       store_.get(), executor_.get(),
@@ -242,6 +245,7 @@ Status Server::Build() {
                              .shadow = shadow_.get(),
                              .memory = memory_.get(),
                              .backend = backend_,
+                             .auto_form = auto_form_.get(),
                              .max_response_bytes = int64_t{options_.max_message_mb} << 20});
   auto service_options = [&](AdminAccess access) {
     return ServiceOptions{.admin_access = access,

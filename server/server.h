@@ -24,6 +24,7 @@ class Server;
 
 namespace attnserve {
 
+class AutoFormChooser;
 class Backend;
 class BatchingExecutor;
 class InferenceServiceImpl;
@@ -99,6 +100,7 @@ class Server {
   std::unique_ptr<RoutesFile> routes_file_;  // with --routes-file only
   std::unique_ptr<MemoryBudget> memory_;
   std::unique_ptr<ShadowRunner> shadow_;
+  std::unique_ptr<AutoFormChooser> auto_form_;  // what form auto resolves to, per layer
   std::unique_ptr<ForwardPipeline> pipeline_;  // every protocol's inference calls, one drain gate
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<AttentionServiceImpl> admin_service_;  // with --admin-listen only

@@ -49,6 +49,9 @@ struct ServerOptions {
   // tile the attention, so memory grows linearly with the sequence length. 4096 admits one
   // 16384-token sequence of 12 heads (3221 M).
   int max_scores_m = 4096;
+  // Form auto (server/service/auto_form.h): the wall time, ms, of a layer's calibration on its
+  // first auto request; 0: the flop count decides, untimed.
+  int auto_calibration_ms = 1000;
   // What admitted requests may hold at once (inputs, outputs, copies, backend scratch), MiB;
   // 0: half the container's memory limit, else half the machine's memory.
   int max_memory_mb = 0;

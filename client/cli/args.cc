@@ -195,11 +195,11 @@ bool ParseForm(std::string_view text, v1::Form* out, std::string* error) {
     expected += FormName(form) + ", ";
   }
   expected.resize(expected.size() - 2);
-  if (text == "auto") {
+  if (text == "routed") {
     *out = v1::FORM_UNSPECIFIED;
     return true;
   }
-  *error = "--form: expected " + expected + " or auto, got " + Quote(text);
+  *error = "--form: expected " + expected + " or routed, got " + Quote(text);
   return false;
 }
 
@@ -302,7 +302,7 @@ void AddForwardFlags(FlagParser* f, ForwardArgs* a, std::string* form, std::stri
   f->AddString("layer", &a->layer, "L", "layer to run (required)");
   std::string forms;
   for (v1::Form known : KnownForms()) forms += FormName(known) + " | ";
-  f->AddString("form", form, "F", forms + "auto (default: server decides)");
+  f->AddString("form", form, "F", forms + "routed (default: the server's routes decide; auto: its cost model)");
   f->AddString("input", &a->input, "X.npy", "input [batch, n, d_model] float32");
   f->AddString("random", random, "B,N[,M]",
                "random normal input [B, N, d_model] (and context [B, M, d_model])");

@@ -57,7 +57,8 @@ bool ParseUint64(std::string_view text, std::string_view what, uint64_t* out, st
 // "3,5,7": non-empty, comma-separated integers, each >= min_value.
 bool ParseIntList(std::string_view text, std::string_view what, int64_t min_value,
                   std::vector<int64_t>* out, std::string* error);
-// A form's short name ("summed": FormName) or "auto" (= FORM_UNSPECIFIED, the server decides).
+// A form's short name ("summed", "auto": FormName) or "routed" (= FORM_UNSPECIFIED, the server's
+// routes decide).
 bool ParseForm(std::string_view text, v1::Form* out, std::string* error);
 // The short name of a form ("summed" for FORM_SUMMED); "unspecified" for FORM_UNSPECIFIED.
 std::string FormName(v1::Form form);

@@ -36,7 +36,7 @@ bool ParseForms(std::string_view text, std::vector<v1::Form>* out, std::string* 
     const std::string_view item = text.substr(start, comma == std::string_view::npos ? comma : comma - start);
     v1::Form form = v1::FORM_UNSPECIFIED;
     if (!ParseForm(item, &form, error)) {
-      *error = "--forms: expected a comma-separated list of factored, summed, lowrank, auto; got " + Quote(text);
+      *error = "--forms: expected a comma-separated list of factored, summed, lowrank, auto, routed; got " + Quote(text);
       return false;
     }
     if (std::find(out->begin(), out->end(), form) != out->end()) {
@@ -328,7 +328,7 @@ double LatencyStats::Percentile(double p) const {
 BenchRecord MakeRecord(const BenchArgs& args, const BenchCell& cell) {
   BenchRecord r;
   r.layer = args.layer;
-  r.form = cell.form == v1::FORM_UNSPECIFIED ? "auto" : FormName(cell.form);
+  r.form = cell.form == v1::FORM_UNSPECIFIED ? "routed" : FormName(cell.form);
   r.batch = args.batch;
   r.n = args.n;
   r.m = args.m;
@@ -492,7 +492,7 @@ std::string Px(double v) {
 }
 
 // A form keeps its colour from plot to plot: the colour of its wire value (factored blue,
-// summed red, lowrank green); "auto" and forms past the palette take the others by position.
+// summed red, lowrank green); "routed", "auto" and forms past the palette take the others by position.
 const char* FormColour(const std::string& form, size_t index) {
   static const char* kByWire[] = {"", "#1f77b4", "#d62728", "#2ca02c"};
   for (v1::Form f : KnownForms()) {

@@ -20,7 +20,7 @@ constexpr int64_t kNoopDModel = 768;
 
 std::string FormList(const std::vector<v1::Form>& forms) {
   std::string s;
-  for (v1::Form f : forms) s += (s.empty() ? "" : ",") + (f == v1::FORM_UNSPECIFIED ? "auto" : FormName(f));
+  for (v1::Form f : forms) s += (s.empty() ? "" : ",") + (f == v1::FORM_UNSPECIFIED ? "routed" : FormName(f));
   return s;
 }
 

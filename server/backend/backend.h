@@ -103,6 +103,10 @@ class Backend {
   // The device's PCI bus id ("0000:3B:00.0"), by which NVML finds it; "" on the CPU.
   virtual std::string PciBusId() const { return ""; }
 
+  // The order this backend runs a summed sequence in (SummedMixesFirst): what the cost model of
+  // `auto` counts (server/core/form_cost.h). The default: every summed sequence projects first.
+  virtual SummedOrder summed_order() const { return {}; }
+
   // FLOPs one Forward of `batch` does, as this backend computes it (the metrics' count).
   virtual double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const {
     return ForwardFlops(form, batch);

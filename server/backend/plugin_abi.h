@@ -16,7 +16,8 @@ class Backend;
 
 // Bumped whenever this table, or anything passed through it, changes shape. 4: the backend's
 // options cross as key=value data (AttnserveOptions) instead of positional arguments. 5: the
-// Backend interface gained Warmup, DeviceMemory, PciBusId and ThisThreadsDeviceTimes.
+// Backend interface gained Warmup, DeviceMemory, PciBusId, ThisThreadsDeviceTimes and
+// summed_order.
 #define ATTNSERVE_PLUGIN_ABI_VERSION 5u
 
 // The layout of AttnserveOptions; the plugin refuses another (and a struct of another size).

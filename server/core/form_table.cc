@@ -86,6 +86,13 @@ std::string Listed(std::string_view prefix, bool upper) {
 std::string WireFormNames() { return Listed("FORM_", true); }
 std::string FormNames() { return Listed("", false); }
 
+std::string WireChoiceNames() {
+  const std::string forms = Listed("FORM_", true);
+  std::string names = forms.substr(0, forms.rfind(" or ")) + ", " + forms.substr(forms.rfind(" or ") + 4) + " or FORM_";
+  for (char c : kAutoChoice.name) names += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return names;
+}
+
 int64_t FormParameters(Form form, const LayerConfig& config, int64_t total_rank) {
   return DefOf(form).parameters(config, total_rank);
 }

@@ -40,6 +40,16 @@ struct FormDef {
   StatusOr<FormWeights> (*materialize)(const LayerWeights& weights, const std::vector<int64_t>& ranks);
 };
 
+// `auto`: a request's form and a route's target that is no form. Nothing is held for it and it
+// has no row (kAllForms, DefOf, DefOfWire and DefNamed never give it): the call path resolves it
+// to the exact held form the cost model predicts cheaper for the request (server/core/form_cost.h)
+// before any job is submitted, and everything after sees that form.
+struct FormChoiceDef {
+  std::string_view name;  // "auto"
+  int wire;               // attnserve.v1.FORM_AUTO
+};
+inline constexpr FormChoiceDef kAutoChoice = {"auto", 4};
+
 // One row per form, in the order of kAllForms (checked at compile time in form_table.cc).
 extern const FormDef kFormTable[std::size(kAllForms)];
 
@@ -49,10 +59,14 @@ const FormDef* DefOfWire(int wire);
 // The row named `name` ("summed"); nullptr for any other text.
 const FormDef* DefNamed(std::string_view name);
 
-// "FORM_FACTORED, FORM_SUMMED or FORM_LOWRANK": every wire name, for an error's "expected".
+// "FORM_FACTORED, FORM_SUMMED or FORM_LOWRANK": every form's wire name, for an error's
+// "expected" (FORM_AUTO, no form, is named where it is accepted).
 std::string WireFormNames();
 // "factored, summed or lowrank".
 std::string FormNames();
+// "FORM_FACTORED, FORM_SUMMED, FORM_LOWRANK or FORM_AUTO": what a request's form or a route's
+// target may be.
+std::string WireChoiceNames();
 
 // Floats `form` holds for a layer of `config` (FormDef::parameters).
 int64_t FormParameters(Form form, const LayerConfig& config, int64_t total_rank = 0);

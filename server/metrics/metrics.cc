@@ -129,6 +129,8 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
       {"attnserve_nonfinite_outputs_total", "counter", {"layer", "form"},
        "Outputs a form computed with a NaN or an infinity in them (float32 overflowed on finite inputs): served "
        "ones are answered OUT_OF_RANGE, compare and shadow ones show as infinite divergence."},
+      {"attnserve_auto_choice_total", "counter", {"layer", "form"},
+       "Requests with form auto, by the exact form the cost model chose for them (counted once decoded)."},
   };
   return families;
 }
@@ -201,6 +203,7 @@ struct Metrics::Impl {
     std::atomic<prometheus::Histogram*> shadow_divergence{nullptr};
     std::atomic<prometheus::Histogram*> shadow_max_abs{nullptr};
     std::atomic<prometheus::Counter*> nonfinite_outputs{nullptr};
+    std::atomic<prometheus::Counter*> auto_choices{nullptr};
     Mutex device_mu;  // per batch, not per request: a plain lock is cheap enough
     std::vector<DeviceSeries> devices ATTNSERVE_GUARDED_BY(device_mu);
   };
@@ -237,6 +240,7 @@ struct Metrics::Impl {
   prometheus::Family<prometheus::Gauge>& build_info = Gauge(*registry, "attnserve_build_info");
   prometheus::Family<prometheus::Counter>& device_errors = Counter(*registry, "attnserve_device_errors_total");
   prometheus::Family<prometheus::Counter>& nonfinite_outputs = Counter(*registry, "attnserve_nonfinite_outputs_total");
+  prometheus::Family<prometheus::Counter>& auto_choices = Counter(*registry, "attnserve_auto_choice_total");
   prometheus::Gauge& inflight = inflight_family.Add({});
   prometheus::Family<prometheus::Histogram>& stage_family = Histogram(*registry, "attnserve_stage_seconds");
   std::array<prometheus::Histogram*, std::size(kAllServingStages)> stages = [this] {
@@ -373,6 +377,12 @@ void Metrics::CountNonFiniteOutput(std::string_view layer, Form form) {
   Lazy(s.nonfinite_outputs, impl_->nonfinite_outputs, [&] { return Impl::LayerForm(layer, slot); }).Increment();
 }
 
+void Metrics::CountAutoChoice(std::string_view layer, Form form) {
+  const size_t slot = FormSlot(form);
+  Impl::FormSeries& s = impl_->Series(layer, slot);
+  Lazy(s.auto_choices, impl_->auto_choices, [&] { return Impl::LayerForm(layer, slot); }).Increment();
+}
+
 void Metrics::JobQueued(std::string_view layer, Form form) {
   const size_t slot = FormSlot(form);
   Impl::FormSeries& s = impl_->Series(layer, slot);
@@ -428,13 +438,14 @@ void Metrics::BatchDone(const BatchReport& report) {
   }
 }
 
-void Metrics::RouteChanged(std::string_view layer, const std::vector<std::pair<Form, double>>& split) {
+void Metrics::RouteChanged(std::string_view layer, const RouteSplit& split) {
   MutexLock lock(impl_->gauge_mu);
   auto& gauges = impl_->route_gauges[std::string(layer)];
   for (prometheus::Gauge* g : gauges) impl_->route_weight.Remove(g);
   gauges.clear();
-  for (const auto& [form, share] : split) {
-    prometheus::Gauge& g = impl_->route_weight.Add(Impl::LayerForm(layer, FormSlot(form)));
+  for (const auto& [target, share] : split) {
+    prometheus::Gauge& g =
+        impl_->route_weight.Add({{"layer", std::string(layer)}, {"form", std::string(target.name())}});
     g.Set(share);
     gauges.push_back(&g);
   }

@@ -111,6 +111,10 @@ class Metrics final : public BatchObserver, public RoutingObserver {
   // (answered OUT_OF_RANGE) and compare outputs; ShadowCompared counts mirrors.
   void CountNonFiniteOutput(std::string_view layer, Form form);
 
+  // A request to `layer` with form auto is served by `form`, the cost model's choice:
+  // auto_choice_total.
+  void CountAutoChoice(std::string_view layer, Form form);
+
   // BatchObserver: queue_depth, queue_duration_seconds, compute_duration_seconds,
   // batch_requests, batch_tokens, flops_total; a batch failing with INTERNAL also counts a
   // device error.
@@ -122,7 +126,7 @@ class Metrics final : public BatchObserver, public RoutingObserver {
   // RoutingObserver: route_weight, routes_generation, config_reload_total, shadow_divergence (rel_l2),
   // shadow_divergence_max_abs, shadow_dropped_total; a mirror with a non-finite output (an
   // infinite divergence) also counts in nonfinite_outputs_total.
-  void RouteChanged(std::string_view layer, const std::vector<std::pair<Form, double>>& split) override;
+  void RouteChanged(std::string_view layer, const RouteSplit& split) override;
   void RoutesApplied(uint64_t generation) override;
   void RoutesFileLoaded(bool ok) override;
   void ShadowCompared(std::string_view layer, Form mirror, const DivergenceStats& divergence) override;

@@ -21,8 +21,13 @@ std::string_view Trim(std::string_view s) {
 std::string HeldNames() {
   std::string names;
   for (Form f : kAllForms) names += (names.empty() ? "" : ", ") + Str(FormName(f));
-  return names;
+  return names + ", " + Str(kAutoChoice.name);
 }
+
+// A target's place in a split: its form's value, auto after every form.
+constexpr size_t kTargetSlots = std::size(kAllForms) + 1;
+size_t SlotOf(const RouteTarget& t) { return t.form ? static_cast<size_t>(*t.form) : std::size(kAllForms); }
+RouteTarget TargetOfSlot(size_t slot) { return slot < std::size(kAllForms) ? RouteTarget(kAllForms[slot]) : RouteTarget(); }
 
 // A uniform draw in [0, 1) from this thread's generator: routing is on every request's path,
 // and one shared generator would need a lock.
@@ -39,19 +44,19 @@ const RouteSplit& DefaultSplit() {
 
 }  // namespace
 
-StatusOr<RouteSplit> MakeRouteSplit(const std::vector<std::pair<Form, double>>& weights, std::string_view what) {
+StatusOr<RouteSplit> MakeRouteSplit(const std::vector<std::pair<RouteTarget, double>>& weights, std::string_view what) {
   const std::string w(what);
-  double by_form[std::size(kAllForms)] = {};
-  bool seen[std::size(kAllForms)] = {};
+  double by_form[kTargetSlots] = {};
+  bool seen[kTargetSlots] = {};
   double total = 0;
-  for (const auto& [form, weight] : weights) {
-    const size_t index = static_cast<size_t>(form);
+  for (const auto& [target, weight] : weights) {
+    const size_t index = SlotOf(target);
     if (seen[index]) {
-      return InvalidArgumentError(w + ": expected each form at most once, got " + Str(FormName(form)) + " twice");
+      return InvalidArgumentError(w + ": expected each form at most once, got " + Str(target.name()) + " twice");
     }
     seen[index] = true;
     if (!std::isfinite(weight) || weight < 0) {
-      return InvalidArgumentError(w + ": expected a finite weight >= 0 for " + Str(FormName(form)) + ", got " +
+      return InvalidArgumentError(w + ": expected a finite weight >= 0 for " + Str(target.name()) + ", got " +
                                   std::to_string(weight));
     }
     by_form[index] = weight;
@@ -62,9 +67,8 @@ StatusOr<RouteSplit> MakeRouteSplit(const std::vector<std::pair<Form, double>>& 
                                 " summing to " + std::to_string(total));
   }
   RouteSplit split;
-  for (Form f : kAllForms) {
-    const double weight = by_form[static_cast<size_t>(f)];
-    if (weight > 0) split.emplace_back(f, weight / total);
+  for (size_t slot = 0; slot < kTargetSlots; ++slot) {
+    if (by_form[slot] > 0) split.emplace_back(TargetOfSlot(slot), by_form[slot] / total);
   }
   return split;
 }
@@ -74,7 +78,7 @@ StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what
   const std::string expected = "expected FORM:WEIGHT[,FORM:WEIGHT...] with FORM one of " + HeldNames() +
                                " and WEIGHT >= 0 (e.g. factored:90,summed:10)";
   if (Trim(spec).empty()) return InvalidArgumentError(w + ": " + expected + ", got an empty string");
-  std::vector<std::pair<Form, double>> weights;
+  std::vector<std::pair<RouteTarget, double>> weights;
   size_t start = 0;
   while (start <= spec.size()) {
     const size_t comma = spec.find(',', start);
@@ -87,7 +91,7 @@ StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what
     const std::string_view name = Trim(item.substr(0, colon));
     const std::string_view number = Trim(item.substr(colon + 1));
     const std::optional<Form> form = ParseForm(name);
-    if (!form) {
+    if (!form && name != kAutoChoice.name) {
       return InvalidArgumentError(w + ": expected a form among " + HeldNames() + ", got '" + Str(name) + "' in '" +
                                   Str(spec) + "'");
     }
@@ -98,7 +102,7 @@ StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what
       return InvalidArgumentError(w + ": expected a finite weight >= 0 for " + Str(name) + ", got '" + Str(number) +
                                   "' in '" + Str(spec) + "'");
     }
-    weights.emplace_back(*form, weight);
+    weights.emplace_back(form ? RouteTarget(*form) : RouteTarget::Auto(), weight);
   }
   StatusOr<RouteSplit> split = MakeRouteSplit(weights, what);
   if (!split.ok()) return InvalidArgumentError(split.status().message() + " in '" + Str(spec) + "'");
@@ -110,7 +114,7 @@ std::string FormatRouteSpec(const RouteSplit& split) {
   for (const auto& [form, share] : split) {
     char buf[32];
     std::snprintf(buf, sizeof(buf), "%.4g", share * 100);
-    text += (text.empty() ? "" : ",") + Str(FormName(form)) + ":" + buf;
+    text += (text.empty() ? "" : ",") + Str(form.name()) + ":" + buf;
   }
   return text;
 }
@@ -155,7 +159,7 @@ std::string CanonicalRoutesText(const Routes& routes) {
     for (const auto& [form, share] : split) {
       char buf[32];
       std::snprintf(buf, sizeof(buf), "%.6g", share * 100);
-      text += (first ? "" : ",") + Str(FormName(form)) + ":" + buf;
+      text += (first ? "" : ",") + Str(form.name()) + ":" + buf;
       first = false;
     }
     text += "\n";
@@ -247,10 +251,12 @@ Routes Router::AllRoutes() const {
   return RoutesLocked();
 }
 
-Form Router::Choose(std::string_view layer, std::span<const Form> held, std::string_view request_key) const {
-  auto holds = [&](Form f) {
+RouteTarget Router::Choose(std::string_view layer, std::span<const Form> held, std::string_view request_key) const {
+  // auto resolves to a held exact form (the factored form at least): every layer can serve it.
+  auto holds = [&](const RouteTarget& t) {
+    if (t.is_auto()) return true;
     for (Form h : held) {
-      if (h == f) return true;
+      if (h == *t.form) return true;
     }
     return false;
   };
@@ -269,7 +275,7 @@ Form Router::Choose(std::string_view layer, std::span<const Form> held, std::str
   // whose points lie between the old and the new boundary.
   const double target = point * total;
   double cumulative = 0;
-  Form last = fallback;
+  RouteTarget last = fallback;
   for (const auto& [form, share] : split) {
     if (!holds(form)) continue;
     cumulative += share;

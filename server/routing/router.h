@@ -26,17 +26,15 @@
 
 namespace attnserve {
 
-// One layer's split: (form, share) with shares > 0 summing to 1, in Form order, each form once.
-using RouteSplit = std::vector<std::pair<Form, double>>;
 // Every route of a router, LAYER ("*" for the default) → split.
 using Routes = std::vector<std::pair<std::string, RouteSplit>>;
 
 inline constexpr char kDefaultRoute[] = "*";
 
-// Checks (each form at most once, weights finite and >= 0, at least one positive) and
+// Checks (each target at most once, weights finite and >= 0, at least one positive) and
 // normalises raw weights into a split. INVALID_ARGUMENT naming `what`, expected and got.
-StatusOr<RouteSplit> MakeRouteSplit(const std::vector<std::pair<Form, double>>& weights, std::string_view what);
-// Parses "factored:90,summed:10" (weights are non-negative numbers, normalised to shares; a
+StatusOr<RouteSplit> MakeRouteSplit(const std::vector<std::pair<RouteTarget, double>>& weights, std::string_view what);
+// Parses "factored:90,summed:10" or "summed:50,auto:50" (weights are non-negative numbers, normalised to shares; a
 // form may be left out or given 0). INVALID_ARGUMENT naming `what`, expected and got: unknown
 // form, bad or negative weight, a form twice, every weight 0, an empty spec.
 StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what = "route");
@@ -79,9 +77,10 @@ class Router {
   // RoutesGeneration of the routes now applied.
   uint64_t generation() const;
 
-  // The form for a request to `layer` holding `held` (non-empty). With a non-empty
-  // `request_key` the choice is a function of the key and the split; otherwise random.
-  Form Choose(std::string_view layer, std::span<const Form> held, std::string_view request_key) const;
+  // The target for a request to `layer` holding `held` (non-empty): a held form, or auto, which
+  // every layer can serve (it resolves to a held exact form). With a non-empty `request_key` the
+  // choice is a function of the key and the split; otherwise random.
+  RouteTarget Choose(std::string_view layer, std::span<const Form> held, std::string_view request_key) const;
 
   // The fraction of served requests mirrored to another form, in [0, 1].
   Status SetShadowRate(double rate);

@@ -78,12 +78,13 @@ Status CheckRoutesHeld(const Routes& routes, const std::vector<std::shared_ptr<c
   for (const auto& layer : layers) loaded += (loaded.empty() ? "" : ", ") + layer->name;
   for (const auto& [name, split] : routes) {
     if (name == kDefaultRoute) {
-      for (const auto& [form, _] : split) {
+      for (const auto& [target, _] : split) {
+        if (target.is_auto()) continue;  // every layer can serve auto
         bool held = layers.empty();  // nothing loaded: nothing to hold it against
-        for (const auto& layer : layers) held = held || layer->forms.contains(form);
+        for (const auto& layer : layers) held = held || layer->forms.contains(*target.form);
         if (!held) {
           return FailedPreconditionError("routes: *: expected forms some loaded layer holds, got " +
-                                         std::string(FormName(form)) + " which none of " + loaded + " holds");
+                                         std::string(target.name()) + " which none of " + loaded + " holds");
         }
       }
       continue;
@@ -97,10 +98,10 @@ Status CheckRoutesHeld(const Routes& routes, const std::vector<std::shared_ptr<c
                                      (loaded.empty() ? std::string("none is loaded") : "loaded: " + loaded) +
                                      "), got '" + name + "'");
     }
-    for (const auto& [form, _] : split) {
-      if (!layer->forms.contains(form)) {
+    for (const auto& [target, _] : split) {
+      if (!target.is_auto() && !layer->forms.contains(*target.form)) {
         return FailedPreconditionError("routes: " + name + ": expected forms the layer holds (" + HeldForms(*layer) +
-                                       "), got " + std::string(FormName(form)));
+                                       ") or auto, got " + std::string(target.name()));
       }
     }
   }

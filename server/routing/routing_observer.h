@@ -6,21 +6,41 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "server/batching/divergence.h"
+#include "server/core/form_table.h"
 #include "server/core/forms.h"
 
 namespace attnserve {
+
+// Where a route sends a request: a form, or auto (no form: the exact form the cost model picks
+// for the request, resolved by the call path, server/service/auto_form.h). Converts from a Form.
+struct RouteTarget {
+  std::optional<Form> form;  // nullopt: auto
+
+  RouteTarget() = default;  // auto
+  RouteTarget(Form f) : form(f) {}  // NOLINT(google-explicit-constructor): a form is a target
+  static RouteTarget Auto() { return {}; }
+  bool is_auto() const { return !form; }
+  // "factored", "summed", "lowrank" or "auto": routes' and metrics' label.
+  std::string_view name() const { return form ? FormName(*form) : kAutoChoice.name; }
+  friend bool operator==(const RouteTarget&, const RouteTarget&) = default;
+};
+
+// One layer's split: (target, share) with shares > 0 summing to 1, in Form order with auto last,
+// each target once.
+using RouteSplit = std::vector<std::pair<RouteTarget, double>>;
 
 class RoutingObserver {
  public:
   virtual ~RoutingObserver() = default;
   // The split of `layer` ("*": the default of every layer without its own) is now `split`
-  // (fractions summing to 1, one entry per form with a positive share); empty: removed.
-  virtual void RouteChanged(std::string_view layer, const std::vector<std::pair<Form, double>>& split) = 0;
+  // (fractions summing to 1, one entry per target with a positive share); empty: removed.
+  virtual void RouteChanged(std::string_view layer, const RouteSplit& split) = 0;
   // Every route change ends with the generation of the routes now applied (RoutesGeneration).
   virtual void RoutesApplied(uint64_t generation) = 0;
   // A routes file (--routes-file) was read: applied (`ok`), or refused and the routes kept.

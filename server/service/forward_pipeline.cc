@@ -10,11 +10,14 @@
 #include <vector>
 
 #include "server/batching/divergence.h"
+#include "server/core/form_cost.h"
+#include "server/core/form_table.h"
 #include "server/core/forms.h"
 #include "server/core/thread_annotations.h"
 #include "server/metrics/metrics.h"
 #include "server/routing/router.h"
 #include "server/routing/shadow.h"
+#include "server/service/auto_form.h"
 #include "server/service/footprint.h"
 #include "server/service/guarded.h"
 
@@ -275,16 +278,25 @@ void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<F
     size_t held_count = 0;
     for (const auto& [f, _] : layer->forms) held[held_count++] = f;
     const std::span<const Form> held_forms(held, held_count);
-    ATTNSERVE_ASSIGN_OR_RETURN(
-        const Form form, request.form == static_cast<int>(WireForm::kUnspecified) && options_.router != nullptr
-                             ? StatusOr<Form>(options_.router->Choose(layer->name, held_forms, request.request_key))
-                             : ChooseForm(request.form, *layer));
-    counted_form = form;
+    // FORM_AUTO, or a route to auto (nullopt here), is resolved once the shapes are decoded.
+    std::optional<Form> chosen;
+    if (request.form == static_cast<int>(WireForm::kUnspecified) && options_.router != nullptr) {
+      chosen = options_.router->Choose(layer->name, held_forms, request.request_key).form;
+    } else if (request.form != kAutoChoice.wire) {
+      ATTNSERVE_ASSIGN_OR_RETURN(chosen, ChooseForm(request.form, *layer));
+    }
+    counted_form = chosen;
     timeline.routed = std::chrono::steady_clock::now();
 
     ATTNSERVE_ASSIGN_OR_RETURN(
         DecodedForward decoded,
         DecodeForward(layer->config, request, ForwardLimits{.max_request_scores = options_.max_request_scores}));
+    if (!chosen) {
+      chosen = ResolveAuto(*layer, ShapesOf(decoded));
+      counted_form = chosen;
+      if (options_.metrics != nullptr) options_.metrics->CountAutoChoice(layer->name, *chosen);
+    }
+    const Form form = *chosen;
     timeline.decoded = std::chrono::steady_clock::now();
 
     // A response gRPC would refuse to send is refused before it is computed.
@@ -336,6 +348,15 @@ void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<F
     }
     done(status, nullptr);
   }
+}
+
+Form ForwardPipeline::ResolveAuto(const Layer& layer, std::span<const SequenceShape> shapes) const {
+  if (options_.auto_form != nullptr) return options_.auto_form->Choose(layer, shapes).form;
+  const ResidentForm* summed = layer.Find(Form::kSummed);
+  return ChooseExactForm(FlopCountModel(), layer.Find(Form::kFactored)->weights(),
+                         summed != nullptr ? &summed->weights() : nullptr, shapes,
+                         options_.backend != nullptr ? options_.backend->summed_order() : SummedOrder{})
+      .form;
 }
 
 void ForwardPipeline::ReportStages(const CallTimeline& t, std::chrono::steady_clock::time_point done) const {

@@ -27,6 +27,7 @@
 
 namespace attnserve {
 
+class AutoFormChooser;  // server/service/auto_form.h
 class Metrics;       // server/metrics/metrics.h
 class Router;        // server/routing/router.h
 class ShadowRunner;  // server/routing/shadow.h
@@ -43,6 +44,8 @@ struct ForwardPipelineOptions {
   // the backend whose scratch that footprint includes (not owned; null: no budget).
   MemoryBudget* memory = nullptr;
   const Backend* backend = nullptr;
+  // What FORM_AUTO resolves by (not owned). Null: the flop count (FlopCountModel).
+  AutoFormChooser* auto_form = nullptr;
   // The largest response a protocol will send: a larger output is refused before any compute.
   int64_t max_response_bytes = int64_t{64} << 20;
 };
@@ -121,6 +124,9 @@ class ForwardPipeline {
   LayerStore& store() const { return *store_; }
 
  private:
+  // The exact form FORM_AUTO resolves to for a request of these shapes (auto_form.h).
+  Form ResolveAuto(const Layer& layer, std::span<const SequenceShape> shapes) const;
+
   LayerStore* const store_;
   Executor* const executor_;
   const ForwardPipelineOptions options_;

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <string>
 
+#include "server/core/form_table.h"
 #include "server/core/forms.h"
 
 namespace attnserve {
@@ -45,8 +46,12 @@ Status ConvertParameters(const ModelInferRequest& request, WireForwardRequest* w
     if (name == "form") {
       if (p.parameter_choice_case() != InferParameter::kStringParam) return WrongParameterKind(name, "a string", p);
       const std::optional<Form> form = ParseForm(p.string_param());
+      if (p.string_param() == kAutoChoice.name) {
+        wire->form = kAutoChoice.wire;
+        continue;
+      }
       if (!form) {
-        return InvalidArgumentError("parameters['form']: expected 'factored', 'summed' or 'lowrank', got " +
+        return InvalidArgumentError("parameters['form']: expected 'factored', 'summed', 'lowrank' or 'auto', got " +
                                     QuoteUntrusted(p.string_param()));
       }
       wire->form = static_cast<int>(FormToWire(*form));

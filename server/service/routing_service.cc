@@ -21,9 +21,9 @@ void FillRoutingInfo(const Router& router, v1::RoutingInfo* info) {
   for (const auto& [layer, split] : router.AllRoutes()) {
     v1::Route* route = info->add_routes();
     route->set_layer(layer);
-    for (const auto& [form, share] : split) {
+    for (const auto& [target, share] : split) {
       v1::RouteWeight* w = route->add_weights();
-      w->set_form(static_cast<v1::Form>(FormToWire(form)));
+      w->set_form(static_cast<v1::Form>(target.form ? FormToWire(*target.form) : kAutoChoice.wire));
       w->set_weight(share);
     }
   }
@@ -32,16 +32,16 @@ void FillRoutingInfo(const Router& router, v1::RoutingInfo* info) {
 
 // The request's weights as a split (empty: remove the route), errors naming the field.
 StatusOr<RouteSplit> SplitOf(const v1::SetRoutingRequest& request) {
-  std::vector<std::pair<Form, double>> weights;
+  std::vector<std::pair<RouteTarget, double>> weights;
   for (int i = 0; i < request.weights_size(); ++i) {
     const v1::RouteWeight& w = request.weights(i);
     const std::optional<Form> form = FormFromWire(w.form());
-    if (!form) {
+    if (!form && w.form() != kAutoChoice.wire) {
       return InvalidArgumentError("weights[" + std::to_string(i) +
-                                  "].form: expected " + WireFormNames() + ", got " +
+                                  "].form: expected " + WireChoiceNames() + ", got " +
                                   v1::Form_Name(w.form()) + " (" + std::to_string(w.form()) + ")");
     }
-    weights.emplace_back(*form, w.weight());
+    weights.emplace_back(form ? RouteTarget(*form) : RouteTarget::Auto(), w.weight());
   }
   if (weights.empty()) return RouteSplit();
   return MakeRouteSplit(weights, "weights");

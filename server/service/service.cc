@@ -7,6 +7,7 @@
 #include <memory>
 #include <utility>
 
+#include "server/core/form_table.h"
 #include "server/core/forms.h"
 #include "server/service/admin_worker.h"
 #include "server/service/guarded.h"
@@ -22,6 +23,7 @@ static_assert(static_cast<int>(WireDtype::kFloat32) == v1::DATA_TYPE_FLOAT32);
 static_assert(static_cast<int>(WireDtype::kFloat16) == v1::DATA_TYPE_FLOAT16);
 static_assert(static_cast<int>(WireDtype::kBFloat16) == v1::DATA_TYPE_BFLOAT16);
 static_assert(static_cast<int>(WireForm::kUnspecified) == v1::FORM_UNSPECIFIED);
+static_assert(kAutoChoice.wire == v1::FORM_AUTO);
 // attnserve::StatusCode has gRPC's numbers, so conversion is a cast.
 static_assert(static_cast<int>(StatusCode::kInvalidArgument) == grpc::StatusCode::INVALID_ARGUMENT);
 static_assert(static_cast<int>(StatusCode::kResourceExhausted) == grpc::StatusCode::RESOURCE_EXHAUSTED);

@@ -88,13 +88,19 @@ std::optional<Form> FormFromWire(int wire_form) {
 int FormToWire(Form form) { return DefOf(form).wire; }
 
 Status CheckWireForm(int wire_form) {
-  if (wire_form == static_cast<int>(WireForm::kUnspecified) || FormFromWire(wire_form)) return OkStatus();
-  return InvalidArgumentError("form: expected FORM_UNSPECIFIED, " + WireFormNames() + ", got " +
+  if (wire_form == static_cast<int>(WireForm::kUnspecified) || wire_form == kAutoChoice.wire ||
+      FormFromWire(wire_form)) {
+    return OkStatus();
+  }
+  return InvalidArgumentError("form: expected FORM_UNSPECIFIED, " + WireChoiceNames() + ", got " +
                               std::to_string(wire_form));
 }
 
 StatusOr<Form> ChooseForm(int wire_form, const Layer& layer) {
   ATTNSERVE_RETURN_IF_ERROR(CheckWireForm(wire_form));
+  if (wire_form == kAutoChoice.wire) {
+    return InvalidArgumentError("form: expected a form, got FORM_AUTO, which the call path resolves by cost first");
+  }
   // FORM_UNSPECIFIED: the factored form until routing decides (docs/metrics.md, "Routing").
   const Form form = FormFromWire(wire_form).value_or(Form::kFactored);
   if (layer.Find(form) == nullptr) {

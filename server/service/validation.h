@@ -64,12 +64,14 @@ struct WireForwardRequest {
   std::string_view key_lengths_field = "key_lengths";
 };
 
-// INVALID_ARGUMENT when `wire_form` is no attnserve.v1.Form value.
+// INVALID_ARGUMENT when `wire_form` is no attnserve.v1.Form value (FORM_AUTO is one).
 Status CheckWireForm(int wire_form);
 
 // The form that serves a request: the requested one, or the default when unspecified.
 // INVALID_ARGUMENT for a value that is no Form; FAILED_PRECONDITION when the layer does not
 // hold the form. The one place where the server picks a form (routing replaces it later).
+// FORM_AUTO is no form: the call path resolves it first (forward_pipeline.cc); here it is an
+// INVALID_ARGUMENT.
 StatusOr<Form> ChooseForm(int wire_form, const Layer& layer);
 
 // Checks dtype, rank 3, every dim >= 1 (the product checked for overflow before anything is

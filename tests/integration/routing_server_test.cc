@@ -96,7 +96,7 @@ TEST(RoutingServerTest, SetRoutingIsAdminGuardedAndChecksEveryField) {
   weights_without_layer.set_shadow_rate(0.1);
   for (const Case& c : {
            Case{Route("ab", {{v1::FORM_FACTORED, 1}, {v1::FORM_UNSPECIFIED, 1}}),
-                "weights[1].form: expected FORM_FACTORED, FORM_SUMMED or FORM_LOWRANK, got FORM_UNSPECIFIED"},
+                "weights[1].form: expected FORM_FACTORED, FORM_SUMMED, FORM_LOWRANK or FORM_AUTO, got FORM_UNSPECIFIED"},
            Case{Route("ab", {{v1::FORM_FACTORED, -1}}), "weights: expected a finite weight >= 0 for factored"},
            Case{Route("ab", {{v1::FORM_FACTORED, 0}}), "weights: expected at least one positive weight"},
            Case{Route("ab", {{v1::FORM_SUMMED, 1}, {v1::FORM_SUMMED, 2}}), "expected each form at most once"},

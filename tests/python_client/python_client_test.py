@@ -128,6 +128,16 @@ class ClientAgainstServer(unittest.TestCase):
             self.assertGreaterEqual(result.batch_requests, 1)
             self.assertEqual(result.divergence, {})
 
+    def test_form_auto_is_answered_by_an_exact_form(self):
+        # The proto's FORM_AUTO reaches the client as the form "auto"; the answer names the exact
+        # form that served it and is that form's, bit for bit.
+        x = self.random(1, 5, D)
+        result = self.client.forward("small", x, form="auto")
+        self.assertIn(result.form, ("factored", "summed"))
+        self.assertLess(rel_l2(result.output, reference(x)), 1e-5)
+        named = self.client.forward("small", x, form=result.form).output
+        self.assertTrue(np.array_equal(result.output, named))
+
     def test_one_sequence_float16_float64_inputs(self):
         x = self.random(9, D)
         y = self.client.forward("small", x).output

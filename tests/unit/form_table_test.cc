@@ -33,6 +33,13 @@ TEST(FormTableTest, EveryWireFormHasOneRowAndEveryRowIsOnTheWire) {
       EXPECT_EQ(DefOfWire(number), nullptr) << "FORM_UNSPECIFIED is no form: the router decides";
       continue;
     }
+    if (number == v1::FORM_AUTO) {
+      EXPECT_EQ(DefOfWire(number), nullptr) << "FORM_AUTO is no form: the cost model picks one";
+      EXPECT_EQ(kAutoChoice.wire, number);
+      EXPECT_EQ("FORM_" + Upper(kAutoChoice.name), wire->value(i)->name());
+      EXPECT_EQ(DefNamed(kAutoChoice.name), nullptr);
+      continue;
+    }
     const FormDef* def = DefOfWire(number);
     ASSERT_NE(def, nullptr) << wire->value(i)->name() << " has no row in kFormTable";
     EXPECT_EQ("FORM_" + Upper(def->name), wire->value(i)->name()) << "the row's name is the wire name's";
@@ -44,6 +51,7 @@ TEST(FormTableTest, EveryWireFormHasOneRowAndEveryRowIsOnTheWire) {
   ASSERT_NE(last, std::string::npos);
   expected_names.replace(last, 2, " or ");
   EXPECT_EQ(WireFormNames(), expected_names);
+  EXPECT_EQ(WireChoiceNames(), "FORM_FACTORED, FORM_SUMMED, FORM_LOWRANK or FORM_AUTO");
 }
 
 TEST(FormTableTest, RowsAreFoundByFormNameAndWire) {
@@ -60,10 +68,11 @@ TEST(FormTableTest, RowsAreFoundByFormNameAndWire) {
     EXPECT_NE(FormNames().find(def.name), std::string::npos);
   }
   EXPECT_EQ(ParseForm("Summed"), std::nullopt);
-  EXPECT_EQ(ParseForm("auto"), std::nullopt) << "auto is the router's choice, not a form";
+  EXPECT_EQ(ParseForm("auto"), std::nullopt) << "auto is the cost model's choice, not a form";
+  EXPECT_EQ(WireFormNames().find("AUTO"), std::string::npos) << "the forms' names, which a layer may hold";
   EXPECT_EQ(DefNamed(""), nullptr);
   EXPECT_EQ(DefOfWire(-1), nullptr);
-  EXPECT_EQ(DefOfWire(v1::FORM_LOWRANK + 1), nullptr);
+  EXPECT_EQ(DefOfWire(v1::FORM_AUTO + 1), nullptr);
 }
 
 // The size a load checks before materialising is what the materialised form holds, and each

@@ -140,6 +140,17 @@ TEST(InferRequestTest, DecodesToTheSameRequestAsAttnserveV1) {
   }
 }
 
+// "auto" is attnserve.v1's FORM_AUTO (4), which the call path resolves by cost.
+TEST(InferRequestTest, FormAutoIsFormAutoOnTheWire) {
+  ModelInferRequest request = InferRequest(Inputs(), Contents::kRaw);
+  (*request.mutable_parameters())["form"].set_string_param("auto");
+  InferForwardRequest converted;
+  ConvertInferRequest(request, &converted);
+  ASSERT_TRUE(converted.refused.ok()) << converted.refused.ToString();
+  EXPECT_EQ(converted.wire.form, v1::FORM_AUTO);
+  EXPECT_TRUE(CheckWireForm(converted.wire.form).ok());
+}
+
 TEST(InferRequestTest, RequestIdIsTheRoutingKeyUnlessOneIsGiven) {
   const Inputs in;
   ModelInferRequest request = InferRequest(in, Contents::kRaw);
@@ -250,7 +261,7 @@ INSTANTIATE_TEST_SUITE_P(
         Refusal{"Form",
                 [](ModelInferRequest* r) { (*r->mutable_parameters())["form"].set_string_param("SUMMED"); },
                 StatusCode::kInvalidArgument,
-                {"parameters['form']: expected 'factored', 'summed' or 'lowrank'", "got 'SUMMED'"}},
+                {"parameters['form']: expected 'factored', 'summed', 'lowrank' or 'auto'", "got 'SUMMED'"}},
         Refusal{"FormType",
                 [](ModelInferRequest* r) { (*r->mutable_parameters())["form"].set_int64_param(2); },
                 StatusCode::kInvalidArgument,

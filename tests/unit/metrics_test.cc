@@ -111,6 +111,7 @@ Metrics& FullyRecorded(Metrics& m) {
   m.ShadowDropped("demo");
   m.CountDeviceError("cuda:0");
   m.CountNonFiniteOutput("demo", Form::kSummed);
+  m.CountAutoChoice("demo", Form::kSummed);
   const double stages[] = {1e-6, 2e-6, 3e-6, 4e-6, 5e-4, 6e-6, 7e-6};
   m.StagesServed(stages);
   return m;
@@ -143,6 +144,7 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
       {"attnserve_shadow_divergence_max_abs", {"histogram", {"layer", "form"}}},
       {"attnserve_device_errors_total", {"counter", {"device"}}},
       {"attnserve_nonfinite_outputs_total", {"counter", {"layer", "form"}}},
+      {"attnserve_auto_choice_total", {"counter", {"layer", "form"}}},
       {"attnserve_backend_retained_bytes", {"gauge", {}}},
       {"attnserve_stage_seconds", {"histogram", {"stage"}}},
       // What GPU operators expect (issue 48): the backend call's split, the device budget and

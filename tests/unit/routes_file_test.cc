@@ -28,7 +28,7 @@ using testing::TempDir;
 
 class CountingObserver final : public RoutingObserver {
  public:
-  void RouteChanged(std::string_view, const std::vector<std::pair<Form, double>>&) override {}
+  void RouteChanged(std::string_view, const RouteSplit&) override {}
   void RoutesApplied(uint64_t g) override {
     std::lock_guard<std::mutex> lock(mu);
     generation = g;
@@ -168,7 +168,7 @@ TEST(RoutesFileParseTest, RoutesMustNameLayersAndFormsHeld) {
   EXPECT_TRUE(CheckRoutesHeld({{"*", *ParseRouteSpec("factored:1,summed:1")}}, layers).ok());    // enc holds it
   Status s = CheckRoutesHeld({{"dec", *ParseRouteSpec("factored:1,summed:1")}}, layers);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
-  EXPECT_THAT(s.message(), HasSubstr("routes: dec: expected forms the layer holds (factored), got summed"));
+  EXPECT_THAT(s.message(), HasSubstr("routes: dec: expected forms the layer holds (factored) or auto, got summed"));
   EXPECT_THAT(CheckRoutesHeld({{"nope", *ParseRouteSpec("factored:1")}}, layers).message(),
               HasSubstr("routes: nope: expected a loaded layer (loaded: enc, dec), got 'nope'"));
   EXPECT_THAT(CheckRoutesHeld({{"*", *ParseRouteSpec("lowrank:1")}}, layers).message(),

@@ -40,7 +40,7 @@ constexpr Form kAll[] = {Form::kFactored, Form::kSummed, Form::kLowRank};
 
 class RecordingObserver final : public RoutingObserver {
  public:
-  void RouteChanged(std::string_view layer, const std::vector<std::pair<Form, double>>& split) override {
+  void RouteChanged(std::string_view layer, const RouteSplit& split) override {
     std::lock_guard<std::mutex> lock(mu);
     routes[std::string(layer)] = split;
     ++route_changes;
@@ -104,7 +104,8 @@ TEST(RouteSpecTest, ErrorsNameTheFieldExpectedAndGot) {
   for (const Case& c : {
            Case{"", "route: expected FORM:WEIGHT[,FORM:WEIGHT...]"},
            Case{"factored", "got 'factored' (no ':')"},
-           Case{"factored:90,bogus:10", "expected a form among factored, summed, lowrank, got 'bogus'"},
+           Case{"factored:90,bogus:10", "expected a form among factored, summed, lowrank, auto, got 'bogus'"},
+           Case{"auto:1,auto:2", "expected each form at most once, got auto twice"},
            Case{"factored:-1", "expected a finite weight >= 0 for factored, got '-1'"},
            Case{"factored:x", "got 'x'"},
            Case{"factored:", "got ''"},
@@ -118,6 +119,20 @@ TEST(RouteSpecTest, ErrorsNameTheFieldExpectedAndGot) {
     EXPECT_EQ(s.status().code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(s.status().message(), HasSubstr(c.message)) << c.spec;
   }
+}
+
+// auto is a target of its own, after the forms; it is no form (the call path resolves it).
+TEST(RouteSpecTest, AutoIsATargetAfterTheForms) {
+  StatusOr<RouteSplit> s = ParseRouteSpec("auto:3,summed:1");
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_EQ(s->size(), 2u);
+  EXPECT_EQ((*s)[0].first, Form::kSummed);
+  EXPECT_TRUE((*s)[1].first.is_auto());
+  EXPECT_EQ((*s)[1].first.form, std::nullopt);
+  EXPECT_DOUBLE_EQ((*s)[1].second, 0.75);
+  EXPECT_EQ(FormatRouteSpec(*s), "summed:25,auto:75");
+  EXPECT_EQ(CanonicalRoutesText({{"*", *s}}), "*=summed:25,auto:75\n");
+  EXPECT_NE(RoutesGeneration({{"*", *s}}), RoutesGeneration({{"*", *ParseRouteSpec("summed:1,factored:3")}}));
 }
 
 TEST(RouteSpecTest, FlagSplitsLayerAndSpec) {
@@ -190,7 +205,7 @@ TEST(RouterTest, RandomSplitWithinStatisticalBounds) {
 
   ASSERT_TRUE(router.SetRoute("demo", *ParseRouteSpec("factored:1,summed:1,lowrank:2")).ok());
   std::map<Form, int> count;
-  for (int i = 0; i < kDraws; ++i) ++count[router.Choose("demo", kAll, "")];
+  for (int i = 0; i < kDraws; ++i) ++count[*router.Choose("demo", kAll, "").form];
   ExpectShare(count[Form::kFactored], kDraws, 0.25, "factored of 1:1:2");
   ExpectShare(count[Form::kSummed], kDraws, 0.25, "summed of 1:1:2");
   ExpectShare(count[Form::kLowRank], kDraws, 0.5, "lowrank of 1:1:2");
@@ -210,11 +225,11 @@ TEST(RouterTest, KeyedSplitWithinStatisticalBoundsAndSticky) {
   ASSERT_TRUE(other.SetRoute("*", *ParseRouteSpec("factored:70,summed:30")).ok());
   for (int i = 0; i < 200; ++i) {
     const std::string key = "session-" + std::to_string(i);
-    const Form first = router.Choose("demo", kBoth, key);
+    const Form first = *router.Choose("demo", kBoth, key).form;
     for (int j = 0; j < 20; ++j) ASSERT_EQ(router.Choose("demo", kBoth, key), first) << key;
     ASSERT_EQ(other.Choose("demo", kBoth, key), first) << key;
     Form from_thread = Form::kLowRank;
-    std::thread([&] { from_thread = router.Choose("demo", kBoth, key); }).join();
+    std::thread([&] { from_thread = *router.Choose("demo", kBoth, key).form; }).join();
     ASSERT_EQ(from_thread, first) << key;
   }
 }
@@ -262,17 +277,33 @@ TEST(RouterTest, WideningASplitOnlyMovesKeysTowardTheGrowingForm) {
   Router router;
   ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("factored:90,summed:10")).ok());
   std::vector<Form> before;
-  for (int i = 0; i < 5000; ++i) before.push_back(router.Choose("demo", kBoth, "k" + std::to_string(i)));
+  for (int i = 0; i < 5000; ++i) before.push_back(*router.Choose("demo", kBoth, "k" + std::to_string(i)).form);
   ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("factored:50,summed:50")).ok());
   int moved = 0;
   for (int i = 0; i < 5000; ++i) {
-    const Form now = router.Choose("demo", kBoth, "k" + std::to_string(i));
+    const Form now = *router.Choose("demo", kBoth, "k" + std::to_string(i)).form;
     if (before[i] == Form::kSummed) {
       EXPECT_EQ(now, Form::kSummed) << "k" << i;  // canary users stay
     }
     moved += before[i] != now;
   }
   ExpectShare(moved, 5000, 0.4, "keys moved from 90/10 to 50/50");
+}
+
+// A route to auto is served by every layer, whatever it holds; its share is kept when another
+// target of the split is not held.
+TEST(RouterTest, AutoIsChosenByItsShareOnEveryLayer) {
+  Router router;
+  ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("auto:100")).ok());
+  const Form only_factored[] = {Form::kFactored};
+  for (int i = 0; i < 50; ++i) EXPECT_TRUE(router.Choose("demo", only_factored, "").is_auto());
+  ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("lowrank:50,auto:50")).ok());
+  for (int i = 0; i < 50; ++i) EXPECT_TRUE(router.Choose("demo", kBoth, "k" + std::to_string(i)).is_auto());
+  ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("factored:70,auto:30")).ok());
+  constexpr int kKeys = 20000;
+  int automatic = 0;
+  for (int i = 0; i < kKeys; ++i) automatic += router.Choose("demo", kBoth, "session-" + std::to_string(i)).is_auto();
+  ExpectShare(automatic, kKeys, 0.3, "70/30 factored/auto keyed");
 }
 
 TEST(RouterTest, FormsTheLayerDoesNotHoldAreSkipped) {
@@ -328,7 +359,7 @@ TEST(RouterTest, ConcurrentChangesAndChoicesAreSafe) {
   for (int t = 0; t < 4; ++t) {
     readers.emplace_back([&, t] {
       for (int i = 0; i < 20000 || (!both_seen() && std::chrono::steady_clock::now() < give_up); ++i) {
-        const Form f = router.Choose("demo", kBoth, i % 2 ? "" : "k" + std::to_string(t * i));
+        const Form f = *router.Choose("demo", kBoth, i % 2 ? "" : "k" + std::to_string(t * i)).form;
         if (f != Form::kFactored && f != Form::kSummed) ++bad;
         ++(f == Form::kSummed ? summed : factored);
       }

@@ -78,6 +78,7 @@ class CpuBackend final : public Backend {
   int64_t ScratchBytes(const FormWeights& form, std::span<const SequenceShape> batch,
                        bool self_attention) const override;
   // The summed form in the order it runs (SummedMixesFirst).
+  SummedOrder summed_order() const override { return summed_order_; }
   double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const override {
     return ForwardFlops(form, batch, summed_order_);
   }

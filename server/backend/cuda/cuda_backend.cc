@@ -59,6 +59,7 @@ class CudaBackend final : public Backend {
 
   std::string DeviceName() const override { return "cuda:" + std::to_string(options_.device); }
   // The summed form in the order it runs.
+  SummedOrder summed_order() const override { return SummedOrderOf(options_); }
   double Flops(const FormWeights& form, std::span<const SequenceShape> batch) const override {
     return ForwardFlops(form, batch, SummedOrderOf(options_));
   }

@@ -1,0 +1,151 @@
+#include "server/service/auto_form.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <random>
+#include <vector>
+
+namespace attnserve {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One synthetic sequence's buffers: random inputs (the backend's time does not depend on the
+// values, but zeros could take a denormal-free shortcut somewhere), self-attention when n = m.
+struct SyntheticSequence {
+  std::vector<float> input, context, output;
+  Sequence sequence;
+
+  SyntheticSequence(const SequenceShape& shape, int64_t d, std::mt19937& rng) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    input.resize(static_cast<size_t>(shape.n * d));
+    for (float& v : input) v = u(rng);
+    output.resize(input.size());
+    sequence.input = ConstMatrixView{input.data(), shape.n, d};
+    if (shape.m != shape.n) {
+      context.resize(static_cast<size_t>(shape.m * d));
+      for (float& v : context) v = u(rng);
+      sequence.context = ConstMatrixView{context.data(), shape.m, d};
+    }
+    sequence.output = MatrixView{output.data(), shape.n, d};
+  }
+};
+
+}  // namespace
+
+AutoFormChooser::AutoFormChooser(Backend* backend, AutoFormOptions options)
+    : backend_(backend), options_(options) {}
+
+FormCostModel AutoFormChooser::Fit(const Layer& layer) const {
+  FormCostModel model = FlopCountModel();
+  const ResidentForm* summed = layer.Find(Form::kSummed);
+  if (options_.calibration_budget.count() <= 0 || summed == nullptr) return model;  // one form: nothing to choose
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point until = start + options_.calibration_budget;
+  const SummedOrder order = backend_->summed_order();
+  std::mt19937 rng(static_cast<uint32_t>(layer.serial));
+  // Every (shape, form) once per pass, the cheapest shapes first; passes repeat until the budget
+  // or kPasses: a burst of the machine's other load then costs one pass's run of a probe, not
+  // its only sample. Each probe keeps its best time: the others' load only ever adds.
+  constexpr int kPasses = 8;
+  struct Probe {
+    size_t shape;
+    const ResidentForm* resident;
+    double best = INFINITY;
+  };
+  const std::vector<SequenceShape> shapes = CalibrationShapes(options_.max_context);
+  std::vector<std::unique_ptr<SyntheticSequence>> sequences;
+  std::vector<Probe> probes;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    sequences.push_back(std::make_unique<SyntheticSequence>(shapes[i], layer.config.d_model, rng));
+    for (Form form : kExactForms) probes.push_back({.shape = i, .resident = layer.Find(form)});
+  }
+  // Pass 0 warms up (first touch of the buffers and the backend's scratch) and is not timed. A
+  // forward cannot be cut short, so one the fastest rate seen so far says would overrun the
+  // budget is not started (a wide layer's summed form at n = m takes seconds).
+  double flops_per_second = 0;
+  for (int pass = 0; pass <= kPasses && Clock::now() < until; ++pass) {
+    for (Probe& p : probes) {
+      const Clock::time_point t0 = Clock::now();
+      if (t0 >= until) break;
+      const double flops = ForwardFlops(p.resident->weights(), std::span(&shapes[p.shape], 1), order);
+      if (flops_per_second > 0 && flops / flops_per_second > std::chrono::duration<double>(until - t0).count()) {
+        continue;
+      }
+      if (Status st = backend_->Forward(*p.resident, std::span<const Sequence>(&sequences[p.shape]->sequence, 1));
+          !st.ok()) {
+        spdlog::warn("layer '{}': auto's calibration of the {} form failed ({}); the flop count decides", layer.name,
+                     FormName(p.resident->weights().form), st.ToString());
+        return model;
+      }
+      const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (seconds > 0) flops_per_second = std::max(flops_per_second, flops / seconds);
+      if (pass > 0) p.best = std::min(p.best, seconds);
+    }
+  }
+  std::vector<CostSample> samples[std::size(kAllForms)];
+  for (const Probe& p : probes) {
+    if (!std::isfinite(p.best)) continue;
+    const FormWeights& w = p.resident->weights();
+    samples[static_cast<size_t>(w.form)].push_back(
+        {.terms = ForwardCostTerms(w, std::span<const SequenceShape>(&shapes[p.shape], 1), order), .seconds = p.best});
+  }
+  FormCostModel fitted;
+  for (Form form : kExactForms) {
+    StatusOr<FormCostCoefficients> c = FitFormCost(samples[static_cast<size_t>(form)]);
+    if (!c.ok()) {
+      spdlog::warn("layer '{}': auto's calibration of the {} form has too few samples within --auto-calibration-ms "
+                   "({}); the flop count decides",
+                   layer.name, FormName(form), c.status().ToString());
+      return model;
+    }
+    fitted.by_form[static_cast<size_t>(form)] = *c;
+  }
+  fitted.measured = true;
+  spdlog::info("layer '{}': auto's cost model fitted from {} timed forwards in {:.0f} ms", layer.name,
+               samples[0].size() + samples[1].size(),
+               std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  return fitted;
+}
+
+const FormCostModel& AutoFormChooser::Calibrate(const Layer& layer) {
+  {
+    MutexLock lock(mu_);
+    const auto emplaced = models_.try_emplace(layer.serial);
+    const auto it = emplaced.first;
+    if (!emplaced.second) {
+      fitted_.wait(lock.native(), [&] {
+        mu_.AssertHeld();  // the wait runs its predicate under the lock
+        return it->second != nullptr;
+      });
+      return *it->second;
+    }
+  }
+  // This caller fits it, outside the lock (it takes up to the budget); others wait above.
+  std::unique_ptr<const FormCostModel> model;
+  try {
+    model = std::make_unique<const FormCostModel>(Fit(layer));
+  } catch (const std::exception& e) {  // the waiters must not wait forever
+    spdlog::warn("layer '{}': auto's calibration failed ({}); the flop count decides", layer.name, e.what());
+    model = std::make_unique<const FormCostModel>(FlopCountModel());
+  }
+  const FormCostModel& fitted = *model;
+  {
+    MutexLock lock(mu_);
+    models_[layer.serial] = std::move(model);
+  }
+  fitted_.notify_all();
+  return fitted;
+}
+
+ExactChoice AutoFormChooser::Choose(const Layer& layer, std::span<const SequenceShape> batch) {
+  const FormCostModel& model = Calibrate(layer);
+  const ResidentForm* summed = layer.Find(Form::kSummed);
+  return ChooseExactForm(model, layer.Find(Form::kFactored)->weights(), summed ? &summed->weights() : nullptr, batch,
+                         backend_->summed_order());
+}
+
+}  // namespace attnserve

@@ -1,0 +1,214 @@
+// The cost model of form auto (server/core/form_cost.h) and its calibration on the CPU backend
+// (server/service/auto_form.h): the terms against a count by hand and against ForwardFlops, the
+// fit against known coefficients, and the choice against forwards timed here.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "server/backend/cpu/cpu_backend.h"
+#include "server/core/form_cost.h"
+#include "server/core/forms.h"
+#include "server/core/layer.h"
+#include "server/service/auto_form.h"
+#include "tests/unit/test_support.h"
+
+namespace attnserve {
+namespace {
+
+LayerConfig Config(int64_t d, int64_t heads, int64_t kv_heads, int64_t d_head) {
+  StatusOr<LayerConfig> c = CompleteConfig({.d_model = d, .heads = heads, .kv_heads = kv_heads, .d_head = d_head});
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return *c;
+}
+
+// The terms of one sequence counted by hand from the formulas of docs/architecture.md, for a
+// layer with GQA (h = 4, h_kv = 2, d_h = 8, d = 16): the factored form projects Q (h·d_h), K and
+// V (h_kv·d_h each) and projects O back; the summed form projects Q, K and the value block h·d,
+// over the m context rows when projecting first and over the n queries when mixing first.
+TEST(FormCostTest, TermsMatchACountByHand) {
+  const LayerWeights w = RandomLayerWeights(Config(16, 4, 2, 8), 7);
+  const FormWeights factored = MaterializeFactored(w), summed = MaterializeSummed(w);
+  const SequenceShape s{.n = 3, .m = 11};
+  const double d = 16, q = 32, kv = 16, n = 3, m = 11;
+  const CostTerms f = ForwardCostTerms(factored, std::span(&s, 1));
+  EXPECT_DOUBLE_EQ(f.gemm_flops, 2 * d * (n * q + m * kv + m * kv) + 2 * n * q * d);
+  EXPECT_DOUBLE_EQ(f.attention_flops, 2 * n * m * (q + q));  // every query head mixes d_h columns
+  EXPECT_EQ(f.calls, 1);
+  const CostTerms project_first = ForwardCostTerms(summed, std::span(&s, 1), SummedOrder{});
+  EXPECT_DOUBLE_EQ(project_first.gemm_flops, 2 * d * (n * q + m * kv + m * 4 * d));
+  EXPECT_DOUBLE_EQ(project_first.attention_flops, 2 * n * m * (q + 4 * d));
+  const CostTerms mix_first = ForwardCostTerms(summed, std::span(&s, 1), SummedOrder{.mix_first_allowed = true});
+  EXPECT_DOUBLE_EQ(mix_first.gemm_flops, 2 * d * (n * q + m * kv + n * 4 * d));
+  EXPECT_DOUBLE_EQ(mix_first.attention_flops, project_first.attention_flops);
+  EXPECT_LT(mix_first.bytes, project_first.bytes) << "mixing first writes n rows of the value block, not m";
+  EXPECT_GT(f.bytes, static_cast<double>(factored.Bytes()));
+}
+
+TEST(FormCostTest, TermsSumToForwardFlopsForRandomBatches) {
+  std::mt19937_64 rng(testing::TestSeed());
+  for (int trial = 0; trial < 30; ++trial) {
+    const int64_t kv = std::uniform_int_distribution<int64_t>(1, 3)(rng);
+    const LayerWeights w = RandomLayerWeights(
+        Config(std::uniform_int_distribution<int64_t>(4, 40)(rng), kv * std::uniform_int_distribution<int64_t>(1, 3)(rng),
+               kv, std::uniform_int_distribution<int64_t>(1, 9)(rng)),
+        rng());
+    std::vector<SequenceShape> batch;
+    for (int i = 0; i < 1 + trial % 4; ++i) {
+      const int64_t m = std::uniform_int_distribution<int64_t>(1, 300)(rng);
+      batch.push_back({.n = std::uniform_int_distribution<int64_t>(1, 300)(rng), .m = m,
+                       .keys = trial % 2 ? -1 : std::uniform_int_distribution<int64_t>(1, m)(rng)});
+    }
+    const SummedOrder order{.mix_first_allowed = trial % 3 != 0, .max_a_cat_bytes = 4096};
+    for (const FormWeights& f : {MaterializeFactored(w), MaterializeSummed(w)}) {
+      const CostTerms t = ForwardCostTerms(f, batch, order);
+      EXPECT_NEAR(t.gemm_flops + t.attention_flops, ForwardFlops(f, batch, order), 1e-9 * ForwardFlops(f, batch, order))
+          << FormName(f.form) << " trial " << trial;
+    }
+  }
+}
+
+// Samples made from known coefficients (with 1 % noise) give them back; a term the data do not
+// need gets no negative weight.
+TEST(FormCostTest, FitRecoversKnownCoefficients) {
+  std::mt19937_64 rng(testing::TestSeed());
+  std::normal_distribution<double> noise(0.0, 0.01);
+  const std::array<double, CostTerms::kCount> truth = {2e-11, 5e-11, 1e-10, 3e-5};
+  std::vector<CostSample> samples;
+  for (int i = 0; i < 12; ++i) {
+    CostTerms t{.gemm_flops = std::exp(std::uniform_real_distribution<double>(12, 22)(rng)),
+                .attention_flops = std::exp(std::uniform_real_distribution<double>(10, 21)(rng)),
+                .bytes = std::exp(std::uniform_real_distribution<double>(14, 20)(rng)),
+                .calls = 1};
+    const auto a = t.AsArray();
+    double s = 0;
+    for (size_t k = 0; k < a.size(); ++k) s += truth[k] * a[k];
+    samples.push_back({.terms = t, .seconds = s * (1 + noise(rng))});
+  }
+  StatusOr<FormCostCoefficients> fit = FitFormCost(samples);
+  ASSERT_TRUE(fit.ok()) << fit.status().ToString();
+  double worst = 0;
+  for (const CostSample& s : samples) worst = std::max(worst, std::abs(fit->Predict(s.terms) / s.seconds - 1));
+  EXPECT_LT(worst, 0.05) << "the fit predicts its own samples within their noise";
+  for (double c : fit->per_term) EXPECT_GE(c, 0);
+  EXPECT_NEAR(fit->per_term[0] / truth[0], 1, 0.2);
+  EXPECT_NEAR(fit->per_term[1] / truth[1], 1, 0.2);
+
+  // Time that falls as the attention grows: the unconstrained fit's attention coefficient is
+  // negative; the non-negative one leaves that term out.
+  std::vector<CostSample> falling;
+  for (int i = 1; i <= 6; ++i) {
+    falling.push_back({.terms = {.gemm_flops = 1e9 * i, .attention_flops = 1e8 * (7 - i), .bytes = 0, .calls = 1},
+                       .seconds = 0.01 * i - 0.001 * (7 - i) + 0.02});
+  }
+  fit = FitFormCost(falling);
+  ASSERT_TRUE(fit.ok()) << fit.status().ToString();
+  for (double c : fit->per_term) EXPECT_GE(c, 0);
+
+  EXPECT_EQ(FitFormCost(std::span(samples.data(), 1)).status().code(), StatusCode::kInvalidArgument);
+  std::vector<CostSample> bad = {samples[0], samples[1]};
+  bad[1].seconds = 0;
+  const Status refused = FitFormCost(bad).status();
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("samples[1].seconds"), std::string::npos) << refused.message();
+}
+
+TEST(FormCostTest, FlopCountModelPicksTheFormWithFewerFlops) {
+  const LayerWeights w = RandomLayerWeights(Config(64, 8, 8, 8), 3);
+  const FormWeights factored = MaterializeFactored(w), summed = MaterializeSummed(w);
+  const SummedOrder mix_first{.mix_first_allowed = true};
+  for (const SequenceShape s : {SequenceShape{.n = 1, .m = 512}, SequenceShape{.n = 64, .m = 64},
+                                SequenceShape{.n = 8, .m = 16}, SequenceShape{.n = 200, .m = 300}}) {
+    const std::span<const SequenceShape> batch(&s, 1);
+    const Form want = ForwardFlops(summed, batch, mix_first) < ForwardFlops(factored, batch, mix_first) ? Form::kSummed
+                                                                                                        : Form::kFactored;
+    EXPECT_EQ(ChooseExactForm(FlopCountModel(), factored, &summed, batch, mix_first).form, want)
+        << "n " << s.n << " m " << s.m;
+    EXPECT_EQ(ChooseExactForm(FlopCountModel(), factored, nullptr, batch, mix_first).form, Form::kFactored)
+        << "a layer without the summed form";
+  }
+}
+
+// A layer on the CPU backend, its exact forms resident.
+std::shared_ptr<Layer> ResidentLayer(Backend& backend, const LayerConfig& config, uint64_t serial) {
+  auto layer = std::make_shared<Layer>();
+  layer->name = "calibrated";
+  layer->serial = serial;
+  layer->config = config;
+  const LayerWeights w = RandomLayerWeights(config, serial);
+  for (FormWeights f : {MaterializeFactored(w), MaterializeSummed(w)}) {
+    const Form form = f.form;
+    StatusOr<std::shared_ptr<const ResidentForm>> r = backend.Upload(std::make_shared<const FormWeights>(std::move(f)));
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    layer->forms.emplace(form, *r);
+  }
+  return layer;
+}
+
+// Seconds of the best of `runs` forwards of one synthetic sequence of this shape.
+double TimeForward(Backend& backend, const ResidentForm& form, const SequenceShape& s, std::mt19937_64& rng, int runs) {
+  const int64_t d = form.weights().config.d_model;
+  testing::OwnedSequence seq = testing::RandomSequence(rng, d, s.n, s.m, s.m != s.n, false, -1);
+  const Sequence view = seq.View();
+  double best = INFINITY;
+  for (int i = 0; i < runs; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_TRUE(backend.Forward(form, std::span(&view, 1)).ok());
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+// The constants measured here (the server's calibration, AutoFormChooser) pick the summed form
+// for a few queries against a long context, which it mixes first, and the factored form when
+// queries and keys are alike in number; each pick is the faster form as timed here, and the
+// measured model was used (not the flop count).
+TEST(FormCostTest, CalibratedModelPicksTheFasterFormOnThisCpu) {
+  CpuBackend backend;
+  ASSERT_TRUE(backend.summed_order().mix_first_allowed) << "the CPU backend mixes first by default";
+  std::shared_ptr<Layer> layer = ResidentLayer(backend, Config(256, 8, 8, 32), 11);
+  AutoFormChooser chooser(&backend, AutoFormOptions{.calibration_budget = std::chrono::milliseconds(2000)});
+  const FormCostModel& model = chooser.Calibrate(*layer);
+  EXPECT_TRUE(model.measured) << "the calibration fitted both forms within its budget";
+  for (Form f : kExactForms) {
+    for (double c : model.Of(f).per_term) EXPECT_GE(c, 0) << FormName(f);
+  }
+  std::mt19937_64 rng(testing::TestSeed());
+  struct Cell {
+    SequenceShape shape;
+    Form want;
+  };
+  for (const Cell& cell : {Cell{{.n = 1, .m = 2048}, Form::kSummed}, Cell{{.n = 4, .m = 4096}, Form::kSummed},
+                           Cell{{.n = 128, .m = 128}, Form::kFactored}, Cell{{.n = 256, .m = 256}, Form::kFactored}}) {
+    const ExactChoice choice = chooser.Choose(*layer, std::span(&cell.shape, 1));
+    const double factored = TimeForward(backend, *layer->Find(Form::kFactored), cell.shape, rng, 3);
+    const double summed = TimeForward(backend, *layer->Find(Form::kSummed), cell.shape, rng, 3);
+    EXPECT_EQ(choice.form, cell.want) << "n " << cell.shape.n << " m " << cell.shape.m << ": predicted factored "
+                                      << choice.predicted_seconds[0] << " s, summed " << choice.predicted_seconds[1]
+                                      << " s; timed factored " << factored << " s, summed " << summed << " s";
+    EXPECT_EQ(cell.want == Form::kSummed, summed < factored)
+        << "the cell's faster form as timed here (n " << cell.shape.n << " m " << cell.shape.m << ")";
+  }
+}
+
+// With no calibration budget the flop count decides, and a layer is fitted once per load.
+TEST(FormCostTest, NoBudgetMeansTheFlopCountAndOneModelPerLoad) {
+  CpuBackend backend;
+  std::shared_ptr<Layer> layer = ResidentLayer(backend, Config(64, 4, 4, 16), 5);
+  AutoFormChooser untimed(&backend, AutoFormOptions{.calibration_budget = std::chrono::milliseconds(0)});
+  EXPECT_FALSE(untimed.Calibrate(*layer).measured);
+  AutoFormChooser timed(&backend, AutoFormOptions{.calibration_budget = std::chrono::milliseconds(500),
+                                                  .max_context = 256});
+  const FormCostModel* first = &timed.Calibrate(*layer);
+  EXPECT_TRUE(first->measured);
+  EXPECT_EQ(&timed.Calibrate(*layer), first) << "the same load is not timed again";
+  std::shared_ptr<Layer> reloaded = ResidentLayer(backend, layer->config, 6);
+  EXPECT_NE(&timed.Calibrate(*reloaded), first) << "a new load (serial) is timed anew";
+}
+
+}  // namespace
+}  // namespace attnserve
