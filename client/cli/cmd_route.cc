@@ -20,7 +20,7 @@ bool ParseNumber(std::string_view text, double* out) {
 
 bool ParseSpec(std::string_view spec, std::vector<v1::RouteWeight>* out, std::string* error) {
   const std::string expected =
-      "SPEC: expected FORM:WEIGHT[,FORM:WEIGHT...] with FORM factored, summed or lowrank and WEIGHT >= 0 "
+      "SPEC: expected FORM:WEIGHT[,FORM:WEIGHT...] with FORM factored, summed, lowrank or auto and WEIGHT >= 0 "
       "(e.g. factored:90,summed:10), got '" + std::string(spec) + "'";
   if (spec.empty()) {
     *error = expected;

@@ -20,7 +20,7 @@ struct RouteArgs {
 };
 
 // `route [LAYER (SPEC | --clear)] [--shadow-rate R]`. SPEC is FORM:WEIGHT[,FORM:WEIGHT...] with
-// FORM factored, summed or lowrank and WEIGHT >= 0 (e.g. factored:90,summed:10). Errors name
+// FORM factored, summed, lowrank or auto and WEIGHT >= 0 (e.g. factored:90,summed:10). Errors name
 // the argument, what was expected and what came.
 bool ParseRouteArgs(const std::vector<std::string>& args, RouteArgs* out, std::string* error);
 // "factored:90,summed:10": the weights as percentages of their sum.

@@ -432,7 +432,7 @@ class OpenInferenceProtocol(unittest.TestCase):
             ("INVALID_ARGUMENT", ["key_lengths.datatype: expected INT32", "'INT64'"],
              raw_request("small", [("x", "FP32", x, "raw"), ("key_lengths", "INT64", np.array([1, 1], np.int64),
                                                               "raw")])),
-            ("INVALID_ARGUMENT", ["parameters['form']: expected 'factored', 'summed' or 'lowrank'", "'fast'"],
+            ("INVALID_ARGUMENT", ["parameters['form']: expected 'factored', 'summed', 'lowrank' or 'auto'", "'fast'"],
              raw_request("small", [("x", "FP32", x, "raw")], {"form": "fast"})),
             ("INVALID_ARGUMENT", ["parameters['causal']: expected a bool, got a string"],
              raw_request("small", [("x", "FP32", x, "raw")], {"causal": "yes"})),

@@ -131,6 +131,12 @@ TEST(RouteCliTest, ShowSetClearAndShadow) {
   EXPECT_FALSE(a.change());
 
   a = {};
+  ASSERT_TRUE(cli::ParseRouteArgs({"demo", "summed:1,auto:3"}, &a, &error)) << error;
+  ASSERT_EQ(a.weights.size(), 2u);
+  EXPECT_EQ(a.weights[1].form(), v1::FORM_AUTO);  // auto is a route target (docs/service.md, "Form auto")
+  EXPECT_EQ(a.weights[1].weight(), 3);
+
+  a = {};
   ASSERT_TRUE(cli::ParseRouteArgs({"demo", "factored:90,summed:10"}, &a, &error)) << error;
   EXPECT_TRUE(a.change());
   EXPECT_EQ(a.layer, "demo");
@@ -160,7 +166,8 @@ TEST(RouteCliTest, ErrorsNameTheArgument) {
   for (const Case& c : {
            Case{{"demo"}, "missing SPEC after LAYER 'demo'"},
            Case{{"demo", "factored"}, "SPEC: expected FORM:WEIGHT[,FORM:WEIGHT...]"},
-           Case{{"demo", "auto:1"}, "(at 'auto:1')"},
+           Case{{"demo", "fast:1"}, "(at 'fast:1')"},
+           Case{{"demo", "routed:1"}, "(at 'routed:1')"},  // the router's choice is no route target
            Case{{"demo", "factored:-1"}, "(at 'factored:-1')"},
            Case{{"demo", "factored:1,"}, "(at '')"},
            Case{{"demo", "factored:1", "extra"}, "unexpected argument 'extra'"},

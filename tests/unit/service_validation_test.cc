@@ -355,8 +355,8 @@ TEST(ValidationTest, MisalignedFloat32IsCopiedNotReadInPlace) {
 }
 
 TEST(ValidationTest, FormChoice) {
-  for (int f : {0, 1, 2, 3}) EXPECT_TRUE(CheckWireForm(f).ok()) << f;
-  for (int f : {4, -1, 100}) {
+  for (int f : {0, 1, 2, 3, 4}) EXPECT_TRUE(CheckWireForm(f).ok()) << f;  // 4: FORM_AUTO
+  for (int f : {5, -1, 100}) {
     const Status s = CheckWireForm(f);
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
     EXPECT_THAT(s.message(), AllOf(HasSubstr("form"), HasSubstr("got " + std::to_string(f))));
