@@ -19,12 +19,14 @@ Usage: calibrated_rank_numpy_test.py LOWRANK_TIMING   (skips, saying why, withou
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 import tempfile
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from attention_reference import read_safetensors  # noqa: E402
 
 EPS = 0.1
 SEQ = 128
@@ -37,16 +39,8 @@ def model_dir():
 
 
 def read(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, t in header.items():
-        if name != "__metadata__" and t["dtype"] == "F32":
-            a, b = t["data_offsets"]
-            out[name] = np.frombuffer(data[a:b], dtype="<f4").reshape(t["shape"]).astype(np.float64)
-    return out
+    """The checkpoint's float32 tensors, as float64."""
+    return {name: t.astype(np.float64) for name, t in read_safetensors(path).items() if t.dtype == np.float32}
 
 
 def layer_norm(x, w, b):

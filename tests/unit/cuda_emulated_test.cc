@@ -27,6 +27,7 @@
 #include "server/core/forms.h"
 #include "server/core/reference.h"
 #include "server/core/spectrum.h"
+#include "tests/unit/device_vector.h"
 #include "tests/unit/test_support.h"
 
 #if defined(ATTNSERVE_ASAN)
@@ -40,24 +41,9 @@ namespace attnserve {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::DeviceVector;
 using testing::RandomSequence;
 using testing::RelativeL2;
-
-// Device memory for a test, freed at the end of the scope.
-struct DeviceVector {
-  explicit DeviceVector(const std::vector<float>& host) : size(host.size()) {
-    EXPECT_EQ(cudaMalloc(&data, size * sizeof(float)), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(data, host.data(), size * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~DeviceVector() { cudaFree(data); }
-  std::vector<float> Read() const {
-    std::vector<float> host(size);
-    EXPECT_EQ(cudaMemcpy(host.data(), data, size * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-    return host;
-  }
-  float* data = nullptr;
-  size_t size;
-};
 
 class CudaEmulationTest : public ::testing::Test {
  protected:

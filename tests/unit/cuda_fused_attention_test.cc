@@ -19,11 +19,13 @@
 #include "server/backend/cuda/fused_attention.h"
 #include "server/core/forms.h"
 #include "server/core/reference.h"
+#include "tests/unit/device_vector.h"
 #include "tests/unit/test_support.h"
 
 namespace attnserve {
 namespace {
 
+using testing::DeviceVector;
 using testing::RandomSequence;
 using testing::RelativeL2;
 
@@ -35,22 +37,6 @@ class CudaFusedAttentionTest : public ::testing::Test {
   }
   void TearDown() override { cuda_emulation::Reset(); }
   std::mt19937_64 rng_{testing::TestSeed()};
-};
-
-// Device memory for a test, freed at the end of the scope.
-struct DeviceVector {
-  explicit DeviceVector(const std::vector<float>& host) : size(host.size()) {
-    EXPECT_EQ(cudaMalloc(&data, size * sizeof(float)), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(data, host.data(), size * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~DeviceVector() { cudaFree(data); }
-  std::vector<float> Read() const {
-    std::vector<float> host(size);
-    EXPECT_EQ(cudaMemcpy(host.data(), data, size * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
-    return host;
-  }
-  float* data = nullptr;
-  size_t size;
 };
 
 // One range of a launch, on the host: its queries [rows, q_ld], keys and values [m, ·] (keys
