@@ -43,7 +43,7 @@ FormCostModel AutoFormChooser::Fit(const Layer& layer) const {
   FormCostModel model = FlopCountModel();
   const ResidentForm* summed = layer.Find(Form::kSummed);
   if (options_.calibration_budget.count() <= 0 || summed == nullptr) return model;  // one form: nothing to choose
-  const Clock::time_point start = Clock::now();
+  const Clock::time_point start = options_.now();
   const Clock::time_point until = start + options_.calibration_budget;
   const SummedOrder order = backend_->summed_order();
   std::mt19937 rng(static_cast<uint32_t>(layer.serial));
@@ -67,9 +67,9 @@ FormCostModel AutoFormChooser::Fit(const Layer& layer) const {
   // forward cannot be cut short, so one the fastest rate seen so far says would overrun the
   // budget is not started (a wide layer's summed form at n = m takes seconds).
   double flops_per_second = 0;
-  for (int pass = 0; pass <= kPasses && Clock::now() < until; ++pass) {
+  for (int pass = 0; pass <= kPasses && options_.now() < until; ++pass) {
     for (Probe& p : probes) {
-      const Clock::time_point t0 = Clock::now();
+      const Clock::time_point t0 = options_.now();
       if (t0 >= until) break;
       const double flops = ForwardFlops(p.resident->weights(), std::span(&shapes[p.shape], 1), order);
       if (flops_per_second > 0 && flops / flops_per_second > std::chrono::duration<double>(until - t0).count()) {
@@ -81,7 +81,7 @@ FormCostModel AutoFormChooser::Fit(const Layer& layer) const {
                      FormName(p.resident->weights().form), st.ToString());
         return model;
       }
-      const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      const double seconds = std::chrono::duration<double>(options_.now() - t0).count();
       if (seconds > 0) flops_per_second = std::max(flops_per_second, flops / seconds);
       if (pass > 0) p.best = std::min(p.best, seconds);
     }
@@ -107,7 +107,7 @@ FormCostModel AutoFormChooser::Fit(const Layer& layer) const {
   fitted.measured = true;
   spdlog::info("layer '{}': auto's cost model fitted from {} timed forwards in {:.0f} ms", layer.name,
                samples[0].size() + samples[1].size(),
-               std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+               std::chrono::duration<double, std::milli>(options_.now() - start).count());
   return fitted;
 }
 

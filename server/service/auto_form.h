@@ -11,6 +11,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -29,6 +30,9 @@ struct AutoFormOptions {
   std::chrono::milliseconds calibration_budget{1000};
   // The longest synthetic context the calibration times (CalibrationShapes).
   int64_t max_context = 1024;
+  // The clock the calibration times its forwards and keeps its budget by: the steady clock; a
+  // test's own clock makes a calibration deterministic.
+  std::function<std::chrono::steady_clock::time_point()> now = [] { return std::chrono::steady_clock::now(); };
 };
 
 class AutoFormChooser {

@@ -210,5 +210,59 @@ TEST(FormCostTest, NoBudgetMeansTheFlopCountAndOneModelPerLoad) {
   EXPECT_NE(&timed.Calibrate(*reloaded), first) << "a new load (serial) is timed anew";
 }
 
+// A backend that computes nothing and whose forwards take, on a clock of its own, a fixed price
+// per flop counted in the summed order it declares: a calibration timed by that clock is
+// deterministic, and the model fitted from it must price every shape as the backend does.
+class MeteredBackend final : public Backend {
+ public:
+  static constexpr double kSecondsPerFlop = 1e-12;  // 1 TFLOP/s
+
+  explicit MeteredBackend(SummedOrder order) : order_(order) {}
+  std::string DeviceName() const override { return "metered"; }
+  StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override {
+    return cpu_.Upload(std::move(form));
+  }
+  Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override {
+    std::vector<SequenceShape> shapes;
+    for (const Sequence& s : batch) shapes.push_back({.n = s.n(), .m = s.m(), .keys = s.key_length});
+    elapsed_ += ForwardFlops(form.weights(), shapes, order_) * kSecondsPerFlop;
+    return OkStatus();
+  }
+  SummedOrder summed_order() const override { return order_; }
+  std::chrono::steady_clock::time_point Now() const {
+    return std::chrono::steady_clock::time_point(
+        std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(elapsed_)));
+  }
+
+ private:
+  CpuBackend cpu_{CpuBackendOptions{.threads = 1}};
+  const SummedOrder order_;
+  double elapsed_ = 0;
+};
+
+// The calibration counts the summed form's work in the order the backend runs it: against a
+// backend that mixes first, the fitted model prices a few queries over a long context (where
+// mixing first saves the context's value projection) at the backend's own time, within 1 %.
+TEST(FormCostTest, CalibrationCountsTheBackendsSummedOrder) {
+  for (const bool mix_first : {true, false}) {
+    MeteredBackend backend(SummedOrder{.mix_first_allowed = mix_first});
+    std::shared_ptr<Layer> layer = ResidentLayer(backend, Config(256, 8, 8, 32), 21);
+    AutoFormChooser chooser(&backend, AutoFormOptions{.calibration_budget = std::chrono::milliseconds(1000),
+                                                      .now = [&backend] { return backend.Now(); }});
+    ASSERT_TRUE(chooser.Calibrate(*layer).measured) << "mix first " << mix_first;
+    for (const SequenceShape s : {SequenceShape{.n = 1, .m = 2048}, SequenceShape{.n = 4, .m = 4096},
+                                  SequenceShape{.n = 16, .m = 600}, SequenceShape{.n = 300, .m = 300}}) {
+      const std::span<const SequenceShape> batch(&s, 1);
+      const ExactChoice choice = chooser.Choose(*layer, batch);
+      for (Form f : kExactForms) {
+        const double truth = ForwardFlops(layer->Find(f)->weights(), batch, backend.summed_order()) *
+                             MeteredBackend::kSecondsPerFlop;
+        EXPECT_NEAR(choice.predicted_seconds[static_cast<size_t>(f)], truth, 0.01 * truth)
+            << FormName(f) << ", mix first " << mix_first << ", n " << s.n << " m " << s.m;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attnserve
