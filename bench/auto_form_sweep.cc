@@ -9,12 +9,13 @@
 //                   [--reps 7] [--calibration-ms 1000] [--noise 0.03] [--threads 0]
 //
 // --layers D x H: d_model and heads (d_head = D / H, no GQA, with biases). Each variant's time is
-// the best of --reps rounds (a round runs the three in turn): on a shared machine the others'
-// load only ever adds time, and the best is the cell's own cost, as the calibration's best-of-3
-// is. A cell whose two forms differ by
+// the best of --reps rounds (a round runs the three in turn, in each of their 6 orders in turn,
+// so that none always follows its twin's warm cache): on a shared machine the others' load only
+// ever adds time, and the best is the cell's own cost, as the calibration's best-of-3 is. A cell whose two forms differ by
 // less than --noise (relative to the faster) is a tie: either pick is right there, and it is
 // counted apart. --threads: the backend's (0: every core).
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -161,14 +162,25 @@ void SweepLayer(CpuBackend& backend, const Args& args, int64_t d, int64_t heads,
       ExactChoice choice;
       Form picked = Form::kFactored;
       // At least --reps rounds, more for short cells (up to 40, until each form has run 150 ms).
+      // Each round runs the three in the next of their 6 orders: a forward right after one of the
+      // other form reads its weights from a cache the other form's weights evicted (28 MB of
+      // summed weights at d 768), right after its own form from a warm one, so a fixed order
+      // would favour whichever variant follows its twin. Cycling through every order gives each
+      // variant each predecessor alike.
+      std::array<int, 3> order = {0, 1, 2};
       for (int r = 0; r < args.reps || (r < 40 && std::min(Sum(tf), Sum(ts)) < 150); ++r) {
-        tf.push_back(run(Form::kFactored));
-        ts.push_back(run(Form::kSummed));
-        const Clock::time_point start = Clock::now();
-        choice = chooser.Choose(layer, std::span(&shape, 1));
-        picked = choice.form;
-        const double choose_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-        ta.push_back(choose_ms + run(picked));
+        for (int variant : order) {
+          if (variant == 0) tf.push_back(run(Form::kFactored));
+          if (variant == 1) ts.push_back(run(Form::kSummed));
+          if (variant == 2) {
+            const Clock::time_point start = Clock::now();
+            choice = chooser.Choose(layer, std::span(&shape, 1));
+            picked = choice.form;
+            const double choose_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+            ta.push_back(choose_ms + run(picked));
+          }
+        }
+        if (!std::next_permutation(order.begin(), order.end())) order = {0, 1, 2};
       }
       const double f = Best(tf), sm = Best(ts), a = Best(ta);
       const double best = std::min(f, sm);
