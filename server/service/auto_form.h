@@ -40,8 +40,9 @@ class AutoFormChooser {
   // `backend` (not owned) outlives the chooser; it is the one that serves the layers.
   AutoFormChooser(Backend* backend, AutoFormOptions options);
 
-  // Fits `layer`'s model now unless it has one (the server calls it for the layers loaded at
-  // start; a layer loaded later is calibrated by its first `auto` request).
+  // Fits `layer`'s model now unless it has one. The server calls it through Choose, so a layer
+  // is calibrated by its first `auto` request, on that request's thread (docs/service.md, "Form
+  // auto"), whether it was loaded at start or later.
   const FormCostModel& Calibrate(const Layer& layer);
 
   // The exact held form for `batch` (the request's sequences), with the model's predictions.
