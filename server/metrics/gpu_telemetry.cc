@@ -5,27 +5,31 @@
 #include <string>
 #include <utility>
 
-namespace attnserve {
-namespace {
-
 // NVML's C ABI, declared here rather than taken from nvml.h (which the CUDA toolkit ships, and
 // the server must build without): these are the declarations of nvml.h as NVIDIA documents them
 // (NVML API Reference, "Device Queries" and "Initialization and Cleanup"), stable since NVML's
 // _v2 entry points (driver 325). nvmlReturn_t is a C enum (int), NVML_SUCCESS = 0; a device is
-// an opaque pointer; nvmlTemperatureSensors_t NVML_TEMPERATURE_GPU = 0.
-using nvmlReturn_t = int;
-using nvmlDevice_t = struct nvmlDevice_st*;
-constexpr nvmlReturn_t kNvmlSuccess = 0;
-constexpr int kNvmlTemperatureGpu = 0;
-struct nvmlUtilization_t {
+// an opaque pointer; nvmlTemperatureSensors_t NVML_TEMPERATURE_GPU = 0. The types are at global
+// scope with nvml.h's struct tags, as a C library's are: a call through a pointer whose type
+// names other types is undefined (UBSan's -fsanitize=function reports it against the test's
+// stand-in, tests/cuda_emulation/fake_nvml.cc, which declares the same).
+typedef struct nvmlDevice_st* nvmlDevice_t;
+typedef struct nvmlUtilization_st {
   unsigned int gpu;     // percent of the last sample period a kernel ran
   unsigned int memory;  // percent of it device memory was read or written
-};
-struct nvmlMemory_t {
+} nvmlUtilization_t;
+typedef struct nvmlMemory_st {
   unsigned long long total;  // bytes
   unsigned long long free;
   unsigned long long used;
-};
+} nvmlMemory_t;
+
+namespace attnserve {
+namespace {
+
+using nvmlReturn_t = int;
+constexpr nvmlReturn_t kNvmlSuccess = 0;
+constexpr int kNvmlTemperatureGpu = 0;
 
 template <typename Fn>
 bool Bind(void* library, const char* name, Fn* fn) {
