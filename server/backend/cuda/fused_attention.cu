@@ -2,14 +2,7 @@
 #include <cmath>
 
 #include "server/backend/cuda/fused_attention.h"
-
-// As in kernels.cu: nvcc launches on the device; compiled as C++, this file is the tests' host
-// emulation of the kernel (tests/cuda_emulation).
-#ifdef __CUDACC__
-#define ATTNSERVE_LAUNCH(kernel, grid, block, stream) kernel<<<(grid), (block), 0, (stream)>>>
-#else
-#define ATTNSERVE_LAUNCH(kernel, grid, block, stream) ::cuda_emulation::Launch(kernel, (grid), (block), (stream))
-#endif
+#include "server/backend/cuda/launch.h"
 
 namespace attnserve::cuda {
 namespace {

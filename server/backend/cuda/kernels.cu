@@ -3,14 +3,7 @@
 #include <cmath>
 
 #include "server/backend/cuda/kernels.h"
-
-// nvcc launches on the device. Compiled as C++, this file is the tests' host emulation of the
-// kernels (tests/cuda_emulation), which runs the same bodies on the CPU.
-#ifdef __CUDACC__
-#define ATTNSERVE_LAUNCH(kernel, grid, block, stream) kernel<<<(grid), (block), 0, (stream)>>>
-#else
-#define ATTNSERVE_LAUNCH(kernel, grid, block, stream) ::cuda_emulation::Launch(kernel, (grid), (block), (stream))
-#endif
+#include "server/backend/cuda/launch.h"
 
 namespace attnserve::cuda {
 namespace {
