@@ -26,12 +26,15 @@ import json
 import math
 import os
 import re
-import struct
 import subprocess
 import sys
 import unicodedata
 
 import numpy as np
+
+# The checkpoint reader and softmax of the tests' float64 reference (tests/tools).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "tools"))
+from attention_reference import read_safetensors as read_tensors, softmax_scores  # noqa: E402
 
 SEQ = 128
 
@@ -42,17 +45,8 @@ def cache_dir():
 
 
 def read_safetensors(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__" or t["dtype"] != "F32":
-            continue
-        a, b = t["data_offsets"]
-        out[name] = np.frombuffer(data[a:b], dtype="<f4").reshape(t["shape"]).astype(np.float64)
-    return out
+    """The checkpoint's float32 tensors, as float64."""
+    return {name: t.astype(np.float64) for name, t in read_tensors(path).items() if t.dtype == np.float32}
 
 
 class WordPiece:
@@ -146,9 +140,7 @@ def attention(t, l, h, heads=12):
     out = np.zeros((n, d))
     for i in range(heads):
         c = slice(i * dh, (i + 1) * dh)
-        s = q[:, c] @ k[:, c].T / math.sqrt(dh)
-        a = np.exp(s - s.max(1, keepdims=True))
-        a /= a.sum(1, keepdims=True)
+        a = softmax_scores(q[:, c], k[:, c], False, -1)
         out[:, c] = a @ v[:, c]
     return out @ t[p + "output.dense.weight"].T + t[p + "output.dense.bias"]
 
@@ -191,9 +183,7 @@ def curves(t, l, calib, held, heads=12):
         q, k = x @ wq + bq, x @ wk + bk
         for i in range(heads):
             c = slice(i * dh, (i + 1) * dh)
-            s = q[:, c] @ k[:, c].T / math.sqrt(dh)
-            a = np.exp(s - s.max(1, keepdims=True))
-            a /= a.sum(1, keepdims=True)
+            a = softmax_scores(q[:, c], k[:, c], False, -1)
             z[i][start:start + SEQ] = a @ x
     bases = {"weight": [], "aware": []}
     y = np.tile(b_eff, (held.shape[0], 1))

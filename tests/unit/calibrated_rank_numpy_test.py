@@ -17,7 +17,6 @@ further off; and the backend's measured divergence equal to it at float32 precis
 Usage: calibrated_rank_numpy_test.py LOWRANK_TIMING   (skips, saying why, without the model)
 """
 import json
-import math
 import os
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
-from attention_reference import read_safetensors  # noqa: E402
+from attention_reference import read_safetensors, softmax_scores  # noqa: E402
 
 EPS = 0.1
 SEQ = 128
@@ -61,9 +60,7 @@ def outputs(t, x, head_matrices, b_eff, heads=12):
         q, k = xs @ wq + bq, xs @ wk + bk
         for i in range(heads):
             c = slice(i * dh, (i + 1) * dh)
-            s = q[:, c] @ k[:, c].T / math.sqrt(dh)
-            a = np.exp(s - s.max(1, keepdims=True))
-            a /= a.sum(1, keepdims=True)
+            a = softmax_scores(q[:, c], k[:, c], False, -1)
             y[start:start + SEQ] += a @ xs @ head_matrices[i]
     return y
 
