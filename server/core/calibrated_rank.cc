@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "server/core/rope.h"
 #include "server/core/spectrum_internal.h"
 
 namespace attnserve {
@@ -28,23 +29,6 @@ struct WhitenedHead {
   std::vector<double> tail;  // tail[r] = Σ_{j ≥ r} s_j² ‖t_j‖², tail[k] = 0
 };
 
-// HF's rotate-half RoPE on the rows of m ([n, heads·d_h], row r at position r), in float64.
-void Rope(MatrixD& m, int64_t heads, int64_t dh, double theta) {
-  const int64_t half = dh / 2;
-  for (int64_t r = 0; r < m.rows(); ++r) {
-    for (int64_t t = 0; t < half; ++t) {
-      const double angle =
-          static_cast<double>(r) * std::pow(theta, -2.0 * static_cast<double>(t) / static_cast<double>(dh));
-      const double c = std::cos(angle), s = std::sin(angle);
-      for (int64_t h = 0; h < heads; ++h) {
-        const double x1 = m(r, h * dh + t), x2 = m(r, h * dh + t + half);
-        m(r, h * dh + t) = x1 * c - x2 * s;
-        m(r, h * dh + t + half) = x2 * c + x1 * s;
-      }
-    }
-  }
-}
-
 MatrixD Projected(const MatrixD& x, const std::vector<float>& w, int64_t cols, const std::vector<float>& bias) {
   MatrixD out = x * Eigen::Map<const RowMatrixF>(w.data(), x.cols(), cols).cast<double>();
   if (!bias.empty()) out.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(bias.data(), cols).cast<double>();
@@ -62,8 +46,9 @@ void MixCalibrationRows(const LayerWeights& w, const MatrixD& x, std::vector<Whi
     const int64_t n = std::min(kCalibrationSequence, x.rows() - start);
     MatrixD qs = q.middleRows(start, n), ks = k.middleRows(start, n);
     if (c.rope_theta > 0) {
-      Rope(qs, c.heads, dh, c.rope_theta);
-      Rope(ks, c.kv_heads, dh, c.rope_theta);
+      ApplyRopeFloat64([&](int64_t r, int64_t col) -> double& { return qs(r, col); }, n, c.heads, dh, c.rope_theta, 0);
+      ApplyRopeFloat64([&](int64_t r, int64_t col) -> double& { return ks(r, col); }, n, c.kv_heads, dh, c.rope_theta,
+                       0);
     }
     for (int64_t i = 0; i < c.heads; ++i) {
       MatrixD a = scale * qs.middleCols(i * dh, dh) * ks.middleCols(c.KvHeadOf(i) * dh, dh).transpose();

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "server/core/rope.h"
+
 namespace attnserve {
 namespace {
 
@@ -34,19 +36,9 @@ std::vector<std::vector<double>> AttentionWeights(const LayerWeights& w, const S
   if (c.rope_theta > 0) {
     // Rotary embedding from its definition: pair (t, t + d_h/2) turned by p · θ^(−2t/d_h).
     auto rotate = [&](std::vector<double>& x, int64_t rows, int64_t heads, int64_t first) {
-      const int64_t cols = heads * dh, half = dh / 2;
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t h = 0; h < heads; ++h) {
-          for (int64_t t = 0; t < half; ++t) {
-            const double angle = static_cast<double>(first + r) * std::pow(c.rope_theta, -2.0 * t / dh);
-            double& a = x[r * cols + h * dh + t];
-            double& b = x[r * cols + h * dh + t + half];
-            const double a0 = a, b0 = b;
-            a = a0 * std::cos(angle) - b0 * std::sin(angle);
-            b = b0 * std::cos(angle) + a0 * std::sin(angle);
-          }
-        }
-      }
+      const int64_t cols = heads * dh;
+      ApplyRopeFloat64([&](int64_t r, int64_t col) -> double& { return x[r * cols + col]; }, rows, heads, dh,
+                       c.rope_theta, first);
     };
     rotate(q, n, c.heads, seq.position_offset);
     rotate(k, m, c.kv_heads, seq.self_attention() ? seq.position_offset : 0);
