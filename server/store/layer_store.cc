@@ -35,6 +35,17 @@ StatusOr<std::shared_ptr<const ResidentForm>> UploadForm(Backend* backend, FormW
   return resident;
 }
 
+// One head's Σ_{j<rank} σ_j² and Σ_j σ_j²: the OV energy a rank keeps, and all of it.
+std::pair<double, double> KeptAndTotalEnergy(const HeadSpectrum& head, int64_t rank) {
+  double kept = 0, total = 0;
+  const std::vector<double>& s = head.singular_values;
+  for (size_t j = 0; j < s.size(); ++j) {
+    total += s[j] * s[j];
+    if (static_cast<int64_t>(j) < rank) kept += s[j] * s[j];
+  }
+  return {kept, total};
+}
+
 // The low-rank form of a loaded source: ranks from the spectrum by the source's selection, its
 // size checked before it is allocated.
 StatusOr<FormWeights> BuildLowRank(const LayerSource& loaded, const LayerSpectrum& spectrum, int64_t max_form_bytes,
@@ -77,12 +88,7 @@ StatusOr<FormWeights> BuildLowRank(const LayerSource& loaded, const LayerSpectru
   }
   layer->lowrank_kept_energy = KeptEnergy(spectrum, *ranks);
   for (size_t i = 0; i < ranks->size(); ++i) {
-    const std::vector<double>& s = spectrum.ov[i].singular_values;
-    double kept = 0, all = 0;
-    for (size_t j = 0; j < s.size(); ++j) {
-      all += s[j] * s[j];
-      if (static_cast<int64_t>(j) < (*ranks)[i]) kept += s[j] * s[j];
-    }
+    const auto [kept, all] = KeptAndTotalEnergy(spectrum.ov[i], (*ranks)[i]);
     layer->lowrank_head_kept_energy.push_back(all > 0 ? kept / all : 1.0);
   }
   return lowrank.materialize(loaded.weights, *ranks);
@@ -93,11 +99,9 @@ StatusOr<FormWeights> BuildLowRank(const LayerSource& loaded, const LayerSpectru
 double KeptEnergy(const LayerSpectrum& spectrum, const std::vector<int64_t>& ranks) {
   double kept = 0, total = 0;
   for (size_t i = 0; i < spectrum.ov.size(); ++i) {
-    const std::vector<double>& s = spectrum.ov[i].singular_values;
-    for (size_t j = 0; j < s.size(); ++j) {
-      total += s[j] * s[j];
-      if (i < ranks.size() && static_cast<int64_t>(j) < ranks[i]) kept += s[j] * s[j];
-    }
+    const auto [head_kept, head_total] = KeptAndTotalEnergy(spectrum.ov[i], i < ranks.size() ? ranks[i] : 0);
+    kept += head_kept;
+    total += head_total;
   }
   return total > 0 ? kept / total : 1.0;
 }
