@@ -139,7 +139,9 @@ StatusOr<CalibrationSet> ParseCalibrationNpy(std::string_view bytes, const std::
                                 Printable(shape) + ", got " + std::to_string(bytes.size() - data_at));
   }
   set.x.resize(set.rows * set.d_model);
-  std::memcpy(set.x.data(), bytes.data() + data_at, data_bytes);  // little-endian hosts only, as the server
+  // An empty array ([0, D] or [R, 0]) has no data, and memcpy's null destination is undefined
+  // even for 0 bytes. Its row count is refused later, against the layer (ValidateCalibration).
+  if (data_bytes > 0) std::memcpy(set.x.data(), bytes.data() + data_at, data_bytes);  // little-endian, as the server
   return set;
 }
 

@@ -292,6 +292,12 @@ TEST(CalibratedRankTest, CalibrationFilesAreCheckedBeforeUse) {
   EXPECT_EQ(ok->rows, 2);
   EXPECT_EQ(ok->d_model, 3);
   EXPECT_EQ(ok->x, six);
+  // An empty array parses (UBSan once caught a memcpy to its null data); its rows are refused
+  // against the layer.
+  auto empty = ParseCalibrationNpy(Npy("<f4", "(0, 3)", {}), "c");
+  ASSERT_TRUE(empty.ok()) << empty.status().ToString();
+  EXPECT_EQ(empty->rows, 0);
+  EXPECT_TRUE(empty->x.empty());
   const std::pair<std::string, std::string> bad[] = {
       {Npy("<f8", "(2, 3)", six), "c: expected dtype '<f4' (float32), got '<f8'"},
       {Npy("<f4", "(6,)", six), "c: expected shape [rows, d_model] (2 dimensions), got (6,)"},
