@@ -120,7 +120,8 @@ void SweepLayer(CpuBackend& backend, const Args& args, int64_t d, int64_t heads,
     std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
     std::exit(2);
   }
-  Layer layer;
+  auto held = std::make_shared<Layer>();
+  Layer& layer = *held;
   layer.name = std::to_string(d) + "x" + std::to_string(heads);
   layer.serial = serial;
   layer.config = *config;
@@ -174,7 +175,7 @@ void SweepLayer(CpuBackend& backend, const Args& args, int64_t d, int64_t heads,
           if (variant == 1) ts.push_back(run(Form::kSummed));
           if (variant == 2) {
             const Clock::time_point start = Clock::now();
-            choice = chooser.Choose(layer, std::span(&shape, 1));
+            choice = chooser.Choose(held, std::span(&shape, 1));
             picked = choice.form;
             const double choose_ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
             ta.push_back(choose_ms + run(picked));

@@ -35,10 +35,12 @@
 #include "server/routing/router.h"
 #include "server/routing/routes_file.h"
 #include "server/routing/shadow.h"
+#include "server/service/admin_worker.h"
 #include "server/service/auto_form.h"
 #include "server/service/forward_pipeline.h"
 #include "server/service/http/http_service.h"
 #include "server/service/inference_service.h"
+#include "server/service/live_calibration_build.h"
 #include "server/service/service.h"
 #include "server/store/layer_store.h"
 
@@ -65,6 +67,9 @@ constexpr int kDeviceWatchMs = 250;
 // After the drain, how long a layer load still running on an admin thread may take before the
 // process ends without it (reads of a hung network file system do not return).
 constexpr std::chrono::seconds kAdminGrace(1);
+// Background work waiting at once (a layer's low-rank build from live rows, auto's fit of a
+// layer): a call that finds the queue full leaves it to the next call.
+constexpr int kBackgroundQueue = 16;
 
 // `status` with `context` before its message: what the server was doing when it failed.
 Status InContext(const std::string& context, const Status& status) {
@@ -234,8 +239,18 @@ Status Server::Build() {
   shadow_ = std::make_unique<ShadowRunner>(
       executor_.get(), ShadowOptions{.queue_capacity = options_.shadow_queue, .budget = memory_.get()}, metrics);
 
+  background_ = std::make_unique<AdminWorker>(kBackgroundQueue);
+  AdminWorker* background = background_.get();
+  // A layer's first `auto` request is answered by the flop count while its fit runs here.
   auto_form_ = std::make_unique<AutoFormChooser>(
-      backend_, AutoFormOptions{.calibration_budget = std::chrono::milliseconds(options_.auto_calibration_ms)});
+      backend_, AutoFormOptions{.calibration_budget = std::chrono::milliseconds(options_.auto_calibration_ms),
+                                .schedule =
+                                    [background](std::function<void()> fit) {
+                                      return background->Post({.run = std::move(fit),
+                                                               .refuse = [](const Status&) {},
+                                                               .deadline = std::chrono::steady_clock::time_point::max()});
+                                    },
+                                .memory = memory_.get()});
   // One call path for every protocol and listener: one drain gate for all inference calls.
   pipeline_ = std::make_unique<ForwardPipeline>(
       store_.get(), executor_.get(),
@@ -246,6 +261,7 @@ Status Server::Build() {
                              .memory = memory_.get(),
                              .backend = backend_,
                              .auto_form = auto_form_.get(),
+                             .build_live_calibration = BuildLiveCalibrationOn(background, store_.get()),
                              .max_response_bytes = int64_t{options_.max_message_mb} << 20});
   auto service_options = [&](AdminAccess access) {
     return ServiceOptions{.admin_access = access,
@@ -457,11 +473,12 @@ Stopped Server::Run() {
     http_->Stop(kHttpStopGrace);
     spdlog::info("HTTP listener closed");
   }
-  // gRPC cancelled every call still open at the drain deadline; a layer load can still be
-  // running on an admin thread. It gets kAdminGrace; then the caller ends without it rather
+  // gRPC cancelled every call still open at the drain deadline; a layer load (or a low-rank
+  // build from live rows) can still be running on an admin thread. It gets kAdminGrace; then the caller ends without it rather
   // than hold the drain forever.
   const auto admin_grace = std::chrono::steady_clock::now() + kAdminGrace;
-  if (!service_->WaitForAdminCalls(admin_grace) ||
+  background_->AbandonAll();  // a low-rank build from live rows is dropped with them
+  if (!service_->WaitForAdminCalls(admin_grace) || !background_->WaitIdle(admin_grace) ||
       (admin_service_ != nullptr && !admin_service_->WaitForAdminCalls(admin_grace))) {
     spdlog::warn("stopped ({} queued requests abandoned); a layer load still running is abandoned too", abandoned);
     return Stopped::kLoadStillRunning;

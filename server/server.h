@@ -24,6 +24,7 @@ class Server;
 
 namespace attnserve {
 
+class AdminWorker;
 class AutoFormChooser;
 class Backend;
 class BatchingExecutor;
@@ -101,6 +102,9 @@ class Server {
   std::unique_ptr<MemoryBudget> memory_;
   std::unique_ptr<ShadowRunner> shadow_;
   std::unique_ptr<AutoFormChooser> auto_form_;  // what form auto resolves to, per layer
+  // Slow work a served call starts but must not wait for (a live calibration's low-rank form):
+  // destroyed before the store and the chooser it uses, after the pipeline that posts to it.
+  std::unique_ptr<AdminWorker> background_;
   std::unique_ptr<ForwardPipeline> pipeline_;  // every protocol's inference calls, one drain gate
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<AttentionServiceImpl> admin_service_;  // with --admin-listen only

@@ -176,8 +176,8 @@ const Setting kSettings[] = {
      "attention scores one request may ask for, in millions: the sum over its sequences of n*m*heads (its work; "
      "memory is linear in the sequence length); beyond: RESOURCE_EXHAUSTED"},
     {"--auto-calibration-ms", "auto_calibration_ms", "N", &O::auto_calibration_ms, 0, 60000, nullptr, nullptr,
-     "form auto: time each layer's exact forms for at most N ms on its first auto request and choose by the fitted "
-     "cost; 0: choose by the flop count"},
+     "form auto: time each layer's exact forms for at most N ms, in the background from its first auto request, and "
+     "choose by the fitted cost (by the flop count until then); 0: choose by the flop count"},
     {"--max-memory-mb", "max_memory_mb", "N", &O::max_memory_mb, 0, 1 << 30, nullptr, nullptr,
      "memory every admitted request may hold at once (input, output, compare and shadow copies, backend scratch), "
      "in MiB; 0: half the container's memory limit, else half the machine's; beyond: RESOURCE_EXHAUSTED, or "

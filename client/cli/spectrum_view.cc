@@ -254,7 +254,13 @@ std::string LowRankSummary(const v1::LayerInfo& info) {
     if (f.form() == v1::FORM_FACTORED) factored = &f;
     if (f.form() == v1::FORM_LOWRANK) lowrank = &f;
   }
-  if (lowrank == nullptr) return "";
+  if (lowrank == nullptr) {
+    if (!info.has_live_calibration()) return "";
+    const v1::LiveCalibration& live = info.live_calibration();
+    return "lowrank: selection=" + live.rank_selection() + " calibration=live rows_seen=" +
+           std::to_string(live.rows_seen()) + " rows_wanted=" + std::to_string(live.rows_wanted()) +
+           (live.error().empty() ? std::string(" (not built yet)") : " error=" + live.error()) + "\n";
+  }
   std::string ranks;
   int64_t total = 0;
   for (int64_t r : lowrank->ranks()) {

@@ -21,6 +21,15 @@ void PlaceColumns(const std::vector<float>& src, int64_t d, int64_t cols, Aligne
   }
 }
 
+// Columns [col0, col0 + cols) of `src` ([d, ld]) as a [d, cols] row-major matrix.
+std::vector<float> TakeColumns(const AlignedFloats& src, int64_t d, int64_t ld, int64_t col0, int64_t cols) {
+  std::vector<float> out(static_cast<size_t>(d * cols));
+  for (int64_t r = 0; r < d; ++r) {
+    std::copy(src.begin() + r * ld + col0, src.begin() + r * ld + col0 + cols, out.begin() + r * cols);
+  }
+  return out;
+}
+
 // The parts every form shares: W_in's Q and K columns, b_in's Q and K entries.
 FormWeights StartForm(Form form, const LayerWeights& w, int64_t value_cols) {
   const LayerConfig& c = w.config;
@@ -81,6 +90,24 @@ FormWeights MaterializeFactored(const LayerWeights& w) {
   f.out_rows = c.heads * c.d_head;
   f.b_out = w.b_o;
   return f;
+}
+
+LayerWeights LayerWeightsOfFactored(const FormWeights& f) {
+  const LayerConfig& c = f.config;
+  LayerWeights w;
+  w.config = c;
+  w.w_q = TakeColumns(f.w_in, c.d_model, f.in_cols(), 0, f.q_cols);
+  w.w_k = TakeColumns(f.w_in, c.d_model, f.in_cols(), f.q_cols, f.k_cols);
+  w.w_v = TakeColumns(f.w_in, c.d_model, f.in_cols(), f.q_cols + f.k_cols, f.value_cols);
+  w.w_o.assign(f.w_out.begin(), f.w_out.end());
+  if (c.bias) {
+    const auto at = [&](int64_t i) { return f.b_in.begin() + i; };
+    w.b_q.assign(at(0), at(f.q_cols));
+    w.b_k.assign(at(f.q_cols), at(f.q_cols + f.k_cols));
+    w.b_v.assign(at(f.q_cols + f.k_cols), at(f.in_cols()));
+    w.b_o = f.b_out;
+  }
+  return w;
 }
 
 std::vector<float> FoldedOutputBias(const LayerWeights& w) {

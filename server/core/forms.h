@@ -79,6 +79,10 @@ Status CheckHeadCombine(const FormWeights& f);
 // The standard form: W_in = [W_Q | W_K | W_V], W_out = W_O.
 FormWeights MaterializeFactored(const LayerWeights& weights);
 
+// The layer's weights back from its factored form, exactly (the factored form copies them
+// unchanged): what a form built after load from the held layer starts from (the low-rank form
+// calibrated on live traffic, server/store/layer_store.h), since the store frees the source.
+LayerWeights LayerWeightsOfFactored(const FormWeights& factored);
 // The summed-head form: W_M_i = W_V_g(i) · W_O_i (computed in float64, rounded once) and
 // b_eff = b_O + Σ_i b_V_g(i) W_O_i — the value bias folds into the output bias because every
 // row of A_i sums to 1.

@@ -13,6 +13,7 @@
 #include "server/backend/backend.h"
 #include "server/core/forms.h"
 #include "server/core/layer.h"
+#include "server/core/live_calibration.h"
 #include "server/core/spectrum.h"
 
 namespace attnserve {
@@ -46,6 +47,10 @@ struct Layer {
   std::vector<double> lowrank_head_divergence;
   double lowrank_calibration_divergence = 0;
   int64_t lowrank_calibration_rows = 0;
+  // lowrank=divergence:EPS,calibration=live:ROWS while its rows are gathered or its build
+  // failed: the rows served calls offer (lowrank_selection is set, the low-rank form is not yet
+  // held). The layer published with the form has none. Internally synchronised.
+  std::shared_ptr<LiveCalibration> live_calibration;
 
   // nullptr when the layer does not hold that form.
   const ResidentForm* Find(Form form) const {

@@ -39,13 +39,34 @@ struct SyntheticSequence {
 AutoFormChooser::AutoFormChooser(Backend* backend, AutoFormOptions options)
     : backend_(backend), options_(options) {}
 
-FormCostModel AutoFormChooser::Fit(const Layer& layer) const {
+std::optional<FormCostModel> AutoFormChooser::Fit(const Layer& layer) const {
   FormCostModel model = FlopCountModel();
   const ResidentForm* summed = layer.Find(Form::kSummed);
   if (options_.calibration_budget.count() <= 0 || summed == nullptr) return model;  // one form: nothing to choose
+  const SummedOrder order = backend_->summed_order();
+  const std::vector<SequenceShape> shapes = CalibrationShapes(options_.max_context);
+  // The synthetic inputs and outputs, and the largest forward's scratch, held like a request's.
+  MemoryBudget::Reservation reservation;
+  if (options_.memory != nullptr) {
+    int64_t buffers = 0, scratch = 0;
+    for (const SequenceShape& shape : shapes) {
+      buffers += (2 * shape.n + (shape.m != shape.n ? shape.m : 0)) * layer.config.d_model *
+                 static_cast<int64_t>(sizeof(float));
+      for (Form form : kExactForms) {
+        scratch = std::max(scratch, backend_->ScratchBytes(layer.Find(form)->weights(), std::span(&shape, 1),
+                                                           shape.m == shape.n));
+      }
+    }
+    auto reserved = options_.memory->Reserve(buffers + scratch, "auto's calibration of layer '" + layer.name + "'");
+    if (!reserved.ok()) {
+      spdlog::warn("layer '{}': auto's calibration waits for memory ({}); the flop count decides meanwhile",
+                   layer.name, reserved.status().ToString());
+      return std::nullopt;
+    }
+    reservation = std::move(*reserved);
+  }
   const Clock::time_point start = options_.now();
   const Clock::time_point until = start + options_.calibration_budget;
-  const SummedOrder order = backend_->summed_order();
   std::mt19937 rng(static_cast<uint32_t>(layer.serial));
   // Every (shape, form) once per pass, the cheapest shapes first; passes repeat until the budget
   // or kPasses: a burst of the machine's other load then costs one pass's run of a probe, not
@@ -56,7 +77,6 @@ FormCostModel AutoFormChooser::Fit(const Layer& layer) const {
     const ResidentForm* resident;
     double best = INFINITY;
   };
-  const std::vector<SequenceShape> shapes = CalibrationShapes(options_.max_context);
   std::vector<std::unique_ptr<SyntheticSequence>> sequences;
   std::vector<Probe> probes;
   for (size_t i = 0; i < shapes.size(); ++i) {
@@ -111,41 +131,70 @@ FormCostModel AutoFormChooser::Fit(const Layer& layer) const {
   return fitted;
 }
 
+const FormCostModel* AutoFormChooser::FitAndStore(const Layer& layer) {
+  std::optional<FormCostModel> fitted;
+  try {
+    fitted = Fit(layer);
+  } catch (const std::exception& e) {  // the waiters must not wait forever
+    spdlog::warn("layer '{}': auto's calibration failed ({}); the flop count decides", layer.name, e.what());
+    fitted = FlopCountModel();
+  }
+  const FormCostModel* stored = nullptr;
+  {
+    MutexLock lock(mu_);
+    Entry& entry = models_[layer.serial];
+    entry.fitting = false;
+    if (fitted) {
+      entry.model = std::make_unique<const FormCostModel>(*fitted);
+      stored = entry.model.get();
+    } else {
+      entry.retry_after = options_.now() + kRefitAfterRefusal;
+    }
+  }
+  fitted_.notify_all();
+  return stored;
+}
+
 const FormCostModel& AutoFormChooser::Calibrate(const Layer& layer) {
   {
     MutexLock lock(mu_);
-    const auto emplaced = models_.try_emplace(layer.serial);
-    const auto it = emplaced.first;
-    if (!emplaced.second) {
-      fitted_.wait(lock.native(), [&] {
-        mu_.AssertHeld();  // the wait runs its predicate under the lock
-        return it->second != nullptr;
-      });
-      return *it->second;
-    }
+    Entry& entry = models_[layer.serial];
+    fitted_.wait(lock.native(), [&] {
+      mu_.AssertHeld();  // the wait runs its predicate under the lock
+      return !entry.fitting;
+    });
+    if (entry.model != nullptr) return *entry.model;
+    entry.fitting = true;
   }
   // This caller fits it, outside the lock (it takes up to the budget); others wait above.
-  std::unique_ptr<const FormCostModel> model;
-  try {
-    model = std::make_unique<const FormCostModel>(Fit(layer));
-  } catch (const std::exception& e) {  // the waiters must not wait forever
-    spdlog::warn("layer '{}': auto's calibration failed ({}); the flop count decides", layer.name, e.what());
-    model = std::make_unique<const FormCostModel>(FlopCountModel());
-  }
-  const FormCostModel& fitted = *model;
-  {
-    MutexLock lock(mu_);
-    models_[layer.serial] = std::move(model);
-  }
-  fitted_.notify_all();
-  return fitted;
+  const FormCostModel* model = FitAndStore(layer);
+  return model != nullptr ? *model : flop_count_;  // null: its memory was refused
 }
 
-ExactChoice AutoFormChooser::Choose(const Layer& layer, std::span<const SequenceShape> batch) {
-  const FormCostModel& model = Calibrate(layer);
-  const ResidentForm* summed = layer.Find(Form::kSummed);
-  return ChooseExactForm(model, layer.Find(Form::kFactored)->weights(), summed ? &summed->weights() : nullptr, batch,
-                         backend_->summed_order());
+const FormCostModel* AutoFormChooser::FittedOrScheduled(const std::shared_ptr<const Layer>& layer) {
+  {
+    MutexLock lock(mu_);
+    Entry& entry = models_[layer->serial];
+    if (entry.model != nullptr) return entry.model.get();
+    // A fit queued or running, or one whose memory was refused and is not to be tried yet.
+    if (entry.fitting || options_.now() < entry.retry_after) return nullptr;
+    entry.fitting = true;  // one fit per layer at a time
+  }
+  if (!options_.schedule([this, layer] { FitAndStore(*layer); })) {
+    {
+      MutexLock lock(mu_);
+      models_[layer->serial].fitting = false;  // the next request schedules it again
+    }
+    fitted_.notify_all();
+  }
+  return nullptr;
+}
+
+ExactChoice AutoFormChooser::Choose(const std::shared_ptr<const Layer>& layer, std::span<const SequenceShape> batch) {
+  const FormCostModel* model = options_.schedule ? FittedOrScheduled(layer) : &Calibrate(*layer);
+  const ResidentForm* summed = layer->Find(Form::kSummed);
+  return ChooseExactForm(model != nullptr ? *model : flop_count_, layer->Find(Form::kFactored)->weights(),
+                         summed ? &summed->weights() : nullptr, batch, backend_->summed_order());
 }
 
 }  // namespace attnserve

@@ -292,11 +292,14 @@ void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<F
         DecodedForward decoded,
         DecodeForward(layer->config, request, ForwardLimits{.max_request_scores = options_.max_request_scores}));
     if (!chosen) {
-      chosen = ResolveAuto(*layer, ShapesOf(decoded));
+      chosen = ResolveAuto(layer, ShapesOf(decoded));
       counted_form = chosen;
       if (options_.metrics != nullptr) options_.metrics->CountAutoChoice(layer->name, *chosen);
     }
     const Form form = *chosen;
+    if (layer->live_calibration != nullptr && layer->live_calibration->wants_offers()) {
+      OfferCalibrationRows(layer, decoded);
+    }
     timeline.decoded = std::chrono::steady_clock::now();
 
     // A response gRPC would refuse to send is refused before it is computed.
@@ -350,13 +353,27 @@ void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<F
   }
 }
 
-Form ForwardPipeline::ResolveAuto(const Layer& layer, std::span<const SequenceShape> shapes) const {
+Form ForwardPipeline::ResolveAuto(const std::shared_ptr<const Layer>& layer,
+                                  std::span<const SequenceShape> shapes) const {
   if (options_.auto_form != nullptr) return options_.auto_form->Choose(layer, shapes).form;
-  const ResidentForm* summed = layer.Find(Form::kSummed);
-  return ChooseExactForm(FlopCountModel(), layer.Find(Form::kFactored)->weights(),
+  const ResidentForm* summed = layer->Find(Form::kSummed);
+  return ChooseExactForm(FlopCountModel(), layer->Find(Form::kFactored)->weights(),
                          summed != nullptr ? &summed->weights() : nullptr, shapes,
                          options_.backend != nullptr ? options_.backend->summed_order() : SummedOrder{})
       .form;
+}
+
+void ForwardPipeline::OfferCalibrationRows(const std::shared_ptr<const Layer>& layer,
+                                           const DecodedForward& decoded) const {
+  LiveCalibration& live = *layer->live_calibration;
+  if (!live.Offer(decoded)) return;
+  spdlog::info("layer '{}': {} live calibration rows are in; building its low-rank form ({})", layer->name,
+               live.rows_wanted(), layer->lowrank_selection);
+  if (!options_.build_live_calibration) return;
+  if (!options_.build_live_calibration(layer)) {
+    live.Unclaim();
+    spdlog::warn("layer '{}': the low-rank form's build could not start now; the next call retries", layer->name);
+  }
 }
 
 void ForwardPipeline::ReportStages(const CallTimeline& t, std::chrono::steady_clock::time_point done) const {

@@ -46,6 +46,10 @@ struct ForwardPipelineOptions {
   const Backend* backend = nullptr;
   // What FORM_AUTO resolves by (not owned). Null: the flop count (FlopCountModel).
   AutoFormChooser* auto_form = nullptr;
+  // Starts the build of a layer's low-rank form from its live calibration rows (LiveCalibration,
+  // lowrank=...,calibration=live:ROWS) off the serving threads, once a call completed them;
+  // false when it cannot now (the next call offers again). Null: the rows are gathered, never built.
+  std::function<bool(std::shared_ptr<const Layer>)> build_live_calibration;
   // The largest response a protocol will send: a larger output is refused before any compute.
   int64_t max_response_bytes = int64_t{64} << 20;
 };
@@ -125,7 +129,10 @@ class ForwardPipeline {
 
  private:
   // The exact form FORM_AUTO resolves to for a request of these shapes (auto_form.h).
-  Form ResolveAuto(const Layer& layer, std::span<const SequenceShape> shapes) const;
+  Form ResolveAuto(const std::shared_ptr<const Layer>& layer, std::span<const SequenceShape> shapes) const;
+  // Offers a decoded call's rows to the layer's live calibration, and starts its build once
+  // they complete it.
+  void OfferCalibrationRows(const std::shared_ptr<const Layer>& layer, const DecodedForward& decoded) const;
 
   LayerStore* const store_;
   Executor* const executor_;

@@ -14,6 +14,13 @@ void ToProto(const HeadSpectrum& head, v1::HeadSpectrum* out) {
 
 void FillLowRankInfo(const Layer& layer, v1::LayerInfo* info) {
   info->mutable_config()->set_rope_theta(layer.config.rope_theta);
+  if (layer.live_calibration != nullptr) {
+    v1::LiveCalibration* live = info->mutable_live_calibration();
+    live->set_rank_selection(layer.lowrank_selection);
+    live->set_rows_wanted(layer.live_calibration->rows_wanted());
+    live->set_rows_seen(layer.live_calibration->rows_seen());
+    live->set_error(layer.live_calibration->failure().message());
+  }
   if (layer.lowrank_ranks.empty()) return;
   for (v1::FormInfo& f : *info->mutable_forms()) {
     if (f.form() != v1::FORM_LOWRANK) continue;

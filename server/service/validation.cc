@@ -103,6 +103,19 @@ StatusOr<Form> ChooseForm(int wire_form, const Layer& layer) {
   }
   // FORM_UNSPECIFIED: the factored form until routing decides (docs/metrics.md, "Routing").
   const Form form = FormFromWire(wire_form).value_or(Form::kFactored);
+  if (layer.Find(form) == nullptr && form == Form::kLowRank && layer.live_calibration != nullptr) {
+    const LiveCalibration& live = *layer.live_calibration;
+    const Status failure = live.failure();
+    if (!failure.ok()) {
+      return FailedPreconditionError("form: layer '" + layer.name + "' holds no low-rank form: its build from live " +
+                                     "traffic failed (" + failure.message() + ")");
+    }
+    // Retryable: the form appears once enough traffic came (GetLayer shows how much).
+    return UnavailableError("form: layer '" + layer.name + "' is gathering the calibration rows of its low-rank form (" +
+                            layer.lowrank_selection + ") from live traffic: " + std::to_string(live.rows_seen()) +
+                            " of " + std::to_string(live.rows_wanted()) + " rows so far; it serves the form once " +
+                            "they are in and it is built");
+  }
   if (layer.Find(form) == nullptr) {
     std::string held;
     for (const auto& [f, _] : layer.forms) held += (held.empty() ? "" : ", ") + Str(FormName(f));

@@ -46,6 +46,29 @@ std::pair<double, double> KeptAndTotalEnergy(const HeadSpectrum& head, int64_t r
   return {kept, total};
 }
 
+// The low-rank form for lowrank=divergence:EPS (`option` as the source wrote it) on `set`,
+// its size checked, its report written into `layer`.
+StatusOr<FormWeights> BuildCalibratedLowRank(const LayerWeights& weights, const CalibrationSet& set, double eps,
+                                             const std::string& option, int64_t max_form_bytes, Layer* layer) {
+  auto built = MaterializeCalibratedLowRank(weights, set, eps);
+  if (!built.ok()) return Prefixed(option, built.status());
+  // At most 2 · d_model · h · d_head more than its query and key blocks (every rank full): for
+  // grouped heads that can pass the factored form's size, so it is checked here too.
+  if (built->form.Bytes() > max_form_bytes) {
+    return ResourceExhaustedError("the low-rank form (total rank " + std::to_string(built->form.value_cols) +
+                                  ") would take " + std::to_string(built->form.Bytes()) +
+                                  " bytes, more than the limit of " + std::to_string(max_form_bytes) +
+                                  " per form; choose a larger EPS");
+  }
+  layer->lowrank_kept_energy = built->kept_energy;
+  layer->lowrank_head_kept_energy = std::move(built->head_kept_energy);
+  layer->lowrank_head_divergence = std::move(built->head_divergence);
+  layer->lowrank_calibration_divergence = built->divergence;
+  layer->lowrank_calibration_rows = set.rows;
+  layer->lowrank_ranks = built->form.value_width;
+  return std::move(built->form);
+}
+
 // The low-rank form of a loaded source: ranks from the spectrum by the source's selection, its
 // size checked before it is allocated.
 StatusOr<FormWeights> BuildLowRank(const LayerSource& loaded, const LayerSpectrum& spectrum, int64_t max_form_bytes,
@@ -54,22 +77,8 @@ StatusOr<FormWeights> BuildLowRank(const LayerSource& loaded, const LayerSpectru
   const std::string option = "option '" + std::string(lowrank.hold_option) + "=" + loaded.lowrank->text + "': ";
   if (loaded.lowrank->selection.kind == RankSelection::Kind::kDivergence) {
     if (!loaded.calibration) return InvalidArgumentError(option + "no calibration inputs were read (calibration=PATH)");
-    auto built = MaterializeCalibratedLowRank(loaded.weights, *loaded.calibration, loaded.lowrank->selection.divergence);
-    if (!built.ok()) return Prefixed(option, built.status());
-    // At most 2 · d_model · h · d_head more than its query and key blocks (every rank full): for
-    // grouped heads that can pass the factored form's size, so it is checked here too.
-    if (built->form.Bytes() > max_form_bytes) {
-      return ResourceExhaustedError("the low-rank form (total rank " + std::to_string(built->form.value_cols) +
-                                    ") would take " + std::to_string(built->form.Bytes()) +
-                                    " bytes, more than the limit of " + std::to_string(max_form_bytes) +
-                                    " per form; choose a larger EPS");
-    }
-    layer->lowrank_kept_energy = built->kept_energy;
-    layer->lowrank_head_kept_energy = std::move(built->head_kept_energy);
-    layer->lowrank_head_divergence = std::move(built->head_divergence);
-    layer->lowrank_calibration_divergence = built->divergence;
-    layer->lowrank_calibration_rows = loaded.calibration->rows;
-    return std::move(built->form);
+    return BuildCalibratedLowRank(loaded.weights, *loaded.calibration, loaded.lowrank->selection.divergence, option,
+                                  max_form_bytes, layer);
   }
   auto ranks = SelectRanks(spectrum, loaded.lowrank->selection);
   if (!ranks.ok()) return Prefixed(option, ranks.status());
@@ -128,6 +137,7 @@ namespace {
 int64_t LayerBytes(const Layer& layer) {
   int64_t bytes = 0;
   for (const auto& [form, resident] : layer.forms) bytes += resident->HostBytes();
+  if (layer.live_calibration != nullptr) bytes += layer.live_calibration->Bytes();
   return bytes;
 }
 
@@ -239,7 +249,13 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
     // Once per load, never per request: GetLayer and the low-rank form read this one.
     if (loaded->compute_spectrum || loaded->lowrank) layer->spectrum = std::make_shared<const LayerSpectrum>(ComputeSpectrum(loaded->weights));
     std::optional<FormWeights> lowrank;
-    if (loaded->lowrank) {
+    if (loaded->live_calibration_rows > 0) {
+      // Built later from the layer's own traffic (CompleteLiveCalibration); the exact forms
+      // serve from now on.
+      layer->lowrank_selection = loaded->lowrank->text;
+      layer->live_calibration = std::make_shared<LiveCalibration>(
+          loaded->live_calibration_rows, layer->config.d_model, loaded->lowrank->selection.divergence);
+    } else if (loaded->lowrank) {
       auto built = BuildLowRank(*loaded, *layer->spectrum, options_.max_form_bytes, layer.get());
       if (!built.ok()) return Prefixed(at + "source " + QuoteUntrusted(layer_source_shown) + ": ", built.status());
       layer->lowrank_selection = loaded->lowrank->text;
@@ -269,18 +285,29 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
     return InternalError(at + "unexpected error loading source " + QuoteUntrusted(layer_source_shown) + ": " + e.what());
   }
 
+  ATTNSERVE_RETURN_IF_ERROR(Publish(published, at, nullptr));
+  return published;
+}
+
+Status LayerStore::Publish(const std::shared_ptr<const Layer>& layer, const std::string& at,
+                           const Layer* only_over) {
+  const std::string& name = layer->name;
   std::shared_ptr<const Layer> replaced;
   {
     MutexLock lock(mu_);
+    auto held = layers_.find(name);
+    if (only_over != nullptr && (held == layers_.end() || held->second.get() != only_over)) {
+      return FailedPreconditionError(at + "it was replaced or unloaded meanwhile");
+    }
     // Checked again at publication: loads run side by side, outside the mutex.
-    if (layers_.find(name) == layers_.end() && static_cast<int64_t>(layers_.size()) >= options_.max_layers) {
+    if (held == layers_.end() && static_cast<int64_t>(layers_.size()) >= options_.max_layers) {
       return ResourceExhaustedError(at + LayerCountMessage());
     }
     int64_t others = 0;
-    for (const auto& [held_name, held] : layers_) {
-      if (held_name != name) others += LayerBytes(*held);
+    for (const auto& [held_name, other] : layers_) {
+      if (held_name != name) others += LayerBytes(*other);
     }
-    const int64_t bytes = LayerBytes(*published);
+    const int64_t bytes = LayerBytes(*layer);
     if (others + bytes > options_.max_total_bytes) {
       return ResourceExhaustedError(at + "its forms take " + std::to_string(bytes >> 20) + " MiB and the other layers " +
                                     std::to_string(others >> 20) + " MiB, more than --max-layer-mb (" +
@@ -288,10 +315,50 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
     }
     auto& slot = layers_[name];
     replaced = std::move(slot);
-    slot = published;
+    slot = layer;
   }
   // `replaced` is released here, outside the mutex: when no request holds it any more, its
   // forms are freed without blocking other callers.
+  return OkStatus();
+}
+
+StatusOr<std::shared_ptr<const Layer>> LayerStore::CompleteLiveCalibration(const std::shared_ptr<const Layer>& layer) {
+  LiveCalibration* live = layer->live_calibration.get();
+  if (live == nullptr) return FailedPreconditionError("layer '" + layer->name + "': no live calibration");
+  std::shared_ptr<const Layer> published;
+  const std::string option = "option '" + std::string(DefOf(Form::kLowRank).hold_option) + "=" +
+                             layer->lowrank_selection + ",calibration=live:" + std::to_string(live->rows_wanted()) +
+                             "': ";
+  const std::string at = "layer '" + layer->name + "': " + option;
+  auto build = [&]() -> Status {
+    // Same layer, same serial and resident forms (in-flight batches of the two share queues),
+    // plus the low-rank form; the rows are freed with the old layer, or below.
+    auto next = std::make_shared<Layer>(*layer);
+    next->live_calibration = nullptr;
+    const CalibrationSet set = live->Rows();
+    ATTNSERVE_RETURN_IF_ERROR(
+        ValidateCalibration(set, layer->config, "calibration=live:" + std::to_string(live->rows_wanted())));
+    ATTNSERVE_ASSIGN_OR_RETURN(
+        FormWeights built, BuildCalibratedLowRank(LayerWeightsOfFactored(layer->Find(Form::kFactored)->weights()), set,
+                                                  live->eps(), option, options_.max_form_bytes, next.get()));
+    ATTNSERVE_ASSIGN_OR_RETURN(next->forms[Form::kLowRank], UploadForm(backend_, std::move(built)));
+    ATTNSERVE_RETURN_IF_ERROR(Publish(next, at, layer.get()));
+    published = std::move(next);
+    return OkStatus();
+  };
+  Status status;
+  try {
+    status = build();
+  } catch (const std::bad_alloc&) {
+    status = ResourceExhaustedError(at + "out of memory building the low-rank form");
+  } catch (const std::exception& e) {
+    status = InternalError(at + "unexpected error building the low-rank form: " + e.what());
+  }
+  live->Release();
+  if (!status.ok()) {
+    live->Fail(status);
+    return status;
+  }
   return published;
 }
 

@@ -60,6 +60,15 @@ class LayerStore {
   StatusOr<std::shared_ptr<const Layer>> Load(const std::string& name, const std::string& source,
                                               LoadOrigin origin = LoadOrigin::kOperator);
 
+  // Builds the low-rank form of a layer loaded with calibration=live:ROWS from the rows its
+  // traffic gave (once LiveCalibration::Offer said they are all in), exactly as a load from a
+  // .npy of the same rows would, and publishes (and returns) the layer holding it in place of
+  // `layer`. Slow
+  // (float64 SVDs): the server runs it on a background thread. FAILED_PRECONDITION when the
+  // layer was replaced or unloaded meanwhile; a failure is also kept in the live calibration,
+  // where GetLayer reports it, and the layer goes on serving its exact forms.
+  StatusOr<std::shared_ptr<const Layer>> CompleteLiveCalibration(const std::shared_ptr<const Layer>& layer);
+
   // NOT_FOUND when no such layer.
   Status Unload(std::string_view name);
 
@@ -71,6 +80,10 @@ class LayerStore {
 
  private:
   Status CheckLayerCount(const std::string& name) const ATTNSERVE_EXCLUDES(mu_);
+  // Publishes `layer` under its name within the caps (`at` prefixes the errors); with
+  // `only_over`, only while that is the layer held under the name.
+  Status Publish(const std::shared_ptr<const Layer>& layer, const std::string& at, const Layer* only_over)
+      ATTNSERVE_EXCLUDES(mu_);
   std::string LayerCountMessage() const;
 
   Backend* backend_;

@@ -208,6 +208,25 @@ StatusOr<LowRankSpec> ParseLowRank(const std::string& value) {
   return InvalidArgumentError(expected);
 }
 
+// calibration=PATH (a .npy) or calibration=live:ROWS (1 <= ROWS <= kMaxCalibrationRows; at
+// least d_model, which is checked once the layer's shape is known).
+Status ParseCalibration(const std::string& value, SourceSpec* spec) {
+  constexpr std::string_view kLive = "live:";
+  if (value.rfind(kLive, 0) != 0) {
+    spec->calibration = value;
+    return OkStatus();
+  }
+  const std::string arg(Trim(std::string_view(value).substr(kLive.size())));
+  int64_t rows = 0;
+  const auto [end, ec] = std::from_chars(arg.data(), arg.data() + arg.size(), rows);
+  if (ec != std::errc() || end != arg.data() + arg.size() || rows < 1 || rows > kMaxCalibrationRows) {
+    return InvalidArgumentError("option 'calibration': expected PATH (a .npy) or live:ROWS (1 <= ROWS <= " +
+                                std::to_string(kMaxCalibrationRows) + ", at least d_model), got '" + value + "'");
+  }
+  spec->live_calibration_rows = rows;
+  return OkStatus();
+}
+
 Status ParseCommon(const Options& o, SourceSpec* spec) {
   ATTNSERVE_RETURN_IF_ERROR(o.Bool(SummedOption(), &spec->hold_summed));
   ATTNSERVE_RETURN_IF_ERROR(o.Bool("spectrum", &spec->compute_spectrum));
@@ -219,13 +238,15 @@ Status ParseCommon(const Options& o, SourceSpec* spec) {
                                   "' needs the layer's spectrum, but spectrum=false: drop one of them");
     }
   }
-  if (o.Has("calibration")) spec->calibration = o.Get("calibration");
+  if (o.Has("calibration")) ATTNSERVE_RETURN_IF_ERROR(ParseCalibration(o.Get("calibration"), spec));
   const bool by_divergence = spec->lowrank && spec->lowrank->selection.kind == RankSelection::Kind::kDivergence;
-  if (by_divergence && spec->calibration.empty()) {
+  const bool calibrated = !spec->calibration.empty() || spec->live_calibration_rows > 0;
+  if (by_divergence && !calibrated) {
     return InvalidArgumentError("option '" + LowRankOption() + "=" + spec->lowrank->text +
-                                "' needs calibration inputs: add calibration=PATH (a .npy of float32 [rows, d_model])");
+                                "' needs calibration inputs: add calibration=PATH (a .npy of float32 [rows, d_model]) "
+                                "or calibration=live:ROWS (the first ROWS rows of the layer's traffic)");
   }
-  if (!by_divergence && !spec->calibration.empty()) {
+  if (!by_divergence && calibrated) {
     return InvalidArgumentError("option 'calibration' is read only by " + LowRankOption() +
                                 "=divergence:EPS, which the source does not ask for");
   }
@@ -364,6 +385,17 @@ LayerSource WithOptionsOf(const SourceSpec& spec) {
 
 // calibration=: read once the layer's shape is known, and checked against it.
 Status ReadCalibration(const SourceSpec& spec, LayerSource* out) {
+  if (spec.live_calibration_rows > 0) {
+    const int64_t d = out->weights.config.d_model;
+    if (spec.live_calibration_rows < d) {
+      // Fewer rows than d_model leave the second moment singular (ValidateCalibration).
+      return InvalidArgumentError("option 'calibration=live:" + std::to_string(spec.live_calibration_rows) +
+                                  "': expected at least d_model = " + std::to_string(d) + " rows, got " +
+                                  std::to_string(spec.live_calibration_rows));
+    }
+    out->live_calibration_rows = spec.live_calibration_rows;
+    return OkStatus();
+  }
   if (spec.calibration.empty()) return OkStatus();
   ATTNSERVE_ASSIGN_OR_RETURN(CalibrationSet set, ReadCalibrationNpy(spec.calibration_dir, spec.calibration));
   ATTNSERVE_RETURN_IF_ERROR(ValidateCalibration(set, out->weights.config, "calibration '" + spec.calibration + "'"));

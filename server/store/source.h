@@ -56,7 +56,7 @@ std::string_view CheckpointArchName(CheckpointArch arch);
 inline constexpr double kMaxRopeTheta = 1e12;
 
 // The low-rank form a source asks for: lowrank=energy:E, budget:R or divergence:EPS (the last
-// with calibration=PATH).
+// with calibration=PATH or calibration=live:ROWS).
 struct LowRankSpec {
   RankSelection selection;
   std::string text;  // as written, normalised: "energy:0.99", "budget:256", "divergence:0.05"
@@ -74,6 +74,9 @@ struct SourceSpec {
   // nothing else reads it). `calibration_dir` is set like `model_dir`, for loads over the API.
   std::string calibration;
   std::string calibration_dir;
+  // calibration=live:ROWS instead: the first ROWS key rows of the layer's own traffic
+  // (server/core/live_calibration.h); 0 when the source names a file or nothing.
+  int64_t live_calibration_rows = 0;
   // rope_theta=: rotary embedding on Q and K (0: none). When absent, random sources have none
   // and arch=llama reads it from config.json.
   std::optional<double> rope_theta;
@@ -105,6 +108,7 @@ struct LayerSource {
   bool compute_spectrum = true;
   std::optional<LowRankSpec> lowrank;
   std::optional<CalibrationSet> calibration;  // read and checked against the layer's shape
+  int64_t live_calibration_rows = 0;          // calibration=live:ROWS, checked against d_model
   CheckpointArch arch = CheckpointArch::kAuto;  // safetensors: the layout read (given or detected)
 };
 

@@ -192,6 +192,32 @@ class ClientAgainstServer(unittest.TestCase):
             self.assertAlmostEqual(spectrum.ov[h].frobenius, float(np.linalg.norm(ov)), delta=1e-4 * np.linalg.norm(ov))
         self.assertEqual(spectrum.singular_values("ov").shape[0], HEADS)
 
+    def test_live_calibration(self):
+        # calibration=live:ROWS: the rows of served calls build the low-rank form in the background.
+        source = "random:d_model=16,heads=2,seed=3,summed=false,lowrank=divergence:0.2,calibration=live:32"
+        info = self.client.load("live", source)
+        try:
+            self.assertNotIn("lowrank", info.forms)
+            self.assertEqual(info.live_calibration, attnserve.LiveCalibration("divergence:0.2", 32, 0, ""))
+            self.client.forward("live", self.random(1, 20, 16), form="factored")
+            self.assertEqual(self.client.layer("live").live_calibration.rows_seen, 20)
+            with self.assertRaises(attnserve.AttnserveError) as caught:
+                self.client.forward("live", self.random(1, 4, 16), form="lowrank")
+            self.assertEqual(caught.exception.code_name, "UNAVAILABLE")
+            self.assertIn("20 of 32 rows", str(caught.exception))
+            self.client.forward("live", self.random(1, 20, 16), form="factored")
+            deadline = time.monotonic() + 30
+            while "lowrank" not in self.client.layer("live").forms and time.monotonic() < deadline:
+                time.sleep(0.02)
+            built = self.client.layer("live")
+            self.assertIn("lowrank", built.forms)
+            self.assertIsNone(built.live_calibration)
+            self.assertEqual(built.forms["lowrank"].calibration_rows, 32)
+            self.assertLessEqual(built.forms["lowrank"].calibration_divergence, 0.2)
+            self.assertEqual(self.client.forward("live", self.random(1, 4, 16), form="lowrank").output.shape, (1, 4, 16))
+        finally:
+            self.client.unload("live")
+
     def test_route_and_routing(self):
         try:
             routing = self.client.route("small", {"summed": 1})

@@ -3,7 +3,10 @@
 // layer's and each head's divergence, a full SVD of the whitened d×d product for the optimal
 // activation-aware error, and the weight-only truncation it must beat; then the calibration
 // file's and the source options' refusals, and the store's load.
+// Then calibration=live:ROWS: the rows served calls give, and the form built from them against the
+// form a .npy of the same rows builds.
 #include "server/core/calibrated_rank.h"
+#include "server/core/live_calibration.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -397,6 +400,153 @@ TEST(CalibratedRankTest, OverTheApiTheCalibrationFileLiesBeneathAModelDir) {
     EXPECT_FALSE(st.ok()) << path;
     EXPECT_THAT(st.message(), HasSubstr("calibration")) << path;
   }
+}
+
+}  // namespace
+}  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// Rows [first, first + count) of `x` (d columns) as a self-attention sequence's input.
+Sequence RowsAsSequence(const std::vector<float>& x, int64_t d, int64_t first, int64_t count) {
+  Sequence s;
+  s.input = ConstMatrixView{x.data() + first * d, count, d};
+  return s;
+}
+
+TEST(LiveCalibrationTest, GathersEachCallsKeyRowsInOrderUpToTheCount) {
+  constexpr int64_t d = 4;
+  const std::vector<float> x = AnisotropicRows(32, d, testing::TestSeed() + 21);
+  LiveCalibration live(10, d, 0.1);
+  EXPECT_TRUE(live.wants_offers());
+  // Self-attention with a key length: only the visible keys are the layer's inputs.
+  Sequence padded = RowsAsSequence(x, d, 0, 4);
+  padded.key_length = 3;
+  // Cross-attention: the context's rows (the values' source), not the queries.
+  Sequence cross = RowsAsSequence(x, d, 20, 2);
+  cross.context = ConstMatrixView{x.data() + 4 * d, 5, d};
+  const Sequence first[] = {padded, cross};
+  EXPECT_FALSE(live.Offer(first));
+  EXPECT_EQ(live.rows_seen(), 8);
+  const Sequence more[] = {RowsAsSequence(x, d, 9, 6)};
+  EXPECT_TRUE(live.Offer(more)) << "the call that completes the set starts the build";
+  EXPECT_FALSE(live.wants_offers());
+  EXPECT_FALSE(live.Offer(more)) << "once";
+  EXPECT_EQ(live.rows_seen(), 10);
+  const CalibrationSet set = live.Rows();
+  EXPECT_EQ(set.rows, 10);
+  EXPECT_EQ(set.d_model, d);
+  std::vector<float> want(x.begin(), x.begin() + 3 * d);             // padded: rows 0..2
+  want.insert(want.end(), x.begin() + 4 * d, x.begin() + 9 * d);     // cross's context: rows 4..8
+  want.insert(want.end(), x.begin() + 9 * d, x.begin() + 11 * d);    // the first 2 of rows 9..14
+  EXPECT_EQ(set.x, want);
+  // A build that could not start is claimed again by the next call; the rows stay as they were.
+  live.Unclaim();
+  EXPECT_TRUE(live.wants_offers());
+  EXPECT_TRUE(live.Offer(more));
+  EXPECT_EQ(live.Rows().x, want);
+  live.Release();
+  EXPECT_TRUE(live.Rows().x.empty());
+}
+
+TEST(LiveCalibrationTest, TheFactoredFormGivesBackTheLayersWeightsExactly) {
+  const LayerConfig c = *CompleteConfig({.d_model = 24, .heads = 6, .kv_heads = 2, .d_head = 4, .bias = true});
+  const LayerWeights w = RandomLayerWeights(c, testing::TestSeed() + 3);
+  const LayerWeights back = LayerWeightsOfFactored(MaterializeFactored(w));
+  EXPECT_EQ(back.w_q, w.w_q);
+  EXPECT_EQ(back.w_k, w.w_k);
+  EXPECT_EQ(back.w_v, w.w_v);
+  EXPECT_EQ(back.w_o, w.w_o);
+  EXPECT_EQ(back.b_q, w.b_q);
+  EXPECT_EQ(back.b_k, w.b_k);
+  EXPECT_EQ(back.b_v, w.b_v);
+  EXPECT_EQ(back.b_o, w.b_o);
+  EXPECT_TRUE(ValidateWeights(back).ok());
+}
+
+// The .npy path is the oracle: the same rows, gathered from calls, give the same form.
+TEST(LiveCalibrationTest, RowsFromTrafficBuildTheFormAFileOfTheSameRowsBuilds) {
+  testing::TempDir dir;
+  constexpr int64_t d = 32, rows = 256;
+  const std::vector<float> x = AnisotropicRows(rows, d, testing::TestSeed() + 31);
+  Write(dir.File("calib.npy"), Npy("<f4", "(256, 32)", x));
+  CpuBackend backend;
+  LayerStore store(&backend);
+  const std::string base = "random:d_model=32,heads=4,kv_heads=2,seed=9,lowrank=divergence:0.1,calibration=";
+  auto file = store.Load("file", base + dir.File("calib.npy"));
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  auto live = store.Load("live", base + "live:256");
+  ASSERT_TRUE(live.ok()) << live.status().ToString();
+  const Layer& gathering = **live;
+  EXPECT_EQ(gathering.Find(Form::kLowRank), nullptr) << "the exact forms serve while the rows are gathered";
+  ASSERT_NE(gathering.live_calibration, nullptr);
+  EXPECT_EQ(gathering.lowrank_selection, "divergence:0.1");
+  EXPECT_EQ(gathering.live_calibration->Bytes(), rows * d * 4);
+  // Calls of uneven lengths; the last one's rows past 256 are not taken.
+  bool claimed = false;
+  for (int64_t first = 0; first < rows; first += 100) {
+    const Sequence call[] = {RowsAsSequence(x, d, first, std::min<int64_t>(100, rows - first))};
+    claimed = gathering.live_calibration->Offer(call);
+  }
+  ASSERT_TRUE(claimed);
+  auto built = store.CompleteLiveCalibration(*live);
+  ASSERT_TRUE(built.ok()) << built.status().ToString();
+  const Layer& l = **built;
+  const Layer& f = **file;
+  EXPECT_EQ(store.Get("live"), *built);
+  EXPECT_EQ(l.serial, gathering.serial) << "the same load, one more form";
+  EXPECT_EQ(l.live_calibration, nullptr);
+  EXPECT_EQ(l.Find(Form::kFactored), gathering.Find(Form::kFactored)) << "the exact forms are shared, not copied";
+  ASSERT_NE(l.Find(Form::kLowRank), nullptr);
+  EXPECT_EQ(l.lowrank_ranks, f.lowrank_ranks);
+  EXPECT_EQ(l.lowrank_head_divergence, f.lowrank_head_divergence);
+  EXPECT_EQ(l.lowrank_calibration_divergence, f.lowrank_calibration_divergence);
+  EXPECT_EQ(l.lowrank_calibration_rows, 256);
+  EXPECT_LE(l.lowrank_calibration_divergence, 0.1);
+  EXPECT_EQ(l.Find(Form::kLowRank)->weights().w_in, f.Find(Form::kLowRank)->weights().w_in);
+  EXPECT_EQ(l.Find(Form::kLowRank)->weights().w_out, f.Find(Form::kLowRank)->weights().w_out);
+  EXPECT_TRUE(gathering.live_calibration->Rows().x.empty()) << "the rows are freed once built";
+
+  // A layer reloaded meanwhile is not overwritten by the old load's build.
+  auto stale = store.Load("stale", base + "live:64");
+  ASSERT_TRUE(stale.ok());
+  for (int64_t first = 0; first < 64; first += 32) {
+    const Sequence call[] = {RowsAsSequence(x, d, first, 32)};
+    (*stale)->live_calibration->Offer(call);
+  }
+  auto reloaded = store.Load("stale", base + "live:64");
+  ASSERT_TRUE(reloaded.ok());
+  const auto refused = store.CompleteLiveCalibration(*stale);
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("replaced or unloaded meanwhile"));
+  EXPECT_EQ(store.Get("stale"), *reloaded);
+  EXPECT_EQ((*stale)->live_calibration->failure().code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(LiveCalibrationTest, TheOptionIsCheckedAtLoad) {
+  CpuBackend backend;
+  LayerStore store(&backend);
+  const std::string base = "random:d_model=32,heads=4,lowrank=divergence:0.1,calibration=";
+  for (const std::string bad : {"live:0", "live:x", "live:", "live:65537", "live:-5"}) {
+    EXPECT_THAT(ParseSource(base + bad).status().message(),
+                HasSubstr("option 'calibration': expected PATH (a .npy) or live:ROWS (1 <= ROWS <= 65536, at least "
+                          "d_model), got '" + bad + "'"));
+  }
+  EXPECT_THAT(store.Load("few", base + "live:31").status().message(),
+              HasSubstr("option 'calibration=live:31': expected at least d_model = 32 rows, got 31"));
+  EXPECT_THAT(ParseSource("random:d_model=32,heads=4,lowrank=energy:0.9,calibration=live:64").status().message(),
+              HasSubstr("option 'calibration' is read only by lowrank=divergence:EPS"));
+  auto spec = ParseSource(base + "live:64");
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+  EXPECT_EQ(spec->live_calibration_rows, 64);
+  EXPECT_TRUE(spec->calibration.empty());
+  // Held rows count against --max-layer-mb with the forms.
+  LayerStore tight(&backend, {.max_total_bytes = 64 * 1024});
+  EXPECT_EQ(tight.Load("big", "random:d_model=32,heads=4,summed=false,lowrank=divergence:0.1,calibration=live:4096")
+                .status()
+                .code(),
+            StatusCode::kResourceExhausted);
 }
 
 }  // namespace

@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <random>
 #include <vector>
 
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/batching/memory_budget.h"
 #include "server/core/form_cost.h"
 #include "server/core/forms.h"
 #include "server/core/layer.h"
@@ -184,7 +186,7 @@ TEST(FormCostTest, CalibratedModelPicksTheFasterFormOnThisCpu) {
   };
   for (const Cell& cell : {Cell{{.n = 1, .m = 2048}, Form::kSummed}, Cell{{.n = 4, .m = 4096}, Form::kSummed},
                            Cell{{.n = 128, .m = 128}, Form::kFactored}, Cell{{.n = 256, .m = 256}, Form::kFactored}}) {
-    const ExactChoice choice = chooser.Choose(*layer, std::span(&cell.shape, 1));
+    const ExactChoice choice = chooser.Choose(layer, std::span(&cell.shape, 1));
     const double factored = TimeForward(backend, *layer->Find(Form::kFactored), cell.shape, rng, 3);
     const double summed = TimeForward(backend, *layer->Find(Form::kSummed), cell.shape, rng, 3);
     EXPECT_EQ(choice.form, cell.want) << "n " << cell.shape.n << " m " << cell.shape.m << ": predicted factored "
@@ -253,7 +255,7 @@ TEST(FormCostTest, CalibrationCountsTheBackendsSummedOrder) {
     for (const SequenceShape s : {SequenceShape{.n = 1, .m = 2048}, SequenceShape{.n = 4, .m = 4096},
                                   SequenceShape{.n = 16, .m = 600}, SequenceShape{.n = 300, .m = 300}}) {
       const std::span<const SequenceShape> batch(&s, 1);
-      const ExactChoice choice = chooser.Choose(*layer, batch);
+      const ExactChoice choice = chooser.Choose(layer, batch);
       for (Form f : kExactForms) {
         const double truth = ForwardFlops(layer->Find(f)->weights(), batch, backend.summed_order()) *
                              MeteredBackend::kSecondsPerFlop;
@@ -262,6 +264,79 @@ TEST(FormCostTest, CalibrationCountsTheBackendsSummedOrder) {
       }
     }
   }
+}
+
+// In the server the fit runs on a background worker: the request that finds its layer unfitted is
+// answered by the flop count, the fit is scheduled once (again when the worker could not take
+// it), it holds its memory in the budget while it runs, and the next request uses what it fitted.
+TEST(FormCostTest, WithASchedulerNoRequestWaitsForTheFit) {
+  MeteredBackend backend(SummedOrder{.mix_first_allowed = true});
+  std::shared_ptr<Layer> layer = ResidentLayer(backend, Config(256, 8, 8, 32), 23);
+  std::vector<std::function<void()>> queued;
+  bool accept = false;
+  int64_t peak = 0;
+  MemoryBudget memory(int64_t{1} << 40, "--max-memory-mb", [&peak](int64_t reserved) { peak = std::max(peak, reserved); });
+  AutoFormChooser chooser(&backend, AutoFormOptions{.calibration_budget = std::chrono::milliseconds(1000),
+                                                    .now = [&backend] { return backend.Now(); },
+                                                    .schedule =
+                                                        [&](std::function<void()> fit) {
+                                                          if (accept) queued.push_back(std::move(fit));
+                                                          return accept;
+                                                        },
+                                                    .memory = &memory});
+  const SequenceShape s{.n = 4, .m = 4096};
+  const std::span<const SequenceShape> batch(&s, 1);
+  const FormWeights& factored = layer->Find(Form::kFactored)->weights();
+  const FormWeights& summed = layer->Find(Form::kSummed)->weights();
+  const ExactChoice by_flops = ChooseExactForm(FlopCountModel(), factored, &summed, batch, backend.summed_order());
+  auto predicted = [](const ExactChoice& c) { return std::vector<double>(std::begin(c.predicted_seconds), std::end(c.predicted_seconds)); };
+
+  EXPECT_EQ(predicted(chooser.Choose(layer, batch)), predicted(by_flops)) << "the worker refused: the flop count";
+  EXPECT_TRUE(queued.empty());
+  accept = true;
+  EXPECT_EQ(predicted(chooser.Choose(layer, batch)), predicted(by_flops)) << "scheduled: the flop count meanwhile";
+  EXPECT_EQ(predicted(chooser.Choose(layer, batch)), predicted(by_flops));
+  ASSERT_EQ(queued.size(), 1u) << "one fit per layer at a time";
+  EXPECT_EQ(backend.Now(), std::chrono::steady_clock::time_point{}) << "no forward ran on the requests' thread";
+  queued[0]();  // the background worker's turn
+  EXPECT_GT(peak, 0) << "the fit held its forwards' memory in the budget";
+  EXPECT_EQ(memory.reserved(), 0) << "and gave it back";
+  const ExactChoice fitted = chooser.Choose(layer, batch);
+  for (Form f : kExactForms) {
+    const double truth =
+        ForwardFlops(layer->Find(f)->weights(), batch, backend.summed_order()) * MeteredBackend::kSecondsPerFlop;
+    EXPECT_NEAR(fitted.predicted_seconds[static_cast<size_t>(f)], truth, 0.01 * truth) << FormName(f);
+  }
+  EXPECT_EQ(queued.size(), 1u) << "fitted once";
+}
+
+// A fit the memory budget refuses leaves the flop count deciding, and is tried again only after
+// kRefitAfterRefusal.
+TEST(FormCostTest, AFitTheBudgetRefusesIsRetriedLater) {
+  MeteredBackend backend(SummedOrder{.mix_first_allowed = true});
+  std::shared_ptr<Layer> layer = ResidentLayer(backend, Config(64, 4, 4, 16), 29);
+  std::vector<std::function<void()>> queued;
+  std::chrono::seconds skew{0};
+  MemoryBudget memory(4096, "--max-memory-mb");
+  AutoFormChooser chooser(&backend, AutoFormOptions{.calibration_budget = std::chrono::milliseconds(500),
+                                                    .now = [&] { return backend.Now() + skew; },
+                                                    .schedule =
+                                                        [&](std::function<void()> fit) {
+                                                          queued.push_back(std::move(fit));
+                                                          return true;
+                                                        },
+                                                    .memory = &memory});
+  const SequenceShape s{.n = 8, .m = 8};
+  chooser.Choose(layer, std::span(&s, 1));
+  ASSERT_EQ(queued.size(), 1u);
+  queued[0]();
+  EXPECT_EQ(backend.Now(), std::chrono::steady_clock::time_point{}) << "refused before any forward";
+  EXPECT_FALSE(chooser.Calibrate(*layer).measured);
+  chooser.Choose(layer, std::span(&s, 1));
+  EXPECT_EQ(queued.size(), 1u) << "not before kRefitAfterRefusal";
+  skew = AutoFormChooser::kRefitAfterRefusal + std::chrono::seconds(1);
+  chooser.Choose(layer, std::span(&s, 1));
+  EXPECT_EQ(queued.size(), 2u) << "tried again";
 }
 
 }  // namespace

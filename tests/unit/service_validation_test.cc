@@ -374,6 +374,17 @@ TEST(ValidationTest, FormChoice) {
   EXPECT_EQ(summed.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_THAT(summed.status().message(), AllOf(HasSubstr("summed"), HasSubstr("holds: factored")));
   EXPECT_EQ(ChooseForm(9, layer).status().code(), StatusCode::kInvalidArgument);
+  // A low-rank form still gathering its live calibration rows: retryable, with how far it is.
+  layer.lowrank_selection = "divergence:0.05";
+  layer.live_calibration = std::make_shared<LiveCalibration>(64, c.d_model, 0.05);
+  StatusOr<Form> gathering = ChooseForm(3, layer);
+  EXPECT_EQ(gathering.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(gathering.status().message(),
+              AllOf(HasSubstr("layer 'l'"), HasSubstr("divergence:0.05"), HasSubstr("0 of 64 rows")));
+  layer.live_calibration->Fail(ResourceExhaustedError("too big"));
+  StatusOr<Form> failed = ChooseForm(3, layer);
+  EXPECT_EQ(failed.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(failed.status().message(), AllOf(HasSubstr("build from live traffic failed"), HasSubstr("too big")));
 }
 
 }  // namespace

@@ -261,6 +261,34 @@ TEST(SpectrumView, CalibratedRanksPerHeadOnTheWireAndInTheListing) {
   EXPECT_THAT(energy, Not(HasSubstr("calibration")));
 }
 
+// calibration=live:ROWS before its form is built: the wire's live_calibration and the listing's
+// line, with the rows seen so far and a failed build's error.
+TEST(SpectrumView, ALiveCalibrationShowsItsRowsUntilBuilt) {
+  LayerStore store(&Cpu());
+  const auto layer = MustLoad(store, "live", "random:d_model=16,heads=2,lowrank=divergence:0.2,calibration=live:40");
+  ASSERT_NE(layer, nullptr);
+  std::vector<float> x(24 * 16);
+  std::mt19937_64 rng(3);
+  std::normal_distribution<float> normal;
+  for (float& v : x) v = normal(rng);
+  Sequence s;
+  s.input = ConstMatrixView{x.data(), 24, 16};
+  EXPECT_FALSE(layer->live_calibration->Offer(std::span(&s, 1)));
+  v1::LayerInfo info = Describe(*layer, false);
+  ASSERT_TRUE(info.has_live_calibration());
+  EXPECT_EQ(info.live_calibration().rank_selection(), "divergence:0.2");
+  EXPECT_EQ(info.live_calibration().rows_wanted(), 40);
+  EXPECT_EQ(info.live_calibration().rows_seen(), 24);
+  EXPECT_EQ(info.live_calibration().error(), "");
+  EXPECT_EQ(cli::LowRankSummary(info),
+            "lowrank: selection=divergence:0.2 calibration=live rows_seen=24 rows_wanted=40 (not built yet)\n");
+  layer->live_calibration->Fail(ResourceExhaustedError("no room"));
+  info = Describe(*layer, false);
+  EXPECT_EQ(info.live_calibration().error(), "no room");
+  EXPECT_THAT(cli::LowRankSummary(info), HasSubstr(" error=no room"));
+  EXPECT_FALSE(Describe(*MustLoad(store, "e", "random:d_model=16,heads=2,lowrank=energy:0.9"), false).has_live_calibration());
+}
+
 TEST(SpectrumView, LayerArguments) {
   cli::LayerArgs a;
   std::string error;

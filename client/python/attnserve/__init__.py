@@ -10,7 +10,7 @@ client/python/README.md has every call. Errors from the server are raised as Att
 which names the gRPC status code and carries the server's message.
 """
 from attnserve.client import (AttnserveError, Client, Divergence, FormInfo, ForwardResult, HeadSpectrum, LayerInfo,
-                              Routing, Spectrum)
+                              LiveCalibration, Routing, Spectrum)
 
 try:
     from attnserve._version import __version__  # written when the package is built (setup.py)
@@ -18,4 +18,4 @@ except ImportError:  # pragma: no cover - only when run from an unbuilt tree
     __version__ = "unknown"
 
 __all__ = ["AttnserveError", "Client", "Divergence", "FormInfo", "ForwardResult", "HeadSpectrum", "LayerInfo",
-           "Routing", "Spectrum", "__version__"]
+           "LiveCalibration", "Routing", "Spectrum", "__version__"]

@@ -100,6 +100,15 @@ class Spectrum:
 
 
 @dataclasses.dataclass(frozen=True)
+class LiveCalibration:
+    """A low-rank form calibrated on live traffic (calibration=live:ROWS), before it is built."""
+    rank_selection: str  # "divergence:EPS"
+    rows_wanted: int
+    rows_seen: int
+    error: str           # the build's failure; empty while gathering or building
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerInfo:
     name: str
     source: str
@@ -112,6 +121,7 @@ class LayerInfo:
     rope_theta: float
     forms: Dict[str, FormInfo]
     spectrum: Optional[Spectrum]  # only from layer(name, spectrum=True) / spectrum(name)
+    live_calibration: Optional[LiveCalibration] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +182,12 @@ def _layer_info(info, with_spectrum: bool) -> LayerInfo:
     if with_spectrum:
         spectrum = Spectrum([_head_spectrum(h) for h in info.ov_spectrum],
                             [_head_spectrum(h) for h in info.qk_spectrum])
+    live = None
+    if info.HasField("live_calibration"):
+        lc = info.live_calibration
+        live = LiveCalibration(lc.rank_selection, lc.rows_wanted, lc.rows_seen, lc.error)
     return LayerInfo(info.name, info.source, c.d_model, c.heads, c.kv_heads, c.d_head, c.bias, c.scale, c.rope_theta,
-                     forms, spectrum)
+                     forms, spectrum, live)
 
 
 def _routing(info) -> Routing:
