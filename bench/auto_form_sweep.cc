@@ -3,7 +3,8 @@
 // times, interleaved in one run, the factored form, the summed form and auto (the model's choice
 // plus the forward of the chosen form) on one sequence of n queries over m context rows for
 // every (n, m) of the grid, and reports per cell the faster form, auto's pick, and auto's time
-// over the faster form's (docs/benchmarks.md, "Form auto").
+// over the faster form's (docs/benchmarks.md, "Form auto"); and, in the same run, how many cells
+// the model would pick right without its residuals (the terms alone, CostResidual).
 //
 //   auto_form_sweep [--layers 384x12,768x12] [--n 1,4,16,64,256] [--m 16,64,256,1024,4096]
 //                   [--reps 7] [--calibration-ms 1000] [--noise 0.03] [--threads 0]
@@ -11,8 +12,8 @@
 // --layers D x H: d_model and heads (d_head = D / H, no GQA, with biases). Each variant's time is
 // the best of --reps rounds (a round runs the three in turn, in each of their 6 orders in turn,
 // so that none always follows its twin's warm cache): on a shared machine the others' load only
-// ever adds time, and the best is the cell's own cost, as the calibration's best-of-3 is. A cell whose two forms differ by
-// less than --noise (relative to the faster) is a tie: either pick is right there, and it is
+// ever adds time, and the best is the cell's own cost, as the calibration's best of its passes
+// is. A cell whose two forms differ by less than --noise (relative to the faster) is a tie: either pick is right there, and it is
 // counted apart. --threads: the backend's (0: every core).
 #include <algorithm>
 #include <array>
@@ -111,6 +112,7 @@ Args Parse(int argc, char** argv) {
 
 struct Totals {
   int cells = 0, ties = 0, right = 0, strict_right = 0, within = 0, chosen_within = 0;
+  int terms_alone_right = 0;  // the same model without its residuals (CostResidual), in the same run
   double worst = 0, worst_chosen = 0;
 };
 
@@ -189,6 +191,14 @@ void SweepLayer(CpuBackend& backend, const Args& args, int64_t d, int64_t heads,
       const bool tie = std::abs(f - sm) < args.noise * best;
       const double ratio = a / best;
       const double chosen = (picked == Form::kSummed ? sm : f) / best;  // 1 when the pick is the faster
+      // The choice the terms alone would make: what the residuals change, measured in this run.
+      FormCostModel terms_alone = model;
+      for (FormCostCoefficients& c : terms_alone.by_form) c.residuals.clear();
+      const Form by_terms = ChooseExactForm(terms_alone, layer.Find(Form::kFactored)->weights(),
+                                            &layer.Find(Form::kSummed)->weights(), std::span(&shape, 1),
+                                            backend.summed_order())
+                                .form;
+      totals.terms_alone_right += tie || by_terms == faster;
       ++totals.cells;
       totals.ties += tie;
       totals.right += tie || picked == faster;
@@ -221,6 +231,8 @@ int main(int argc, char** argv) {
   std::printf("\nCells: %d, ties (forms within %.0f %%): %d\n", totals.cells, args.noise * 100, totals.ties);
   std::printf("auto picked the faster form (a tie counts as right): %d / %d = %.1f %%\n", totals.right, totals.cells,
               100.0 * totals.right / totals.cells);
+  std::printf("the same model without its residuals would have (ties right): %d / %d = %.1f %%\n",
+              totals.terms_alone_right, totals.cells, 100.0 * totals.terms_alone_right / totals.cells);
   std::printf("auto picked the faster form (ties counted by their measured order): %d / %d = %.1f %%\n",
               totals.strict_right, totals.cells, 100.0 * totals.strict_right / totals.cells);
   std::printf("the picked form's time within 5 %% of the faster form's: %d / %d cells; worst picked / faster: %.3f\n",

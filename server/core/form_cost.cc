@@ -38,6 +38,32 @@ double FormCostCoefficients::Predict(const CostTerms& t) const {
   return seconds;
 }
 
+double FormCostCoefficients::Predict(const CostTerms& t, std::span<const SequenceShape> batch) const {
+  return Predict(t) * ResidualFactor(batch);
+}
+
+double FormCostCoefficients::ResidualFactor(std::span<const SequenceShape> batch) const {
+  if (residuals.empty() || batch.empty()) return 1;
+  double n = 0, m = 0;
+  for (const SequenceShape& s : batch) {
+    n += static_cast<double>(s.n);
+    m += static_cast<double>(s.m);
+  }
+  const double log_n = std::log2(std::max(n, 1.0)), log_m = std::log2(std::max(m, 1.0));
+  // Shepard's inverse-distance weighting (power 2), in the logs: exact at a timed shape. The
+  // terms' own prediction (ratio 1) weighs as a residual two octaves away, so a point far from
+  // every timed shape keeps the terms' trend instead of the average of distant corrections.
+  double weights = kTermsWeight, log_ratio = 0;
+  for (const CostResidual& r : residuals) {
+    const double dn = log_n - r.log_n, dm = log_m - r.log_m;
+    const double d2 = dn * dn + dm * dm;
+    if (d2 < 1e-12) return r.ratio;
+    weights += 1 / d2;
+    log_ratio += std::log(r.ratio) / d2;
+  }
+  return std::exp(log_ratio / weights);
+}
+
 bool IsExactForm(Form form) {
   return std::find(std::begin(kExactForms), std::end(kExactForms), form) != std::end(kExactForms);
 }
@@ -100,16 +126,23 @@ StatusOr<FormCostCoefficients> FitFormCost(std::span<const CostSample> samples) 
   }
   FormCostCoefficients fit;
   for (size_t c = 0; c < k; ++c) fit.per_term[c] = best(static_cast<Eigen::Index>(c)) / scale(static_cast<Eigen::Index>(c));
+  for (const CostSample& sample : samples) {
+    const double predicted = fit.Predict(sample.terms);
+    if (sample.shape.n <= 0 || !(predicted > 0)) continue;
+    fit.residuals.push_back({.log_n = std::log2(static_cast<double>(sample.shape.n)),
+                             .log_m = std::log2(static_cast<double>(std::max<int64_t>(sample.shape.m, 1))),
+                             .ratio = std::clamp(sample.seconds / predicted, kMinResidual, kMaxResidual)});
+  }
   return fit;
 }
 
 ExactChoice ChooseExactForm(const FormCostModel& model, const FormWeights& factored, const FormWeights* summed,
                             std::span<const SequenceShape> batch, const SummedOrder& order) {
   ExactChoice choice;
-  const double f = model.Of(Form::kFactored).Predict(ForwardCostTerms(factored, batch, order));
+  const double f = model.Of(Form::kFactored).Predict(ForwardCostTerms(factored, batch, order), batch);
   choice.predicted_seconds[static_cast<size_t>(Form::kFactored)] = f;
   if (summed != nullptr) {
-    const double s = model.Of(Form::kSummed).Predict(ForwardCostTerms(*summed, batch, order));
+    const double s = model.Of(Form::kSummed).Predict(ForwardCostTerms(*summed, batch, order), batch);
     choice.predicted_seconds[static_cast<size_t>(Form::kSummed)] = s;
     if (s < f) choice.form = Form::kSummed;
   }

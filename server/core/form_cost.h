@@ -5,6 +5,9 @@
 //
 //   time ≈ c_gemm · GEMM flops + c_attention · attention flops + c_bytes · bytes + c_call
 //
+// The calibration's residuals (measured over predicted, per timed shape) then correct a
+// prediction by what the terms missed at the timed shapes nearest the batch (CostResidual).
+//
 // The terms are counted from the form's weights and the batch's shapes (n, m, key length per
 // sequence; d_model, heads, d_head and the kv group come with the weights), in the order the
 // backend runs the summed form (SummedOrder: mixing first moves its value projection from the
@@ -41,10 +44,32 @@ struct CostTerms {
 CostTerms ForwardCostTerms(const FormWeights& form, std::span<const SequenceShape> batch,
                            const SummedOrder& order = {});
 
+// What the terms miss at one timed shape: its measured seconds over the terms' prediction. The
+// four terms are linear in the work; a real backend is not (cache fits, kernel choices, threads
+// woken per call), and near the crossover of two forms a few percent decide. The residuals of the
+// calibration's shapes correct the prediction of a shape near them (ResidualFactor), so the
+// model is exact where it was timed and smooth in between.
+struct CostResidual {
+  double log_n = 0, log_m = 0;  // log2 of the shape's queries and context rows
+  double ratio = 1;             // measured / predicted, within [kMinResidual, kMaxResidual]
+};
+inline constexpr double kMinResidual = 0.25, kMaxResidual = 4;
+inline constexpr double kTermsWeight = 0.25;  // 1 / (2 octaves)²
+
 // Seconds per unit of each term, for one form on one backend. Every coefficient >= 0.
 struct FormCostCoefficients {
   std::array<double, CostTerms::kCount> per_term{};
+  std::vector<CostResidual> residuals;  // empty: the terms alone
+  // The terms' prediction.
   double Predict(const CostTerms& t) const;
+  // The same, times ResidualFactor at `batch`'s point.
+  double Predict(const CostTerms& t, std::span<const SequenceShape> batch) const;
+  // The geometric mean of the residuals' ratios weighted by 1 / distance² in (log2 n, log2 m)
+  // (Shepard's interpolation), with ratio 1 (the terms alone) weighted kTermsWeight, a batch's
+  // point being (log2 Σn, log2 Σm) (its GEMMs run over the stacked rows): a timed shape's own
+  // ratio at that shape, mostly the nearest shapes' between, tending to 1 (the terms' trend)
+  // octaves away from every timed shape, and 1 with no residuals.
+  double ResidualFactor(std::span<const SequenceShape> batch) const;
 };
 
 // The forms `auto` chooses between: the exact ones.
@@ -62,15 +87,17 @@ struct FormCostModel {
 // of a layer not (yet) calibrated.
 FormCostModel FlopCountModel();
 
-// One timed forward: its terms and its measured seconds.
+// One timed forward: its terms, its measured seconds, and the shape it ran (n = 0: none given).
 struct CostSample {
   CostTerms terms;
   double seconds = 0;
+  SequenceShape shape{};
 };
 
 // The non-negative coefficients that fit `samples` best in relative error (each sample weighted
 // by 1 / its seconds, so that a short forward counts as much as a long one): least squares over
-// every subset of the terms, keeping the best fit whose coefficients are all >= 0.
+// every subset of the terms, keeping the best fit whose coefficients are all >= 0; and a
+// residual per sample that names its shape (the best fit's prediction against its seconds).
 // INVALID_ARGUMENT when there are fewer samples than 2 or a sample's seconds is not > 0.
 StatusOr<FormCostCoefficients> FitFormCost(std::span<const CostSample> samples);
 

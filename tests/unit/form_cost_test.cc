@@ -119,6 +119,43 @@ TEST(FormCostTest, FitRecoversKnownCoefficients) {
   EXPECT_NE(refused.message().find("samples[1].seconds"), std::string::npos) << refused.message();
 }
 
+// The residuals: a timed shape's own ratio there, the nearer shape's more between two, none
+// without residuals; a fit of shaped samples predicts each of them exactly.
+TEST(FormCostTest, ResidualsMakeTheModelExactWhereTimedAndSmoothBetween) {
+  FormCostCoefficients c{.per_term = {1e-11, 1e-11, 0, 0}};
+  const SequenceShape at16{.n = 1, .m = 16}, at32{.n = 1, .m = 32}, at128{.n = 1, .m = 128};
+  EXPECT_EQ(c.ResidualFactor(std::span(&at16, 1)), 1) << "no residuals: the terms alone";
+  c.residuals = {{.log_n = 0, .log_m = 4, .ratio = 2}, {.log_n = 0, .log_m = 7, .ratio = 0.5}};
+  EXPECT_DOUBLE_EQ(c.ResidualFactor(std::span(&at16, 1)), 2);
+  EXPECT_DOUBLE_EQ(c.ResidualFactor(std::span(&at128, 1)), 0.5);
+  const double between = c.ResidualFactor(std::span(&at32, 1));
+  EXPECT_GT(between, 1) << "m = 32 lies nearer m = 16 (ratio 2) than m = 128 (0.5)";
+  EXPECT_LT(between, 2);
+  const SequenceShape far{.n = 1024, .m = 1 << 20};
+  EXPECT_NEAR(c.ResidualFactor(std::span(&far, 1)), 1, 0.01) << "octaves from every timed shape: the terms' trend";
+  // A batch is placed by its stacked rows: two sequences of 1 × 8 sit at (2, 16).
+  const SequenceShape pair[] = {{.n = 1, .m = 8}, {.n = 1, .m = 8}};
+  const SequenceShape stacked{.n = 2, .m = 16};
+  EXPECT_DOUBLE_EQ(c.ResidualFactor(pair), c.ResidualFactor(std::span(&stacked, 1)));
+
+  std::mt19937_64 rng(testing::TestSeed());
+  std::normal_distribution<double> noise(0.0, 0.05);
+  std::vector<CostSample> samples;
+  for (const auto& [n, m] : std::vector<std::pair<int64_t, int64_t>>{{1, 16}, {1, 128}, {4, 128}, {16, 16}, {16, 1024}}) {
+    const CostTerms t{.gemm_flops = 1e6 * static_cast<double>(n + m), .attention_flops = 1e4 * static_cast<double>(n * m),
+                      .bytes = 1e6, .calls = 1};
+    samples.push_back({.terms = t, .seconds = (1e-9 * t.gemm_flops + 1e-9 * t.attention_flops) * std::exp(noise(rng)),
+                       .shape = {.n = n, .m = m}});
+  }
+  StatusOr<FormCostCoefficients> fit = FitFormCost(samples);
+  ASSERT_TRUE(fit.ok()) << fit.status().ToString();
+  ASSERT_EQ(fit->residuals.size(), samples.size());
+  for (const CostSample& sample : samples) {
+    EXPECT_NEAR(fit->Predict(sample.terms, std::span(&sample.shape, 1)) / sample.seconds, 1, 1e-12)
+        << "n " << sample.shape.n << " m " << sample.shape.m;
+  }
+}
+
 TEST(FormCostTest, FlopCountModelPicksTheFormWithFewerFlops) {
   const LayerWeights w = RandomLayerWeights(Config(64, 8, 8, 8), 3);
   const FormWeights factored = MaterializeFactored(w), summed = MaterializeSummed(w);
@@ -219,15 +256,31 @@ class MeteredBackend final : public Backend {
  public:
   static constexpr double kSecondsPerFlop = 1e-12;  // 1 TFLOP/s
 
-  explicit MeteredBackend(SummedOrder order) : order_(order) {}
+  // `long_context_penalty`: a forward over more than 256 context rows costs that much more per
+  // flop (the operands leave a cache): a rate no linear term has.
+  // `cold_penalty`: a forward that follows one of another form or shape costs that much more
+  // (its weights were evicted), as the calibration's interleaved passes would find them.
+  explicit MeteredBackend(SummedOrder order, double long_context_penalty = 0, double cold_penalty = 0)
+      : order_(order), long_context_penalty_(long_context_penalty), cold_penalty_(cold_penalty) {}
   std::string DeviceName() const override { return "metered"; }
   StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override {
     return cpu_.Upload(std::move(form));
   }
   Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override {
     std::vector<SequenceShape> shapes;
-    for (const Sequence& s : batch) shapes.push_back({.n = s.n(), .m = s.m(), .keys = s.key_length});
-    elapsed_ += ForwardFlops(form.weights(), shapes, order_) * kSecondsPerFlop;
+    int64_t longest = 0;
+    for (const Sequence& s : batch) {
+      shapes.push_back({.n = s.n(), .m = s.m(), .keys = s.key_length});
+      longest = std::max(longest, s.m());
+    }
+    const bool warm = last_form_ == &form && last_shapes_.size() == shapes.size() &&
+                      std::equal(shapes.begin(), shapes.end(), last_shapes_.begin(), [](auto& a, auto& b) {
+                        return a.n == b.n && a.m == b.m && a.keys == b.keys;
+                      });
+    last_form_ = &form;
+    last_shapes_ = shapes;
+    elapsed_ += ForwardFlops(form.weights(), shapes, order_) * kSecondsPerFlop *
+                (1 + (longest > 256 ? long_context_penalty_ : 0)) * (warm ? 1 : 1 + cold_penalty_);
     return OkStatus();
   }
   SummedOrder summed_order() const override { return order_; }
@@ -238,6 +291,9 @@ class MeteredBackend final : public Backend {
 
  private:
   CpuBackend cpu_{CpuBackendOptions{.threads = 1}};
+  double long_context_penalty_ = 0, cold_penalty_ = 0;
+  const ResidentForm* last_form_ = nullptr;
+  std::vector<SequenceShape> last_shapes_;
   const SummedOrder order_;
   double elapsed_ = 0;
 };
@@ -264,6 +320,51 @@ TEST(FormCostTest, CalibrationCountsTheBackendsSummedOrder) {
       }
     }
   }
+}
+
+// Calibrates a layer on `backend` and expects the model to predict every timed shape at
+// `seconds` (the backend's time for it), to the clock's nanosecond (the metered time is cut to
+// it: 1e-3 of the shortest forward). Answers, per exact form, the worst relative error of the
+// terms alone at those shapes.
+std::vector<double> ExpectTimedShapesPredicted(MeteredBackend& backend, uint64_t serial,
+                                               const std::function<double(const SequenceShape&)>& factor) {
+  std::shared_ptr<Layer> layer = ResidentLayer(backend, Config(256, 8, 8, 32), serial);
+  AutoFormChooser chooser(&backend, AutoFormOptions{.calibration_budget = std::chrono::milliseconds(1000),
+                                                    .now = [&backend] { return backend.Now(); }});
+  const FormCostModel& model = chooser.Calibrate(*layer);
+  EXPECT_TRUE(model.measured);
+  std::vector<double> worst_terms_alone;
+  for (Form f : kExactForms) {
+    const FormWeights& w = layer->Find(f)->weights();
+    double worst = 0;
+    for (const SequenceShape& shape : CalibrationShapes(1024)) {
+      const std::span<const SequenceShape> one(&shape, 1);
+      const double truth = ForwardFlops(w, one, backend.summed_order()) * MeteredBackend::kSecondsPerFlop * factor(shape);
+      const CostTerms terms = ForwardCostTerms(w, one, backend.summed_order());
+      EXPECT_NEAR(model.Of(f).Predict(terms, one) / truth, 1, 2e-3) << FormName(f) << " n " << shape.n << " m " << shape.m;
+      worst = std::max(worst, std::abs(model.Of(f).Predict(terms) / truth - 1));
+    }
+    worst_terms_alone.push_back(worst);
+  }
+  return worst_terms_alone;
+}
+
+// A backend whose rate changes with the context (no linear term can say so): the terms alone miss
+// some timed shape by far more than the 5 % that decide near a crossover; with the residuals the
+// model predicts every timed shape as the backend times it.
+TEST(FormCostTest, TheResidualsCatchWhatTheTermsMissAtTheTimedShapes) {
+  MeteredBackend backend(SummedOrder{.mix_first_allowed = true}, /*long_context_penalty=*/0.6);
+  const std::vector<double> worst =
+      ExpectTimedShapesPredicted(backend, 27, [](const SequenceShape& s) { return s.m > 256 ? 1.6 : 1.0; });
+  for (double w : worst) EXPECT_GT(w, 0.05) << "the check needs a rate the terms cannot fit";
+}
+
+// A short forward is timed right after a repeat of itself, as a stream of requests to one form
+// would run it: a backend that charges a forward after another form or shape 50 % more is still
+// predicted at its warm time at every timed shape (all shorter than 2 ms here).
+TEST(FormCostTest, ShortForwardsAreTimedWarm) {
+  MeteredBackend backend(SummedOrder{.mix_first_allowed = true}, 0, /*cold_penalty=*/0.5);
+  ExpectTimedShapesPredicted(backend, 31, [](const SequenceShape&) { return 1.0; });
 }
 
 // In the server the fit runs on a background worker: the request that finds its layer unfitted is
