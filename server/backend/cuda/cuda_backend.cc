@@ -94,7 +94,7 @@ class CudaBackend final : public Backend {
   StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override {
     if (!form) return InvalidArgumentError("Upload: no form given");
     ATTNSERVE_RETURN_IF_ERROR(CheckHeadCombine(*form));
-    auto resident = std::make_shared<CudaResidentForm>(std::move(form), budget_);
+    auto resident = std::make_shared<CudaResidentForm>(std::move(form), budget_, options_.math);
     Status st = WithLane([&](Lane& lane) { return lane.Upload(*resident); });
     if (!st.ok()) return st;
     return std::shared_ptr<const ResidentForm>(std::move(resident));
