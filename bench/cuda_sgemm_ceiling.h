@@ -9,7 +9,7 @@
 
 namespace attnserve {
 
-// GFLOP/s of a size×size×size cuBLAS SGEMM on options.device (in TF32 with options.tf32), over
+// GFLOP/s of a size×size×size cuBLAS SGEMM on options.device (in TF32 when options.math is kTf32), over
 // random operands; UNAVAILABLE when the device cannot be used, as MakeCudaBackend says.
 StatusOr<double> CudaSgemmGflops(const CudaBackendOptions& options, int64_t size);
 

@@ -2,7 +2,7 @@
 // a ratio to the best SGEMM this machine has, measured in the same run (the machine is shared
 // and noisy, so only ratios measured together mean much).
 //
-//   forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]
+//   forward_bench [--device cpu|cuda[:N]] [--tf32 | --gpu-math MODE] [--threads 1,2] [--min-time-s 0.5]
 //                 [--json FILE] [--shapes a,b] [--gemm auto,eigen,onednn] [--weight-layout auto,plain]
 // --gemm runs the CPU backend with each GEMM library in turn (gemm.h), against one ceiling;
 // --weight-layout with its weights packed (auto: where its own kernel runs; packed-bf16 as bfloat16)
@@ -58,11 +58,11 @@
 
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cpu/gemm.h"
+#include "server/backend/cuda/cuda_backend.h"  // GpuMath, CudaBackendOptions: no CUDA header
 #include "server/core/forms.h"
 #include "server/core/layer.h"
 #ifdef ATTNSERVE_HAVE_CUDA
 #include "bench/cuda_sgemm_ceiling.h"
-#include "server/backend/cuda/cuda_backend.h"
 #endif
 #ifdef ATTNSERVE_HAVE_ONEDNN
 #include <oneapi/dnnl/dnnl.h>
@@ -125,7 +125,7 @@ struct Options {
   std::vector<Form> forms = {Form::kFactored, Form::kSummed};                 // --forms (a profile of one)
   int64_t idle_us = 0;  // --idle-us: a pause before each timed call, as between served requests
   bool ceiling = true;  // --no-ceiling: the forwards alone (ceiling 0), seconds instead of ten
-  bool tf32 = false;
+  GpuMath math = GpuMath::kFp32;  // --gpu-math (--tf32: tf32): CudaBackendOptions::math
   bool gemm_attention = false;  // --gemm-attention: CudaBackendOptions::gemm_attention
   // --staging-slice-kib: the CUDA backend's staging slices (CudaBackendOptions::
   // staging_slice_bytes) to run in turn; empty: its default alone.
@@ -287,7 +287,7 @@ StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int thre
 #ifdef ATTNSERVE_HAVE_CUDA
   if (opt.device.rfind("cuda", 0) == 0) {
     const int device = opt.device.size() > 5 ? std::atoi(opt.device.c_str() + 5) : 0;
-    CudaBackendOptions options{.device = device, .tf32 = opt.tf32, .gemm_attention = opt.gemm_attention};
+    CudaBackendOptions options{.device = device, .math = opt.math, .gemm_attention = opt.gemm_attention};
     if (staging_slice_kib > 0) options.staging_slice_bytes = staging_slice_kib << 10;
     if (staging_threads > 0) options.staging_threads = static_cast<int>(staging_threads);
     return MakeCudaBackend(options);
@@ -305,9 +305,13 @@ StatusOr<Ceiling> MeasureCeiling(const Options& opt, int threads, const std::vec
   if (opt.device == "cpu") return BestGemm(libraries, shapes, threads, opt.min_time_s);
 #ifdef ATTNSERVE_HAVE_CUDA
   const int device = opt.device.size() > 5 ? std::atoi(opt.device.c_str() + 5) : 0;
-  ATTNSERVE_ASSIGN_OR_RETURN(auto gflops, CudaSgemmGflops({.device = device, .tf32 = opt.tf32}, 8192));
-  return Ceiling{
-      gflops, opt.tf32 ? "cublas-tf32 8192x8192x8192" : "cublas 8192x8192x8192", {8192, 8192, 8192}, nullptr};
+  // The SGEMM's, in TF32 under tf32; under bf16 and fp16 still the float32 SGEMM (no 16-bit
+  // ceiling is measured): their ratios say how far 16-bit weights move past float32's.
+  const bool tf32 = opt.math == GpuMath::kTf32;
+  ATTNSERVE_ASSIGN_OR_RETURN(auto gflops, CudaSgemmGflops({.device = device, .math = opt.math}, 8192));
+  std::string source = tf32 ? "cublas-tf32 8192x8192x8192" : "cublas 8192x8192x8192";
+  if (HalfWeights(opt.math)) source += ", forwards in " + std::string(GpuMathName(opt.math));
+  return Ceiling{gflops, source, {8192, 8192, 8192}, nullptr};
 #else
   (void)threads, (void)libraries, (void)shapes;
   return InvalidArgumentError("no CUDA in this build");
@@ -665,7 +669,8 @@ int RunLongSweep(const Options& opt) {
 
 int Usage(const char* why) {
   std::cerr << "forward_bench: " << why << "\n"
-            << "usage: forward_bench [--device cpu|cuda[:N]] [--tf32] [--threads 1,2] [--min-time-s 0.5]\n"
+            << "usage: forward_bench [--device cpu|cuda[:N]] [--tf32 | --gpu-math fp32|tf32|bf16|fp16]\n"
+               "                     [--threads 1,2] [--min-time-s 0.5]\n"
                "                     [--json FILE] [--shapes bert-base,gpt2-medium,small-request,large]\n"
                "                     [--gemm auto,eigen,onednn]   (the CPU backend's GEMM libraries, in turn)\n"
                "                     [--summed-order auto,project-first,mix-first]   (the summed form's association order)\n"
@@ -689,7 +694,14 @@ int Main(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") return Usage("both forms at reference shapes, as ratios to a GEMM ceiling");
     if (arg == "--tf32") {
-      opt.tf32 = true;
+      opt.math = GpuMath::kTf32;
+      continue;
+    }
+    if (arg == "--gpu-math") {
+      const std::optional<GpuMath> math = i + 1 < argc ? ParseGpuMath(argv[i + 1]) : std::nullopt;
+      if (!math) return Usage("--gpu-math: expected fp32, tf32, bf16 or fp16");
+      opt.math = *math;
+      ++i;
       continue;
     }
     if (arg == "--no-ceiling") {

@@ -1,5 +1,7 @@
 #include "server/settings_table.h"
 
+#include <optional>
+
 #include "server/backend/cpu/gemm.h"
 #include "server/backend/cpu/skinny_gemm.h"
 #include "server/backend/select.h"
@@ -91,10 +93,9 @@ Status SetCpuWeightLayout(const std::string& what, const std::string& text, Serv
 }
 
 Status SetGpuMath(const std::string& what, const std::string& text, ServerOptions* o) {
-  if (text != "fp32" && text != "tf32") {
-    return InvalidArgumentError(what + ": expected fp32 or tf32, got '" + text + "'");
-  }
-  o->backend.cuda.tf32 = text == "tf32";
+  const std::optional<GpuMath> math = ParseGpuMath(text);
+  if (!math) return InvalidArgumentError(what + ": expected fp32, tf32, bf16 or fp16, got '" + text + "'");
+  o->backend.cuda.math = *math;
   return OkStatus();
 }
 
@@ -131,7 +132,8 @@ const Setting kSettings[] = {
      "auto, cpu, cuda or cuda:N (auto: a usable GPU when there is one, else the CPU); an explicit "
      "cuda without a usable GPU refuses to start"},
     {"--gpu-math", "gpu_math", "MODE", Choice{SetGpuMath, "fp32"}, 0, 0, nullptr, nullptr,
-     "fp32 or tf32 (TF32 tensor-core GEMMs on the GPU)"},
+     "fp32, tf32 (TF32 tensor-core GEMMs), bf16 or fp16 (the projections' weights and inputs in 16 bits, "
+     "float32 accumulation and attention)"},
     {"--threads", "threads", "N", &InCpu<&CpuBackendOptions::threads>, 0, 1024, nullptr, nullptr,
      "CPU backend threads per Forward (0: every core)"},
     {"--cpu-idle-spin-us", "cpu_idle_spin_us", "US", Micros{&InCpu<&CpuBackendOptions::idle_spin>},

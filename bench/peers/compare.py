@@ -3,7 +3,8 @@
     python3 bench/peers/compare.py ours.json [peer.json]
 
 Both files must be of one precision: forward_bench's is TF32 when its ceiling was measured with
-TF32 (`ceiling_source` "cublas-tf32 ..."), the peer's says it in `precision` (fp32 when absent,
+TF32 (`ceiling_source` "cublas-tf32 ..."), BF16 or FP16 when its forwards ran so (the source ends
+"..., forwards in bf16"), the peer's says it in `precision` (fp32 when absent,
 as torch_attention.py wrote before it had --tf32). A TF32 run against an FP32 peer, or the other
 way round, is refused (exit 1): its ratios would compare two different computations.
 """
@@ -18,7 +19,8 @@ def load(path):
 
 ours = load(sys.argv[1])
 peer = {r["shape"]: r for r in load(sys.argv[2])} if len(sys.argv) > 2 else {}
-our_precision = "tf32" if any("tf32" in r.get("ceiling_source", "") for r in ours) else "fp32"
+sources = " ".join(r.get("ceiling_source", "") for r in ours)
+our_precision = next((p for p in ("tf32", "bf16", "fp16") if p in sources), "fp32")
 peer_precisions = {r.get("precision", "fp32") for r in peer.values()}
 if peer_precisions - {our_precision}:
     print(f"compare.py: {sys.argv[1]} is {our_precision}, {sys.argv[2]} is {','.join(sorted(peer_precisions))}:"

@@ -2,6 +2,7 @@
 
 #include <charconv>
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string_view>
 #include <variant>
@@ -14,7 +15,7 @@ using C = CudaBackendOptions;
 // One option: its key, its field and, for integers, its range.
 struct CudaOption {
   std::string_view key;
-  std::variant<int C::*, int64_t C::*, bool C::*> member;
+  std::variant<int C::*, int64_t C::*, bool C::*, GpuMath C::*> member;
   int64_t min = 0, max = 0;
 };
 
@@ -22,7 +23,7 @@ constexpr int64_t kMaxBytes = int64_t{1} << 50;
 
 const CudaOption kCudaOptions[] = {
     {"device", &C::device, 0, 1 << 16},
-    {"tf32", &C::tf32},
+    {"math", &C::math},
     {"max_score_workspace_bytes", &C::max_score_workspace_bytes, 1, kMaxBytes},
     {"max_device_bytes", &C::max_device_bytes, 0, kMaxBytes},
     {"max_lane_workspace_bytes", &C::max_lane_workspace_bytes, 0, kMaxBytes},
@@ -45,6 +46,12 @@ Status Set(const CudaOption& option, std::string_view text, CudaBackendOptions* 
     out->** b = text == "true";
     return OkStatus();
   }
+  if (auto* m = std::get_if<GpuMath C::*>(&option.member)) {
+    const std::optional<GpuMath> math = ParseGpuMath(text);
+    if (!math) return Refuse(option.key, "fp32, tf32, bf16 or fp16", text);
+    out->** m = *math;
+    return OkStatus();
+  }
   int64_t v = 0;
   const char* end = text.data() + text.size();
   auto [p, ec] = std::from_chars(text.data(), end, v);
@@ -64,6 +71,7 @@ OptionPairs EncodeCudaOptions(const CudaBackendOptions& options) {
   for (const CudaOption& option : kCudaOptions) {
     std::string value;
     if (auto* b = std::get_if<bool C::*>(&option.member)) value = options.**b ? "true" : "false";
+    if (auto* m = std::get_if<GpuMath C::*>(&option.member)) value = GpuMathName(options.**m);
     if (auto* i = std::get_if<int C::*>(&option.member)) value = std::to_string(options.**i);
     if (auto* l = std::get_if<int64_t C::*>(&option.member)) value = std::to_string(options.**l);
     pairs.emplace_back(option.key, std::move(value));

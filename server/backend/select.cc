@@ -51,9 +51,9 @@ std::string PluginPath() {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, bool tf32,
+StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, GpuMath math,
                                                   int64_t max_device_bytes) {
-  return LoadCudaPlugin(path, CudaBackendOptions{.device = index, .tf32 = tf32, .max_device_bytes = max_device_bytes});
+  return LoadCudaPlugin(path, CudaBackendOptions{.device = index, .math = math, .max_device_bytes = max_device_bytes});
 }
 
 StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, const CudaBackendOptions& options) {
@@ -111,11 +111,11 @@ StatusOr<ChosenBackend> ChooseBackend(const BackendOptions& options) {
     return ChosenBackend{std::move(gpu).value(),
                          "cuda:" + std::to_string(cuda.device) + ": " +
                              (options.device == "auto" ? "a usable GPU is present" : "asked for") +
-                             (cuda.tf32 ? ", TF32 GEMMs" : ", fp32 GEMMs") + ", " +
+                             ", " + std::string(GpuMathName(cuda.math)) + " GEMMs, " +
                              std::to_string(cuda.staging_threads) + " staging threads" +
                              (cuda.summed_mix_first ? ", summed mix-first" : "") +
                              (cuda.gemm_attention ? ", GEMM attention" : ""),
-                         cuda.tf32 ? "cublas-tf32" : "cublas"};
+                         cuda.math == GpuMath::kFp32 ? "cublas" : "cublas-" + std::string(GpuMathName(cuda.math))};
   }
   if (options.device != "auto") return UnavailableError("--device " + options.device + ": " + gpu.status().message());
   return Cpu(options.cpu, "cpu: " + gpu.status().message());

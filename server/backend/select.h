@@ -43,8 +43,8 @@ bool BuiltWithCuda();
 // they built, so that no test binary links cuBLAS (hundreds of MB mapped before main, which
 // from a cold page cache outlasts CTest's test discovery).
 StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, const CudaBackendOptions& options);
-// The same with the defaults but for the device, TF32 and the device memory bound.
-StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, bool tf32,
+// The same with the defaults but for the device, the GEMMs' math and the device memory bound.
+StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, GpuMath math,
                                                   int64_t max_device_bytes = 0);
 
 }  // namespace attnserve

@@ -1,7 +1,8 @@
 // The emulated cuBLAS GEMMs: argument checks as cuBLAS documents them, every operand checked to
 // lie inside device memory, batch entries whose outputs overlap refused, then a plain
-// column-major product in float32 (TF32-rounded inputs when asked for), queued on the stream the
-// handle was given (cublasSetStream; the legacy default stream until then).
+// column-major product in float32 (TF32-rounded inputs when asked for; bfloat16 or half A and B
+// widened exactly), queued on the stream the handle was given (cublasSetStream; the legacy
+// default stream until then).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -11,6 +12,8 @@
 #include <vector>
 
 #include "cublas_v2.h"
+#include "cuda_bf16.h"
+#include "cuda_fp16.h"
 #include "state.h"
 
 struct cublasContext {
@@ -34,10 +37,21 @@ float RoundToTf32(float v) {
   return v;
 }
 
+size_t ElementBytes(cudaDataType t) { return t == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t); }
+
+// Element i of an A or B operand of type t, as the float it holds: bfloat16 and half widen
+// exactly, as the tensor cores read them.
+float Load(const void* data, cudaDataType t, int64_t i) {
+  if (t == CUDA_R_16BF) return __bfloat162float(__ushort_as_bfloat16(static_cast<const unsigned short*>(data)[i]));
+  if (t == CUDA_R_16F) return __half2float(__ushort_as_half(static_cast<const unsigned short*>(data)[i]));
+  return static_cast<const float*>(data)[i];
+}
+
 // One operand as cuBLAS sees it: `rows` × `cols` stored column-major with leading dimension ld.
 struct Operand {
   const char* name;
-  const float* data;
+  const void* data;
+  cudaDataType type;
   int64_t rows, cols, ld;
   int64_t Extent() const { return rows == 0 || cols == 0 ? 0 : (cols - 1) * ld + rows; }
 };
@@ -53,10 +67,12 @@ struct GemmCall {
   cublasOperation_t transa = CUBLAS_OP_N, transb = CUBLAS_OP_N;
   int m = 0, n = 0, k = 0;
   const float *alpha = nullptr, *beta = nullptr;
-  const float* a = nullptr;
+  const void* a = nullptr;
+  cudaDataType a_type = CUDA_R_32F;
   int lda = 0;
   long long stride_a = 0;
-  const float* b = nullptr;
+  const void* b = nullptr;
+  cudaDataType b_type = CUDA_R_32F;
   int ldb = 0;
   long long stride_b = 0;
   float* c = nullptr;
@@ -93,9 +109,10 @@ cublasStatus_t Validate(const GemmCall& g) {
 // Every element a batch entry touches must be device memory; a device would fault otherwise.
 bool InDeviceMemory(const GemmCall& g, const Operand& op, long long stride) {
   if (op.Extent() == 0) return true;
+  const size_t bytes = ElementBytes(op.type);
   for (int i = 0; i < g.batch; ++i) {
-    const float* base = op.data + i * stride;
-    if (!internal::IsDeviceRange(base, static_cast<size_t>(op.Extent()) * sizeof(float))) {
+    const void* base = static_cast<const char*>(op.data) + i * stride * static_cast<long long>(bytes);
+    if (!internal::IsDeviceRange(base, static_cast<size_t>(op.Extent()) * bytes)) {
       internal::RaiseFault(cudaErrorIllegalAddress, std::string(g.name) + ": operand " + op.name + " of batch entry " +
                                                         std::to_string(i) + " (" + std::to_string(op.rows) + "x" +
                                                         std::to_string(op.cols) + ", ld=" + std::to_string(op.ld) +
@@ -110,9 +127,9 @@ bool InDeviceMemory(const GemmCall& g, const Operand& op, long long stride) {
 // is not); a matrix of depth k = 0 reads no A or B.
 bool OperandsInDeviceMemory(const GemmCall& g) {
   const bool ta = g.transa != CUBLAS_OP_N, tb = g.transb != CUBLAS_OP_N;
-  const Operand a{"A", g.a, ta ? g.k : g.m, ta ? g.m : g.k, g.lda};
-  const Operand b{"B", g.b, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb};
-  const Operand c{"C", g.c, g.m, g.n, g.ldc};
+  const Operand a{"A", g.a, g.a_type, ta ? g.k : g.m, ta ? g.m : g.k, g.lda};
+  const Operand b{"B", g.b, g.b_type, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb};
+  const Operand c{"C", g.c, CUDA_R_32F, g.m, g.n, g.ldc};
   return (g.k == 0 || (InDeviceMemory(g, a, g.stride_a) && InDeviceMemory(g, b, g.stride_b))) &&
          InDeviceMemory(g, c, g.stride_c);
 }
@@ -143,17 +160,16 @@ bool OutputsOverlap(const GemmCall& g) {
 // at the call (host pointer mode).
 void RunGemm(const GemmCall& g, float alpha, float beta) {
   const bool ta = g.transa != CUBLAS_OP_N, tb = g.transb != CUBLAS_OP_N;
-  auto in = [&](float v) { return g.tf32 ? RoundToTf32(v) : v; };
+  auto in = [&](float v) { return g.tf32 && g.a_type == CUDA_R_32F ? RoundToTf32(v) : v; };
   for (int batch = 0; batch < g.batch; ++batch) {
-    const float* pa = g.a + batch * g.stride_a;
-    const float* pb = g.b + batch * g.stride_b;
+    const int64_t a0 = batch * g.stride_a, b0 = batch * g.stride_b;
     float* pc = g.c + batch * g.stride_c;
     for (int j = 0; j < g.n; ++j) {
       for (int i = 0; i < g.m; ++i) {
         float acc = 0.0f;
         for (int p = 0; p < g.k; ++p) {
-          const float av = ta ? pa[p + int64_t{i} * g.lda] : pa[i + int64_t{p} * g.lda];
-          const float bv = tb ? pb[j + int64_t{p} * g.ldb] : pb[p + int64_t{j} * g.ldb];
+          const float av = Load(g.a, g.a_type, a0 + (ta ? p + int64_t{i} * g.lda : i + int64_t{p} * g.lda));
+          const float bv = Load(g.b, g.b_type, b0 + (tb ? j + int64_t{p} * g.ldb : p + int64_t{j} * g.ldb));
           acc = std::fma(in(av), in(bv), acc);
         }
         float& out = pc[i + int64_t{j} * g.ldc];
@@ -221,8 +237,8 @@ cublasStatus_t GemmPointerArrays(const GemmCall& g) {
   GemmCall queued = g;
   queued.alpha = queued.beta = nullptr;
   internal::Enqueue(g.handle->stream, [queued, alpha = *g.alpha, beta = *g.beta] {
-    const auto* as = reinterpret_cast<const float* const*>(queued.a);
-    const auto* bs = reinterpret_cast<const float* const*>(queued.b);
+    const auto* as = static_cast<const void* const*>(queued.a);
+    const auto* bs = static_cast<const void* const*>(queued.b);
     auto* const* cs = reinterpret_cast<float* const*>(queued.c);
     auto entry = [&](int e) {
       GemmCall one = queued;
@@ -256,10 +272,20 @@ bool UsesTf32(cublasHandle_t handle, cublasComputeType_t compute) {
          (compute == CUBLAS_COMPUTE_32F && handle != nullptr && handle->math == CUBLAS_TF32_TENSOR_OP_MATH);
 }
 
+// The combinations emulated, as cuBLAS's table of cublasGemmEx types has them: A and B both
+// CUDA_R_32F, both CUDA_R_16BF or both CUDA_R_16F, C CUDA_R_32F; the 16-bit inputs with
+// CUBLAS_COMPUTE_32F (or _PEDANTIC) only, since TF32 applies to float inputs.
 cublasStatus_t CheckTypes(const char* name, cudaDataType at, cudaDataType bt, cudaDataType ct,
                           cublasComputeType_t compute) {
-  if (at != CUDA_R_32F || bt != CUDA_R_32F || ct != CUDA_R_32F) {
-    internal::Diagnose(std::string(name) + ": only CUDA_R_32F operands are emulated");
+  const bool known = at == CUDA_R_32F || at == CUDA_R_16BF || at == CUDA_R_16F;
+  if (!known || at != bt || ct != CUDA_R_32F) {
+    internal::Diagnose(std::string(name) + ": A and B both CUDA_R_32F, CUDA_R_16BF or CUDA_R_16F and C CUDA_R_32F " +
+                       "are emulated, got A " + std::to_string(at) + ", B " + std::to_string(bt) + ", C " +
+                       std::to_string(ct));
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
+  if (at != CUDA_R_32F && compute == CUBLAS_COMPUTE_32F_FAST_TF32) {
+    internal::Diagnose(std::string(name) + ": 16-bit inputs with CUBLAS_COMPUTE_32F_FAST_TF32 are not emulated");
     return CUBLAS_STATUS_NOT_SUPPORTED;
   }
   if (compute != CUBLAS_COMPUTE_32F && compute != CUBLAS_COMPUTE_32F_FAST_TF32 &&
@@ -287,10 +313,12 @@ cublasStatus_t GemmEx(const char* name, cublasHandle_t handle, cublasOperation_t
                                                       .k = k,
                                                       .alpha = static_cast<const float*>(alpha),
                                                       .beta = static_cast<const float*>(beta),
-                                                      .a = static_cast<const float*>(a),
+                                                      .a = a,
+                                                      .a_type = a_type,
                                                       .lda = lda,
                                                       .stride_a = stride_a,
-                                                      .b = static_cast<const float*>(b),
+                                                      .b = b,
+                                                      .b_type = b_type,
                                                       .ldb = ldb,
                                                       .stride_b = stride_b,
                                                       .c = static_cast<float*>(c),

@@ -1051,8 +1051,8 @@ TEST(ServerFlagsTest, DeviceSelection) {
   EXPECT_THAT(output, HasSubstr("--device cuda:99"));
   EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--device", "tpu"}, &output), 2);
   EXPECT_THAT(output, HasSubstr("device: expected auto, cpu, cuda or cuda:N, got 'tpu'"));
-  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--gpu-math", "fp16"}, &output), 2);
-  EXPECT_THAT(output, HasSubstr("--gpu-math: expected fp32 or tf32"));
+  EXPECT_EQ(testing::RunToExit(ATTNSERVE_BINARY, {"--gpu-math", "fp8"}, &output), 2);
+  EXPECT_THAT(output, HasSubstr("--gpu-math: expected fp32, tf32, bf16 or fp16, got 'fp8'"));
   auto server = StartOrFail({"--device", "auto", "--layer", "t=random:d_model=8,heads=2"});
   ASSERT_NE(server, nullptr);
   EXPECT_THAT(server->Log(), ::testing::AnyOf(HasSubstr("backend cpu: "), HasSubstr("backend cuda:0: ")));

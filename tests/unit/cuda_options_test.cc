@@ -24,7 +24,7 @@ using ::testing::HasSubstr;
 // the table forgets fails the round trip.
 void ExpectSameOptions(const CudaBackendOptions& a, const CudaBackendOptions& b) {
   EXPECT_EQ(a.device, b.device);
-  EXPECT_EQ(a.tf32, b.tf32);
+  EXPECT_EQ(a.math, b.math);
   EXPECT_EQ(a.max_score_workspace_bytes, b.max_score_workspace_bytes);
   EXPECT_EQ(a.max_device_bytes, b.max_device_bytes);
   EXPECT_EQ(a.max_lane_workspace_bytes, b.max_lane_workspace_bytes);
@@ -41,7 +41,7 @@ CudaBackendOptions RandomOptions(std::mt19937_64& rng) {
   auto bytes = [&rng] { return static_cast<int64_t>(rng() % (int64_t{1} << 40)) + 1; };
   CudaBackendOptions o;
   o.device = static_cast<int>(rng() % 8) + 1;
-  o.tf32 = true;
+  o.math = static_cast<GpuMath>(rng() % 3 + 1);  // tf32, bf16 or fp16
   o.max_score_workspace_bytes = bytes();
   o.max_device_bytes = bytes();
   o.max_lane_workspace_bytes = bytes();
@@ -67,7 +67,7 @@ TEST(CudaOptionsTest, EveryOptionSurvivesTheRoundTrip) {
     const OptionPairs pairs = EncodeCudaOptions(sent);
     std::set<std::string> keys;
     for (const auto& [key, value] : pairs) EXPECT_TRUE(keys.insert(key).second) << "key " << key << " twice";
-    EXPECT_EQ(keys, (std::set<std::string>{"device", "tf32", "max_score_workspace_bytes", "max_device_bytes",
+    EXPECT_EQ(keys, (std::set<std::string>{"device", "math", "max_score_workspace_bytes", "max_device_bytes",
                                            "max_lane_workspace_bytes", "retain_workspace_bytes", "staging_slice_bytes",
                                            "staging_threads", "summed_mix_first", "gemm_attention", "guard_zones"}));
     StatusOr<CudaBackendOptions> got = Decode(pairs);
@@ -108,9 +108,9 @@ TEST(CudaOptionsTest, AnUnknownKeyIsRefusedNamingItAndTheKnownOnes) {
   ASSERT_FALSE(got.ok());
   EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(got.status().message(), AllOf(HasSubstr("CUDA backend option 'stagging_threads': unknown"),
-                                            HasSubstr("expected one of device, tf32,"), HasSubstr("staging_threads")));
-  EXPECT_THAT(Decode({{"tf32", "true"}, {"tf32", "false"}}).status().message(),
-              HasSubstr("CUDA backend option 'tf32': expected once, got twice"));
+                                            HasSubstr("expected one of device, math,"), HasSubstr("staging_threads")));
+  EXPECT_THAT(Decode({{"math", "bf16"}, {"math", "fp32"}}).status().message(),
+              HasSubstr("CUDA backend option 'math': expected once, got twice"));
 }
 
 TEST(CudaOptionsTest, BadValuesAreRefusedNamingOptionExpectedAndGot) {
@@ -126,7 +126,9 @@ TEST(CudaOptionsTest, BadValuesAreRefusedNamingOptionExpectedAndGot) {
                          Bad{"max_score_workspace_bytes", "0", "an integer in [1, 1125899906842624]"},
                          Bad{"staging_slice_bytes", "", "an integer in [1, 1125899906842624]"},
                          Bad{"device", "99999999999", "an integer in [0, 65536]"},
-                         Bad{"summed_mix_first", "yes", "true or false"}, Bad{"tf32", "1", "true or false"}}) {
+                         Bad{"summed_mix_first", "yes", "true or false"},
+                         Bad{"math", "true", "fp32, tf32, bf16 or fp16"}, Bad{"math", "BF16", "fp32, tf32, bf16 or fp16"},
+                         Bad{"math", "", "fp32, tf32, bf16 or fp16"}}) {
     SCOPED_TRACE(std::string(bad.key) + "=" + bad.value);
     StatusOr<CudaBackendOptions> got = Decode({{bad.key, bad.value}});
     ASSERT_FALSE(got.ok());

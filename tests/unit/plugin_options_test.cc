@@ -19,7 +19,7 @@ using ::testing::HasSubstr;
 
 TEST(PluginOptionsTest, EveryOptionCrossesAsKeyAndValue) {
   const CudaBackendOptions options{.device = 3,
-                                   .tf32 = true,
+                                   .math = GpuMath::kBf16,
                                    .max_score_workspace_bytes = 123456789,
                                    .max_device_bytes = int64_t{5} << 30,
                                    .max_lane_workspace_bytes = 987654321,
@@ -35,17 +35,17 @@ TEST(PluginOptionsTest, EveryOptionCrossesAsKeyAndValue) {
   EXPECT_EQ(echo.status().message(),
             "echo: struct_size=" + std::to_string(sizeof(AttnserveOptions)) +
                 " version=" + std::to_string(ATTNSERVE_PLUGIN_OPTIONS_VERSION) +
-                " device=3 tf32=true max_score_workspace_bytes=123456789 max_device_bytes=5368709120"
+                " device=3 math=bf16 max_score_workspace_bytes=123456789 max_device_bytes=5368709120"
                 " max_lane_workspace_bytes=987654321 retain_workspace_bytes=7777 staging_slice_bytes=65536"
                 " staging_threads=11 summed_mix_first=true gemm_attention=true guard_zones=true");
 }
 
 // The positional form the tests used before options crossed as data sends the same keys.
 TEST(PluginOptionsTest, TheShortFormSendsTheDefaultsForTheRest) {
-  StatusOr<std::unique_ptr<Backend>> echo = LoadCudaPlugin(ATTNSERVE_ECHO_PLUGIN, 1, false, int64_t{1} << 20);
+  StatusOr<std::unique_ptr<Backend>> echo = LoadCudaPlugin(ATTNSERVE_ECHO_PLUGIN, 1, GpuMath::kFp32, int64_t{1} << 20);
   ASSERT_FALSE(echo.ok());
   EXPECT_THAT(echo.status().message(),
-              AllOf(HasSubstr(" device=1 tf32=false max_score_workspace_bytes=268435456 max_device_bytes=1048576 "
+              AllOf(HasSubstr(" device=1 math=fp32 max_score_workspace_bytes=268435456 max_device_bytes=1048576 "
                               "max_lane_workspace_bytes=0 retain_workspace_bytes=268435456 "
                               "staging_slice_bytes=4194304 staging_threads=4 summed_mix_first=false "
                               "gemm_attention=false guard_zones=false")));
@@ -54,7 +54,7 @@ TEST(PluginOptionsTest, TheShortFormSendsTheDefaultsForTheRest) {
 // The CUDA plugin (over the emulated device) takes every option, and refuses a value out of its
 // range before making anything, naming it.
 TEST(PluginOptionsTest, TheCudaPluginTakesEveryOptionAndRefusesABadOne) {
-  CudaBackendOptions options{.tf32 = true,
+  CudaBackendOptions options{.math = GpuMath::kFp16,
                              .max_score_workspace_bytes = int64_t{8} << 20,
                              .max_device_bytes = int64_t{512} << 20,
                              .max_lane_workspace_bytes = int64_t{128} << 20,

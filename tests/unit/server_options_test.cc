@@ -327,7 +327,7 @@ TEST(ServerOptionsTest, GpuSettingsFromFlagAndYaml) {
   ASSERT_TRUE(defaults.ok()) << defaults.status().ToString();
   const CudaBackendOptions backend_defaults;
   const CudaBackendOptions& d = defaults->backend.cuda;
-  EXPECT_EQ(d.tf32, backend_defaults.tf32);
+  EXPECT_EQ(d.math, backend_defaults.math);
   EXPECT_EQ(d.max_device_bytes, backend_defaults.max_device_bytes);
   EXPECT_EQ(d.max_lane_workspace_bytes, backend_defaults.max_lane_workspace_bytes);
   EXPECT_EQ(d.max_score_workspace_bytes, int64_t{256} << 20);
@@ -343,7 +343,13 @@ TEST(ServerOptionsTest, GpuSettingsFromFlagAndYaml) {
                   "0", "--gpu-staging-slice-kb", "513", "--gpu-gemm-attention"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
   const CudaBackendOptions& c = o->backend.cuda;
-  EXPECT_TRUE(c.tf32);
+  EXPECT_EQ(c.math, GpuMath::kTf32);
+  for (const auto& [text, math] : {std::pair{"bf16", GpuMath::kBf16}, std::pair{"fp16", GpuMath::kFp16},
+                                   std::pair{"fp32", GpuMath::kFp32}}) {
+    auto parsed = Parse({"--gpu-math", text});
+    ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+    EXPECT_EQ(parsed->backend.cuda.math, math) << text;
+  }
   EXPECT_EQ(c.staging_threads, 7);
   EXPECT_TRUE(c.summed_mix_first);
   EXPECT_TRUE(c.gemm_attention);
@@ -360,7 +366,7 @@ TEST(ServerOptionsTest, GpuSettingsFromFlagAndYaml) {
   EXPECT_EQ(from_yaml.backend.cuda.staging_threads, 3);
   EXPECT_TRUE(from_yaml.backend.cuda.summed_mix_first);
   EXPECT_EQ(from_yaml.backend.cuda.max_lane_workspace_bytes, int64_t{9} << 20);
-  EXPECT_TRUE(from_yaml.backend.cuda.tf32);
+  EXPECT_EQ(from_yaml.backend.cuda.math, GpuMath::kTf32);
   auto off = Parse({"--gpu-summed-mix-first=false"});
   ASSERT_TRUE(off.ok());
   EXPECT_FALSE(off->backend.cuda.summed_mix_first);
@@ -380,7 +386,8 @@ TEST(ServerOptionsTest, GpuSettingsFromFlagAndYaml) {
             "--gpu-retain-workspace-mb: expected an integer in [0, 1073741824], got '2147483648'"},
         Bad{{"--gpu-staging-slice-kb", "0"}, "--gpu-staging-slice-kb: expected an integer in [1, 1073741824], got '0'"},
         Bad{{"--gpu-summed-mix-first=maybe"}, "--gpu-summed-mix-first: expected true or false, got 'maybe'"},
-        Bad{{"--gpu-math", "fp16"}, "--gpu-math: expected fp32 or tf32, got 'fp16'"}}) {
+        Bad{{"--gpu-math", "fp8"}, "--gpu-math: expected fp32, tf32, bf16 or fp16, got 'fp8'"},
+        Bad{{"--gpu-math", "BF16"}, "--gpu-math: expected fp32, tf32, bf16 or fp16, got 'BF16'"}}) {
     SCOPED_TRACE(bad.args[0]);
     StatusOr<ServerOptions> got = Parse(bad.args);
     ASSERT_FALSE(got.ok());
@@ -406,7 +413,7 @@ TEST(ServerOptionsTest, EnumsAreParsedOnceAndTheirShownDefaultsAreTheDefaults) {
     ASSERT_TRUE(shown.ok()) << shown.status().ToString();
     EXPECT_EQ(shown->backend.cpu.gemm, defaults.backend.cpu.gemm);
     EXPECT_EQ(shown->backend.cpu.weight_layout, defaults.backend.cpu.weight_layout);
-    EXPECT_EQ(shown->backend.cuda.tf32, defaults.backend.cuda.tf32);
+    EXPECT_EQ(shown->backend.cuda.math, defaults.backend.cuda.math);
   }
 }
 
@@ -424,7 +431,7 @@ TEST(ServerOptionsTest, TheGpuFlagsReachThePlugin) {
   unsetenv("ATTNSERVE_CUDA_PLUGIN_PATH");
   ASSERT_FALSE(chosen.ok());
   EXPECT_THAT(chosen.status().message(),
-              HasSubstr(" device=2 tf32=true max_score_workspace_bytes=67108864 max_device_bytes=3145728000 "
+              HasSubstr(" device=2 math=tf32 max_score_workspace_bytes=67108864 max_device_bytes=3145728000 "
                         "max_lane_workspace_bytes=734003200 retain_workspace_bytes=33554432 staging_slice_bytes=262144 "
                         "staging_threads=6 summed_mix_first=true gemm_attention=true guard_zones=false"));
 }

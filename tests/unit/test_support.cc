@@ -86,11 +86,16 @@ std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why) 
     // "cuda" runs attention in the fused kernel, "cuda-tf32" as GEMMs around the softmax kernel
     // (CudaBackendOptions::gemm_attention): the suite covers both paths.
     auto backend = MakeCudaBackend(
-        {.device = 0, .tf32 = name == "cuda-tf32", .gemm_attention = name == "cuda-tf32", .guard_zones = true});
+        {.device = 0,
+         .math = name == "cuda-tf32" ? GpuMath::kTf32 : GpuMath::kFp32,
+         .gemm_attention = name == "cuda-tf32",
+         .guard_zones = true});
 #else
     // The real one through the plugin the server loads, as the server loads it.
     auto backend = LoadCudaPlugin(ATTNSERVE_CUDA_PLUGIN_FILE,
-                                  {.device = 0, .tf32 = name == "cuda-tf32", .gemm_attention = name == "cuda-tf32"});
+                                  {.device = 0,
+                                   .math = name == "cuda-tf32" ? GpuMath::kTf32 : GpuMath::kFp32,
+                                   .gemm_attention = name == "cuda-tf32"});
 #endif
     if (backend.ok()) return std::move(backend).value();
     *why = backend.status().message();

@@ -7,9 +7,10 @@
 
 namespace attnserve::cuda {
 
-Status CublasOps::Init(cudaStream_t stream, bool tf32) {
+Status CublasOps::Init(cudaStream_t stream, GpuMath math) {
   stream_ = stream;
-  tf32_ = tf32;
+  math_ = math;
+  tf32_ = math == GpuMath::kTf32;
   CUBLAS_TRY(cublasCreate(&handle_));
   CUBLAS_TRY(cublasSetStream(handle_, stream_));
   CUBLAS_TRY(cublasSetMathMode(handle_, tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
@@ -26,6 +27,20 @@ Status CublasOps::Gemm(DeviceBlock x, DeviceBlock w, DeviceBlock y, float alpha,
                           static_cast<int>(x.cols), &alpha, w.data, CUDA_R_32F, static_cast<int>(w.ld), x.data,
                           CUDA_R_32F, static_cast<int>(x.ld), &beta, y.data, CUDA_R_32F, static_cast<int>(y.ld),
                           ComputeType(), CUBLAS_GEMM_DEFAULT));
+  return OkStatus();
+}
+
+Status CublasOps::GemmHalf(HalfBlock x, HalfBlock w, DeviceBlock y, float beta) {
+  if (!HalfWeights(math_)) {
+    return InternalError("GemmHalf: expected a handle of --gpu-math bf16 or fp16, got " +
+                         std::string(GpuMathName(math_)));
+  }
+  const cudaDataType type = math_ == GpuMath::kBf16 ? CUDA_R_16BF : CUDA_R_16F;
+  const float alpha = 1.0f;
+  CUBLAS_TRY(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(w.cols), static_cast<int>(x.rows),
+                          static_cast<int>(x.cols), &alpha, w.data, type, static_cast<int>(w.ld), x.data, type,
+                          static_cast<int>(x.ld), &beta, y.data, CUDA_R_32F, static_cast<int>(y.ld),
+                          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return OkStatus();
 }
 

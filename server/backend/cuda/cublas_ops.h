@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <span>
 
+#include "server/backend/cuda/cuda_backend.h"
 #include "server/backend/cuda/staging.h"
 #include "server/core/status.h"
 
@@ -23,6 +24,12 @@ struct DeviceBlock {
   DeviceBlock Cols(int64_t first, int64_t count) const { return {data + first, rows, count, ld}; }
 };
 
+// The same over 16-bit values (bfloat16 or half, by the handle's GpuMath), as raw bits.
+struct HalfBlock {
+  const uint16_t* data;
+  int64_t rows, cols, ld;
+};
+
 class CublasOps {
  public:
   CublasOps() = default;
@@ -31,14 +38,19 @@ class CublasOps {
   ~CublasOps() { Destroy(); }
 
   // A handle whose every call is queued on `stream` (the lane's; never the legacy default
-  // stream, which the lane's non-blocking stream does not wait for), in TF32 when `tf32`.
-  Status Init(cudaStream_t stream, bool tf32);
+  // stream, which the lane's non-blocking stream does not wait for), in TF32 under kTf32; under
+  // kBf16 and kFp16 GemmHalf's operands are of that type.
+  Status Init(cudaStream_t stream, GpuMath math);
   // Destroys the handle on the current device, before the lane destroys its stream; idempotent.
   void Destroy();
 
   // Row-major y = alpha · x · w (+ beta · y). cuBLAS is column-major, where a row-major [r, c]
   // block is a [c, r] one: y^T = w^T x^T, so the operands swap.
   Status Gemm(DeviceBlock x, DeviceBlock w, DeviceBlock y, float alpha = 1.0f, float beta = 0.0f);
+
+  // Row-major y = x · w + beta · y over 16-bit x and w (one cublasGemmEx, CUBLAS_COMPUTE_32F:
+  // products and sums in float32, y float32). INTERNAL unless the handle's math is kBf16 or kFp16.
+  Status GemmHalf(HalfBlock x, HalfBlock w, DeviceBlock y, float beta);
 
   // `count` products C_b = op(A_b) · B_b laid out at fixed strides, column-major as cuBLAS sees them.
   Status GemmStridedBatched(cublasOperation_t op_a, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
@@ -68,6 +80,7 @@ class CublasOps {
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
   bool tf32_ = false;
+  GpuMath math_ = GpuMath::kFp32;
   // This batch's pointer arena (StartBatch): device slots, how many, how many used so far.
   const void** pointers_device_ = nullptr;
   int64_t pointer_slots_ = 0, pointers_used_ = 0;

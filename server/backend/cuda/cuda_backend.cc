@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,12 +26,15 @@ using cuda::IsStickyError;
 using cuda::Lane;
 using cuda::SummedOrderOf;
 
-// The split of the last batch each thread finished, and on which backend (ThisThreadsDeviceTimes).
+// The split of the last batch each thread finished, and on which backend (ThisThreadsDeviceTimes):
+// by a number of its own, not its address, which a backend made after another was destroyed may
+// reuse (its thread would then read the other's split).
 struct ThreadTimes {
-  const void* backend = nullptr;
+  uint64_t backend = 0;
   DeviceTimes times;
 };
 thread_local ThreadTimes this_threads_times;
+std::atomic<uint64_t> backends_made{0};
 
 class CudaBackend final : public Backend {
  public:
@@ -94,7 +98,7 @@ class CudaBackend final : public Backend {
   StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override {
     if (!form) return InvalidArgumentError("Upload: no form given");
     ATTNSERVE_RETURN_IF_ERROR(CheckHeadCombine(*form));
-    auto resident = std::make_shared<CudaResidentForm>(std::move(form), budget_);
+    auto resident = std::make_shared<CudaResidentForm>(std::move(form), budget_, options_.math);
     Status st = WithLane([&](Lane& lane) { return lane.Upload(*resident); });
     if (!st.ok()) return st;
     return std::shared_ptr<const ResidentForm>(std::move(resident));
@@ -106,10 +110,10 @@ class CudaBackend final : public Backend {
     if (batch.empty()) return OkStatus();
     ATTNSERVE_RETURN_IF_ERROR(ValidateBatch(resident->weights().config, batch));
     if (!Healthy()) return InternalError(DeviceName() + " is unhealthy after an earlier device error");
-    this_threads_times.backend = nullptr;
+    this_threads_times.backend = 0;
     const Status st = WithLane([&](Lane& lane) {
       ATTNSERVE_RETURN_IF_ERROR(lane.RunBatch(*resident, batch));
-      this_threads_times = {this, lane.last_times()};
+      this_threads_times = {id_, lane.last_times()};
       MutexLock lock(mu_);
       last_times_ = lane.last_times();
       return OkStatus();
@@ -118,7 +122,7 @@ class CudaBackend final : public Backend {
   }
 
   std::optional<DeviceTimes> ThisThreadsDeviceTimes() const override {
-    if (this_threads_times.backend != this) return std::nullopt;
+    if (this_threads_times.backend != id_) return std::nullopt;
     return this_threads_times.times;
   }
 
@@ -229,6 +233,7 @@ class CudaBackend final : public Backend {
   }
 
   CudaBackendOptions options_;
+  const uint64_t id_ = ++backends_made;   // ThreadTimes::backend
   std::shared_ptr<DeviceBudget> budget_;  // set by Init, shared with the lanes and the weights
   std::atomic<bool> healthy_{true};
   std::atomic<int> lanes_{0};  // made and not destroyed (a lane lives as long as the backend)

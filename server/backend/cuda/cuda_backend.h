@@ -13,16 +13,35 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "server/backend/backend.h"
 
 namespace attnserve {
 
+// What the projections' GEMMs multiply (--gpu-math). kFp32: float32 throughout. kTf32: TF32
+// tensor cores (inputs rounded to a 10-bit mantissa) for every GEMM. kBf16, kFp16: the form's
+// W_in and W_out held on the device in bfloat16 or IEEE half (converted once at upload, half the
+// bytes), the activations converted on the device before each product by a weight, float32
+// accumulation and outputs; the attention (scores, softmax, mix) stays float32.
+enum class GpuMath { kFp32, kTf32, kBf16, kFp16 };
+inline constexpr std::string_view kGpuMathNames[] = {"fp32", "tf32", "bf16", "fp16"};
+inline std::string_view GpuMathName(GpuMath m) { return kGpuMathNames[static_cast<int>(m)]; }
+inline std::optional<GpuMath> ParseGpuMath(std::string_view text) {
+  for (int m = 0; m < 4; ++m) {
+    if (text == kGpuMathNames[m]) return static_cast<GpuMath>(m);
+  }
+  return std::nullopt;
+}
+// Whether the weights are held in 16 bits (kBf16, kFp16).
+inline bool HalfWeights(GpuMath m) { return m == GpuMath::kBf16 || m == GpuMath::kFp16; }
+
 struct CudaBackendOptions {
   int device = 0;
-  // TF32 tensor cores for the GEMMs (10-bit mantissa inputs): faster, looser. Off by default.
-  bool tf32 = false;
+  // The GEMMs' math (GpuMath): float32 by default.
+  GpuMath math = GpuMath::kFp32;
   // Device memory for one block of a sequence's attention: its scores (heads · rows · keys
   // floats) and, for the summed form, the interleaved A_cat block of the same size. Each
   // sequence's queries run in blocks of as many rows as fit (at least one), so the workspace

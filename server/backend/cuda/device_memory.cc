@@ -51,6 +51,13 @@ Status DeviceArray::Upload(std::span<const float> host, cudaStream_t stream) {
   return OkStatus();
 }
 
+Status DeviceArray::Upload(std::span<const uint16_t> host, cudaStream_t stream) {
+  if (host.empty()) return OkStatus();
+  ATTNSERVE_RETURN_IF_ERROR(Reserve((host.size() + 1) / 2));
+  CUDA_TRY(cudaMemcpyAsync(ptr_, host.data(), host.size() * sizeof(uint16_t), cudaMemcpyHostToDevice, stream));
+  return OkStatus();
+}
+
 Status GuardZones::Add(const char* piece, float* start, int64_t floats, cudaStream_t stream) {
   zones_.push_back({piece, start, floats});
   CUDA_TRY(cudaMemsetAsync(start, kByte, floats * sizeof(float), stream));

@@ -69,7 +69,12 @@ class DeviceArray {
   // backend's non-blocking stream does not wait for, and from pageable memory it may return
   // before the data has reached the device.
   Status Upload(std::span<const float> host, cudaStream_t stream);
+  // The same for 16-bit values (bfloat16 or half bits), two to a float of the array: the budget
+  // counts their bytes (rounded up to whole floats). `host` must live until the stream has run
+  // the copy.
+  Status Upload(std::span<const uint16_t> host, cudaStream_t stream);
   float* get() const { return ptr_; }
+  const uint16_t* get16() const { return reinterpret_cast<const uint16_t*>(ptr_); }
 
  private:
   std::shared_ptr<DeviceBudget> budget_;

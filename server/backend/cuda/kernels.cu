@@ -1,3 +1,6 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -24,6 +27,18 @@ __global__ void AddRowBiasKernel(float* y, int64_t rows, int64_t cols, int64_t l
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     float* row = y + r * ld;
     for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) row[c] += bias[c];
+  }
+}
+
+// A block a row, as AddRowBiasKernel: each float rounded once to the 16-bit format.
+__global__ void ConvertToHalfKernel(const float* x, int64_t rows, int64_t cols, int64_t x_ld, uint16_t* dst,
+                                    int64_t dst_ld, bool bf16) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float* in = x + r * x_ld;
+    uint16_t* out = dst + r * dst_ld;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+      out[c] = bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(in[c])) : __half_as_ushort(__float2half_rn(in[c]));
+    }
   }
 }
 
@@ -288,6 +303,15 @@ cudaError_t AddRowBias(float* y, int64_t rows, int64_t cols, int64_t ld, const f
   if (rows <= 0 || cols <= 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxGridBlocks));
   ATTNSERVE_LAUNCH(AddRowBiasKernel, grid, kThreads, stream)(y, rows, cols, ld, bias);
+  return cudaGetLastError();
+}
+
+cudaError_t ConvertToHalf(const float* x, int64_t rows, int64_t cols, int64_t x_ld, uint16_t* dst, int64_t dst_ld,
+                          HalfFormat format, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, kMaxGridBlocks));
+  ATTNSERVE_LAUNCH(ConvertToHalfKernel, grid, kThreads, stream)(x, rows, cols, x_ld, dst, dst_ld,
+                                                                format == HalfFormat::kBf16);
   return cudaGetLastError();
 }
 

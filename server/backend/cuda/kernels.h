@@ -11,6 +11,15 @@ namespace attnserve::cuda {
 // y[r, c] += bias[c] for the [rows, cols] block of y with row stride ld.
 cudaError_t AddRowBias(float* y, int64_t rows, int64_t cols, int64_t ld, const float* bias, cudaStream_t stream);
 
+// The 16-bit formats of --gpu-math bf16 and fp16, held as their raw bits.
+enum class HalfFormat { kBf16, kFp16 };
+
+// dst[r, c] = x[r, c] rounded to `format`, to nearest, ties to even (__float2bfloat16_rn,
+// __float2half_rn), for the [rows, cols] block of x with row stride x_ld, into dst with row stride
+// dst_ld: a GEMM's float32 activations as its 16-bit input.
+cudaError_t ConvertToHalf(const float* x, int64_t rows, int64_t cols, int64_t x_ld, uint16_t* dst, int64_t dst_ld,
+                          HalfFormat format, cudaStream_t stream);
+
 // The Q and K the scores came from: head i's queries are columns [i·d_head, (i+1)·d_head) of q
 // (row stride q_ld, row r = row r of the score block), its keys the same columns of kv head
 // i / group in k (row stride k_ld). scale is the one the score GEMM applied.

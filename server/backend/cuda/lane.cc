@@ -2,6 +2,8 @@
 // in, the copies in and out, and what it keeps afterwards. Its compute is lane_attention.cc.
 #include "server/backend/cuda/lane.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -10,16 +12,63 @@
 
 #include "server/backend/attention/skeleton.h"
 #include "server/backend/cuda/errors.h"
+#include "server/backend/cuda/kernels.h"
 
 namespace attnserve::cuda {
 
+namespace {
+
+// Each weight rounded once to the 16-bit format, to nearest, ties to even: the toolkit's
+// host conversions, the same rounding as the kernel that converts the activations.
+std::vector<uint16_t> ToHalf(std::span<const float> values, GpuMath math) {
+  std::vector<uint16_t> bits(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    bits[i] = math == GpuMath::kBf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(values[i]))
+                                     : __half_as_ushort(__float2half_rn(values[i]));
+  }
+  return bits;
+}
+
+}  // namespace
+
 Status CudaResidentForm::Upload(cudaStream_t stream) {
-  ATTNSERVE_RETURN_IF_ERROR(w_in.Upload(host_->w_in, stream));
+  // The 16-bit copies live until the stream has run their copies (the synchronisation below).
+  std::vector<uint16_t> w_in16, w_out16;
+  if (HalfWeights(math)) {
+    w_in16 = ToHalf(host_->w_in, math);
+    w_out16 = ToHalf(host_->w_out, math);
+    ATTNSERVE_RETURN_IF_ERROR(w_in.Upload(std::span<const uint16_t>(w_in16), stream));
+    ATTNSERVE_RETURN_IF_ERROR(w_out.Upload(std::span<const uint16_t>(w_out16), stream));
+  } else {
+    ATTNSERVE_RETURN_IF_ERROR(w_in.Upload(host_->w_in, stream));
+    ATTNSERVE_RETURN_IF_ERROR(w_out.Upload(host_->w_out, stream));
+  }
   ATTNSERVE_RETURN_IF_ERROR(b_in.Upload(host_->b_in, stream));
-  ATTNSERVE_RETURN_IF_ERROR(w_out.Upload(host_->w_out, stream));
   ATTNSERVE_RETURN_IF_ERROR(b_out.Upload(host_->b_out, stream));
   CUDA_TRY(cudaStreamSynchronize(stream));
   return OkStatus();
+}
+
+DeviceWeights CudaResidentForm::Weights() const {
+  if (!HalfWeights(math)) return WeightsAt(*host_, w_in.get(), b_in.get(), w_out.get(), b_out.get());
+  return WeightsAt(*host_, host_->w_in.data(), b_in.get(), host_->w_out.data(), b_out.get());
+}
+
+StatusOr<HalfBlock> CudaResidentForm::HalfBlockOf(const WeightBlock& w) const {
+  const FormWeights& f = *host_;
+  const bool in = w.matrix == WeightMatrix::kIn;
+  const int64_t rows = in ? f.config.d_model : f.out_rows, cols = in ? f.in_cols() : f.config.d_model;
+  const int64_t last_row = w.row0 + w.view.rows, last_col = w.col0 + w.view.cols;
+  if (!HalfWeights(math) || w.row0 < 0 || w.col0 < 0 || w.view.rows < 0 || w.view.cols < 0 || last_row > rows ||
+      last_col > cols) {
+    return InternalError("GemmWeights: rows [" + std::to_string(w.row0) + ", " + std::to_string(last_row) +
+                         ") and columns [" + std::to_string(w.col0) + ", " + std::to_string(last_col) + ") of " +
+                         std::string(WeightMatrixName(w.matrix)) + ": expected a block inside its 16-bit [" +
+                         std::to_string(rows) + ", " + std::to_string(cols) + "], held under --gpu-math " +
+                         std::string(GpuMathName(math)));
+  }
+  const uint16_t* base = (in ? w_in : w_out).get16();
+  return HalfBlock{base + w.row0 * cols + w.col0, w.view.rows, w.view.cols, cols};
 }
 
 Lane::Lane(CudaBackendOptions options, std::shared_ptr<DeviceBudget> budget, std::function<void()> reclaim)
@@ -40,7 +89,7 @@ Lane::~Lane() {
 Status Lane::Init() {
   CUDA_TRY(cudaSetDevice(options_.device));
   CUDA_TRY(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  ATTNSERVE_RETURN_IF_ERROR(gemms_.Init(stream_, options_.tf32));
+  ATTNSERVE_RETURN_IF_ERROR(gemms_.Init(stream_, options_.math));
   ATTNSERVE_RETURN_IF_ERROR(staging_.Init(stream_));
   return OkStatus();
 }
@@ -86,9 +135,11 @@ void Lane::ReleaseWorkspace() {
 
 Status Lane::RunBatch(const CudaResidentForm& r, std::span<const Sequence> batch) {
   CUDA_TRY(cudaSetDevice(options_.device));
-  const DeviceWeights w = WeightsAt(r.weights(), r.w_in.get(), r.b_in.get(), r.w_out.get(), r.b_out.get());
+  const DeviceWeights w = r.Weights();
   batch_bytes_ = 0;
+  resident_ = &r;
   const Status st = RunWithinBound(r.weights(), w, batch);
+  resident_ = nullptr;
   TrimAfterBatch();
   return st;
 }
@@ -180,12 +231,15 @@ StatusOr<BatchWorkspace> Lane::PlaceWorkspace(const FormWeights& f, const BatchP
                                               std::span<const Sequence> batch) {
   const int64_t guard = options_.guard_zones ? kGuardFloats : 0;
   ATTNSERVE_ASSIGN_OR_RETURN(const WorkspacePlan w, FitWorkspace([&](int64_t score_bytes) {
-                               return PlanWorkspace(f, plan, batch, score_bytes, guard, !options_.gemm_attention);
+                               return PlanWorkspace(f, plan, batch, score_bytes, guard, !options_.gemm_attention,
+                                                    HalfWeights(options_.math));
                              }));
   const PieceLayout layout = LayOut(w, guard);
   BatchWorkspace placed{.score_bytes = w.score_bytes,
                         .score_capacity = w.sizes[kScores],
                         .pointer_slots = w.sizes[kPointers] / kFloatsPerPointer,
+                        .staged_values = w.sizes[kInputs],
+                        .half_operand_capacity = 2 * w.sizes[kHalfOperands],
                         .bytes = w.bytes()};
   guards_.Clear();
   for (int p = 0; p < kPieces; ++p) {
@@ -220,6 +274,11 @@ Status Lane::Prepare(const FormWeights& f, const BatchPlan& plan, std::span<cons
   ATTNSERVE_RETURN_IF_ERROR(gemms_.StartBatch(reinterpret_cast<const void**>(piece[kPointers]), batch_.pointer_slots));
 
   ATTNSERVE_RETURN_IF_ERROR(staging_.StageInputs(batch, all_self, d, piece[kInputs]));
+  if (HalfWeights(options_.math)) {
+    // Every product by W_in reads these rows: converted once, behind their copies on the stream.
+    CUDA_TRY(cuda::ConvertToHalf(piece[kInputs], tx + c_rows, d, d, reinterpret_cast<uint16_t*>(piece[kHalfInputs]),
+                                 d, HalfFormatOf(options_.math), stream_));
+  }
   b.x = ConstMatrixView(piece[kInputs], tx, d);
   b.c = all_self ? b.x : ConstMatrixView(piece[kInputs] + tx * d, tc, d);
   if (all_self) {

@@ -21,6 +21,7 @@
 #include "server/backend/cuda/cublas_ops.h"
 #include "server/backend/cuda/cuda_backend.h"
 #include "server/backend/cuda/device_memory.h"
+#include "server/backend/cuda/kernels.h"
 #include "server/backend/cuda/staging.h"
 #include "server/backend/cuda/workspace_plan.h"
 
@@ -31,17 +32,31 @@ inline SummedOrder SummedOrderOf(const CudaBackendOptions& options) {
   return {.mix_first_allowed = options.summed_mix_first};
 }
 
-// A form's weights on the device, counted against the budget.
+// The 16-bit format of kBf16 and kFp16 (HalfWeights), as the conversion kernel names it.
+inline HalfFormat HalfFormatOf(GpuMath math) { return math == GpuMath::kBf16 ? HalfFormat::kBf16 : HalfFormat::kFp16; }
+
+// A form's weights on the device, counted against the budget. Under GpuMath kBf16 and kFp16,
+// W_in and W_out are held in 16 bits (rounded once, here, to nearest even), two values a float
+// of their DeviceArray, so the budget counts their real bytes; the biases stay float32.
 class CudaResidentForm final : public ResidentForm {
  public:
-  CudaResidentForm(std::shared_ptr<const FormWeights> w, const std::shared_ptr<DeviceBudget>& budget)
-      : w_in(budget), b_in(budget), w_out(budget), b_out(budget), host_(std::move(w)) {}
+  CudaResidentForm(std::shared_ptr<const FormWeights> w, const std::shared_ptr<DeviceBudget>& budget, GpuMath math)
+      : w_in(budget), b_in(budget), w_out(budget), b_out(budget), math(math), host_(std::move(w)) {}
   const FormWeights& weights() const override { return *host_; }
 
   // Returns once the weights are on the device: the host copies may go after that.
   Status Upload(cudaStream_t stream);
 
+  // The weights as the skeleton names them (DeviceWeights). With 16-bit weights the device holds
+  // no float32 copy: the views are the host's, which no device operation reads (Lane::GemmWeights
+  // finds the 16-bit block by its name; a GEMM reading a host view would fault on a device and in
+  // the emulation).
+  DeviceWeights Weights() const;
+  // Block `w` of the 16-bit W_in or W_out; INTERNAL when it lies outside the matrix.
+  StatusOr<HalfBlock> HalfBlockOf(const WeightBlock& w) const;
+
   DeviceArray w_in, b_in, w_out, b_out;
+  const GpuMath math;
 
  private:
   std::shared_ptr<const FormWeights> host_;
@@ -54,6 +69,8 @@ struct BatchWorkspace {
   int64_t score_bytes = 0;     // the bound the blocks were cut to (BlockRows)
   int64_t score_capacity = 0;  // floats of the score piece (a group's blocks side by side)
   int64_t pointer_slots = 0;   // of the pointer piece
+  int64_t staged_values = 0;   // floats staged in the inputs piece (inputs, then contexts)
+  int64_t half_operand_capacity = 0;  // 16-bit values the 16-bit operand piece holds
   int64_t bytes = 0;           // the whole workspace's
   float* scores() const { return piece[kScores]; }
   float* a_cat() const { return piece[kACat]; }
@@ -103,6 +120,8 @@ class Lane final : public DeviceOps {
                  ForwardBuffers& b) override;
   StatusOr<float*> MixBuffer(const BatchPlan&) override { return batch_.piece[kMixes]; }
   Status Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate) override;
+  Status GemmWeights(ConstMatrixView x, const WeightBlock& w, const float* bias, MatrixView y,
+                     bool accumulate) override;
   Status Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, std::span<const RopeRun> runs) override;
   Status Attend(const AttentionJob& job) override;
   Status SumHeadsProjectingFirst(const FormWeights& f, std::span<const AttentionRange> ranges,
@@ -131,6 +150,9 @@ class Lane final : public DeviceOps {
   std::vector<RangeGroup> Groups(const FormWeights& f, std::span<const AttentionRange> ranges) const;
   // The whole job in the fused kernel, a launch per kFusedMaxRanges ranges.
   Status FusedAttend(const AttentionJob& job, const FusedShape& shape);
+  // x as a 16-bit GEMM input: its rows of the staged inputs' 16-bit copy (Prepare converted them
+  // once), or x converted into the 16-bit operand piece on the stream.
+  StatusOr<HalfBlock> HalfOperand(ConstMatrixView x);
 
   CudaBackendOptions options_;
   std::shared_ptr<DeviceBudget> budget_;
@@ -139,6 +161,7 @@ class Lane final : public DeviceOps {
   CublasOps gemms_;
   DeviceArray workspace_;
   BatchWorkspace batch_;            // this batch's, as Prepare placed it
+  const CudaResidentForm* resident_ = nullptr;  // the form RunBatch runs
   bool workspace_refused_ = false;  // the batch's Prepare found no room (RunWithinBound)
   GuardZones guards_;               // this batch's (options_.guard_zones)
   Staging staging_;

@@ -3,6 +3,7 @@
 // blocks of query rows under the batch's score bound, and short sequences in groups
 // (docs/architecture.md, "The CUDA backend", steps 2–5).
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "server/backend/cuda/errors.h"
@@ -131,6 +132,36 @@ Status Lane::Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, Matri
   ATTNSERVE_RETURN_IF_ERROR(gemms_.Gemm(Block(x), Block(w), Block(y), 1.0f, accumulate ? 1.0f : 0.0f));
   if (bias != nullptr) CUDA_TRY(cuda::AddRowBias(y.data, y.rows, y.cols, y.ld, bias, stream_));
   return OkStatus();
+}
+
+// Under 16-bit weights (GpuMath kBf16, kFp16): the 16-bit block of the weights by its name, the
+// activations as a 16-bit input (HalfOperand), one cublasGemmEx accumulating in float32 into
+// float32 y, then the float32 bias.
+Status Lane::GemmWeights(ConstMatrixView x, const WeightBlock& w, const float* bias, MatrixView y, bool accumulate) {
+  if (!HalfWeights(options_.math)) return Gemm(x, w.view, bias, y, accumulate);
+  if (resident_ == nullptr) return InternalError("GemmWeights: no form is running on this lane");
+  ATTNSERVE_ASSIGN_OR_RETURN(const HalfBlock w16, resident_->HalfBlockOf(w));
+  ATTNSERVE_ASSIGN_OR_RETURN(const HalfBlock x16, HalfOperand(x));
+  ATTNSERVE_RETURN_IF_ERROR(gemms_.GemmHalf(x16, w16, Block(y), accumulate ? 1.0f : 0.0f));
+  if (bias != nullptr) CUDA_TRY(cuda::AddRowBias(y.data, y.rows, y.cols, y.ld, bias, stream_));
+  return OkStatus();
+}
+
+StatusOr<HalfBlock> Lane::HalfOperand(ConstMatrixView x) {
+  const float* staged = batch_.piece[kInputs];
+  const auto* staged16 = reinterpret_cast<const uint16_t*>(batch_.piece[kHalfInputs]);
+  const int64_t first = x.data - staged;
+  if (x.rows > 0 && first >= 0 && first + (x.rows - 1) * x.ld + x.cols <= batch_.staged_values) {
+    return HalfBlock{staged16 + first, x.rows, x.cols, x.ld};
+  }
+  if (x.rows * x.cols > batch_.half_operand_capacity) {
+    return InternalError("GemmWeights: a [" + std::to_string(x.rows) + ", " + std::to_string(x.cols) +
+                         "] input past the 16-bit operand piece of " + std::to_string(batch_.half_operand_capacity) +
+                         " values");
+  }
+  auto* dst = reinterpret_cast<uint16_t*>(batch_.piece[kHalfOperands]);
+  CUDA_TRY(cuda::ConvertToHalf(x.data, x.rows, x.cols, x.ld, dst, std::max<int64_t>(x.cols, 1), HalfFormatOf(options_.math), stream_));
+  return HalfBlock{dst, x.rows, x.cols, std::max<int64_t>(x.cols, 1)};
 }
 
 // One launch per kRopeMaxRuns sequences (a run that does not follow on from the one before

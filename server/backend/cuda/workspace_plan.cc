@@ -3,8 +3,10 @@
 namespace attnserve::cuda {
 
 const char* PieceName(int piece) {
-  static constexpr const char* kNames[kPieces] = {"inputs",         "Q and K", "values", "scores",        "A_cat",
-                                                  "heads' outputs", "output",  "mixes",  "pointer arrays"};
+  static constexpr const char* kNames[kPieces] = {"inputs",         "Q and K",         "values",
+                                                  "scores",         "A_cat",           "heads' outputs",
+                                                  "output",         "mixes",           "pointer arrays",
+                                                  "16-bit inputs",  "16-bit operands"};
   return kNames[piece];
 }
 
@@ -38,7 +40,7 @@ bool ScoresNeeded(const FormWeights& f, const BatchPlan& plan, bool fused) {
 }
 
 WorkspacePlan PlanWorkspace(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch,
-                            int64_t score_bytes, int64_t guard_floats, bool fused) {
+                            int64_t score_bytes, int64_t guard_floats, bool fused, bool half_inputs) {
   const LayerConfig& c = f.config;
   const int64_t d = c.d_model, tx = plan.rows.queries;
   const int64_t c_rows = plan.rows.all_self ? 0 : plan.rows.contexts;
@@ -55,10 +57,14 @@ WorkspacePlan PlanWorkspace(const FormWeights& f, const BatchPlan& plan, std::sp
   // The batched GEMMs' pointer arrays: three pointers an entry, at most 2·heads + 1 entries a
   // range (scores, mixes, the summed head sum), a range a sequence or a mix-first part.
   const int64_t pointer_slots = 3 * (2 * c.heads + 1) * static_cast<int64_t>(batch.size() + plan.mix_parts.size());
-  WorkspacePlan w{
-      score_bytes,
-      {(tx + c_rows) * d, plan.qk_floats, plan.value_floats, max_scores, f.concat_then_project() ? 0 : max_scores,
-       plan.o_floats, tx * d, plan.mix_floats, pointer_slots * kFloatsPerPointer}};
+  // 16-bit values, two a float: the staged rows, and the largest other input of a product by
+  // the weights (the heads' outputs, or a head's columns of a part's mixes).
+  const auto halves = [&](int64_t values) { return half_inputs ? (values + 1) / 2 : 0; };
+  WorkspacePlan w{score_bytes,
+                  {(tx + c_rows) * d, plan.qk_floats, plan.value_floats, max_scores,
+                   f.concat_then_project() ? 0 : max_scores, plan.o_floats, tx * d, plan.mix_floats,
+                   pointer_slots * kFloatsPerPointer, halves((tx + c_rows) * d),
+                   halves(std::max(plan.o_floats, plan.mix_floats))}};
   for (int64_t size : w.sizes) w.total += Aligned(size) + guard_floats;
   return w;
 }

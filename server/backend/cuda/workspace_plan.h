@@ -22,9 +22,24 @@
 
 namespace attnserve::cuda {
 
-// The workspace of one batch: its pieces, in floats, each starting 256-byte aligned.
-inline constexpr int kPieces = 9;
-enum Piece { kInputs, kQK, kValues, kScores, kACat, kHeadOutputs, kOutput, kMixes, kPointers };
+// The workspace of one batch: its pieces, in floats, each starting 256-byte aligned. With 16-bit
+// weights (GpuMath kBf16, kFp16) two more hold the GEMM inputs in 16 bits, two to a float: the
+// staged inputs and contexts converted once, and the other products' inputs (the heads'
+// outputs before W_out, a mix-first part's mixes before W_M_i) converted before each.
+inline constexpr int kPieces = 11;
+enum Piece {
+  kInputs,
+  kQK,
+  kValues,
+  kScores,
+  kACat,
+  kHeadOutputs,
+  kOutput,
+  kMixes,
+  kPointers,
+  kHalfInputs,
+  kHalfOperands
+};
 // "heads' outputs": the piece a guard zone message names.
 const char* PieceName(int piece);
 
@@ -66,9 +81,10 @@ bool ScoresNeeded(const FormWeights& f, const BatchPlan& plan, bool fused);
 // each piece followed by `guard_floats` (0 or kGuardFloats). Inputs and (when staged) contexts
 // share the first piece, in that order; contexts are staged only when some differ from the
 // inputs. With `fused` (the lane's fused attention), the score pieces are empty where
-// ScoresNeeded says the batch needs none.
+// ScoresNeeded says the batch needs none. With `half_inputs` (16-bit weights), the two 16-bit
+// pieces; without, they are empty.
 WorkspacePlan PlanWorkspace(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch,
-                            int64_t score_bytes, int64_t guard_floats, bool fused = false);
+                            int64_t score_bytes, int64_t guard_floats, bool fused = false, bool half_inputs = false);
 
 // Where each piece starts in the workspace (floats from its start), and its guard zone: the
 // piece's alignment padding and the guard after it, [start + size, next piece's start).

@@ -1,7 +1,8 @@
 // Host emulation of the part of cuBLAS that attnserve uses (tests only). The GEMMs (cublas.cc)
 // validate their arguments as cuBLAS documents it (CUBLAS_STATUS_INVALID_VALUE), check that
 // every element they would touch lies inside one device allocation (an illegal address on a
-// real device), round inputs to TF32 when the compute type asks for it, and accumulate in
+// real device), round inputs to TF32 when the compute type asks for it, read bfloat16 and half
+// A and B (CUDA_R_16BF, CUDA_R_16F) as exactly their values widened to float, and accumulate in
 // float32 in the plain order, which is no more accurate than cuBLAS's blocked sums.
 #pragma once
 
@@ -38,7 +39,7 @@ enum cublasComputeType_t {
   CUBLAS_COMPUTE_32F_FAST_TF32 = 77,
 };
 
-enum cudaDataType { CUDA_R_32F = 0, CUDA_R_64F = 1, CUDA_R_16F = 2 };
+enum cudaDataType { CUDA_R_32F = 0, CUDA_R_64F = 1, CUDA_R_16F = 2, CUDA_R_16BF = 14 };
 using cudaDataType_t = cudaDataType;
 
 enum cublasGemmAlgo_t { CUBLAS_GEMM_DEFAULT = -1, CUBLAS_GEMM_DEFAULT_TENSOR_OP = 99 };

@@ -1,0 +1,205 @@
+// --gpu-math bf16 and fp16 on the emulated device (CudaBackendOptions::math): the weights held in
+// 16 bits, the projections' inputs converted on the device, float32 accumulation and attention.
+// Answers against the float64 reference within the format's bound (docs/testing.md,
+// "Tolerances"), answers that really are rounded (further from float32's than float32's own
+// rounding), and the device budget counting the 16-bit bytes.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "server/backend/cuda/cuda_backend.h"
+#include "server/core/forms.h"
+#include "server/core/reference.h"
+#include "server/core/spectrum.h"
+#include "tests/unit/test_support.h"
+
+namespace attnserve {
+namespace {
+
+using testing::OwnedSequence;
+using testing::RandomSequence;
+using testing::RelativeL2;
+
+// The unit roundoff of the 16-bit format: 2^-8 for bfloat16 (8 significant bits), 2^-11 for
+// IEEE half (11).
+double UnitRoundoff(GpuMath math) { return math == GpuMath::kBf16 ? 0x1p-8 : 0x1p-11; }
+
+// max over heads of scale · max_row ‖q‖ · max_key ‖k‖ in float64: how far a relative error in Q
+// and K moves the scores (RoPE keeps the norms).
+double ScoreBound(const LayerWeights& w, const OwnedSequence& s) {
+  const LayerConfig& c = w.config;
+  const int64_t d = c.d_model, dh = c.d_head;
+  auto row_norms = [&](const std::vector<float>& x, int64_t rows, const std::vector<float>& wm,
+                       const std::vector<float>& b, int64_t heads) {
+    std::vector<double> best(heads, 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        double sq = 0;
+        for (int64_t t = 0; t < dh; ++t) {
+          const int64_t col = h * dh + t;
+          double v = b.empty() ? 0.0 : b[col];
+          for (int64_t k = 0; k < d; ++k) v += static_cast<double>(x[r * d + k]) * wm[k * heads * dh + col];
+          sq += v * v;
+        }
+        best[h] = std::max(best[h], std::sqrt(sq));
+      }
+    }
+    return best;
+  };
+  const std::vector<double> q = row_norms(s.input, s.n, w.w_q, w.b_q, c.heads);
+  const std::vector<double> k = row_norms(s.cross ? s.context : s.input, s.m, w.w_k, w.b_k, c.kv_heads);
+  double bound = 0;
+  for (int64_t h = 0; h < c.heads; ++h) bound = std::max(bound, q[h] * k[c.KvHeadOf(h)]);
+  return c.SoftmaxScale() * bound;
+}
+
+// The bound docs/testing.md derives ("Tolerances", 16-bit weights). A 16-bit product
+// y = Σ_k x̂_k ŵ_k rounds each operand once (|δ| ≤ u): its error Σ_k x_k w_k (δ_k + ε_k) has
+// random-signed terms of variance ≤ 2u²/3 · (x_k w_k)², so for the suite's independent inputs it
+// is ≈ √(2/3)·u of |y| whatever the depth K; λ = 4 standard deviations of it per product. The
+// value path has `products` such products (2: the values and W_out; the summed form's 1: C·W_M_i),
+// and Q and K each one, which move a score by up to 2·λ√(2/3)u·scale‖q‖‖k‖ and the softmax's
+// weights by twice that. The float32 accumulation's own part is the depth's: λ·2^-24·Σ√K over
+// the chain (backend_test.cc's GemmChainTolerance), kept although it is far smaller.
+double HalfTolerance(GpuMath math, const LayerWeights& w, const OwnedSequence& s, int products) {
+  constexpr double kLambda = 4;
+  const LayerConfig& c = w.config;
+  const double u = UnitRoundoff(math), per_product = kLambda * std::sqrt(2.0 / 3.0) * u;
+  const int64_t keys = s.key_length < 0 ? s.m : s.key_length;
+  const double fp32_chain = kLambda * 0x1p-24 *
+                            (std::sqrt(static_cast<double>(c.d_model)) + std::sqrt(static_cast<double>(c.d_head)) +
+                             std::sqrt(static_cast<double>(std::max<int64_t>(keys, 1))) +
+                             std::sqrt(static_cast<double>(c.heads * c.d_head)));
+  return fp32_chain + products * per_product + 4 * per_product * ScoreBound(w, s);
+}
+
+struct Case {
+  GpuMath math;
+  bool gemm_attention;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  return std::string(GpuMathName(info.param.math)) + (info.param.gemm_attention ? "_gemm_attention" : "_fused");
+}
+
+class CudaHalfWeightsTest : public ::testing::TestWithParam<Case> {
+ protected:
+  static std::unique_ptr<Backend> Make(GpuMath math, bool gemm_attention) {
+    auto made = MakeCudaBackend(
+        {.device = 0, .math = math, .gemm_attention = gemm_attention, .guard_zones = true});
+    EXPECT_TRUE(made.ok()) << made.status().ToString();
+    return made.ok() ? std::move(made).value() : nullptr;
+  }
+
+  // A batch of GQA sequences of several kinds: causal self-attention, cross-attention, padded
+  // keys, a single query; every input drawn from the test's seed (never zeros).
+  static std::vector<OwnedSequence> Batch(std::mt19937_64& rng, int64_t d) {
+    std::vector<OwnedSequence> seqs;
+    seqs.push_back(RandomSequence(rng, d, 9, 9, false, true, -1));
+    seqs.push_back(RandomSequence(rng, d, 5, 13, true, false, -1));
+    seqs.push_back(RandomSequence(rng, d, 17, 17, false, false, 11));
+    seqs.push_back(RandomSequence(rng, d, 1, 7, true, false, -1));
+    return seqs;
+  }
+
+  // Runs `form` over a fresh batch on `backend`; the outputs are in the returned sequences.
+  static std::vector<OwnedSequence> Run(Backend& backend, const FormWeights& form, std::vector<OwnedSequence> seqs) {
+    auto resident = backend.Upload(std::make_shared<const FormWeights>(form));
+    EXPECT_TRUE(resident.ok()) << resident.status().ToString();
+    if (!resident.ok()) return seqs;
+    std::vector<Sequence> batch;
+    for (auto& s : seqs) batch.push_back(s.View());
+    const Status st = backend.Forward(**resident, batch);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    return seqs;
+  }
+
+  // The layers each case runs: with biases, GQA, and RoPE on every other.
+  static LayerWeights Layer(std::mt19937_64& rng, int trial) {
+    const LayerConfig c = *CompleteConfig({.d_model = 48,
+                                           .heads = 4,
+                                           .kv_heads = 2,
+                                           .bias = true,
+                                           .rope_theta = trial % 2 == 0 ? 0.0 : 10000.0});
+    return RandomLayerWeights(c, rng());
+  }
+};
+
+// Every form within the format's bound of float64, and further from the float32 backend's
+// answer than float32 rounding goes: the weights and inputs really are rounded to 16 bits.
+TEST_P(CudaHalfWeightsTest, EveryFormIsWithinTheFormatsBoundAndReallyRounded) {
+  const auto [math, gemm_attention] = GetParam();
+  auto half = Make(math, gemm_attention);
+  auto fp32 = Make(GpuMath::kFp32, gemm_attention);
+  ASSERT_TRUE(half && fp32);
+  std::mt19937_64 rng(testing::TestSeed());
+  const double u = UnitRoundoff(math);
+  for (int trial = 0; trial < 2; ++trial) {
+    const LayerWeights w = Layer(rng, trial);
+    const std::vector<OwnedSequence> inputs = Batch(rng, w.config.d_model);
+    const std::vector<int64_t> full_rank(w.config.heads, w.config.d_head);
+    struct Named {
+      const char* name;
+      FormWeights form;
+      int products;  // 16-bit products on the value path (HalfTolerance)
+    };
+    const Named forms[] = {{"factored", MaterializeFactored(w), 2},
+                           {"summed", MaterializeSummed(w), 1},
+                           {"lowrank", *MaterializeLowRank(w, full_rank), 2}};
+    for (const Named& f : forms) {
+      const std::vector<OwnedSequence> got = Run(*half, f.form, inputs);
+      const std::vector<OwnedSequence> exact32 = Run(*fp32, f.form, inputs);
+      double rounded = 0;  // the largest relative distance to the float32 answer
+      for (size_t r = 0; r < got.size(); ++r) {
+        SCOPED_TRACE(std::string(f.name) + ", trial " + std::to_string(trial) + ", sequence " + std::to_string(r));
+        OwnedSequence in = inputs[r];
+        const std::vector<double> want = ReferenceForward(w, in.View());
+        const double bound = HalfTolerance(math, w, got[r], f.products);
+        EXPECT_LT(RelativeL2(got[r].output.data(), want), bound);
+        rounded = std::max(rounded, RelativeL2(got[r].output.data(), exact32[r].output.data(), got[r].output.size()));
+      }
+      // Float32's own distance from float64 is under 1e-5 here; 16-bit rounding of the
+      // weights and inputs moves the answers by about u (√(2/3)·u a product).
+      EXPECT_GT(rounded, u / 8) << f.name << ": the answers are no further from float32's than float32 rounding goes";
+    }
+  }
+}
+
+// The device budget counts W_in and W_out at 2 bytes a value (whole floats: an odd count rounds
+// up by 2 bytes), the biases at 4: what the uploads hold, half of float32's for the matrices.
+TEST_P(CudaHalfWeightsTest, TheDeviceBudgetCountsTheSixteenBitBytes) {
+  const auto [math, gemm_attention] = GetParam();
+  std::mt19937_64 rng(testing::TestSeed());
+  // d_model 9 with 3 heads of 3: W_in is 9 × 27 = 243 values, odd.
+  const LayerWeights w =
+      RandomLayerWeights(*CompleteConfig({.d_model = 9, .heads = 3, .kv_heads = 3, .bias = true}), rng());
+  for (const FormWeights& f : {MaterializeFactored(w), MaterializeSummed(w)}) {
+    auto half = Make(math, gemm_attention);
+    auto fp32 = Make(GpuMath::kFp32, gemm_attention);
+    ASSERT_TRUE(half && fp32);
+    ASSERT_EQ(half->DeviceMemory()->held_bytes, 0);
+    auto form = std::make_shared<const FormWeights>(f);
+    auto a = half->Upload(form);
+    auto b = fp32->Upload(form);
+    ASSERT_TRUE(a.ok() && b.ok());
+    const auto halves = [](size_t n) { return static_cast<int64_t>((n + 1) / 2 * sizeof(float)); };
+    const auto floats = [](size_t n) { return static_cast<int64_t>(n * sizeof(float)); };
+    const int64_t biases = floats(f.b_in.size()) + floats(f.b_out.size());
+    EXPECT_EQ(half->DeviceMemory()->held_bytes, halves(f.w_in.size()) + halves(f.w_out.size()) + biases);
+    EXPECT_EQ(fp32->DeviceMemory()->held_bytes, floats(f.w_in.size()) + floats(f.w_out.size()) + biases);
+    EXPECT_EQ(f.w_in.size() % 2, 1u) << "the case meant to have an odd count";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, CudaHalfWeightsTest,
+                         ::testing::Values(Case{GpuMath::kBf16, false}, Case{GpuMath::kBf16, true},
+                                           Case{GpuMath::kFp16, false}, Case{GpuMath::kFp16, true}),
+                         CaseName);
+
+}  // namespace
+}  // namespace attnserve
