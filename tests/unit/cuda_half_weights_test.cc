@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <random>
 #include <string>
@@ -155,17 +156,21 @@ TEST_P(CudaHalfWeightsTest, EveryFormIsWithinTheFormatsBoundAndReallyRounded) {
       const std::vector<OwnedSequence> got = Run(*half, f.form, inputs);
       const std::vector<OwnedSequence> exact32 = Run(*fp32, f.form, inputs);
       double rounded = 0;  // the largest relative distance to the float32 answer
+      double worst = 0;    // the largest error over its bound: the bound's margin, reported
       for (size_t r = 0; r < got.size(); ++r) {
         SCOPED_TRACE(std::string(f.name) + ", trial " + std::to_string(trial) + ", sequence " + std::to_string(r));
         OwnedSequence in = inputs[r];
         const std::vector<double> want = ReferenceForward(w, in.View());
         const double bound = HalfTolerance(math, w, got[r], f.products);
         EXPECT_LT(RelativeL2(got[r].output.data(), want), bound);
+        worst = std::max(worst, RelativeL2(got[r].output.data(), want) / bound);
         rounded = std::max(rounded, RelativeL2(got[r].output.data(), exact32[r].output.data(), got[r].output.size()));
       }
       // Float32's own distance from float64 is under 1e-5 here; 16-bit rounding of the
       // weights and inputs moves the answers by about u (√(2/3)·u a product).
       EXPECT_GT(rounded, u / 8) << f.name << ": the answers are no further from float32's than float32 rounding goes";
+      std::printf("%s %s, trial %d: worst error / bound %.3f, distance to float32 %.2e (u = %.2e)\n",
+                  GpuMathName(math).data(), f.name, trial, worst, rounded, u);
     }
   }
 }
