@@ -4,6 +4,7 @@
 // (float64 with the device's roundings: to float32's accumulation) (docs/testing.md,
 // "Tolerances"), answers that really are rounded (further from float32's than float32's own
 // rounding), and the device budget counting the 16-bit bytes.
+#include <cuda_fp16.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -90,7 +91,7 @@ double HalfTolerance(GpuMath math, const LayerWeights& w, const OwnedSequence& s
 // toolkit's conversion).
 double Rounded(GpuMath math, double x) {
   const float f = static_cast<float>(x);
-  if (math == GpuMath::kFp16) return static_cast<float>(static_cast<_Float16>(f));
+  if (math == GpuMath::kFp16) return __half2float(__float2half_rn(f));
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
   bits += 0x7fff + ((bits >> 16) & 1);  // finite inputs only: the tests' weights and rows
