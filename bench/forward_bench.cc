@@ -5,7 +5,8 @@
 //   forward_bench [--device cpu|cuda[:N]] [--tf32 | --gpu-math MODE] [--threads 1,2] [--min-time-s 0.5]
 //                 [--json FILE] [--shapes a,b] [--gemm auto,eigen,onednn] [--weight-layout auto,plain]
 // --gemm runs the CPU backend with each GEMM library in turn (gemm.h), against one ceiling;
-// --weight-layout with its weights packed (auto: where its own kernel runs; packed-bf16 as bfloat16)
+// --weight-layout with its weights packed (auto: where its own kernel runs; packed-bf16 as bfloat16;
+// packed-bf16-dot with the projections' inputs in bfloat16 too, on vdpbf16ps)
 // and row-major (plain) in turn (packed_weights.h; the JSON's `weights` says which ran);
 // --summed-order auto,project-first,mix-first the summed form in each association order (the cross-*
 // shapes sweep n/m); --value-group-mib N the summed form's value groups (CpuBackendOptions::
@@ -675,7 +676,8 @@ int Usage(const char* why) {
                "                     [--gemm auto,eigen,onednn]   (the CPU backend's GEMM libraries, in turn)\n"
                "                     [--summed-order auto,project-first,mix-first]   (the summed form's association order)\n"
                "                     [--weight-layout auto,plain]   (the CPU backend's weights packed or row-major,\n"
-               "                                                    in turn; packed-bf16: packed as bfloat16)\n"
+               "                                                    in turn; packed-bf16: packed as bfloat16;\n"
+               "                                                    packed-bf16-dot: inputs too, vdpbf16ps)\n"
                "                     [--forms factored,summed]   (one form alone: for a profile)\n"
                "                     [--idle-us 0]   (a pause before each timed call, as between served requests)\n"
                "                     [--no-ceiling]   (time the forwards only: no SGEMM ceiling, ratios 0)\n"
@@ -734,7 +736,7 @@ int Main(int argc, char** argv) {
       opt.weight_layouts = Split(value);
       for (const std::string& l : opt.weight_layouts) {
         if (!ParseWeightLayout(l).ok()) {
-          return Usage(("--weight-layout: expected auto, packed, packed-bf16 or plain, got " + l).c_str());
+          return Usage(("--weight-layout: " + ParseWeightLayout(l).status().message()).c_str());
         }
       }
     } else if (arg == "--summed-order") {

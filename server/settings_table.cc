@@ -143,9 +143,11 @@ const Setting kSettings[] = {
     {"--cpu-gemm", "cpu_gemm", "LIB", Choice{SetCpuGemm, "auto"}, 0, 0, nullptr, nullptr,
      "auto, eigen or onednn: the CPU backend's GEMM library (auto: oneDNN when the build has it, else Eigen)"},
     {"--cpu-weight-layout", "cpu_weight_layout", "LAYOUT", Choice{SetCpuWeightLayout, "auto"}, 0, 0, nullptr, nullptr,
-     "auto, packed, packed-bf16 or plain: packed keeps a copy of each layer's projection weights in panels for "
-     "the CPU backend's own kernel (as many bytes again; auto: where the CPU has AVX2 and FMA), packed-bf16 the "
-     "same copy rounded to bfloat16 (half the bytes, a few 1e-3 relative error), plain the row-major weights only"},
+     "auto, packed, packed-bf16, packed-bf16-dot or plain: packed keeps a copy of each layer's projection weights "
+     "in panels for the CPU backend's own kernel (as many bytes again; auto: where the CPU has AVX2 and FMA), "
+     "packed-bf16 the same copy rounded to bfloat16 (half the bytes, a few 1e-3 relative error), packed-bf16-dot "
+     "that and the projections' inputs rounded too, multiplied by vdpbf16ps (CPUs with AVX512_BF16), plain the "
+     "row-major weights only"},
     {"--workers", "workers", "N", &InBatching<&BatchPolicy::workers>, 1, 256, nullptr, nullptr,
      "batches computed side by side"},
     {"--worker-idle-spin-us", "worker_idle_spin_us", "US", Micros{&InBatching<&BatchPolicy::idle_spin>},

@@ -30,9 +30,10 @@ StatusOr<ChosenBackend> Cpu(const CpuBackendOptions& options, std::string why) {
   auto cpu = std::make_unique<CpuBackend>(options);
   const std::string blas(GemmLibraryName(options.gemm));
   why += " (" + std::to_string(cpu->threads()) + " threads, " + blas + " GEMMs, " +
-         (layout == WeightLayout::kPacked       ? "weights packed, "
-          : layout == WeightLayout::kPackedBf16 ? "weights packed as bfloat16, "
-                                                : "weights row-major, ") +
+         (layout == WeightLayout::kPacked          ? "weights packed, "
+          : layout == WeightLayout::kPackedBf16    ? "weights packed as bfloat16, "
+          : layout == WeightLayout::kPackedBf16Dot ? "weights and projection inputs in bfloat16 (vdpbf16ps), "
+                                                   : "weights row-major, ") +
          "idle spin " + std::to_string(options.idle_spin.count()) + " µs, " + std::string(CpuIsa()) + ")";
   return ChosenBackend{std::move(cpu), std::move(why), blas};
 }

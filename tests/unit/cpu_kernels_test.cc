@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "server/backend/cpu/bf16_dot_gemm.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cpu/gemm.h"
 #include "server/backend/cpu/skinny_gemm.h"
@@ -45,7 +46,7 @@ double Widened(uint16_t bfloat16) {
 double AsBfloat16(float w) { return Widened(RoundToBfloat16(w)); }
 bool ProductMatchesFloat64(std::mt19937_64& rng, int64_t rows, int64_t k, int64_t cols, bool transpose_w, float alpha,
                            const Product& product, bool accumulate = false, std::span<const float> bias = {},
-                           WeightAs weight_as = AsLoaded) {
+                           WeightAs weight_as = AsLoaded, WeightAs x_as = AsLoaded) {
   const int64_t ldx = k + rows % 3, ldy = cols + 2;
   const int64_t w_rows = transpose_w ? cols : k, w_cols = transpose_w ? k : cols, ldw = w_cols + 5;
   const std::vector<float> x = testing::RandomVector(rng, rows * ldx), w = testing::RandomVector(rng, w_rows * ldw);
@@ -60,7 +61,7 @@ bool ProductMatchesFloat64(std::mt19937_64& rng, int64_t rows, int64_t k, int64_
       double sum = accumulate ? before[r * ldy + c] : bias.empty() ? 0.0 : bias[c], magnitude = std::abs(sum);
       for (int64_t p = 0; p < k; ++p) {
         const double wv = weight_as(transpose_w ? w[c * ldw + p] : w[p * ldw + c]);
-        const double term = static_cast<double>(alpha) * x[r * ldx + p] * wv;
+        const double term = static_cast<double>(alpha) * x_as(x[r * ldx + p]) * wv;
         sum += term;
         magnitude += std::abs(term);
       }
@@ -131,7 +132,9 @@ TEST(SkinnyGemmTest, AccumulatesAtEveryBlockEdge) {
 void PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision precision) {
   const int64_t width = PanelWidth();
   EXPECT_EQ(width, SkinnyGemmIsa() == "avx512" ? 64 : 16);
-  const WeightAs weight_as = precision == PanelPrecision::kBfloat16 ? AsBfloat16 : AsLoaded;
+  const WeightAs weight_as = precision == PanelPrecision::kFloat32 ? AsLoaded : AsBfloat16;
+  // vdpbf16ps rounds x's rows too: float64 multiplies them rounded alike.
+  const WeightAs x_as = precision == PanelPrecision::kBfloat16Pairs ? AsBfloat16 : AsLoaded;
   std::mt19937_64 rng(testing::TestSeed());
   int checked = 0;
   enum class Start { kZero, kAccumulate, kBias };  // y = x·w, y += x·w, y = bias + x·w
@@ -141,7 +144,9 @@ void PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision precision) 
       for (int64_t cols : {1, 15, 16, 17, 63, 64, 65, 130}) {
         for (int64_t k : {1, 7, 96}) {
           const std::vector<float> bias = start == Start::kBias ? testing::RandomVector(rng, cols) : std::vector<float>();
-          const int64_t row0 = rows % 3, col0 = (rows % 2) * width;  // offsets of 0 and 1 panel
+          // Offsets of 0 and 1 panel; in pairs, of whole pairs (a block starts on an even row).
+          const int64_t row0 = precision == PanelPrecision::kBfloat16Pairs ? 2 * (rows % 2) : rows % 3;
+          const int64_t col0 = (rows % 2) * width;
           const Product packed = [&](ConstMatrixView x, ConstMatrixView w, MatrixView y) {
             // The source: w at (row0, col0) of a larger matrix with more columns on the right.
             const int64_t src_rows = row0 + w.rows + 2, src_cols = col0 + w.cols + 3;
@@ -158,7 +163,7 @@ void PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision precision) 
             PanelGemm(x, *block, y, accumulate, bias.empty() ? nullptr : bias.data());
           };
           ASSERT_TRUE(ProductMatchesFloat64(rng, rows, k, cols, /*transpose_w=*/false, 1.0f, packed, accumulate, bias,
-                                            weight_as));
+                                            weight_as, x_as));
           ++checked;
         }
       }
@@ -175,6 +180,20 @@ TEST(PanelGemmTest, MatchesFloat64AtEveryPanelEdgeAndOffset) {
 TEST(PanelGemmTest, Bfloat16PanelsMatchFloat64OnTheRoundedWeights) {
   if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: the weights stay row-major";
   PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision::kBfloat16);
+}
+
+// --cpu-weight-layout packed-bf16-dot: vdpbf16ps on weights packed in row pairs and x's rows
+// rounded to bfloat16 in the kernel, against float64 on both rounded alike: the kernel adds no
+// error beyond float32's accumulation (odd k, blocks starting a pair in, every row remainder).
+TEST(PanelGemmTest, Bfloat16PairsMatchFloat64OnTheRoundedInputsAndWeights) {
+  if (!Bf16DotAvailable()) GTEST_SKIP() << "no AVX512_BF16 here: packed-bf16-dot is refused at start";
+  PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision::kBfloat16Pairs);
+  // A block on an odd row is no whole pair: the backend multiplies it row-major instead.
+  std::vector<float> w(8 * 70, 0.5f);
+  const PackedWeights pairs = PackPanels(ConstMatrixView(w.data(), 8, 70), PanelWidth(), PanelPrecision::kBfloat16Pairs);
+  EXPECT_TRUE(pairs.Block(2, 64, 5, 6).has_value());
+  EXPECT_FALSE(pairs.Block(3, 0, 4, 6).has_value());
+  EXPECT_EQ(pairs.Bytes(), 2 * 4 * 2 * 64 * 2) << "2 panels of 4 row pairs, 64 columns of 2 bfloat16 each";
 }
 
 // Round to nearest, ties to even, on the bit patterns where it is decided: exact values, the
@@ -294,7 +313,8 @@ TEST(WeightLayoutTest, NamesParseAndBadNamesSayWhatIsAccepted) {
   const auto bad = ParseWeightLayout("blocked");
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(bad.status().message(), "cpu weight layout: expected auto, packed, packed-bf16 or plain, got 'blocked'");
+  EXPECT_EQ(bad.status().message(),
+            "cpu weight layout: expected auto, packed, packed-bf16, packed-bf16-dot or plain, got 'blocked'");
 }
 
 // The packed copy is host memory the form holds (ResidentForm::HostBytes: the layer store's
@@ -378,6 +398,43 @@ TEST(WeightLayoutTest, Bfloat16PanelsComputeTheLayerWithItsWeightsRounded) {
     }
   }
   std::printf("bfloat16 panels: worst relative L2 to float64 %.2e\n", worst);  // docs/architecture.md §3
+}
+
+// --cpu-weight-layout packed-bf16-dot: every form's whole forward within bfloat16's rounding of
+// float64 (the weights and the projections' inputs each off by up to 2^-9), half the packed
+// float32 copy's bytes, and further from float64 than packed-bf16, which rounds the weights alone.
+TEST(WeightLayoutTest, Bfloat16DotRoundsTheProjectionsInputsToo) {
+  if (!Bf16DotAvailable()) GTEST_SKIP() << "no AVX512_BF16 here: packed-bf16-dot is refused at start";
+  const LayerConfig config = *CompleteConfig({.d_model = 128, .heads = 2});
+  const LayerWeights weights = RandomLayerWeights(config, testing::TestSeed() + 1);
+  CpuBackend dot({.threads = 2, .weight_layout = WeightLayout::kPackedBf16Dot});
+  CpuBackend bf16({.threads = 2, .weight_layout = WeightLayout::kPackedBf16});
+  std::mt19937_64 rng(testing::TestSeed());
+  double worst = 0, worst_weights_only = 0;
+  for (const FormWeights& materialized : {MaterializeFactored(weights), MaterializeSummed(weights)}) {
+    const std::string form(FormName(materialized.form));
+    auto f = std::make_shared<const FormWeights>(materialized);
+    auto on_dot = dot.Upload(f), on_bf16 = bf16.Upload(f);
+    ASSERT_TRUE(on_dot.ok() && on_bf16.ok()) << form;
+    EXPECT_EQ((*on_dot)->HostBytes(), (*on_bf16)->HostBytes()) << form << ": pairs hold what rows hold";
+    for (int64_t n : {1, 7, 64, 300}) {
+      const std::vector<float> input = testing::RandomVector(rng, n * config.d_model);
+      Sequence s;
+      s.input = ConstMatrixView(input.data(), n, config.d_model);
+      const std::vector<double> exact = ReferenceForward(weights, s);
+      std::vector<float> got(input.size()), weights_only(input.size());
+      s.output = MatrixView(got.data(), n, config.d_model);
+      ASSERT_TRUE(dot.Forward(**on_dot, std::span<const Sequence>(&s, 1)).ok());
+      s.output = MatrixView(weights_only.data(), n, config.d_model);
+      ASSERT_TRUE(bf16.Forward(**on_bf16, std::span<const Sequence>(&s, 1)).ok());
+      const double error = testing::RelativeL2(got.data(), exact);
+      EXPECT_LT(error, 2e-2) << form << " n=" << n;
+      worst = std::max(worst, error);
+      worst_weights_only = std::max(worst_weights_only, testing::RelativeL2(weights_only.data(), exact));
+    }
+  }
+  EXPECT_GT(worst, 1.2 * worst_weights_only) << "the inputs were not rounded as well?";
+  std::printf("bfloat16 dot: worst relative L2 to float64 %.2e (weights alone %.2e)\n", worst, worst_weights_only);
 }
 
 // kt = scale · kᵀ from strided key tiles: row and column counts on both sides of its 8 × 8

@@ -230,7 +230,8 @@ TEST(ServerOptionsTest, CpuWeightLayoutFromFlagAndYaml) {
     EXPECT_EQ(from_yaml.backend.cpu.weight_layout, WeightLayout::kPackedBf16);
   }
   EXPECT_THAT(Parse({"--cpu-weight-layout", "blocked"}).status().message(),
-              HasSubstr("--cpu-weight-layout: cpu weight layout: expected auto, packed, packed-bf16 or plain, "
+              HasSubstr("--cpu-weight-layout: cpu weight layout: expected auto, packed, packed-bf16, packed-bf16-dot "
+                        "or plain, "
                         "got 'blocked'"));
 }
 

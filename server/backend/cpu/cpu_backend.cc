@@ -117,8 +117,9 @@ StatusOr<std::shared_ptr<const ResidentForm>> CpuBackend::Upload(std::shared_ptr
   if (!form) return InvalidArgumentError("Upload: no form given");
   ATTNSERVE_RETURN_IF_ERROR(CheckHeadCombine(*form));
   const int64_t panel_width = weight_layout_ == WeightLayout::kPlain ? 0 : PanelWidth();
-  const PanelPrecision precision =
-      weight_layout_ == WeightLayout::kPackedBf16 ? PanelPrecision::kBfloat16 : PanelPrecision::kFloat32;
+  const PanelPrecision precision = weight_layout_ == WeightLayout::kPackedBf16      ? PanelPrecision::kBfloat16
+                                   : weight_layout_ == WeightLayout::kPackedBf16Dot ? PanelPrecision::kBfloat16Pairs
+                                                                                    : PanelPrecision::kFloat32;
   return std::shared_ptr<const ResidentForm>(
       std::make_shared<CpuResidentForm>(std::move(form), panel_width, precision));
 }

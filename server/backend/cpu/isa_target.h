@@ -8,6 +8,7 @@
 //
 //   ATTNSERVE_TARGET_AVX512_BEGIN  ... ATTNSERVE_TARGET_END
 //   ATTNSERVE_TARGET_AVX2_FMA_BEGIN ... ATTNSERVE_TARGET_END
+//   ATTNSERVE_TARGET_AVX512_BF16_BEGIN ... ATTNSERVE_TARGET_END  (bf16_dot_gemm.cc)
 //
 // GCC's pragma applies to every function after it until the pop; clang's attribute to every
 // function declared in the region. The kernels are plain functions and function templates, so
@@ -19,10 +20,14 @@
   _Pragma("clang attribute push(__attribute__((target(\"avx512f\"))), apply_to = function)")
 #define ATTNSERVE_TARGET_AVX2_FMA_BEGIN \
   _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
+#define ATTNSERVE_TARGET_AVX512_BF16_BEGIN \
+  _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512bf16\"))), apply_to = function)")
 #define ATTNSERVE_TARGET_END _Pragma("clang attribute pop")
 #else
 #define ATTNSERVE_TARGET_AVX512_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f\")")
 #define ATTNSERVE_TARGET_AVX2_FMA_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+#define ATTNSERVE_TARGET_AVX512_BF16_BEGIN \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512bf16\")")
 #define ATTNSERVE_TARGET_END _Pragma("GCC pop_options")
 #endif
 #endif

@@ -20,7 +20,8 @@ PackedWeights PackPanels(ConstMatrixView w, int64_t width, PanelPrecision precis
   p.source = w;
   p.precision = precision;
   const int64_t panels = (w.cols + width - 1) / width;
-  const size_t size = static_cast<size_t>(panels * w.rows * width);
+  const bool pairs = precision == PanelPrecision::kBfloat16Pairs;
+  const size_t size = static_cast<size_t>(panels * (pairs ? 2 * p.PairRows() : w.rows) * width);
   if (precision == PanelPrecision::kFloat32) {
     p.panels.assign(size, 0.0f);
   } else {
@@ -32,8 +33,11 @@ PackedWeights PackPanels(ConstMatrixView w, int64_t width, PanelPrecision precis
       const float* from = w.data + r * w.ld + c0;
       if (precision == PanelPrecision::kFloat32) {
         std::copy_n(from, count, p.panels.data() + p.PanelOffset(panel, r));
-      } else {
+      } else if (!pairs) {
         std::transform(from, from + count, p.panels_bf16.data() + p.PanelOffset(panel, r), RoundToBfloat16);
+      } else {
+        uint16_t* to = p.panels_bf16.data() + p.PanelOffset(panel, r) + r % 2;  // column c at 2c + r % 2
+        for (int64_t c = 0; c < count; ++c) to[2 * c] = RoundToBfloat16(from[c]);
       }
     }
   }
@@ -42,6 +46,7 @@ PackedWeights PackPanels(ConstMatrixView w, int64_t width, PanelPrecision precis
 
 std::optional<PackedBlock> PackedWeights::Block(int64_t row0, int64_t col0, int64_t rows, int64_t cols) const {
   if (empty() || !Contains(row0, col0, rows, cols) || col0 % width != 0) return std::nullopt;
+  if (precision == PanelPrecision::kBfloat16Pairs && row0 % 2 != 0) return std::nullopt;
   return PackedBlock{this, row0, col0, rows, cols};
 }
 

@@ -40,8 +40,10 @@ struct PackedBlock {
 };
 
 // How a panel holds each weight: float32 as loaded, or rounded to bfloat16 (round to nearest
-// even: the top 16 bits of the float32 it rounds to).
-enum class PanelPrecision { kFloat32, kBfloat16 };
+// even: the top 16 bits of the float32 it rounds to), row after row or (kBfloat16Pairs, for
+// vdpbf16ps: bf16_dot_gemm.h) two rows interleaved: each column's weights of rows 2i and 2i + 1
+// side by side, a zero past an odd last row.
+enum class PanelPrecision { kFloat32, kBfloat16, kBfloat16Pairs };
 
 using AlignedBf16 = std::vector<uint16_t, CacheLineAllocator<uint16_t>>;
 
@@ -59,8 +61,12 @@ struct PackedWeights {
   int64_t Bytes() const {
     return static_cast<int64_t>(panels.size() * sizeof(float) + panels_bf16.size() * sizeof(uint16_t));
   }
-  // Panel p's row r: `width` weights.
-  int64_t PanelOffset(int64_t p, int64_t r) const { return (p * source.rows + r) * width; }
+  // Panel p's row r: `width` weights (kBfloat16Pairs: row pair r / 2, 2 · width weights).
+  int64_t PanelOffset(int64_t p, int64_t r) const {
+    if (precision == PanelPrecision::kBfloat16Pairs) return (p * PairRows() + r / 2) * 2 * width;
+    return (p * source.rows + r) * width;
+  }
+  int64_t PairRows() const { return (source.rows + 1) / 2; }
   const float* PanelRow(int64_t p, int64_t r) const { return panels.data() + PanelOffset(p, r); }
   const uint16_t* PanelRowBf16(int64_t p, int64_t r) const { return panels_bf16.data() + PanelOffset(p, r); }
 
@@ -69,8 +75,8 @@ struct PackedWeights {
     return row0 >= 0 && col0 >= 0 && rows >= 0 && cols >= 0 && row0 + rows <= source.rows && col0 + cols <= source.cols;
   }
   // That block of the source, packed, when it lies inside the source (Contains) and col0 is a
-  // panel's first column. Else nothing: nothing packed, or columns that start mid-panel (the
-  // caller multiplies those row-major).
+  // panel's first column (and row0 even, in pairs). Else nothing: nothing packed, or columns that
+  // start mid-panel (the caller multiplies those row-major).
   std::optional<PackedBlock> Block(int64_t row0, int64_t col0, int64_t rows, int64_t cols) const;
 };
 

@@ -2,11 +2,13 @@
 
 #include <string>
 
+#include "server/backend/cpu/bf16_dot_gemm.h"
 #include "server/backend/cpu/gemm.h"
 
 // The kernels are compiled for their ISA (AVX-512, or AVX2 with FMA) whatever the build's own
 // flags, and one is chosen once for the CPU running them: a portable build (ATTNSERVE_NATIVE=OFF,
 // the container images) still gets them on the hosts that can run them.
+#include "server/backend/cpu/avx512_sums.h"
 #include "server/backend/cpu/isa_target.h"
 #if defined(ATTNSERVE_X86_KERNELS)
 #define ATTNSERVE_SKINNY_GEMM 1
@@ -91,19 +93,9 @@ constexpr int64_t kPrefetchRows = 12;
 template <int R, bool kAccumulate, class W>
 [[gnu::always_inline]] inline void Block(const float* x, int64_t ldx, const W* w, int64_t ldw, float* y, int64_t ldy,
                                          const float* bias, int64_t k_total, int cols, const float* x_next) {
-  __mmask16 mask[4];
-  for (int j = 0; j < 4; ++j) {
-    const int left = cols - 16 * j;
-    mask[j] = left >= 16 ? __mmask16(0xffff) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-  }
+  const ColumnMasks masks(cols);
   __m512 acc[R][4];
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < 4; ++j) {
-      acc[r][j] = kAccumulate        ? _mm512_maskz_loadu_ps(mask[j], y + r * ldy + 16 * j)
-                  : bias != nullptr ? _mm512_maskz_loadu_ps(mask[j], bias + 16 * j)
-                                    : _mm512_setzero_ps();
-    }
-  }
+  StartSums<R, kAccumulate>(acc, y, ldy, bias, masks);
   constexpr int kLinesPerRow = kBlockCols * sizeof(W) / 64;  // of a block's row of w: 4 float32, 2 bfloat16
   for (int64_t k = 0; k < k_total; ++k) {
     const W* wk = w + k * ldw;
@@ -120,15 +112,13 @@ template <int R, bool kAccumulate, class W>
       }
     }
     __m512 wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = LoadWeights(wk + 16 * j, mask[j]);
+    for (int j = 0; j < 4; ++j) wv[j] = LoadWeights(wk + 16 * j, masks.mask[j]);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(y + r * ldy + 16 * j, mask[j], acc[r][j]);
-  }
+  StoreSums<R>(acc, y, ldy, masks);
 }
 
 // x's rows [r0, r_end) against columns [c0, c0 + cols) of w, R rows at a time (EachBlock),
@@ -346,6 +336,7 @@ int64_t PanelWidth() {
 
 void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accumulate, const float* bias) {
   const PackedWeights& packed = *w.weights;
+  if (packed.precision == PanelPrecision::kBfloat16Pairs) return PanelGemmBf16Dot(x, w, y, accumulate, bias);
   const int64_t width = packed.width;
   for (int64_t c = 0; c < w.cols; c += width) {
     const int64_t count = std::min(width, w.cols - c), panel = (w.col0 + c) / width;
@@ -389,7 +380,12 @@ StatusOr<WeightLayout> ParseWeightLayout(std::string_view name) {
                                 " asked, but the backend's own GEMM kernel cannot run here "
                                 "(it needs an x86-64 GCC build and a CPU with AVX2 and FMA); use auto or plain");
   }
-  return InvalidArgumentError("cpu weight layout: expected auto, packed, packed-bf16 or plain, got '" +
+  if (name == "packed-bf16-dot") {
+    if (Bf16DotAvailable()) return WeightLayout::kPackedBf16Dot;
+    return InvalidArgumentError("cpu weight layout: packed-bf16-dot asked, but this CPU has no AVX512_BF16 (or "
+                                "ATTNSERVE_CPU_ISA caps AVX-512); use packed-bf16, which rounds the weights alone");
+  }
+  return InvalidArgumentError("cpu weight layout: expected auto, packed, packed-bf16, packed-bf16-dot or plain, got '" +
                               std::string(name) + "'");
 }
 
@@ -397,6 +393,7 @@ std::string_view WeightLayoutName(WeightLayout layout) {
   switch (layout) {
     case WeightLayout::kPacked: return "packed";
     case WeightLayout::kPackedBf16: return "packed-bf16";
+    case WeightLayout::kPackedBf16Dot: return "packed-bf16-dot";
     case WeightLayout::kPlain: return "plain";
   }
   return "plain";

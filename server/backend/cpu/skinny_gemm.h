@@ -59,15 +59,17 @@ int64_t PanelWidth();
 
 // How the CPU backend holds a form's weights: packed as well (kPacked, PackPanels at
 // PanelWidth()), packed as bfloat16 (kPackedBf16: every projection on the packed weights runs
-// on them, at half the bytes, each weight rounded to bfloat16) or row-major only.
-enum class WeightLayout { kPacked, kPackedBf16, kPlain };
+// on them, at half the bytes, each weight rounded to bfloat16), packed as bfloat16 pairs with
+// the projections' inputs rounded too (kPackedBf16Dot: vdpbf16ps, bf16_dot_gemm.h) or row-major
+// only.
+enum class WeightLayout { kPacked, kPackedBf16, kPlain, kPackedBf16Dot };
 
 // "auto" (packed where the backend's own kernel runs: a CPU with AVX2 and FMA, an x86-64 GCC
-// build), "packed" and "packed-bf16" (refused where the kernel cannot run) or "plain".
-// INVALID_ARGUMENT names the value and what is accepted.
+// build), "packed" and "packed-bf16" (refused where the kernel cannot run), "packed-bf16-dot"
+// (refused without AVX512_BF16) or "plain". INVALID_ARGUMENT names the value and what is accepted.
 StatusOr<WeightLayout> ParseWeightLayout(std::string_view name);
 
-// The name ParseWeightLayout takes for `layout` ("packed", "packed-bf16", "plain").
+// The name ParseWeightLayout takes for `layout` ("packed", "packed-bf16", "packed-bf16-dot", "plain").
 std::string_view WeightLayoutName(WeightLayout layout);
 
 // y = x · w (y += x · w with `accumulate`) for weights packed at PanelWidth(): the kernel runs
