@@ -64,7 +64,7 @@ Status CublasOps::StartBatch(const void** device, int64_t slots) {
 }
 
 std::vector<const void*> CublasOps::StagedPointers() const {
-  return {pointers_host_.get(), pointers_host_.get() + pointers_used_};
+  return std::vector<const void*>(pointers_host_.get(), pointers_host_.get() + pointers_used_);
 }
 
 Status CublasOps::CopyPointers(std::span<const void* const> pointers) {
