@@ -63,12 +63,14 @@
 #   bench-tf32    25        -   forward_bench --tf32
 #   bench-gemm-   20        -   forward_bench --gemm-attention: FP32 with the score GEMM, the
 #     attention                 softmax kernel and the mix GEMM in place of the fused kernel
+#   bench-graphs  20        -   forward_bench --gpu-graphs 1024: FP32, the batches of up to 1024
+#                               rows (every shape but the large one) replaying CUDA graphs
 #   torch-fp32    30       60   torch_attention.py (PyTorch SDPA + linear projections)
 #   torch-tf32    25        -   torch_attention.py --tf32
 #   torch-bf16    25        -   torch_attention.py --bf16 (SDPA's flash kernel, BF16 weights)
 #   table-fp32     5       10   compare.py: ours against torch, FP32
 #   table-tf32     5        -   compare.py: ours against torch, TF32
-#   (sum)        540      660
+#   (sum)        560      660   (with every step the shares come to 541 s: each weight × 0.97)
 #
 # One row is TODO, logged as such and neither run nor failed, until its mode exists in
 # forward_bench (issue 48): bench-bf16 (item 2, --gpu-math bf16) with its table against
@@ -267,7 +269,7 @@ if ((gpu)); then
   if want build; then plan_add configure 30; plan_add build 165; fi
   if want tests; then plan_add tests 80; fi
   if want sanitizer && [[ -n $sanitizer ]]; then plan_add memcheck 40; plan_add racecheck 35; plan_add synccheck 25; fi
-  if want bench; then plan_add bench-fp32 30; plan_add bench-tf32 25; plan_add bench-gemm-attention 20; fi
+  if want bench; then plan_add bench-fp32 30; plan_add bench-tf32 25; plan_add bench-gemm-attention 20; plan_add bench-graphs 20; fi
   if want torch && ((have_python)); then plan_add torch-fp32 30; plan_add torch-tf32 25; plan_add torch-bf16 25; fi
   if { want bench || want torch; } && ((have_python)); then plan_add table-fp32 5; plan_add table-tf32 5; fi
 else
@@ -490,6 +492,7 @@ if want bench; then
     bench bench-fp32 "$device.json" --staging-slice-kib 4096,1048576 --staging-threads 1,4
     bench bench-tf32 cuda-tf32.json --tf32
     bench bench-gemm-attention cuda-gemm-attention.json --gemm-attention
+    bench bench-graphs cuda-graphs.json --gpu-graphs 1024
   else
     bench bench-fp32 "$device.json"
   fi
