@@ -90,7 +90,7 @@ const std::vector<Shape> kMixed = {{.n = 5, .causal = true, .position_offset = 7
                                    {.n = 4, .position_offset = 0},
                                    {.n = 5, .causal = true, .position_offset = 7}};
 
-// Every form, on the fused kernel and on the GEMM path: each round's new inputs give, with
+// Every form, on the fused kernel and on the GEMM path, in FP32 and BF16: each round's new inputs give, with
 // graphs, the bits they give without, and differ from the round before's (a graph replaying
 // the inputs it was captured with would answer the first round again). The first batch is
 // captured and launched as one graph; the later ones launch it and nothing else.
@@ -104,12 +104,14 @@ TEST_F(CudaGraphsTest, ReplaysAnswerAsTheLaunchesForEveryFormAndPathReadingEachB
                                                                   {"summed", MaterializeSummed(w)},
                                                                   {"low-rank, ragged", *ragged},
                                                                   {"low-rank, one rank", *one_rank}};
-  for (const bool gemm : {false, true}) {
-    auto off = Make({.gemm_attention = gemm, .guard_zones = true});
-    auto on = Make({.gemm_attention = gemm, .graph_rows = kGraphRows, .guard_zones = true});
+  // FP32, and BF16 weights (the inputs' 16-bit conversion is captured too).
+  for (const auto& [math, gemm] : {std::pair{GpuMath::kFp32, false}, std::pair{GpuMath::kFp32, true},
+                                   std::pair{GpuMath::kBf16, false}, std::pair{GpuMath::kBf16, true}}) {
+    auto off = Make({.math = math, .gemm_attention = gemm, .guard_zones = true});
+    auto on = Make({.math = math, .gemm_attention = gemm, .graph_rows = kGraphRows, .guard_zones = true});
     ASSERT_TRUE(off && on);
     for (const auto& [name, form] : forms) {
-      SCOPED_TRACE(std::string(name) + (gemm ? ", GEMM attention" : ", fused"));
+      SCOPED_TRACE(std::string(name) + (gemm ? ", GEMM attention, " : ", fused, ") + std::string(GpuMathName(math)));
       auto shared = std::make_shared<const FormWeights>(form);
       auto resident_off = off->Upload(shared), resident_on = on->Upload(shared);
       ASSERT_TRUE(resident_off.ok() && resident_on.ok());
