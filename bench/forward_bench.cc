@@ -128,8 +128,8 @@ struct Options {
   int64_t idle_us = 0;  // --idle-us: a pause before each timed call, as between served requests
   bool ceiling = true;  // --no-ceiling: the forwards alone (ceiling 0), seconds instead of ten
   GpuMath math = GpuMath::kFp32;  // --gpu-math (--tf32: tf32): CudaBackendOptions::math
-  bool gemm_attention = false;  // --gemm-attention: CudaBackendOptions::gemm_attention
-  int graph_rows = 0;           // --gpu-graphs: CudaBackendOptions::graph_rows
+  bool gemm_attention = false;    // --gemm-attention: CudaBackendOptions::gemm_attention
+  int graph_rows = 0;             // --gpu-graphs: CudaBackendOptions::graph_rows
   // --staging-slice-kib: the CUDA backend's staging slices (CudaBackendOptions::
   // staging_slice_bytes) to run in turn; empty: its default alone.
   std::vector<int64_t> staging_slice_kib;

@@ -214,9 +214,8 @@ cublasStatus_t Gemm(const GemmCall& g) {
   GemmCall queued = g;
   queued.alpha = queued.beta = nullptr;
   // Recorded into the stream's capture, if it is capturing: an invalidated one takes nothing.
-  if (internal::Enqueue(g.handle->stream, [queued, alpha = *g.alpha, beta = *g.beta] {
-        RunGemm(queued, alpha, beta);
-      }) != cudaSuccess) {
+  if (internal::Enqueue(g.handle->stream,
+                        [queued, alpha = *g.alpha, beta = *g.beta] { RunGemm(queued, alpha, beta); }) != cudaSuccess) {
     return CUBLAS_STATUS_EXECUTION_FAILED;
   }
   return CUBLAS_STATUS_SUCCESS;

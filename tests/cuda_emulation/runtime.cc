@@ -350,8 +350,9 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
     // copies (a snapshot now, or a wait for the stream) have no such form, and attnserve stages
     // through pinned memory anyway.
     InvalidateCapture(stream);
-    return Fail(cudaErrorStreamCaptureUnsupported,
-                "cudaMemcpyAsync: a copy to or from pageable memory on a capturing stream (the capture is invalidated)");
+    return Fail(
+        cudaErrorStreamCaptureUnsupported,
+        "cudaMemcpyAsync: a copy to or from pageable memory on a capturing stream (the capture is invalidated)");
   }
   if (kind == cudaMemcpyHostToDevice && !pinned) {
     // From pageable memory the call returns once the data is staged: a snapshot, copied later.

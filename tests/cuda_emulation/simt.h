@@ -43,9 +43,9 @@ bool CheckLaunch(dim3 grid, dim3 block);
 void RunBlocks(dim3 grid, dim3 block, const std::function<void()>& body);
 
 namespace internal {
-void CountLegacyStreamWork();                                       // state.h
+void CountLegacyStreamWork();                                          // state.h
 cudaError_t Enqueue(cudaStream_t stream, std::function<void()> work);  // state.h
-void SetLastError(cudaError_t error);                                 // state.h
+void SetLastError(cudaError_t error);                                  // state.h
 }  // namespace internal
 
 // kernel<<<grid, block, 0, stream>>>(args...) is Launch(kernel, grid, block, stream)(args...):

@@ -280,6 +280,30 @@ TEST_F(CudaGraphsTest, AFailedCaptureRunsTheBatchWithoutAGraph) {
   }
 }
 
+// A lane whose captures keep failing stops capturing (kGraphFailuresPerLane): its batches run
+// as without graphs, with no capture before each.
+TEST_F(CudaGraphsTest, ALaneWhoseCapturesKeepFailingStopsCapturing) {
+  auto on = Make({.graph_rows = kGraphRows});
+  ASSERT_NE(on, nullptr);
+  const LayerWeights w = RopeLayer(rng_);
+  auto resident = on->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+  ASSERT_TRUE(resident.ok());
+  cuda_emulation::InjectFault(cuda_emulation::Fault::kGraphInstantiate, static_cast<int>(cuda::kGraphFailuresPerLane));
+  for (int64_t round = 0; round <= cuda::kGraphFailuresPerLane; ++round) {
+    std::vector<OwnedSequence> seqs = Fresh(rng_, kMixed);
+    std::vector<Sequence> batch;
+    for (auto& s : seqs) batch.push_back(s.View());
+    cuda_emulation::ResetCounters();
+    ASSERT_TRUE(on->Forward(**resident, batch).ok());
+    const cuda_emulation::Counters c = cuda_emulation::ReadCounters();
+    EXPECT_EQ(c.graph_captures, round < cuda::kGraphFailuresPerLane ? 1 : 0) << "round " << round;
+    EXPECT_EQ(c.graph_launches, 0);
+    for (size_t r = 0; r < seqs.size(); ++r) {
+      EXPECT_LT(RelativeL2(seqs[r].output.data(), ReferenceForward(w, batch[r])), 1e-5) << "sequence " << r;
+    }
+  }
+}
+
 // --- The emulation's stream capture ----------------------------------------------------------
 
 // Work on a capturing stream is recorded, not run; each launch of the graph runs it, reading

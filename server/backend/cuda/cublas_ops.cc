@@ -76,8 +76,8 @@ Status CublasOps::CopyPointers(std::span<const void* const> pointers) {
   }
   ATTNSERVE_RETURN_IF_ERROR(pointers_host_.Reserve(pointer_slots_));
   std::copy(pointers.begin(), pointers.end(), pointers_host_.get());
-  CUDA_TRY(cudaMemcpyAsync(pointers_device_, pointers_host_.get(), count * sizeof(void*), cudaMemcpyHostToDevice,
-                           stream_));
+  CUDA_TRY(
+      cudaMemcpyAsync(pointers_device_, pointers_host_.get(), count * sizeof(void*), cudaMemcpyHostToDevice, stream_));
   return OkStatus();
 }
 

@@ -42,7 +42,13 @@ inline HalfFormat HalfFormatOf(GpuMath math) { return math == GpuMath::kBf16 ? H
 class CudaResidentForm final : public ResidentForm {
  public:
   CudaResidentForm(std::shared_ptr<const FormWeights> w, const std::shared_ptr<DeviceBudget>& budget, GpuMath math)
-      : w_in(budget), b_in(budget), w_out(budget), b_out(budget), math(math), serial(NextSerial()), host_(std::move(w)) {}
+      : w_in(budget),
+        b_in(budget),
+        w_out(budget),
+        b_out(budget),
+        math(math),
+        serial(NextSerial()),
+        host_(std::move(w)) {}
   const FormWeights& weights() const override { return *host_; }
 
   // Returns once the weights are on the device: the host copies may go after that.
@@ -75,6 +81,9 @@ struct GraphCounts {
 // The graphs a lane keeps: a few shapes repeat in small-batch serving; more would hold device
 // memory (each instantiation's own) for shapes that do not.
 inline constexpr size_t kGraphsPerLane = 8;
+// A lane whose captures failed this many times captures no more: where the device or driver
+// refuses graphs, each small batch would otherwise pay a capture on top of its run.
+inline constexpr int64_t kGraphFailuresPerLane = 4;
 
 // One batch's workspace as Prepare laid it out: where each piece is, the bound its blocks of
 // query rows were cut to, and what it holds in all.

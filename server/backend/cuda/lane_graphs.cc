@@ -24,8 +24,11 @@ uint64_t CudaResidentForm::NextSerial() {
 // from the workspace, where this batch's copies put them.
 std::vector<int64_t> Lane::GraphKey(const FormWeights& f, const BatchPlan& plan,
                                     std::span<const Sequence> batch) const {
-  std::vector<int64_t> key = {static_cast<int64_t>(resident_->serial), static_cast<int64_t>(options_.math),
-                              batch_.score_bytes, batch_.pointer_slots, static_cast<int64_t>(plan.combine),
+  std::vector<int64_t> key = {static_cast<int64_t>(resident_->serial),
+                              static_cast<int64_t>(options_.math),
+                              batch_.score_bytes,
+                              batch_.pointer_slots,
+                              static_cast<int64_t>(plan.combine),
                               static_cast<int64_t>(batch.size())};
   for (const float* p : batch_.piece) key.push_back(static_cast<int64_t>(reinterpret_cast<intptr_t>(p)));
   const bool rope = f.config.rope_theta > 0.0;
@@ -47,7 +50,7 @@ void Lane::BeginGraph(const FormWeights& f, const BatchPlan& plan, std::span<con
     graph_workspace_capacity_ = workspace_.capacity();
   }
   const int64_t rows = plan.rows.queries + (plan.rows.all_self ? 0 : plan.rows.contexts);
-  if (graphs_refused_ || rows > options_.graph_rows) return;
+  if (graphs_refused_ || rows > options_.graph_rows || graph_counts_.failures >= kGraphFailuresPerLane) return;
   graph_key_ = GraphKey(f, plan, batch);
   if (graphs_.Find(graph_key_) != nullptr) {
     graph_mode_ = GraphMode::kReplaying;
@@ -116,8 +119,10 @@ void Lane::GraphFailed(const char* step, cudaError_t error) {
   capture_failed_ = true;
   static std::atomic<bool> said{false};
   if (!said.exchange(true)) {
-    std::fprintf(stderr, "attnserve: CUDA graph: %s failed (%s); the batch ran without a graph, as will any whose "
-                 "capture fails\n", step, cudaGetErrorName(error));
+    std::fprintf(stderr,
+                 "attnserve: CUDA graph: %s failed (%s); the batch ran without a graph, as will any whose "
+                 "capture fails\n",
+                 step, cudaGetErrorName(error));
   }
 }
 
