@@ -7,10 +7,12 @@
 // the model would pick right without its residuals (the terms alone, CostResidual).
 //
 //   auto_form_sweep [--layers 384x12,768x12] [--n 1,4,16,64,256] [--m 16,64,256,1024,4096]
-//                   [--reps 7] [--calibration-ms 1000] [--noise 0.03] [--threads 0]
+//                   [--reps 7] [--max-reps 40] [--min-ms 150] [--calibration-ms 1000] [--noise 0.03]
+//                   [--threads 0]
 //
 // --layers D x H: d_model and heads (d_head = D / H, no GQA, with biases). Each variant's time is
-// the best of --reps rounds (a round runs the three in turn, in each of their 6 orders in turn,
+// the best of --reps rounds (more for a short cell: up to --max-reps, until each form has run
+// --min-ms) (a round runs the three in turn, in each of their 6 orders in turn,
 // so that none always follows its twin's warm cache): on a shared machine the others' load only
 // ever adds time, and the best is the cell's own cost, as the calibration's best of its passes
 // is. A cell whose two forms differ by less than --noise (relative to the faster) is a tie: either pick is right there, and it is
@@ -68,6 +70,8 @@ struct Args {
   std::vector<std::pair<int64_t, int64_t>> layers = {{384, 12}, {768, 12}};
   std::vector<int64_t> n = {1, 4, 16, 64, 256}, m = {16, 64, 256, 1024, 4096};
   int reps = 7;
+  int max_reps = 40;    // rounds a short cell may run, until each form has run min_ms
+  double min_ms = 150;
   int calibration_ms = 1000;
   double noise = 0.03;
   int threads = 0;
@@ -95,6 +99,10 @@ Args Parse(int argc, char** argv) {
       a.m = ParseList(value);
     } else if (flag == "--reps") {
       a.reps = std::stoi(value);
+    } else if (flag == "--max-reps") {
+      a.max_reps = std::stoi(value);
+    } else if (flag == "--min-ms") {
+      a.min_ms = std::stod(value);
     } else if (flag == "--calibration-ms") {
       a.calibration_ms = std::stoi(value);
     } else if (flag == "--noise") {
@@ -164,14 +172,15 @@ void SweepLayer(CpuBackend& backend, const Args& args, int64_t d, int64_t heads,
       std::vector<double> tf, ts, ta;
       ExactChoice choice;
       Form picked = Form::kFactored;
-      // At least --reps rounds, more for short cells (up to 40, until each form has run 150 ms).
+      // At least --reps rounds, more for short cells (up to --max-reps, until each form has run
+      // --min-ms).
       // Each round runs the three in the next of their 6 orders: a forward right after one of the
       // other form reads its weights from a cache the other form's weights evicted (28 MB of
       // summed weights at d 768), right after its own form from a warm one, so a fixed order
       // would favour whichever variant follows its twin. Cycling through every order gives each
       // variant each predecessor alike.
       std::array<int, 3> order = {0, 1, 2};
-      for (int r = 0; r < args.reps || (r < 40 && std::min(Sum(tf), Sum(ts)) < 150); ++r) {
+      for (int r = 0; r < args.reps || (r < args.max_reps && std::min(Sum(tf), Sum(ts)) < args.min_ms); ++r) {
         for (int variant : order) {
           if (variant == 0) tf.push_back(run(Form::kFactored));
           if (variant == 1) ts.push_back(run(Form::kSummed));
@@ -223,8 +232,10 @@ int main(int argc, char** argv) {
   using namespace attnserve;
   const Args args = Parse(argc, argv);
   CpuBackend backend(CpuBackendOptions{.threads = args.threads});
-  std::printf("auto_form_sweep on %s, %s, %d threads; best of %d rounds a cell; ties within %.0f %%\n", CpuModel().c_str(),
-              backend.DeviceName().c_str(), backend.threads(), args.reps, args.noise * 100);
+  std::printf("auto_form_sweep on %s, %s, %d threads; best of %d rounds a cell (up to %d until each form ran %.0f ms); "
+              "ties within %.0f %%\n",
+              CpuModel().c_str(), backend.DeviceName().c_str(), backend.threads(), args.reps, args.max_reps, args.min_ms,
+              args.noise * 100);
   Totals totals;
   uint64_t serial = 1;
   for (const auto& [d, heads] : args.layers) SweepLayer(backend, args, d, heads, serial++, totals);

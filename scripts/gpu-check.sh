@@ -5,7 +5,7 @@
 # and in TF32 against a cuBLAS SGEMM ceiling (random data) measured in the same run, and run
 # PyTorch's SDPA peer in FP32, TF32 and BF16 (where SDPA picks flash attention) when the
 # interpreter has torch with CUDA, each paired with our run of the same precision in a table
-# (BF16: a TODO row until forward_bench has that mode). The FP32 and TF32 runs take the fused
+# (BF16: forward_bench --gpu-math bf16, 16-bit weights and projections). The FP32 and TF32 runs take the fused
 # attention kernel (the default); a third FP32 run takes the score GEMM, softmax and mix GEMM
 # instead (--gemm-attention), for what the fused kernel buys. A failing step is
 # reported and the later ones still run; the exit status says whether all passed. Everything it
@@ -61,21 +61,24 @@
 #                               4 MiB copy slices beside one copy each way, each packed by 1
 #                               and by 4 host threads)
 #   bench-tf32    25        -   forward_bench --tf32
+#   bench-bf16    20        -   forward_bench --gpu-math bf16: both forms, the same shapes, the
+#                               weights and projections in BF16, attention FP32
 #   bench-gemm-   20        -   forward_bench --gemm-attention: FP32 with the score GEMM, the
 #     attention                 softmax kernel and the mix GEMM in place of the fused kernel
-#   bench-graphs  20        -   forward_bench --gpu-graphs 1024: FP32, the batches of up to 1024
-#                               rows (every shape but the large one) replaying CUDA graphs
+#   bench-graphs  10        -   forward_bench --gpu-graphs 1024: FP32, the shapes of at most
+#                               1024 rows (all but the large one) replaying CUDA graphs
 #   torch-fp32    30       60   torch_attention.py (PyTorch SDPA + linear projections)
 #   torch-tf32    25        -   torch_attention.py --tf32
 #   torch-bf16    25        -   torch_attention.py --bf16 (SDPA's flash kernel, BF16 weights)
 #   table-fp32     5       10   compare.py: ours against torch, FP32
 #   table-tf32     5        -   compare.py: ours against torch, TF32
-#   (sum)        560      660   (with every step the shares come to 541 s: each weight × 0.97)
+#   table-bf16     5        -   compare.py: ours against torch, BF16
+#   (sum)        575      660
 #
-# One row is TODO, logged as such and neither run nor failed, until its mode exists in
-# forward_bench (issue 48): bench-bf16 (item 2, --gpu-math bf16) with its table against
-# torch-bf16.json. Adding it is a step in the plan with a weight taken from the build's, a
-# `bench` call and a `table` call.
+# The BF16 rows (issue 48, item 2) took their 25 from the others in proportion: the build keeps
+# over 2.5 times the H200's 57-61 s (158 s of the default budget), every other step about 96 %
+# of its former share. The graphs row (bench-graphs) took its 10 the same way: the build keeps
+# 155 s.
 #
 # A step may run for its own share plus whatever the steps before it left unused, never into the
 # shares of the steps after it: its limit is the time left minus the shares of the steps still to
@@ -269,9 +272,14 @@ if ((gpu)); then
   if want build; then plan_add configure 30; plan_add build 165; fi
   if want tests; then plan_add tests 80; fi
   if want sanitizer && [[ -n $sanitizer ]]; then plan_add memcheck 40; plan_add racecheck 35; plan_add synccheck 25; fi
-  if want bench; then plan_add bench-fp32 30; plan_add bench-tf32 25; plan_add bench-gemm-attention 20; plan_add bench-graphs 20; fi
+  if want bench; then
+    plan_add bench-fp32 30; plan_add bench-tf32 25; plan_add bench-bf16 20; plan_add bench-gemm-attention 20
+    plan_add bench-graphs 10
+  fi
   if want torch && ((have_python)); then plan_add torch-fp32 30; plan_add torch-tf32 25; plan_add torch-bf16 25; fi
-  if { want bench || want torch; } && ((have_python)); then plan_add table-fp32 5; plan_add table-tf32 5; fi
+  if { want bench || want torch; } && ((have_python)); then
+    plan_add table-fp32 5; plan_add table-tf32 5; plan_add table-bf16 5
+  fi
 else
   if want build; then plan_add configure 30; plan_add build 300; fi
   if want tests; then plan_add tests 200; fi
@@ -491,8 +499,10 @@ if want bench; then
   if ((gpu)); then
     bench bench-fp32 "$device.json" --staging-slice-kib 4096,1048576 --staging-threads 1,4
     bench bench-tf32 cuda-tf32.json --tf32
+    bench bench-bf16 cuda-bf16.json --gpu-math bf16
     bench bench-gemm-attention cuda-gemm-attention.json --gemm-attention
-    bench bench-graphs cuda-graphs.json --gpu-graphs 1024
+    # The large shape (16384 rows) has no graph: left out, the row fits its share.
+    shapes=bert-base,gpt2-medium,small-request bench bench-graphs cuda-graphs.json --gpu-graphs 1024
   else
     bench bench-fp32 "$device.json"
   fi
@@ -546,12 +556,10 @@ table() {
 }
 if { want bench || want torch; } && ((have_python)); then
   table table-fp32 "$device.json" torch.json
-  if ((gpu)); then table table-tf32 cuda-tf32.json torch-tf32.json; fi
-fi
-# The row issue 48 asks for that this tree cannot run yet (see the time plan above).
-if ((gpu)) && want bench; then
-  log "bench-bf16: TODO, not run: forward_bench has no BF16 mode yet (issue 48, item 2);" \
-    "torch-bf16.json holds the PyTorch BF16 peer alone, table-bf16 waits for it"
+  if ((gpu)); then
+    table table-tf32 cuda-tf32.json torch-tf32.json
+    table table-bf16 cuda-bf16.json torch-bf16.json
+  fi
 fi
 
 finish

@@ -297,9 +297,6 @@ void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<F
       if (options_.metrics != nullptr) options_.metrics->CountAutoChoice(layer->name, *chosen);
     }
     const Form form = *chosen;
-    if (layer->live_calibration != nullptr && layer->live_calibration->wants_offers()) {
-      OfferCalibrationRows(layer, decoded);
-    }
     timeline.decoded = std::chrono::steady_clock::now();
 
     // A response gRPC would refuse to send is refused before it is computed.
@@ -327,6 +324,11 @@ void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<F
                                                 "this request"));
     }
 
+    // Admitted, so served: its key rows count towards a live calibration (before the call owns
+    // the decoded tensors).
+    if (layer->live_calibration != nullptr && layer->live_calibration->wants_offers()) {
+      OfferCalibrationRows(layer, decoded);
+    }
     CallReporting reporting{.metrics = options_.metrics,
                             .shadow = options_.shadow,
                             .mirror = std::nullopt,

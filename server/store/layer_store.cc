@@ -331,8 +331,8 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::CompleteLiveCalibration(const
                              "': ";
   const std::string at = "layer '" + layer->name + "': " + option;
   auto build = [&]() -> Status {
-    // Same layer, same serial and resident forms (in-flight batches of the two share queues),
-    // plus the low-rank form; the rows are freed with the old layer, or below.
+    // The same load (its serial: auto's fitted model still applies) and the same resident exact
+    // forms, shared, plus the low-rank form; the rows are freed with the old layer, or below.
     auto next = std::make_shared<Layer>(*layer);
     next->live_calibration = nullptr;
     const CalibrationSet set = live->Rows();

@@ -154,12 +154,16 @@ def compute_sanitizer():
 
 def forward_bench():
     trace()
-    step = "bench-tf32" if "--tf32" in ARGS else "bench-gemm-attention" if "--gemm-attention" in ARGS \
-        else "bench-graphs" if "--gpu-graphs" in ARGS else "bench-fp32"
+    math = arg("--gpu-math", "fp32")
+    step = "bench-tf32" if "--tf32" in ARGS else "bench-bf16" if math == "bf16" else \
+        "bench-gemm-attention" if "--gemm-attention" in ARGS else "bench-graphs" if "--gpu-graphs" in ARGS \
+        else "bench-fp32"
     sleep_for(step)
     device = arg("--device", "cpu")
     ceiling = ("cublas-tf32 8192x8192x8192" if "--tf32" in ARGS else "cublas 8192x8192x8192") \
         if device.startswith("cuda") else "eigen 2048x2048x2048"
+    if math in ("bf16", "fp16"):
+        ceiling += f", forwards in {math}"  # as forward_bench names a 16-bit run's source
     records = []
     for i, shape in enumerate(arg("--shapes").split(",")):
         for form, ms in (("factored", 0.5 + i), ("summed", 1.5 + i)):

@@ -31,8 +31,8 @@ REAL = ["bash", "cat", "chmod", "cp", "date", "dirname", "du", "env", "grep", "g
         "nproc", "rm", "sed", "sleep", "tail", "tar", "tee", "timeout", "touch", "tr"]
 FAKES = ["nvidia-smi", "nvcc", "cmake", "c++", "ninja", "ctest", "compute-sanitizer"]
 STEPS = ["configure", "build", "tests", "memcheck", "racecheck", "synccheck", "bench-fp32", "bench-tf32",
-         "bench-gemm-attention", "bench-graphs",
-         "torch-fp32", "torch-tf32", "torch-bf16", "table-fp32", "table-tf32"]
+         "bench-bf16", "bench-gemm-attention", "bench-graphs",
+         "torch-fp32", "torch-tf32", "torch-bf16", "table-fp32", "table-tf32", "table-bf16"]
 STEP_LINE = re.compile(r"^== \[(\d+)s\] ([a-z0-9-]+): (passed|FAILED|cut|not run|skipped)")
 
 
@@ -173,28 +173,34 @@ class GpuCheckTest(unittest.TestCase):
             self.assertTrue(call.endswith("ATTNSERVE_RANDOM_CASES=4"), call)
         # Both benchmarks on the device, every shape, FP32 then TF32.
         benches = run.calls("forward_bench")
-        self.assertEqual(len(benches), 4, run)
+        self.assertEqual(len(benches), 5, run)
         self.assertNotIn("--tf32", benches[0])
         self.assertIn("--tf32", benches[1])
-        # The third run: FP32 on the score GEMM, softmax and mix GEMM, beside the fused kernel.
-        self.assertNotIn("--tf32", benches[2])
-        self.assertIn("--gemm-attention", benches[2])
-        self.assertNotIn("--gemm-attention", benches[0] + benches[1] + benches[3])
-        # The fourth: FP32 fused, the batches of up to 1024 rows replaying CUDA graphs.
-        self.assertIn("--gpu-graphs 1024", benches[3])
-        self.assertNotIn("--gpu-graphs", benches[0] + benches[1] + benches[2])
+        # The third: the weights and projections in BF16 (--gpu-math bf16), attention in FP32.
+        self.assertIn("--gpu-math bf16", benches[2])
+        self.assertNotIn("--gpu-math", benches[0] + benches[1] + benches[3] + benches[4])
+        # The fourth run: FP32 on the score GEMM, softmax and mix GEMM, beside the fused kernel.
+        self.assertNotIn("--tf32", benches[3])
+        self.assertIn("--gemm-attention", benches[3])
+        self.assertNotIn("--gemm-attention", benches[0] + benches[1] + benches[2] + benches[4])
+        # The fifth: FP32 fused, the shapes of at most 1024 rows replaying CUDA graphs (the large
+        # one, which has none, left out).
+        self.assertIn("--gpu-graphs 1024", benches[4])
+        self.assertIn("--shapes bert-base,gpt2-medium,small-request ", benches[4])
+        self.assertNotIn("--gpu-graphs", benches[0] + benches[1] + benches[2] + benches[3])
         # The FP32 run sets the 4 MiB copy slices beside one copy each way, 1 and 4 packing threads.
         self.assertIn("--staging-slice-kib 4096,1048576 --staging-threads 1,4", benches[0])
         self.assertNotIn("--staging-slice-kib", benches[1])
         for call in benches:
             self.assertIn("--device cuda", call)
+        for call in benches[:4]:
             self.assertIn("--shapes bert-base,gpt2-medium,small-request,large", call)
         self.assertEqual({r["ceiling_source"] for r in run.json("cuda-tf32.json")}, {"cublas-tf32 8192x8192x8192"})
         self.check_torch_fp32_and_tf32(run)
-        # The rows that wait for modes this tree does not have: marked TODO, neither run nor failed.
-        self.assertTrue(run.line(r"bench-bf16: TODO, not run: forward_bench has no BF16 mode yet"), run)
-        self.assertEqual(run.verdict("bench-gemm-attention"), "passed", run)
-        self.assertEqual(run.verdict("bench-graphs"), "passed", run)
+        # The BF16 rows: our run against PyTorch's BF16 peer in a table of their own.
+        self.assertFalse(run.line(r"TODO"), run)
+        for step in ("bench-bf16", "table-bf16", "bench-gemm-attention", "bench-graphs"):
+            self.assertEqual(run.verdict(step), "passed", f"{step}\n{run}")
         self.assertFalse(run.line(r"bench-fused"), run)
         self.check_tarball(run)
 
@@ -229,9 +235,12 @@ class GpuCheckTest(unittest.TestCase):
         self.assertEqual([r["shape"] for r in tf32], ["bert-base", "gpt2-medium", "small-request", "large"])
         # Each table pairs our run with the peer of its precision: every row has a torch ratio.
         tables = [c for c in run.calls("python") if "compare.py" in c]
-        self.assertEqual(len(tables), 2, run)
+        self.assertEqual(len(tables), 3, run)
         self.assertRegex(tables[0], r"/cuda\.json \S+/torch\.json$")
         self.assertRegex(tables[1], r"/cuda-tf32\.json \S+/torch-tf32\.json$")
+        self.assertRegex(tables[2], r"/cuda-bf16\.json \S+/torch-bf16\.json$")
+        with open(os.path.join(run.out, "table-bf16.txt")) as f:
+            self.assertTrue(f.readline().startswith("precision: bf16 (both; torch 2.7.0+fake)"))
         with open(os.path.join(run.out, "table-tf32.txt")) as f:
             table = f.read().splitlines()
         self.assertTrue(table[0].startswith("precision: tf32 (both; torch 2.7.0+fake)"), table)
@@ -272,19 +281,20 @@ class GpuCheckTest(unittest.TestCase):
             self.assertEqual(run.verdict(step), "passed", f"{step}\n{run}")
 
     def test_the_budget_is_honoured(self):
-        # 8 s for bench-fp32, bench-tf32, bench-gemm-attention, bench-graphs and the two tables
-        # (shares 2, 1, 1, 1, 0, 0 of 7 s): the first
+        # 8 s for bench-fp32, bench-tf32, bench-bf16, bench-gemm-attention, bench-graphs and the
+        # three tables (shares 1, 1, 1, 1, 0, 0, 0, 0 of 7 s): the first
         # benchmark hangs and is cut when only the later steps' shares are left; those still run.
         # (The script counts whole seconds from its start; on a loaded machine starting takes one
         # or two, which the first step's limit gives up.)
         run = Sandbox(self).prebuild().run(ATTNSERVE_GPU_CHECK_BUDGET_S=8, ATTNSERVE_GPU_CHECK_STEPS="bench",
                                            FAKE_SLEEP="bench-fp32:60")
         self.assertNotEqual(run.rc, 0, run)
-        self.assertTrue(run.line(r"plan \(budget 8s, 7s shared\): bench-fp32 2s, bench-tf32 1s, "
-                                 r"bench-gemm-attention 1s, bench-graphs 1s, table-fp32 0s, table-tf32 0s$"), run)
+        self.assertTrue(run.line(r"plan \(budget 8s, 7s shared\): bench-fp32 1s, bench-tf32 1s, bench-bf16 1s, "
+                                 r"bench-gemm-attention 1s, bench-graphs 0s, table-fp32 0s, table-tf32 0s, "
+                                 r"table-bf16 0s$"), run)
         start, limit = map(int, re.search(r"\[(\d+)s\] bench-fp32: .*\(limit (\d+)s\)$", "\n".join(run.summary),
                                           re.M).groups())
-        # All but the shares of bench-tf32, bench-gemm-attention and bench-graphs.
+        # All but the shares of bench-tf32, bench-bf16, bench-gemm-attention and bench-graphs.
         self.assertIn(limit, (8 - 3 - start, 8 - 3 - start + 1), run)
         self.assertTrue(run.line(rf"bench-fp32: cut at its limit of {limit}s \(exit 124\)"), run)
         self.assertEqual(run.verdict("bench-tf32"), "passed", run)
@@ -303,7 +313,7 @@ class GpuCheckTest(unittest.TestCase):
             self.assertLessEqual(sum(shares.values()), budget * 95 // 100, plan)
             self.assertGreater(sum(shares.values()), budget * 90 // 100, plan)
         full_shares = dict(re.findall(r" ([a-z0-9-]+) (\d+)s", full.line(r"plan \(").split(":", 1)[1]))
-        self.assertEqual(list(full_shares), STEPS[:13] + ["table-fp32", "table-tf32"])
+        self.assertEqual(list(full_shares), STEPS)
         # Over 2.5 times the H200 machine's 57-61 s build (2026-12-04).
         self.assertGreaterEqual(int(full_shares["build"]), 155)
 

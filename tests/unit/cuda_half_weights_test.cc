@@ -1,12 +1,17 @@
 // --gpu-math bf16 and fp16 on the emulated device (CudaBackendOptions::math): the weights held in
 // 16 bits, the projections' inputs converted on the device, float32 accumulation and attention.
-// Answers against the float64 reference within the format's bound (docs/testing.md,
+// Answers against the float64 reference within the format's bound and against the rounding model
+// (float64 with the device's roundings: to float32's accumulation) (docs/testing.md,
 // "Tolerances"), answers that really are rounded (further from float32's than float32's own
 // rounding), and the device budget counting the 16-bit bytes.
+#include <cuda_fp16.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -66,16 +71,82 @@ double ScoreBound(const LayerWeights& w, const OwnedSequence& s) {
 // and Q and K each one, which move a score by up to 2·λ√(2/3)u·scale‖q‖‖k‖ and the softmax's
 // weights by twice that. The float32 accumulation's own part is the depth's: λ·2^-24·Σ√K over
 // the chain (backend_test.cc's GemmChainTolerance), kept although it is far smaller.
-double HalfTolerance(GpuMath math, const LayerWeights& w, const OwnedSequence& s, int products) {
-  constexpr double kLambda = 4;
+constexpr double kLambda = 4;
+
+// Float32's accumulation over the chain's depths: λ·2^-24·Σ√K (backend_test.cc's GemmChainTolerance).
+double Fp32ChainTolerance(const LayerWeights& w, const OwnedSequence& s) {
   const LayerConfig& c = w.config;
-  const double u = UnitRoundoff(math), per_product = kLambda * std::sqrt(2.0 / 3.0) * u;
   const int64_t keys = s.key_length < 0 ? s.m : s.key_length;
-  const double fp32_chain = kLambda * 0x1p-24 *
-                            (std::sqrt(static_cast<double>(c.d_model)) + std::sqrt(static_cast<double>(c.d_head)) +
-                             std::sqrt(static_cast<double>(std::max<int64_t>(keys, 1))) +
-                             std::sqrt(static_cast<double>(c.heads * c.d_head)));
-  return fp32_chain + products * per_product + 4 * per_product * ScoreBound(w, s);
+  return kLambda * 0x1p-24 *
+         (std::sqrt(static_cast<double>(c.d_model)) + std::sqrt(static_cast<double>(c.d_head)) +
+          std::sqrt(static_cast<double>(std::max<int64_t>(keys, 1))) + std::sqrt(static_cast<double>(c.heads * c.d_head)));
+}
+
+double HalfTolerance(GpuMath math, const LayerWeights& w, const OwnedSequence& s, int products) {
+  const double u = UnitRoundoff(math), per_product = kLambda * std::sqrt(2.0 / 3.0) * u;
+  return Fp32ChainTolerance(w, s) + products * per_product + 4 * per_product * ScoreBound(w, s);
+}
+
+// x rounded to the 16-bit format and widened back (round to nearest even: the device's and the
+// toolkit's conversion).
+double Rounded(GpuMath math, double x) {
+  const float f = static_cast<float>(x);
+  if (math == GpuMath::kFp16) return __half2float(__float2half_rn(f));
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  bits += 0x7fff + ((bits >> 16) & 1);  // finite inputs only: the tests' weights and rows
+  bits &= 0xffff0000u;
+  float r;
+  std::memcpy(&r, &bits, sizeof r);
+  return r;
+}
+
+// The rounding model in float64: the answer of `form` with every 16-bit operand the device
+// rounds — W_in, W_out and the rows the projections read — rounded here, and everything else
+// exact. The summed form rounds nothing else, so the device must match it to float32's
+// accumulation; the concatenating forms also round their heads' outputs before W_out, which
+// this leaves out (HalfModelTolerance). Built from the form as uploaded: each head's value
+// columns times its rows of W_out (the summed form: its value block alone), the value bias
+// folded into the output bias, Q and K from the rounded inputs and weights.
+std::vector<double> RoundingModelForward(GpuMath math, const LayerWeights& w, const FormWeights& f,
+                                         const OwnedSequence& s) {
+  const LayerConfig& c = w.config;
+  const int64_t d = c.d_model;
+  LayerWeights qk = w;
+  auto round_all = [&](std::vector<float>& v) {
+    for (float& x : v) x = static_cast<float>(Rounded(math, x));
+  };
+  round_all(qk.w_q);
+  round_all(qk.w_k);
+  OwnedSequence rounded = s;
+  round_all(rounded.input);
+  round_all(rounded.context);
+  auto in_at = [&](int64_t r, int64_t col) { return Rounded(math, f.w_in[r * f.in_cols() + col]); };
+  auto out_at = [&](int64_t r, int64_t col) { return Rounded(math, f.w_out[r * d + col]); };
+  std::vector<std::vector<double>> heads(c.heads, std::vector<double>(d * d, 0.0));
+  std::vector<double> bias(f.b_out.begin(), f.b_out.end());
+  if (bias.empty()) bias.assign(d, 0.0);
+  for (int64_t i = 0; i < c.heads; ++i) {
+    const int64_t v0 = f.q_cols + f.k_cols + f.value_offset[i], width = f.value_width[i];
+    for (int64_t r = 0; r < d; ++r) {
+      for (int64_t col = 0; col < d; ++col) {
+        double m = 0;
+        if (!f.concat_then_project()) {
+          m = in_at(r, v0 + col);
+        } else {
+          for (int64_t t = 0; t < width; ++t) m += in_at(r, v0 + t) * out_at(f.mix_offset[i] + t, col);
+        }
+        heads[i][r * d + col] = m;
+      }
+    }
+    // A value bias (the factored form's) reaches the output through W_out: rows of A sum to 1.
+    if (static_cast<int64_t>(f.b_in.size()) > f.q_cols + f.k_cols && f.concat_then_project()) {
+      for (int64_t col = 0; col < d; ++col) {
+        for (int64_t t = 0; t < width; ++t) bias[col] += f.b_in[v0 + t] * out_at(f.mix_offset[i] + t, col);
+      }
+    }
+  }
+  return ReferenceForwardWithHeadMatrices(qk, heads, bias, rounded.View());
 }
 
 struct Case {
@@ -155,17 +226,31 @@ TEST_P(CudaHalfWeightsTest, EveryFormIsWithinTheFormatsBoundAndReallyRounded) {
       const std::vector<OwnedSequence> got = Run(*half, f.form, inputs);
       const std::vector<OwnedSequence> exact32 = Run(*fp32, f.form, inputs);
       double rounded = 0;  // the largest relative distance to the float32 answer
+      double worst = 0;    // the largest error over its bound: the bound's margin, reported
+      double worst_model = 0;  // the same against the rounding model
       for (size_t r = 0; r < got.size(); ++r) {
         SCOPED_TRACE(std::string(f.name) + ", trial " + std::to_string(trial) + ", sequence " + std::to_string(r));
         OwnedSequence in = inputs[r];
         const std::vector<double> want = ReferenceForward(w, in.View());
         const double bound = HalfTolerance(math, w, got[r], f.products);
         EXPECT_LT(RelativeL2(got[r].output.data(), want), bound);
+        worst = std::max(worst, RelativeL2(got[r].output.data(), want) / bound);
+        // Sharp: against float64 with exactly the device's roundings, the difference is float32's
+        // accumulation (the summed form) plus, where heads concatenate, their outputs' rounding
+        // before W_out: λ·u/√3 of the answer (each of O's values off by a uniform share of u).
+        const double model_bound =
+            Fp32ChainTolerance(w, got[r]) + (f.form.concat_then_project() ? kLambda * u / std::sqrt(3.0) : 0.0);
+        const double model_error = RelativeL2(got[r].output.data(), RoundingModelForward(math, w, f.form, inputs[r]));
+        EXPECT_LT(model_error, model_bound) << "the device rounds what the model does not, or more than once";
+        worst_model = std::max(worst_model, model_error / model_bound);
         rounded = std::max(rounded, RelativeL2(got[r].output.data(), exact32[r].output.data(), got[r].output.size()));
       }
       // Float32's own distance from float64 is under 1e-5 here; 16-bit rounding of the
       // weights and inputs moves the answers by about u (√(2/3)·u a product).
       EXPECT_GT(rounded, u / 8) << f.name << ": the answers are no further from float32's than float32 rounding goes";
+      std::printf("%s %s, trial %d: worst error / bound %.3f, against the rounding model %.3f, distance to "
+                  "float32 %.2e (u = %.2e)\n",
+                  GpuMathName(math).data(), f.name, trial, worst, worst_model, rounded, u);
     }
   }
 }
