@@ -21,7 +21,9 @@
 // slicing), --staging-threads 1,4 with each number of host threads packing and unpacking them
 // (staging_threads); every pair of the two, labelled in the gemm column. --gemm-attention runs the
 // CUDA backend's attention as GEMMs around the softmax kernel instead of the fused kernel
-// (CudaBackendOptions::gemm_attention), labelled cublas-gemm-attention.
+// (CudaBackendOptions::gemm_attention), labelled cublas-gemm-attention. --gpu-graphs N replays a
+// CUDA graph for each batch of at most N rows (CudaBackendOptions::graph_rows; the warm-up call
+// captures it), labelled cublas-graphs.
 // The CPU ceiling is the fastest of every SGEMM library the build found (Eigen always; oneDNN
 // and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
 // own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
@@ -127,7 +129,8 @@ struct Options {
   int64_t idle_us = 0;  // --idle-us: a pause before each timed call, as between served requests
   bool ceiling = true;  // --no-ceiling: the forwards alone (ceiling 0), seconds instead of ten
   GpuMath math = GpuMath::kFp32;  // --gpu-math (--tf32: tf32): CudaBackendOptions::math
-  bool gemm_attention = false;  // --gemm-attention: CudaBackendOptions::gemm_attention
+  bool gemm_attention = false;    // --gemm-attention: CudaBackendOptions::gemm_attention
+  int graph_rows = 0;             // --gpu-graphs: CudaBackendOptions::graph_rows
   // --staging-slice-kib: the CUDA backend's staging slices (CudaBackendOptions::
   // staging_slice_bytes) to run in turn; empty: its default alone.
   std::vector<int64_t> staging_slice_kib;
@@ -288,7 +291,8 @@ StatusOr<std::unique_ptr<Backend>> MakeBenchBackend(const Options& opt, int thre
 #ifdef ATTNSERVE_HAVE_CUDA
   if (opt.device.rfind("cuda", 0) == 0) {
     const int device = opt.device.size() > 5 ? std::atoi(opt.device.c_str() + 5) : 0;
-    CudaBackendOptions options{.device = device, .math = opt.math, .gemm_attention = opt.gemm_attention};
+    CudaBackendOptions options{
+        .device = device, .math = opt.math, .gemm_attention = opt.gemm_attention, .graph_rows = opt.graph_rows};
     if (staging_slice_kib > 0) options.staging_slice_bytes = staging_slice_kib << 10;
     if (staging_threads > 0) options.staging_threads = static_cast<int>(staging_threads);
     return MakeCudaBackend(options);
@@ -685,6 +689,7 @@ int Usage(const char* why) {
                "                     [--staging-slice-kib 4096,1048576]   (the CUDA backend's copy slices, in turn)\n"
                "                     [--staging-threads 1,4]   (the CUDA backend's packing threads, in turn)\n"
                "                     [--gemm-attention]   (the CUDA backend's attention as GEMMs, not fused)\n"
+               "                     [--gpu-graphs 1024]   (batches of up to this many rows replay CUDA graphs)\n"
                "       forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]\n"
                "                     [--summed-order auto,mix-first]\n";
   return 2;
@@ -745,6 +750,12 @@ int Main(int argc, char** argv) {
       if (!ParseCounts(value, 1, int64_t{1} << 30, &opt.staging_slice_kib)) {
         return Usage(("--staging-slice-kib: expected whole numbers of KiB from 1, got " + value).c_str());
       }
+    } else if (arg == "--gpu-graphs") {
+      std::vector<int64_t> rows;
+      if (!ParseCounts(value, 1, int64_t{1} << 20, &rows) || rows.size() != 1) {
+        return Usage(("--gpu-graphs: expected one whole number of rows from 1, got " + value).c_str());
+      }
+      opt.graph_rows = static_cast<int>(rows[0]);
     } else if (arg == "--staging-threads") {
       if (!ParseCounts(value, 1, 256, &opt.staging_threads)) {
         return Usage(("--staging-threads: expected whole numbers from 1 to 256, got " + value).c_str());
@@ -785,6 +796,7 @@ int Main(int argc, char** argv) {
   }
   const bool on_cpu = opt.device == "cpu";
   if (on_cpu && opt.gemm_attention) return Usage("--gemm-attention sets the CUDA backend's attention; it needs --device cuda");
+  if (on_cpu && opt.graph_rows > 0) return Usage("--gpu-graphs sets the CUDA backend's graphs; it needs --device cuda");
   if (on_cpu && (!opt.staging_slice_kib.empty() || !opt.staging_threads.empty())) {
     return Usage("--staging-slice-kib and --staging-threads set the CUDA backend's staging; they need --device cuda");
   }
@@ -810,7 +822,10 @@ int Main(int argc, char** argv) {
   const std::vector<GemmLibraryUnderTest> libraries = CeilingLibraries();
   const std::string isa(on_cpu ? CpuIsa() : "gpu");
   std::vector<Record> records;
-  if (!on_cpu) opt.gemms = {opt.gemm_attention ? "cublas-gemm-attention" : "cublas"};
+  if (!on_cpu) {
+    opt.gemms = {std::string(opt.gemm_attention ? "cublas-gemm-attention" : "cublas") +
+                 (opt.graph_rows > 0 ? "-graphs" : "")};
+  }
   for (int threads : opt.threads) {
     // The ceiling is taken before the cases (every candidate) and after them (the winner again);
     // the larger is used, so drift in the machine's load cannot flatter the ratios.

@@ -222,6 +222,9 @@ const Setting kSettings[] = {
      0, 0, nullptr, nullptr,
      "on the GPU, attention as score GEMM, softmax kernel and mix GEMM with the scores in device memory, instead "
      "of the fused kernel (scores, online softmax and mix in one launch)"},
+    {"--gpu-graphs", "gpu_graphs", "N", &InCuda<&CudaBackendOptions::graph_rows>, 0, 1 << 20, nullptr, nullptr,
+     "on the GPU, a batch of at most N rows (queries plus separate contexts) whose shape was seen before replays "
+     "a captured CUDA graph instead of its launches (0: off)"},
     {"--log-level", "log_level", "LEVEL", &O::log_level, 0, 0, CheckLogLevel, nullptr,
      "trace, debug, info, warn, error, critical or off"},
     {"--log-json", "log_json", "", &O::log_json, 0, 0, nullptr, nullptr, "log one JSON object per line"},

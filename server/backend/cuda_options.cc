@@ -32,6 +32,7 @@ const CudaOption kCudaOptions[] = {
     {"staging_threads", &C::staging_threads, 1, 1024},
     {"summed_mix_first", &C::summed_mix_first},
     {"gemm_attention", &C::gemm_attention},
+    {"graph_rows", &C::graph_rows, 0, 1 << 20},
     {"guard_zones", &C::guard_zones},
 };
 

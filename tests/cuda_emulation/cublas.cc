@@ -213,7 +213,11 @@ cublasStatus_t Gemm(const GemmCall& g) {
   }
   GemmCall queued = g;
   queued.alpha = queued.beta = nullptr;
-  internal::Enqueue(g.handle->stream, [queued, alpha = *g.alpha, beta = *g.beta] { RunGemm(queued, alpha, beta); });
+  // Recorded into the stream's capture, if it is capturing: an invalidated one takes nothing.
+  if (internal::Enqueue(g.handle->stream,
+                        [queued, alpha = *g.alpha, beta = *g.beta] { RunGemm(queued, alpha, beta); }) != cudaSuccess) {
+    return CUBLAS_STATUS_EXECUTION_FAILED;
+  }
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -236,7 +240,7 @@ cublasStatus_t GemmPointerArrays(const GemmCall& g) {
   }
   GemmCall queued = g;
   queued.alpha = queued.beta = nullptr;
-  internal::Enqueue(g.handle->stream, [queued, alpha = *g.alpha, beta = *g.beta] {
+  const cudaError_t queued_status = internal::Enqueue(g.handle->stream, [queued, alpha = *g.alpha, beta = *g.beta] {
     const auto* as = static_cast<const void* const*>(queued.a);
     const auto* bs = static_cast<const void* const*>(queued.b);
     auto* const* cs = reinterpret_cast<float* const*>(queued.c);
@@ -264,7 +268,7 @@ cublasStatus_t GemmPointerArrays(const GemmCall& g) {
     }
     for (int e = 0; e < queued.batch; ++e) RunGemm(entry(e), alpha, beta);
   });
-  return CUBLAS_STATUS_SUCCESS;
+  return queued_status == cudaSuccess ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;
 }
 
 bool UsesTf32(cublasHandle_t handle, cublasComputeType_t compute) {

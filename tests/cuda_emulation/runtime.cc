@@ -31,11 +31,29 @@
 
 // A stream: its queued work, run in order by whichever thread synchronises it. `mu` is held
 // while the work runs, so a stream's work never runs on two threads at once or out of order.
+// A stream capture in progress (cudaStreamBeginCapture): the operations recorded so far.
+struct StreamCapture {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
+  std::thread::id thread;  // the one that began it, the only one that may end it
+  std::vector<std::function<void()>> recorded;
+  bool invalidated = false;
+  bool invalidate_first = false;  // Fault::kCaptureInvalidated: the first operation invalidates it
+};
+
 struct CUstream_st {
   unsigned flags = 0;
   std::mutex mu;
   std::deque<std::function<void()>> queue;
   std::thread::id issuer;  // the thread whose work is queued now
+  std::unique_ptr<StreamCapture> capture;  // while capturing
+};
+// A graph and its instantiation: the recorded operations, each a copy of what the capture took
+// (kernel arguments, GEMM operands' addresses, a copy's pointers), replayed in order.
+struct CUgraph_st {
+  std::vector<std::function<void()>> ops;
+};
+struct CUgraphExec_st {
+  std::vector<std::function<void()>> ops;
 };
 struct CUevent_st {
   std::chrono::steady_clock::time_point when;
@@ -81,6 +99,7 @@ struct State {
   std::function<void()> after_fault_hook;
   cudaError_t injected_error = cudaSuccess;  // SetInjectedFaultError's, or none
   int device_access = 0;  // DeviceAccess objects alive, on every thread
+  int64_t live_graph_execs = 0;
 };
 
 // The streams that exist, and the legacy default stream (stream 0). Its lock comes before a
@@ -123,6 +142,26 @@ State& GetState() {
 thread_local cudaError_t last_error = cudaSuccess;
 thread_local bool fault_fired = false;  // an injected fault fired on this thread (SetAfterFaultHook)
 thread_local int current_device = 0;
+// The stream this thread is capturing in cudaStreamCaptureModeGlobal or ThreadLocal, whose
+// capture an unsafe call of this thread invalidates; and the Global captures of every thread,
+// during which every thread is refused those calls.
+thread_local CUstream_st* capturing_here = nullptr;
+std::atomic<int> global_captures{0};
+
+// Marks `stream`'s capture invalidated (when it is capturing); true when it was.
+bool InvalidateCapture(CUstream_st* stream) {
+  if (stream == nullptr) return false;
+  std::lock_guard<std::mutex> lock(stream->mu);
+  if (stream->capture == nullptr) return false;
+  stream->capture->invalidated = true;
+  return true;
+}
+
+bool IsCapturing(CUstream_st* stream) {
+  if (stream == nullptr) return false;
+  std::lock_guard<std::mutex> lock(stream->mu);
+  return stream->capture != nullptr;
+}
 
 constexpr size_t kAlignment = 256;  // cudaMalloc's alignment
 
@@ -172,8 +211,19 @@ cudaError_t Fail(cudaError_t error, const std::string& diagnostic) {
   return error;
 }
 
+// A call that is unsafe during a capture (it allocates, frees or waits for the device), made
+// while this thread captures (Global or ThreadLocal mode) or any thread captures in Global mode:
+// cudaErrorStreamCaptureUnsupported, and this thread's capture is invalidated.
+cudaError_t RefuseDuringCapture(const char* what) {
+  if (capturing_here == nullptr && global_captures.load() == 0) return cudaSuccess;
+  InvalidateCapture(capturing_here);
+  return Fail(cudaErrorStreamCaptureUnsupported,
+              std::string(what) + ": not allowed while a stream capture is in progress (the capture is invalidated)");
+}
+
 cudaError_t Allocate(void** ptr, size_t bytes, Space space) {
   RETURN_IF_STICKY();
+  if (const cudaError_t e = RefuseDuringCapture(space == Space::kDevice ? "cudaMalloc" : "cudaMallocHost")) return e;
   if (ptr == nullptr) return Fail(cudaErrorInvalidValue, "cudaMalloc: null result pointer");
   *ptr = nullptr;
   if (bytes == 0) return cudaSuccess;
@@ -210,6 +260,7 @@ cudaError_t Allocate(void** ptr, size_t bytes, Space space) {
 
 cudaError_t Release(void* ptr, Space space, const char* what) {
   if (ptr == nullptr) return cudaSuccess;
+  if (const cudaError_t e = RefuseDuringCapture(what)) return e;
   State& s = GetState();
   {
     std::lock_guard<std::mutex> lock(s.mu);
@@ -253,6 +304,9 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
     internal::RaiseFault(error, "injected fault in a copy");
     return last_error = error;
   }
+  if (!async) {
+    if (const cudaError_t e = RefuseDuringCapture("cudaMemcpy")) return e;
+  }
   const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
   const bool src_device = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
   if (kind != cudaMemcpyHostToDevice && kind != cudaMemcpyDeviceToHost && kind != cudaMemcpyDeviceToDevice) {
@@ -291,11 +345,20 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
     std::memmove(dst, src, bytes);
     return cudaSuccess;
   }
+  if (kind != cudaMemcpyDeviceToDevice && !pinned && IsCapturing(stream)) {
+    // A graph's copy node reads its host memory when the graph runs: the emulation's pageable
+    // copies (a snapshot now, or a wait for the stream) have no such form, and attnserve stages
+    // through pinned memory anyway.
+    InvalidateCapture(stream);
+    return Fail(
+        cudaErrorStreamCaptureUnsupported,
+        "cudaMemcpyAsync: a copy to or from pageable memory on a capturing stream (the capture is invalidated)");
+  }
   if (kind == cudaMemcpyHostToDevice && !pinned) {
     // From pageable memory the call returns once the data is staged: a snapshot, copied later.
     auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
                                                       static_cast<const char*>(src) + bytes);
-    internal::Enqueue(stream, [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); });
+    return internal::Enqueue(stream, [dst, staged] { std::memcpy(dst, staged->data(), staged->size()); });
   } else if (kind == cudaMemcpyDeviceToHost && !pinned) {
     // Into pageable memory the call returns once the copy is done.
     internal::DrainStream(stream);
@@ -305,7 +368,7 @@ cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, 
     // Into pinned memory the host sees poison until the stream has run the copy: a read before
     // the synchronisation reads NaN.
     if (kind == cudaMemcpyDeviceToHost) std::memset(dst, 0xff, bytes);
-    internal::Enqueue(stream, [dst, src, bytes] { std::memmove(dst, src, bytes); });
+    return internal::Enqueue(stream, [dst, src, bytes] { std::memmove(dst, src, bytes); });
   }
   return cudaSuccess;
 }
@@ -367,11 +430,26 @@ bool TakeFault(Fault fault) {
   return true;
 }
 
-void Enqueue(cudaStream_t stream, std::function<void()> work) {
+cudaError_t Enqueue(cudaStream_t stream, std::function<void()> work) {
   CUstream_st* s = Resolve(stream);
   bool shared = false;
   {
     std::lock_guard<std::mutex> lock(s->mu);
+    if (StreamCapture* capture = s->capture.get()) {
+      // Recorded, not run: what runs is the graph, each time it is launched.
+      if (capture->invalidate_first) {
+        capture->invalidate_first = false;
+        capture->invalidated = true;
+        last_error = cudaErrorStreamCaptureUnsupported;
+        return cudaErrorStreamCaptureUnsupported;
+      }
+      if (capture->invalidated) {
+        last_error = cudaErrorStreamCaptureInvalidated;
+        return cudaErrorStreamCaptureInvalidated;
+      }
+      capture->recorded.push_back(std::move(work));
+      return cudaSuccess;
+    }
     // The legacy stream is everyone's; a created stream belongs to one caller at a time.
     shared = stream != nullptr && !s->queue.empty() && s->issuer != std::this_thread::get_id();
     s->issuer = std::this_thread::get_id();
@@ -382,6 +460,7 @@ void Enqueue(cudaStream_t stream, std::function<void()> work) {
     std::lock_guard<std::mutex> lock(st.mu);
     st.counters.threads_sharing_a_stream++;
   }
+  return cudaSuccess;
 }
 
 namespace {
@@ -495,6 +574,12 @@ int64_t LiveDeviceBytes() {
   return bytes;
 }
 
+int64_t LiveGraphExecs() {
+  State& s = GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.live_graph_execs;
+}
+
 void SetScheduleSeed(uint64_t seed) { schedule_seed.store(seed); }
 
 void SetAfterFaultHook(std::function<void()> hook) {
@@ -594,6 +679,14 @@ const char* cudaGetErrorName(cudaError_t error) {
       return "cudaErrorInvalidDevice";
     case cudaErrorInvalidResourceHandle:
       return "cudaErrorInvalidResourceHandle";
+    case cudaErrorIllegalState:
+      return "cudaErrorIllegalState";
+    case cudaErrorStreamCaptureUnsupported:
+      return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated:
+      return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorStreamCaptureWrongThread:
+      return "cudaErrorStreamCaptureWrongThread";
     case cudaErrorIllegalAddress:
       return "cudaErrorIllegalAddress";
     case cudaErrorLaunchFailure:
@@ -646,6 +739,14 @@ const char* cudaGetErrorString(cudaError_t error) {
       return "invalid device ordinal";
     case cudaErrorInvalidResourceHandle:
       return "invalid resource handle";
+    case cudaErrorIllegalState:
+      return "the resource is not valid in its current state";
+    case cudaErrorStreamCaptureUnsupported:
+      return "operation not permitted when stream is capturing";
+    case cudaErrorStreamCaptureInvalidated:
+      return "operation failed due to a previous error during capture";
+    case cudaErrorStreamCaptureWrongThread:
+      return "attempt to terminate a thread-local capture sequence from another thread";
     case cudaErrorIllegalAddress:
       return "an illegal memory access was encountered";
     case cudaErrorLaunchFailure:
@@ -722,6 +823,7 @@ cudaError_t cudaDeviceGetPCIBusId(char* pci_bus_id, int len, int device) {
 
 cudaError_t cudaDeviceSynchronize() {
   cuda_emulation::RunAfterFaultHook();
+  if (const cudaError_t e = cuda_emulation::RefuseDuringCapture("cudaDeviceSynchronize")) return e;
   {
     auto& s = cuda_emulation::GetState();
     std::lock_guard<std::mutex> lock(s.mu);
@@ -759,6 +861,7 @@ cudaError_t cudaFreeHost(void* ptr) {
 cudaError_t cudaMemset(void* ptr, int value, size_t bytes) {
   RETURN_IF_STICKY();
   if (bytes == 0) return cudaSuccess;
+  if (const cudaError_t e = cuda_emulation::RefuseDuringCapture("cudaMemset")) return e;
   if (!internal::IsDeviceRange(ptr, bytes)) {
     return cuda_emulation::Fail(cudaErrorInvalidValue, "cudaMemset: range is not inside one device allocation");
   }
@@ -776,8 +879,7 @@ cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t str
   if (!internal::IsDeviceRange(ptr, bytes)) {
     return cuda_emulation::Fail(cudaErrorInvalidValue, "cudaMemsetAsync: range is not inside one device allocation");
   }
-  internal::Enqueue(stream, [ptr, value, bytes] { std::memset(ptr, value, bytes); });
-  return cudaSuccess;
+  return internal::Enqueue(stream, [ptr, value, bytes] { std::memset(ptr, value, bytes); });
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
@@ -829,8 +931,124 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
     hook = s.sync_hook;
   }
   if (hook) hook();
+  if (cuda_emulation::InvalidateCapture(stream)) {
+    return cuda_emulation::Fail(cudaErrorStreamCaptureUnsupported,
+                                "cudaStreamSynchronize: the stream is capturing (the capture is invalidated)");
+  }
   internal::DrainStream(stream);
   RETURN_IF_STICKY();
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode) {
+  RETURN_IF_STICKY();
+  // The legacy default stream cannot be captured.
+  if (stream == nullptr) {
+    return cuda_emulation::Fail(cudaErrorStreamCaptureUnsupported, "cudaStreamBeginCapture: the legacy default stream");
+  }
+  if (mode != cudaStreamCaptureModeGlobal && mode != cudaStreamCaptureModeThreadLocal &&
+      mode != cudaStreamCaptureModeRelaxed) {
+    return cuda_emulation::Fail(cudaErrorInvalidValue, "cudaStreamBeginCapture: mode " + std::to_string(mode));
+  }
+  const bool invalidate_first = internal::TakeFault(cuda_emulation::Fault::kCaptureInvalidated);
+  {
+    std::lock_guard<std::mutex> lock(stream->mu);
+    if (stream->capture != nullptr) {
+      return cuda_emulation::Fail(cudaErrorIllegalState, "cudaStreamBeginCapture: the stream is already capturing");
+    }
+    stream->capture = std::make_unique<StreamCapture>();
+    stream->capture->mode = mode;
+    stream->capture->thread = std::this_thread::get_id();
+    stream->capture->invalidate_first = invalidate_first;
+  }
+  if (mode != cudaStreamCaptureModeRelaxed) cuda_emulation::capturing_here = stream;
+  if (mode == cudaStreamCaptureModeGlobal) cuda_emulation::global_captures++;
+  return cudaSuccess;
+}
+
+// Ends the capture whatever it returns; an invalidated capture makes no graph.
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
+  if (stream == nullptr || graph == nullptr) return last_error = cudaErrorInvalidValue;
+  *graph = nullptr;
+  std::unique_ptr<StreamCapture> capture;
+  {
+    std::lock_guard<std::mutex> lock(stream->mu);
+    if (stream->capture == nullptr) {
+      return cuda_emulation::Fail(cudaErrorIllegalState, "cudaStreamEndCapture: the stream is not capturing");
+    }
+    if (stream->capture->mode != cudaStreamCaptureModeRelaxed &&
+        stream->capture->thread != std::this_thread::get_id()) {
+      return cuda_emulation::Fail(cudaErrorStreamCaptureWrongThread,
+                                  "cudaStreamEndCapture: called on another thread than began the capture");
+    }
+    capture = std::move(stream->capture);
+  }
+  if (cuda_emulation::capturing_here == stream) cuda_emulation::capturing_here = nullptr;
+  if (capture->mode == cudaStreamCaptureModeGlobal) cuda_emulation::global_captures--;
+  if (capture->invalidated) {
+    return cuda_emulation::Fail(cudaErrorStreamCaptureInvalidated, "cudaStreamEndCapture: the capture was invalidated");
+  }
+  *graph = new CUgraph_st{std::move(capture->recorded)};
+  auto& s = cuda_emulation::GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.counters.graph_captures++;
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
+  if (status == nullptr) return last_error = cudaErrorInvalidValue;
+  *status = cudaStreamCaptureStatusNone;
+  if (stream == nullptr) return cudaSuccess;
+  std::lock_guard<std::mutex> lock(stream->mu);
+  if (stream->capture != nullptr) {
+    *status = stream->capture->invalidated ? cudaStreamCaptureStatusInvalidated : cudaStreamCaptureStatusActive;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags) {
+  RETURN_IF_STICKY();
+  if (exec == nullptr || graph == nullptr || flags != 0) return last_error = cudaErrorInvalidValue;
+  *exec = nullptr;
+  if (internal::TakeFault(cuda_emulation::Fault::kGraphInstantiate)) {
+    return cuda_emulation::Fail(cudaErrorInvalidValue, "cudaGraphInstantiate: injected failure");
+  }
+  *exec = new CUgraphExec_st{graph->ops};
+  auto& s = cuda_emulation::GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.counters.graph_instantiations++;
+  s.live_graph_execs++;
+  return cudaSuccess;
+}
+
+// Queues the graph's operations, in the order they were recorded, as one unit on `stream`.
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
+  RETURN_IF_STICKY();
+  if (exec == nullptr) return last_error = cudaErrorInvalidValue;
+  if (stream == nullptr) internal::CountLegacyStreamWork();
+  {
+    auto& s = cuda_emulation::GetState();
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.counters.graph_launches++;
+  }
+  std::vector<std::function<void()>> ops = exec->ops;
+  return internal::Enqueue(stream, [ops = std::move(ops)] {
+    for (const auto& op : ops) op();
+  });
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  if (exec == nullptr) return last_error = cudaErrorInvalidValue;
+  delete exec;
+  auto& s = cuda_emulation::GetState();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.live_graph_execs--;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  if (graph == nullptr) return last_error = cudaErrorInvalidValue;
+  delete graph;
   return cudaSuccess;
 }
 
@@ -863,6 +1081,11 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  if (cuda_emulation::IsCapturing(event->stream)) {
+    cuda_emulation::InvalidateCapture(event->stream);
+    return cuda_emulation::Fail(cudaErrorStreamCaptureUnsupported,
+                                "cudaEventSynchronize: the event's stream is capturing (the capture is invalidated)");
+  }
   internal::DrainStream(event->stream);
   RETURN_IF_STICKY();
   return cudaSuccess;

@@ -43,18 +43,22 @@ bool CheckLaunch(dim3 grid, dim3 block);
 void RunBlocks(dim3 grid, dim3 block, const std::function<void()>& body);
 
 namespace internal {
-void CountLegacyStreamWork();                                       // state.h
-void Enqueue(cudaStream_t stream, std::function<void()> work);  // state.h
+void CountLegacyStreamWork();                                          // state.h
+cudaError_t Enqueue(cudaStream_t stream, std::function<void()> work);  // state.h
+void SetLastError(cudaError_t error);                                  // state.h
 }  // namespace internal
 
 // kernel<<<grid, block, 0, stream>>>(args...) is Launch(kernel, grid, block, stream)(args...):
-// checked now, queued on the stream with its arguments copied, run at a synchronisation.
+// checked now, queued on the stream with its arguments copied (or recorded into the stream's
+// capture, arguments and all, as a graph's kernel node), run at a synchronisation.
 template <class... Params>
 auto Launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream) {
   if (stream == nullptr) internal::CountLegacyStreamWork();
   return [=](auto... args) {
     if (!CheckLaunch(grid, block)) return;
-    internal::Enqueue(stream, [=] { RunBlocks(grid, block, [&] { kernel(args...); }); });
+    // A capture that was invalidated records nothing: the launch reports it, as a device's does.
+    const cudaError_t e = internal::Enqueue(stream, [=] { RunBlocks(grid, block, [&] { kernel(args...); }); });
+    if (e != cudaSuccess) internal::SetLastError(e);
   };
 }
 

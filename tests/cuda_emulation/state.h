@@ -48,8 +48,10 @@ class DeviceAccess {
 // within its stream, at the next synchronisation that covers the stream: cudaStreamSynchronize
 // of it, cudaDeviceSynchronize, a synchronous copy or memset, cudaFree, cudaFreeHost, an
 // event recorded on it and waited for. Work of different streams runs in an order drawn anew
-// at each device-wide synchronisation.
-void Enqueue(cudaStream_t stream, std::function<void()> work);
+// at each device-wide synchronisation. While `stream` is capturing (cudaStreamBeginCapture) the
+// work is recorded into the capture instead; cudaErrorStreamCaptureInvalidated (nothing
+// recorded) when the capture was invalidated.
+cudaError_t Enqueue(cudaStream_t stream, std::function<void()> work);
 // Runs what `stream` has queued; every stream's, for a device-wide synchronisation.
 void DrainStream(cudaStream_t stream);
 void DrainAll();

@@ -11,7 +11,7 @@ Controlled by the environment:
   FAKE_TRACE   the trace file
   FAKE_FAIL    a comma list of what fails: build (the second build phase, after the targets the
                later steps need were made), tests, memcheck, racecheck, synccheck, bench-fp32,
-               bench-tf32, bench-gemm-attention
+               bench-tf32, bench-gemm-attention, bench-graphs
   FAKE_SLEEP   what sleeps how long before it answers, "build:30,bench-fp32:60"
   FAKE_GPU     0: nvidia-smi lists no GPU (the default: an NVIDIA H200, compute capability 9.0)
   FAKE_SANITIZER_REFUSES  1: compute-sanitizer refuses to run (its own error line, no test run)
@@ -156,7 +156,8 @@ def forward_bench():
     trace()
     math = arg("--gpu-math", "fp32")
     step = "bench-tf32" if "--tf32" in ARGS else "bench-bf16" if math == "bf16" else \
-        "bench-gemm-attention" if "--gemm-attention" in ARGS else "bench-fp32"
+        "bench-gemm-attention" if "--gemm-attention" in ARGS else "bench-graphs" if "--gpu-graphs" in ARGS \
+        else "bench-fp32"
     sleep_for(step)
     device = arg("--device", "cpu")
     ceiling = ("cublas-tf32 8192x8192x8192" if "--tf32" in ARGS else "cublas 8192x8192x8192") \

@@ -31,7 +31,7 @@ REAL = ["bash", "cat", "chmod", "cp", "date", "dirname", "du", "env", "grep", "g
         "nproc", "rm", "sed", "sleep", "tail", "tar", "tee", "timeout", "touch", "tr"]
 FAKES = ["nvidia-smi", "nvcc", "cmake", "c++", "ninja", "ctest", "compute-sanitizer"]
 STEPS = ["configure", "build", "tests", "memcheck", "racecheck", "synccheck", "bench-fp32", "bench-tf32",
-         "bench-bf16", "bench-gemm-attention",
+         "bench-bf16", "bench-gemm-attention", "bench-graphs",
          "torch-fp32", "torch-tf32", "torch-bf16", "table-fp32", "table-tf32", "table-bf16"]
 STEP_LINE = re.compile(r"^== \[(\d+)s\] ([a-z0-9-]+): (passed|FAILED|cut|not run|skipped)")
 
@@ -173,27 +173,33 @@ class GpuCheckTest(unittest.TestCase):
             self.assertTrue(call.endswith("ATTNSERVE_RANDOM_CASES=4"), call)
         # Both benchmarks on the device, every shape, FP32 then TF32.
         benches = run.calls("forward_bench")
-        self.assertEqual(len(benches), 4, run)
+        self.assertEqual(len(benches), 5, run)
         self.assertNotIn("--tf32", benches[0])
         self.assertIn("--tf32", benches[1])
         # The third: the weights and projections in BF16 (--gpu-math bf16), attention in FP32.
         self.assertIn("--gpu-math bf16", benches[2])
-        self.assertNotIn("--gpu-math", benches[0] + benches[1] + benches[3])
+        self.assertNotIn("--gpu-math", benches[0] + benches[1] + benches[3] + benches[4])
         # The fourth run: FP32 on the score GEMM, softmax and mix GEMM, beside the fused kernel.
         self.assertNotIn("--tf32", benches[3])
         self.assertIn("--gemm-attention", benches[3])
-        self.assertNotIn("--gemm-attention", benches[0] + benches[1] + benches[2])
+        self.assertNotIn("--gemm-attention", benches[0] + benches[1] + benches[2] + benches[4])
+        # The fifth: FP32 fused, the shapes of at most 1024 rows replaying CUDA graphs (the large
+        # one, which has none, left out).
+        self.assertIn("--gpu-graphs 1024", benches[4])
+        self.assertIn("--shapes bert-base,gpt2-medium,small-request ", benches[4])
+        self.assertNotIn("--gpu-graphs", benches[0] + benches[1] + benches[2] + benches[3])
         # The FP32 run sets the 4 MiB copy slices beside one copy each way, 1 and 4 packing threads.
         self.assertIn("--staging-slice-kib 4096,1048576 --staging-threads 1,4", benches[0])
         self.assertNotIn("--staging-slice-kib", benches[1])
         for call in benches:
             self.assertIn("--device cuda", call)
+        for call in benches[:4]:
             self.assertIn("--shapes bert-base,gpt2-medium,small-request,large", call)
         self.assertEqual({r["ceiling_source"] for r in run.json("cuda-tf32.json")}, {"cublas-tf32 8192x8192x8192"})
         self.check_torch_fp32_and_tf32(run)
         # The BF16 rows: our run against PyTorch's BF16 peer in a table of their own.
         self.assertFalse(run.line(r"TODO"), run)
-        for step in ("bench-bf16", "table-bf16", "bench-gemm-attention"):
+        for step in ("bench-bf16", "table-bf16", "bench-gemm-attention", "bench-graphs"):
             self.assertEqual(run.verdict(step), "passed", f"{step}\n{run}")
         self.assertFalse(run.line(r"bench-fused"), run)
         self.check_tarball(run)
@@ -275,8 +281,8 @@ class GpuCheckTest(unittest.TestCase):
             self.assertEqual(run.verdict(step), "passed", f"{step}\n{run}")
 
     def test_the_budget_is_honoured(self):
-        # 8 s for bench-fp32, bench-tf32, bench-bf16, bench-gemm-attention and the three tables
-        # (shares 1, 1, 1, 1, 0, 0, 0 of 7 s): the first
+        # 8 s for bench-fp32, bench-tf32, bench-bf16, bench-gemm-attention, bench-graphs and the
+        # three tables (shares 1, 1, 1, 1, 0, 0, 0, 0 of 7 s): the first
         # benchmark hangs and is cut when only the later steps' shares are left; those still run.
         # (The script counts whole seconds from its start; on a loaded machine starting takes one
         # or two, which the first step's limit gives up.)
@@ -284,10 +290,11 @@ class GpuCheckTest(unittest.TestCase):
                                            FAKE_SLEEP="bench-fp32:60")
         self.assertNotEqual(run.rc, 0, run)
         self.assertTrue(run.line(r"plan \(budget 8s, 7s shared\): bench-fp32 1s, bench-tf32 1s, bench-bf16 1s, "
-                                 r"bench-gemm-attention 1s, table-fp32 0s, table-tf32 0s, table-bf16 0s$"), run)
+                                 r"bench-gemm-attention 1s, bench-graphs 0s, table-fp32 0s, table-tf32 0s, "
+                                 r"table-bf16 0s$"), run)
         start, limit = map(int, re.search(r"\[(\d+)s\] bench-fp32: .*\(limit (\d+)s\)$", "\n".join(run.summary),
                                           re.M).groups())
-        # All but the shares of bench-tf32, bench-bf16 and bench-gemm-attention.
+        # All but the shares of bench-tf32, bench-bf16, bench-gemm-attention and bench-graphs.
         self.assertIn(limit, (8 - 3 - start, 8 - 3 - start + 1), run)
         self.assertTrue(run.line(rf"bench-fp32: cut at its limit of {limit}s \(exit 124\)"), run)
         self.assertEqual(run.verdict("bench-tf32"), "passed", run)

@@ -33,6 +33,7 @@ void ExpectSameOptions(const CudaBackendOptions& a, const CudaBackendOptions& b)
   EXPECT_EQ(a.staging_threads, b.staging_threads);
   EXPECT_EQ(a.summed_mix_first, b.summed_mix_first);
   EXPECT_EQ(a.gemm_attention, b.gemm_attention);
+  EXPECT_EQ(a.graph_rows, b.graph_rows);
   EXPECT_EQ(a.guard_zones, b.guard_zones);
 }
 
@@ -50,6 +51,7 @@ CudaBackendOptions RandomOptions(std::mt19937_64& rng) {
   o.staging_threads = static_cast<int>(rng() % 64) + 5;
   o.summed_mix_first = true;
   o.gemm_attention = true;
+  o.graph_rows = static_cast<int>(rng() % 1000) + 1;
   o.guard_zones = true;
   return o;
 }
@@ -69,7 +71,8 @@ TEST(CudaOptionsTest, EveryOptionSurvivesTheRoundTrip) {
     for (const auto& [key, value] : pairs) EXPECT_TRUE(keys.insert(key).second) << "key " << key << " twice";
     EXPECT_EQ(keys, (std::set<std::string>{"device", "math", "max_score_workspace_bytes", "max_device_bytes",
                                            "max_lane_workspace_bytes", "retain_workspace_bytes", "staging_slice_bytes",
-                                           "staging_threads", "summed_mix_first", "gemm_attention", "guard_zones"}));
+                                           "staging_threads", "summed_mix_first", "gemm_attention", "graph_rows",
+                                           "guard_zones"}));
     StatusOr<CudaBackendOptions> got = Decode(pairs);
     ASSERT_TRUE(got.ok()) << got.status().ToString();
     ExpectSameOptions(*got, sent);

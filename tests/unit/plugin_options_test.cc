@@ -28,6 +28,7 @@ TEST(PluginOptionsTest, EveryOptionCrossesAsKeyAndValue) {
                                    .staging_threads = 11,
                                    .summed_mix_first = true,
                                    .gemm_attention = true,
+                                   .graph_rows = 48,
                                    .guard_zones = true};
   StatusOr<std::unique_ptr<Backend>> echo = LoadCudaPlugin(ATTNSERVE_ECHO_PLUGIN, options);
   ASSERT_FALSE(echo.ok());
@@ -37,7 +38,7 @@ TEST(PluginOptionsTest, EveryOptionCrossesAsKeyAndValue) {
                 " version=" + std::to_string(ATTNSERVE_PLUGIN_OPTIONS_VERSION) +
                 " device=3 math=bf16 max_score_workspace_bytes=123456789 max_device_bytes=5368709120"
                 " max_lane_workspace_bytes=987654321 retain_workspace_bytes=7777 staging_slice_bytes=65536"
-                " staging_threads=11 summed_mix_first=true gemm_attention=true guard_zones=true");
+                " staging_threads=11 summed_mix_first=true gemm_attention=true graph_rows=48 guard_zones=true");
 }
 
 // The positional form the tests used before options crossed as data sends the same keys.
@@ -48,7 +49,7 @@ TEST(PluginOptionsTest, TheShortFormSendsTheDefaultsForTheRest) {
               AllOf(HasSubstr(" device=1 math=fp32 max_score_workspace_bytes=268435456 max_device_bytes=1048576 "
                               "max_lane_workspace_bytes=0 retain_workspace_bytes=268435456 "
                               "staging_slice_bytes=4194304 staging_threads=4 summed_mix_first=false "
-                              "gemm_attention=false guard_zones=false")));
+                              "gemm_attention=false graph_rows=0 guard_zones=false")));
 }
 
 // The CUDA plugin (over the emulated device) takes every option, and refuses a value out of its
@@ -63,6 +64,7 @@ TEST(PluginOptionsTest, TheCudaPluginTakesEveryOptionAndRefusesABadOne) {
                              .staging_threads = 2,
                              .summed_mix_first = true,
                              .gemm_attention = true,
+                             .graph_rows = 16,
                              .guard_zones = true};
   StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_GOOD_PLUGIN, options);
   ASSERT_TRUE(backend.ok()) << backend.status().ToString();

@@ -337,11 +337,12 @@ TEST(ServerOptionsTest, GpuSettingsFromFlagAndYaml) {
   EXPECT_EQ(d.staging_threads, 4);
   EXPECT_FALSE(d.summed_mix_first);
   EXPECT_FALSE(d.gemm_attention);
+  EXPECT_EQ(d.graph_rows, 0) << "graphs are off until measured on a device";
   EXPECT_FALSE(d.guard_zones);
 
   auto o = Parse({"--gpu-math", "tf32", "--gpu-staging-threads", "7", "--gpu-summed-mix-first",
                   "--gpu-max-score-workspace-mb", "33", "--gpu-max-lane-workspace-mb=65", "--gpu-retain-workspace-mb",
-                  "0", "--gpu-staging-slice-kb", "513", "--gpu-gemm-attention"});
+                  "0", "--gpu-staging-slice-kb", "513", "--gpu-gemm-attention", "--gpu-graphs", "24"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
   const CudaBackendOptions& c = o->backend.cuda;
   EXPECT_EQ(c.math, GpuMath::kTf32);
@@ -354,6 +355,7 @@ TEST(ServerOptionsTest, GpuSettingsFromFlagAndYaml) {
   EXPECT_EQ(c.staging_threads, 7);
   EXPECT_TRUE(c.summed_mix_first);
   EXPECT_TRUE(c.gemm_attention);
+  EXPECT_EQ(c.graph_rows, 24);
   EXPECT_EQ(c.max_score_workspace_bytes, int64_t{33} << 20);
   EXPECT_EQ(c.max_lane_workspace_bytes, int64_t{65} << 20);
   EXPECT_EQ(c.retain_workspace_bytes, 0);
@@ -425,7 +427,7 @@ TEST(ServerOptionsTest, TheGpuFlagsReachThePlugin) {
   auto o = Parse({"--device", "cuda:2", "--gpu-math", "tf32", "--gpu-staging-threads", "6", "--gpu-summed-mix-first",
                   "--max-device-memory-mb", "3000", "--gpu-max-lane-workspace-mb", "700",
                   "--gpu-max-score-workspace-mb", "64", "--gpu-retain-workspace-mb", "32", "--gpu-staging-slice-kb",
-                  "256", "--gpu-gemm-attention"});
+                  "256", "--gpu-gemm-attention", "--gpu-graphs", "32"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
   setenv("ATTNSERVE_CUDA_PLUGIN_PATH", ATTNSERVE_ECHO_PLUGIN, 1);
   StatusOr<ChosenBackend> chosen = ChooseBackend(o->backend);
@@ -434,7 +436,7 @@ TEST(ServerOptionsTest, TheGpuFlagsReachThePlugin) {
   EXPECT_THAT(chosen.status().message(),
               HasSubstr(" device=2 math=tf32 max_score_workspace_bytes=67108864 max_device_bytes=3145728000 "
                         "max_lane_workspace_bytes=734003200 retain_workspace_bytes=33554432 staging_slice_bytes=262144 "
-                        "staging_threads=6 summed_mix_first=true gemm_attention=true guard_zones=false"));
+                        "staging_threads=6 summed_mix_first=true gemm_attention=true graph_rows=32 guard_zones=false"));
 }
 
 }  // namespace

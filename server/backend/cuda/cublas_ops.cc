@@ -63,6 +63,24 @@ Status CublasOps::StartBatch(const void** device, int64_t slots) {
   return OkStatus();
 }
 
+std::vector<const void*> CublasOps::StagedPointers() const {
+  return std::vector<const void*>(pointers_host_.get(), pointers_host_.get() + pointers_used_);
+}
+
+Status CublasOps::CopyPointers(std::span<const void* const> pointers) {
+  const int64_t count = static_cast<int64_t>(pointers.size());
+  if (count == 0) return OkStatus();
+  if (count > pointer_slots_) {
+    return InternalError("batched GEMM pointers: " + std::to_string(count) + " past the batch's arena of " +
+                         std::to_string(pointer_slots_));
+  }
+  ATTNSERVE_RETURN_IF_ERROR(pointers_host_.Reserve(pointer_slots_));
+  std::copy(pointers.begin(), pointers.end(), pointers_host_.get());
+  CUDA_TRY(
+      cudaMemcpyAsync(pointers_device_, pointers_host_.get(), count * sizeof(void*), cudaMemcpyHostToDevice, stream_));
+  return OkStatus();
+}
+
 Status CublasOps::GemmPointerBatched(cublasOperation_t op_a, int64_t m, int64_t n, int64_t k, float alpha,
                                      std::span<const float* const> a, int64_t lda, std::span<const float* const> b,
                                      int64_t ldb, std::span<float* const> c, int64_t ldc) {
@@ -77,7 +95,9 @@ Status CublasOps::GemmPointerBatched(cublasOperation_t op_a, int64_t m, int64_t 
   std::copy(a.begin(), a.end(), host);
   std::copy(b.begin(), b.end(), host + count);
   std::copy(c.begin(), c.end(), host + 2 * count);
-  CUDA_TRY(cudaMemcpyAsync(device, host, 3 * count * sizeof(void*), cudaMemcpyHostToDevice, stream_));
+  if (!defer_copies_) {
+    CUDA_TRY(cudaMemcpyAsync(device, host, 3 * count * sizeof(void*), cudaMemcpyHostToDevice, stream_));
+  }
   const float beta = 0.0f;
   CUBLAS_TRY(cublasGemmBatchedEx(handle_, op_a, CUBLAS_OP_N, static_cast<int>(m), static_cast<int>(n),
                                  static_cast<int>(k), &alpha, device, CUDA_R_32F, static_cast<int>(lda), device + count,

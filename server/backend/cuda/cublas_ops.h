@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "server/backend/cuda/cuda_backend.h"
 #include "server/backend/cuda/staging.h"
@@ -70,6 +71,15 @@ class CublasOps {
                             std::span<const float* const> a, int64_t lda, std::span<const float* const> b, int64_t ldb,
                             std::span<float* const> c, int64_t ldc);
 
+  // While deferred (a batch captured into a CUDA graph), GemmPointerBatched stages its arrays in
+  // the pinned arena but copies nothing: a graph's copy from pinned memory would read the arena
+  // when the graph runs, after later batches rewrote it. StagedPointers is what the batch staged;
+  // CopyPointers queues one copy of such contents into the batch's device arena (before the
+  // graph's launch, every time).
+  void DeferPointerCopies(bool defer) { defer_copies_ = defer; }
+  std::vector<const void*> StagedPointers() const;
+  Status CopyPointers(std::span<const void* const> pointers);
+
   // The pinned pointer staging kept between batches, and its release (the stream idle).
   int64_t PinnedBytes() const { return pointers_host_.bytes(); }
   void ReleasePinned() { pointers_host_.Release(); }
@@ -84,6 +94,7 @@ class CublasOps {
   // This batch's pointer arena (StartBatch): device slots, how many, how many used so far.
   const void** pointers_device_ = nullptr;
   int64_t pointer_slots_ = 0, pointers_used_ = 0;
+  bool defer_copies_ = false;
   PinnedArray<const void*> pointers_host_;  // the pointer arrays of batched GEMMs, staged
 };
 

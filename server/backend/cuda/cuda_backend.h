@@ -89,6 +89,14 @@ struct CudaBackendOptions {
   // strides (the factored form, the low-rank form at one rank, the summed form mixing first at
   // d_model ≤ 128); the others take this path anyway.
   bool gemm_attention = false;
+  // Batches of at most this many rows (query rows plus separately staged context rows) run as
+  // CUDA graphs: the first batch of a signature (the form, each sequence's shape, mask and
+  // positions, the workspace's layout) is captured and instantiated, the later ones of that
+  // signature replay it in one launch instead of tens of kernel and GEMM launches; a lane keeps
+  // kGraphsPerLane of them. 0: off. Off until measured on a device: what a replay saves is
+  // launch overhead on the host, which matters only where a batch's kernels are shorter than
+  // their launches (docs/architecture.md, "CUDA graphs").
+  int graph_rows = 0;
   // Guard zones after every piece of a lane's workspace, filled with a pattern before a batch
   // and checked after it (a write past its piece fails the batch with INTERNAL naming the
   // piece): for the tests, which run the backend suite so; a device read-back per batch else.

@@ -81,6 +81,7 @@ Lane::Lane(CudaBackendOptions options, std::shared_ptr<DeviceBudget> budget, std
 // On the lane's device; the events and the handle before the stream they were used on.
 Lane::~Lane() {
   cudaSetDevice(options_.device);
+  graphs_.Clear();
   staging_.DestroyEvents();
   gemms_.Destroy();
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -130,6 +131,7 @@ cudaError_t Lane::Drain() {
 
 void Lane::ReleaseWorkspace() {
   cudaSetDevice(options_.device);
+  graphs_.Clear();  // their pointers lie in the workspace
   workspace_.Release();
 }
 
@@ -138,7 +140,18 @@ Status Lane::RunBatch(const CudaResidentForm& r, std::span<const Sequence> batch
   const DeviceWeights w = r.Weights();
   batch_bytes_ = 0;
   resident_ = &r;
-  const Status st = RunWithinBound(r.weights(), w, batch);
+  capture_failed_ = graphs_refused_ = false;
+  Status st = RunWithinBound(r.weights(), w, batch);
+  AbandonCapture();  // a batch that failed while capturing leaves the capture open
+  if (capture_failed_) {
+    // What the capture took was recorded, not run: the batch again, without a graph. A device
+    // fault fails this run too; a failure of the graph alone does not fail the batch.
+    cudaGetLastError();
+    graphs_refused_ = true;
+    st = RunWithinBound(r.weights(), w, batch);
+    graphs_refused_ = false;
+  }
+  graph_mode_ = GraphMode::kOff;
   resident_ = nullptr;
   TrimAfterBatch();
   return st;
@@ -170,6 +183,7 @@ void Lane::TrimAfterBatch() {
   if (in_a_run) return;
   if (static_cast<int64_t>(workspace_.capacity() * sizeof(float)) > keep) {
     cudaStreamSynchronize(stream_);
+    graphs_.Clear();
     workspace_.Release();
   }
   if (PinnedBytes() > keep) {
@@ -274,7 +288,8 @@ Status Lane::Prepare(const FormWeights& f, const BatchPlan& plan, std::span<cons
   ATTNSERVE_RETURN_IF_ERROR(gemms_.StartBatch(reinterpret_cast<const void**>(piece[kPointers]), batch_.pointer_slots));
 
   ATTNSERVE_RETURN_IF_ERROR(staging_.StageInputs(batch, all_self, d, piece[kInputs]));
-  if (HalfWeights(options_.math)) {
+  BeginGraph(f, plan, batch);  // the device work from here to Finish: captured, or replayed there
+  if (HalfWeights(options_.math) && !replaying()) {
     // Every product by W_in reads these rows: converted once, behind their copies on the stream.
     CUDA_TRY(cuda::ConvertToHalf(piece[kInputs], tx + c_rows, d, d, reinterpret_cast<uint16_t*>(piece[kHalfInputs]),
                                  d, HalfFormatOf(options_.math), stream_));
@@ -299,6 +314,7 @@ Status Lane::Prepare(const FormWeights& f, const BatchPlan& plan, std::span<cons
 // Every output is in y (ForwardBuffers::outputs are its rows, ld = d): brought back through
 // pinned memory (Staging::ReturnOutputs). Then the guard zones and the batch's split.
 Status Lane::Finish(const BatchPlan& plan, std::span<const Sequence> batch, const ForwardBuffers& b, bool) {
+  ATTNSERVE_RETURN_IF_ERROR(LaunchGraph());
   ATTNSERVE_RETURN_IF_ERROR(staging_.ReturnOutputs(plan, batch, b.y.data, b.y.cols));
   ATTNSERVE_RETURN_IF_ERROR(guards_.Check());
   ATTNSERVE_ASSIGN_OR_RETURN(last_times_, staging_.ReadTimes());

@@ -21,6 +21,7 @@
 #include "server/backend/cuda/cublas_ops.h"
 #include "server/backend/cuda/cuda_backend.h"
 #include "server/backend/cuda/device_memory.h"
+#include "server/backend/cuda/graph_cache.h"
 #include "server/backend/cuda/kernels.h"
 #include "server/backend/cuda/staging.h"
 #include "server/backend/cuda/workspace_plan.h"
@@ -41,7 +42,13 @@ inline HalfFormat HalfFormatOf(GpuMath math) { return math == GpuMath::kBf16 ? H
 class CudaResidentForm final : public ResidentForm {
  public:
   CudaResidentForm(std::shared_ptr<const FormWeights> w, const std::shared_ptr<DeviceBudget>& budget, GpuMath math)
-      : w_in(budget), b_in(budget), w_out(budget), b_out(budget), math(math), host_(std::move(w)) {}
+      : w_in(budget),
+        b_in(budget),
+        w_out(budget),
+        b_out(budget),
+        math(math),
+        serial(NextSerial()),
+        host_(std::move(w)) {}
   const FormWeights& weights() const override { return *host_; }
 
   // Returns once the weights are on the device: the host copies may go after that.
@@ -57,10 +64,26 @@ class CudaResidentForm final : public ResidentForm {
 
   DeviceArray w_in, b_in, w_out, b_out;
   const GpuMath math;
+  // This form's number among every form made in the process: what a lane's CUDA graphs name it
+  // by (an address may be reused by a later form, with other weights).
+  const uint64_t serial;
 
  private:
+  static uint64_t NextSerial();
   std::shared_ptr<const FormWeights> host_;
 };
+
+// What a lane's CUDA graphs did (CudaBackendOptions::graph_rows): batches captured into a graph,
+// batches that replayed one, and captures that failed (each batch of those ran again without).
+struct GraphCounts {
+  int64_t captures = 0, replays = 0, failures = 0;
+};
+// The graphs a lane keeps: a few shapes repeat in small-batch serving; more would hold device
+// memory (each instantiation's own) for shapes that do not.
+inline constexpr size_t kGraphsPerLane = 8;
+// A lane whose captures failed this many times captures no more: where the device or driver
+// refuses graphs, each small batch would otherwise pay a capture on top of its run.
+inline constexpr int64_t kGraphFailuresPerLane = 4;
 
 // One batch's workspace as Prepare laid it out: where each piece is, the bound its blocks of
 // query rows were cut to, and what it holds in all.
@@ -111,6 +134,8 @@ class Lane final : public DeviceOps {
   // The split of this lane's last finished batch (its last part, when it ran in parts).
   const DeviceTimes& last_times() const { return last_times_; }
 
+  const GraphCounts& graph_counts() const { return graph_counts_; }
+
   // Host memory this lane keeps between batches: its pinned staging buffers.
   int64_t PinnedBytes() const { return staging_.PinnedBytes() + gemms_.PinnedBytes(); }
 
@@ -154,6 +179,18 @@ class Lane final : public DeviceOps {
   // once), or x converted into the 16-bit operand piece on the stream.
   StatusOr<HalfBlock> HalfOperand(ConstMatrixView x);
 
+  // CUDA graphs (lane_graphs.cc): after the inputs are staged, a batch within graph_rows either
+  // replays the graph of its signature (the compute calls then issue nothing) or is captured;
+  // before its outputs come back, the graph is launched. A capture that fails leaves the
+  // batch to run again without one (RunBatch).
+  std::vector<int64_t> GraphKey(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch) const;
+  void BeginGraph(const FormWeights& f, const BatchPlan& plan, std::span<const Sequence> batch);
+  Status LaunchGraph();
+  // Ends a capture the batch left open (it failed midway): the graph is dropped.
+  void AbandonCapture();
+  void GraphFailed(const char* step, cudaError_t error);
+  bool replaying() const { return graph_mode_ == GraphMode::kReplaying; }
+
   CudaBackendOptions options_;
   std::shared_ptr<DeviceBudget> budget_;
   std::function<void()> reclaim_;
@@ -170,6 +207,17 @@ class Lane final : public DeviceOps {
   // whether the batch before it needed more than retain_workspace_bytes (TrimAfterBatch).
   int64_t batch_bytes_ = 0;
   bool oversized_before_ = false;
+  // CUDA graphs: this batch's mode and signature, the graphs kept (cleared when the workspace
+  // their pointers lie in goes), the workspace they were captured in, and a batch running again
+  // after its capture failed.
+  enum class GraphMode { kOff, kCapturing, kReplaying };
+  GraphMode graph_mode_ = GraphMode::kOff;
+  std::vector<int64_t> graph_key_;
+  GraphCache graphs_{kGraphsPerLane};
+  const float* graph_workspace_ = nullptr;
+  size_t graph_workspace_capacity_ = 0;
+  bool capture_failed_ = false, graphs_refused_ = false;
+  GraphCounts graph_counts_;
 };
 
 }  // namespace attnserve::cuda

@@ -129,6 +129,7 @@ Status Lane::GroupMix(const AttentionJob& job, std::span<const AttentionRange* c
 }
 
 Status Lane::Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, MatrixView y, bool accumulate) {
+  if (replaying()) return OkStatus();  // the batch's graph does it (LaunchGraph)
   ATTNSERVE_RETURN_IF_ERROR(gemms_.Gemm(Block(x), Block(w), Block(y), 1.0f, accumulate ? 1.0f : 0.0f));
   if (bias != nullptr) CUDA_TRY(cuda::AddRowBias(y.data, y.rows, y.cols, y.ld, bias, stream_));
   return OkStatus();
@@ -138,6 +139,7 @@ Status Lane::Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, Matri
 // activations as a 16-bit input (HalfOperand), one cublasGemmEx accumulating in float32 into
 // float32 y, then the float32 bias.
 Status Lane::GemmWeights(ConstMatrixView x, const WeightBlock& w, const float* bias, MatrixView y, bool accumulate) {
+  if (replaying()) return OkStatus();  // the batch's graph does it (LaunchGraph)
   if (!HalfWeights(options_.math)) return Gemm(x, w.view, bias, y, accumulate);
   if (resident_ == nullptr) return InternalError("GemmWeights: no form is running on this lane");
   ATTNSERVE_ASSIGN_OR_RETURN(const HalfBlock w16, resident_->HalfBlockOf(w));
@@ -167,6 +169,7 @@ StatusOr<HalfBlock> Lane::HalfOperand(ConstMatrixView x) {
 // One launch per kRopeMaxRuns sequences (a run that does not follow on from the one before
 // starts a launch of its own).
 Status Lane::Rope(MatrixView m, int64_t heads, int64_t d_head, double theta, std::span<const RopeRun> runs) {
+  if (replaying()) return OkStatus();  // the batch's graph does it (LaunchGraph)
   cuda::RopeRuns launch;
   const auto flush = [&]() -> Status {
     if (launch.count > 0) CUDA_TRY(cuda::ApplyRope(m.data, heads, d_head, m.ld, theta, launch, stream_));
@@ -230,6 +233,7 @@ Status Lane::FusedAttend(const AttentionJob& job, const FusedShape& shape) {
 // else per range, blocks of query rows: every head's scores and softmax in the score piece,
 // then the mix into the block's rows of out.
 Status Lane::Attend(const AttentionJob& job) {
+  if (replaying()) return OkStatus();  // the batch's graph does it (LaunchGraph)
   const LayerConfig& c = job.form->config;
   if (!options_.gemm_attention) {
     const FusedShape shape = FusedShapeOf(*job.form, job.values);
@@ -257,6 +261,7 @@ Status Lane::Attend(const AttentionJob& job) {
 // A_cat (a second score piece), and the head sum as one GEMM into the block's rows of out;
 // then the bias.
 Status Lane::SumHeadsProjectingFirst(const FormWeights& f, std::span<const AttentionRange> ranges, const float* bias) {
+  if (replaying()) return OkStatus();  // the batch's graph does it (LaunchGraph)
   const LayerConfig& c = f.config;
   for (const RangeGroup& g : Groups(f, ranges)) {
     if (g.ranges.size() > 1) {

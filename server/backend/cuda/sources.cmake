@@ -6,6 +6,8 @@ set(ATTNSERVE_CUDA_BACKEND_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/device_memory.cc
   ${CMAKE_CURRENT_LIST_DIR}/staging.cc
   ${CMAKE_CURRENT_LIST_DIR}/cublas_ops.cc
+  ${CMAKE_CURRENT_LIST_DIR}/graph_cache.cc
   ${CMAKE_CURRENT_LIST_DIR}/lane.cc
   ${CMAKE_CURRENT_LIST_DIR}/lane_attention.cc
+  ${CMAKE_CURRENT_LIST_DIR}/lane_graphs.cc
   ${CMAKE_CURRENT_LIST_DIR}/cuda_backend.cc)

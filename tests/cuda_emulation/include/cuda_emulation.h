@@ -39,6 +39,12 @@ struct Counters {
   // cublasCreate calls that made a handle (with its own workspace on a device, made lazily):
   // what a warmed backend's first request must not do.
   int64_t blas_handles_created = 0;
+  // Stream capture: captures ended into a graph (cudaStreamEndCapture that succeeded), graphs
+  // instantiated, and graph launches (each queues every recorded operation at once; the
+  // kernels and GEMMs it replays are not counted again in kernel_launches or gemm_calls).
+  int64_t graph_captures = 0;
+  int64_t graph_instantiations = 0;
+  int64_t graph_launches = 0;
 };
 Counters ReadCounters();
 void ResetCounters();
@@ -47,6 +53,9 @@ void ResetCounters();
 int64_t LiveDeviceAllocations();
 // Their size in bytes: what the process holds on the device now (weights and workspaces).
 int64_t LiveDeviceBytes();
+
+// Instantiated graphs (cudaGraphInstantiate) not yet destroyed (cudaGraphExecDestroy).
+int64_t LiveGraphExecs();
 
 // The emulated device's memory, which cudaMemGetInfo reports and cudaMalloc does not pass
 // (cudaErrorMemoryAllocation beyond it): 80 GiB until set; Reset() does not change it.
@@ -68,7 +77,10 @@ void SetDeviceCount(int count);
 // the next cuBLAS GEMM with CUBLAS_STATUS_INVALID_VALUE, kLaunchInvalid the next kernel launch
 // with cudaErrorInvalidConfiguration (left for cudaGetLastError, nothing queued), kGemmAllocFailed
 // the next GEMM with CUBLAS_STATUS_ALLOC_FAILED (cuBLAS could not get its own workspace),
-// kPinnedOutOfMemory the next cudaMallocHost with cudaErrorMemoryAllocation.
+// kPinnedOutOfMemory the next cudaMallocHost with cudaErrorMemoryAllocation, kGraphInstantiate
+// the next cudaGraphInstantiate with cudaErrorInvalidValue, kCaptureInvalidated the next capture
+// (cudaStreamBeginCapture succeeds; its first recorded operation invalidates it, as an
+// operation the capture cannot record would).
 // `times` > 1: the next `times` operations of the kind fail.
 enum class Fault {
   kKernel,
@@ -78,9 +90,11 @@ enum class Fault {
   kGemmInvalid,
   kLaunchInvalid,
   kGemmAllocFailed,
-  kPinnedOutOfMemory
+  kPinnedOutOfMemory,
+  kGraphInstantiate,
+  kCaptureInvalidated
 };
-inline constexpr int kFaultKinds = 8;
+inline constexpr int kFaultKinds = 10;
 void InjectFault(Fault fault, int times = 1);
 // The error an injected kKernel, kGemm or kCopy fault raises (a cudaError_t; 0: each its own,
 // cudaErrorLaunchFailure or cudaErrorIllegalAddress), so that a test can raise each sticky error

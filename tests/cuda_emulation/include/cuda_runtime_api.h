@@ -17,6 +17,12 @@ enum cudaError_t {
   cudaErrorNoDevice = 100,
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
+  cudaErrorIllegalState = 401,
+  // Stream capture (cudaStreamBeginCapture): an operation a capture cannot record, a capture an
+  // earlier error spoiled, a capture ended on another thread than began it.
+  cudaErrorStreamCaptureUnsupported = 900,
+  cudaErrorStreamCaptureInvalidated = 901,
+  cudaErrorStreamCaptureWrongThread = 908,
   cudaErrorIllegalAddress = 700,
   cudaErrorLaunchFailure = 719,
   // Sticky errors the emulation never raises itself; the backend names them (IsStickyError).
@@ -49,6 +55,10 @@ struct CUstream_st;
 struct CUevent_st;
 using cudaStream_t = CUstream_st*;
 using cudaEvent_t = CUevent_st*;
+struct CUgraph_st;
+struct CUgraphExec_st;
+using cudaGraph_t = CUgraph_st*;
+using cudaGraphExec_t = CUgraphExec_st*;
 
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
@@ -83,6 +93,33 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream);
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned flags);
 cudaError_t cudaStreamDestroy(cudaStream_t stream);
 cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+
+// Stream capture: from cudaStreamBeginCapture to cudaStreamEndCapture the work issued on the
+// stream is recorded into a graph instead of queued (nothing runs); cudaGraphLaunch of the
+// graph's instantiation queues it all, in the recorded order, on a stream. During a capture
+// the stream may not be synchronised (cudaErrorStreamCaptureUnsupported, which also
+// invalidates the capture: every later call on the stream, and cudaStreamEndCapture, report
+// cudaErrorStreamCaptureInvalidated), and in cudaStreamCaptureModeGlobal and ThreadLocal the
+// capturing thread may not make the calls that are unsafe during a capture (cudaMalloc,
+// cudaMallocHost, cudaFree, cudaFreeHost, synchronous copies and memsets, cudaDeviceSynchronize):
+// those fail the same way. README.md has the emulation's rules.
+enum cudaStreamCaptureMode {
+  cudaStreamCaptureModeGlobal = 0,
+  cudaStreamCaptureModeThreadLocal = 1,
+  cudaStreamCaptureModeRelaxed = 2,
+};
+enum cudaStreamCaptureStatus {
+  cudaStreamCaptureStatusNone = 0,
+  cudaStreamCaptureStatusActive = 1,
+  cudaStreamCaptureStatusInvalidated = 2,
+};
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph);
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags = 0);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
+cudaError_t cudaGraphDestroy(cudaGraph_t graph);
 
 constexpr unsigned cudaEventDisableTiming = 0x02;
 
