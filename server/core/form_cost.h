@@ -59,7 +59,7 @@ inline constexpr double kTermsWeight = 0.25;  // 1 / (2 octaves)²
 // Seconds per unit of each term, for one form on one backend. Every coefficient >= 0.
 struct FormCostCoefficients {
   std::array<double, CostTerms::kCount> per_term{};
-  std::vector<CostResidual> residuals;  // empty: the terms alone
+  std::vector<CostResidual> residuals = {};  // empty: the terms alone
   // The terms' prediction.
   double Predict(const CostTerms& t) const;
   // The same, times ResidualFactor at `batch`'s point.

@@ -41,7 +41,7 @@ struct AutoFormOptions {
   // Runs a layer's fit off the calling thread (the server's background worker); false when it
   // cannot take it now (a later request schedules it again). Null: Choose fits on its caller's
   // thread, waiting up to the budget (the tests' and the sweep's way).
-  std::function<bool(std::function<void()>)> schedule;
+  std::function<bool(std::function<void()>)> schedule = nullptr;
   // The budget a fit reserves its synthetic inputs and its largest forward's scratch from
   // (not owned). Refused: the flop count goes on deciding, and the fit is tried again after
   // kRefitAfterRefusal. Null: nothing is reserved.

@@ -291,10 +291,10 @@ class MeteredBackend final : public Backend {
 
  private:
   CpuBackend cpu_{CpuBackendOptions{.threads = 1}};
-  double long_context_penalty_ = 0, cold_penalty_ = 0;
   const ResidentForm* last_form_ = nullptr;
   std::vector<SequenceShape> last_shapes_;
   const SummedOrder order_;
+  const double long_context_penalty_, cold_penalty_;
   double elapsed_ = 0;
 };
 
