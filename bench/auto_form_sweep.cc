@@ -7,7 +7,7 @@
 // the model would pick right without its residuals (the terms alone, CostResidual).
 //
 //   auto_form_sweep [--layers 384x12,768x12] [--n 1,4,16,64,256] [--m 16,64,256,1024,4096]
-//                   [--reps 7] [--max-reps 40] [--min-ms 150] [--calibration-ms 1000] [--noise 0.03]
+//                   [--reps 7] [--max-reps 200] [--min-ms 500] [--calibration-ms 1000] [--noise 0.03]
 //                   [--threads 0]
 //
 // --layers D x H: d_model and heads (d_head = D / H, no GQA, with biases). Each variant's time is
@@ -70,8 +70,10 @@ struct Args {
   std::vector<std::pair<int64_t, int64_t>> layers = {{384, 12}, {768, 12}};
   std::vector<int64_t> n = {1, 4, 16, 64, 256}, m = {16, 64, 256, 1024, 4096};
   int reps = 7;
-  int max_reps = 40;    // rounds a short cell may run, until each form has run min_ms
-  double min_ms = 150;
+  // Rounds a short cell may run, until each form has run min_ms: with 40 and 150 ms, a 0.2–1 ms
+  // cell's best of 40 on two threads still came out 8–25 % apart for the same forward.
+  int max_reps = 200;
+  double min_ms = 500;
   int calibration_ms = 1000;
   double noise = 0.03;
   int threads = 0;
