@@ -219,26 +219,30 @@ TEST(CalibratedRankTest, ActivationAwareTruncationIsOptimalOnTheCalibrationRowsA
 // head 1's last two directions alone. Each head within EPS of its own output is far more than
 // EPS of that small sum: the target must shrink until the layer's divergence is within EPS.
 TEST(CalibratedRankTest, HeadsThatCancelStillKeepTheLayerUnderEps) {
-  const LayerConfig c = *CompleteConfig({.d_model = 48, .heads = 2, .kv_heads = 1, .d_head = 16, .bias = false});
-  LayerWeights w = RandomLayerWeights(c, testing::TestSeed() + 8);
-  for (int64_t r = 0; r < 48; ++r)
-    for (int64_t t = 0; t < 16; ++t) w.w_q[r * 32 + 16 + t] = w.w_q[r * 32 + t];
-  const MatrixD v = Eigen::JacobiSVD<MatrixD>(DirectOv(w, 0), Eigen::ComputeThinV).matrixV().leftCols(14);
-  MatrixD w_o1(16, 48);
-  for (int64_t t = 0; t < 16; ++t)
-    for (int64_t col = 0; col < 48; ++col) w_o1(t, col) = w.w_o[t * 48 + col];
-  const MatrixD w_o2 = -w_o1 * v * v.transpose();
-  for (int64_t t = 0; t < 16; ++t)
-    for (int64_t col = 0; col < 48; ++col) w.w_o[(16 + t) * 48 + col] = static_cast<float>(w_o2(t, col));
-  CalibrationSet set{.rows = 256, .d_model = 48, .x = AnisotropicRows(256, 48, testing::TestSeed() + 10)};
-  constexpr double kEps = 0.1;
-  auto built = MaterializeCalibratedLowRank(w, set, kEps);
-  ASSERT_TRUE(built.ok()) << built.status().ToString();
-  const Divergences oracle = OracleDivergences(w, built->form, set);
-  EXPECT_LE(oracle.layer, kEps);
-  EXPECT_NEAR(built->divergence, oracle.layer, 1e-5 + 1e-4 * oracle.layer);
-  // The per-head target went far below EPS to get there.
-  EXPECT_LT(built->head_divergence[0], 0.5 * kEps);
+  // Three draws: in a few % of them head 1 at EPS already keeps what the sum is made of (the
+  // activation-aware directions are not W_M_1's own), and nothing needs to shrink; three such
+  // draws in a row would leave a search that never shrinks unseen (1 in 50 000).
+  for (const uint64_t draw : {0u, 100u, 200u}) {
+    SCOPED_TRACE("draw " + std::to_string(draw));
+    const LayerConfig c = *CompleteConfig({.d_model = 48, .heads = 2, .kv_heads = 1, .d_head = 16, .bias = false});
+    LayerWeights w = RandomLayerWeights(c, testing::TestSeed() + 8 + draw);
+    for (int64_t r = 0; r < 48; ++r)
+      for (int64_t t = 0; t < 16; ++t) w.w_q[r * 32 + 16 + t] = w.w_q[r * 32 + t];
+    const MatrixD v = Eigen::JacobiSVD<MatrixD>(DirectOv(w, 0), Eigen::ComputeThinV).matrixV().leftCols(14);
+    MatrixD w_o1(16, 48);
+    for (int64_t t = 0; t < 16; ++t)
+      for (int64_t col = 0; col < 48; ++col) w_o1(t, col) = w.w_o[t * 48 + col];
+    const MatrixD w_o2 = -w_o1 * v * v.transpose();
+    for (int64_t t = 0; t < 16; ++t)
+      for (int64_t col = 0; col < 48; ++col) w.w_o[(16 + t) * 48 + col] = static_cast<float>(w_o2(t, col));
+    CalibrationSet set{.rows = 256, .d_model = 48, .x = AnisotropicRows(256, 48, testing::TestSeed() + 10 + draw)};
+    constexpr double kEps = 0.1;
+    auto built = MaterializeCalibratedLowRank(w, set, kEps);
+    ASSERT_TRUE(built.ok()) << built.status().ToString();
+    const Divergences oracle = OracleDivergences(w, built->form, set);
+    EXPECT_LE(oracle.layer, kEps);
+    EXPECT_NEAR(built->divergence, oracle.layer, 1e-5 + 1e-4 * oracle.layer);
+  }
 }
 
 TEST(CalibratedRankTest, ATinyEpsKeepsEveryDirectionExactly) {

@@ -188,6 +188,17 @@ TEST(PanelGemmTest, Bfloat16PanelsMatchFloat64OnTheRoundedWeights) {
 TEST(PanelGemmTest, Bfloat16PairsMatchFloat64OnTheRoundedInputsAndWeights) {
   if (!Bf16DotAvailable()) GTEST_SKIP() << "no AVX512_BF16 here: packed-bf16-dot is refused at start";
   PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision::kBfloat16Pairs);
+  // More rows than the kernel converts at a time (192), with a bias: every chunk lands in its rows.
+  std::mt19937_64 rng(testing::TestSeed() + 5);
+  const std::vector<float> bias = testing::RandomVector(rng, 70);
+  const Product chunked = [&](ConstMatrixView x, ConstMatrixView w, MatrixView y) {
+    const PackedWeights pw = PackPanels(w, PanelWidth(), PanelPrecision::kBfloat16Pairs);
+    PanelGemm(x, *pw.Block(0, 0, w.rows, w.cols), y, false, bias.data());
+  };
+  for (int64_t rows : {192, 193, 400}) {
+    ASSERT_TRUE(ProductMatchesFloat64(rng, rows, 33, 70, /*transpose_w=*/false, 1.0f, chunked, false, bias, AsBfloat16,
+                                      AsBfloat16));
+  }
   // A block on an odd row is no whole pair: the backend multiplies it row-major instead.
   std::vector<float> w(8 * 70, 0.5f);
   const PackedWeights pairs = PackPanels(ConstMatrixView(w.data(), 8, 70), PanelWidth(), PanelPrecision::kBfloat16Pairs);

@@ -80,24 +80,32 @@ void Panel(const uint32_t* xp, int64_t pairs, int64_t rows, const uint16_t* w, M
   }
 }
 
+// Rows of x converted at a time: the pairs buffer stays at most kRowChunk · pairs words (768 KiB
+// at d_model 2048) whatever the batch (a long sequence's projection has thousands of rows), and
+// each panel is still streamed once for 192 rows.
+constexpr int64_t kRowChunk = 32 * kBlockRows;
+
 void GemmBf16Dot(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accumulate, const float* bias) {
   const PackedWeights& packed = *w.weights;
   const int64_t pairs = (w.rows + 1) / 2;
-  // x's rows as pairs, once per call: every panel reads them. The last pair of an odd block
+  // x's rows as pairs, a chunk at a time: every panel reads them. The last pair of an odd block
   // reads the next row's weights against a zero here, so a block may end mid-pair.
   thread_local std::vector<uint32_t> xp;
-  xp.resize(static_cast<size_t>(x.rows * pairs));
-  for (int64_t r = 0; r < x.rows; ++r) RowAsPairs(x.row(r), w.rows, xp.data() + r * pairs);
-  for (int64_t c = 0; c < w.cols; c += packed.width) {
-    const int cols = static_cast<int>(std::min<int64_t>(packed.width, w.cols - c));
-    const int64_t panel = (w.col0 + c) / packed.width;
-    const uint16_t* panel_w = packed.panels_bf16.data() + packed.PanelOffset(panel, w.row0);
-    const float* panel_bias = bias != nullptr ? bias + c : nullptr;
-    const MatrixView block = y.ColBlock(c, cols);
-    if (accumulate) {
-      Panel<true>(xp.data(), pairs, x.rows, panel_w, block, nullptr, cols);
-    } else {
-      Panel<false>(xp.data(), pairs, x.rows, panel_w, block, panel_bias, cols);
+  xp.resize(static_cast<size_t>(std::min(x.rows, kRowChunk) * pairs));
+  for (int64_t r0 = 0; r0 < x.rows; r0 += kRowChunk) {
+    const int64_t rows = std::min(kRowChunk, x.rows - r0);
+    for (int64_t r = 0; r < rows; ++r) RowAsPairs(x.row(r0 + r), w.rows, xp.data() + r * pairs);
+    for (int64_t c = 0; c < w.cols; c += packed.width) {
+      const int cols = static_cast<int>(std::min<int64_t>(packed.width, w.cols - c));
+      const int64_t panel = (w.col0 + c) / packed.width;
+      const uint16_t* panel_w = packed.panels_bf16.data() + packed.PanelOffset(panel, w.row0);
+      const float* panel_bias = bias != nullptr ? bias + c : nullptr;
+      const MatrixView block = y.RowBlock(r0, rows).ColBlock(c, cols);
+      if (accumulate) {
+        Panel<true>(xp.data(), pairs, rows, panel_w, block, nullptr, cols);
+      } else {
+        Panel<false>(xp.data(), pairs, rows, panel_w, block, panel_bias, cols);
+      }
     }
   }
 }

@@ -9,7 +9,8 @@
 // products are exact in float32 (8-bit by 8-bit mantissas), the sums float32: the answer is the
 // float32 product of x and w rounded to bfloat16, within float32's accumulation (what
 // cpu_kernels_test checks), and each projection's inputs lose what bfloat16 loses (u = 2^-8).
-// Thread-safety: reentrant; the rows of x are converted into a thread's own buffer.
+// Thread-safety: reentrant; the rows of x are converted, 192 at a time, into a buffer of the
+// calling thread's (at most 192 · d_model / 2 words, kept for its next call).
 #pragma once
 
 #include "server/backend/cpu/packed_weights.h"
