@@ -22,6 +22,7 @@ namespace {
 using testing::OwnedSequence;
 using testing::RandomSequence;
 using testing::RelativeL2;
+using testing::ScoreBound;
 using ::testing::HasSubstr;
 
 // The relative L2 error float32 GEMMs may leave in one sequence's output against float64, from
@@ -81,33 +82,6 @@ class BackendTest : public ::testing::TestWithParam<std::string> {
     return chain + 4 * std::ldexp(1.0, -11) * ScoreBound(w, s);
   }
 
-  // max over heads of scale · max_row ‖q‖ · max_key ‖k‖, in double (RoPE keeps the norms).
-  static double ScoreBound(const LayerWeights& w, const OwnedSequence& s) {
-    const LayerConfig& c = w.config;
-    const int64_t d = c.d_model, dh = c.d_head;
-    auto row_norms = [&](const std::vector<float>& x, int64_t rows, const std::vector<float>& wm,
-                         const std::vector<float>& b, int64_t heads) {
-      std::vector<double> best(heads, 0.0);
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t h = 0; h < heads; ++h) {
-          double sq = 0;
-          for (int64_t t = 0; t < dh; ++t) {
-            const int64_t col = h * dh + t;
-            double v = b.empty() ? 0.0 : b[col];
-            for (int64_t k = 0; k < d; ++k) v += static_cast<double>(x[r * d + k]) * wm[k * heads * dh + col];
-            sq += v * v;
-          }
-          best[h] = std::max(best[h], std::sqrt(sq));
-        }
-      }
-      return best;
-    };
-    const std::vector<double> q = row_norms(s.input, s.n, w.w_q, w.b_q, c.heads);
-    const std::vector<double> k = row_norms(s.cross ? s.context : s.input, s.m, w.w_k, w.b_k, c.kv_heads);
-    double bound = 0;
-    for (int64_t h = 0; h < c.heads; ++h) bound = std::max(bound, q[h] * k[c.KvHeadOf(h)]);
-    return c.SoftmaxScale() * bound;
-  }
 
   // The rows of `s` whose float64 answer itself moves (by more than 1e-3 relative) when the
   // inputs move by 1e-5 relative, in any of three random draws. At large input magnitudes the

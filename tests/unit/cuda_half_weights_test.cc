@@ -29,39 +29,11 @@ namespace {
 using testing::OwnedSequence;
 using testing::RandomSequence;
 using testing::RelativeL2;
+using testing::ScoreBound;
 
 // The unit roundoff of the 16-bit format: 2^-8 for bfloat16 (8 significant bits), 2^-11 for
 // IEEE half (11).
 double UnitRoundoff(GpuMath math) { return math == GpuMath::kBf16 ? 0x1p-8 : 0x1p-11; }
-
-// max over heads of scale · max_row ‖q‖ · max_key ‖k‖ in float64: how far a relative error in Q
-// and K moves the scores (RoPE keeps the norms).
-double ScoreBound(const LayerWeights& w, const OwnedSequence& s) {
-  const LayerConfig& c = w.config;
-  const int64_t d = c.d_model, dh = c.d_head;
-  auto row_norms = [&](const std::vector<float>& x, int64_t rows, const std::vector<float>& wm,
-                       const std::vector<float>& b, int64_t heads) {
-    std::vector<double> best(heads, 0.0);
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t h = 0; h < heads; ++h) {
-        double sq = 0;
-        for (int64_t t = 0; t < dh; ++t) {
-          const int64_t col = h * dh + t;
-          double v = b.empty() ? 0.0 : b[col];
-          for (int64_t k = 0; k < d; ++k) v += static_cast<double>(x[r * d + k]) * wm[k * heads * dh + col];
-          sq += v * v;
-        }
-        best[h] = std::max(best[h], std::sqrt(sq));
-      }
-    }
-    return best;
-  };
-  const std::vector<double> q = row_norms(s.input, s.n, w.w_q, w.b_q, c.heads);
-  const std::vector<double> k = row_norms(s.cross ? s.context : s.input, s.m, w.w_k, w.b_k, c.kv_heads);
-  double bound = 0;
-  for (int64_t h = 0; h < c.heads; ++h) bound = std::max(bound, q[h] * k[c.KvHeadOf(h)]);
-  return c.SoftmaxScale() * bound;
-}
 
 // The bound docs/testing.md derives ("Tolerances", 16-bit weights). A 16-bit product
 // y = Σ_k x̂_k ŵ_k rounds each operand once (|δ| ≤ u): its error Σ_k x_k w_k (δ_k + ε_k) has

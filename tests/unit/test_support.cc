@@ -34,6 +34,33 @@ double RelativeL2(const float* got, const std::vector<double>& want) {
   return std::sqrt(num / den);
 }
 
+double ScoreBound(const LayerWeights& w, const OwnedSequence& s) {
+  const LayerConfig& c = w.config;
+  const int64_t d = c.d_model, dh = c.d_head;
+  auto row_norms = [&](const std::vector<float>& x, int64_t rows, const std::vector<float>& wm,
+                       const std::vector<float>& b, int64_t heads) {
+    std::vector<double> best(heads, 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        double sq = 0;
+        for (int64_t t = 0; t < dh; ++t) {
+          const int64_t col = h * dh + t;
+          double v = b.empty() ? 0.0 : b[col];
+          for (int64_t k = 0; k < d; ++k) v += static_cast<double>(x[r * d + k]) * wm[k * heads * dh + col];
+          sq += v * v;
+        }
+        best[h] = std::max(best[h], std::sqrt(sq));
+      }
+    }
+    return best;
+  };
+  const std::vector<double> q = row_norms(s.input, s.n, w.w_q, w.b_q, c.heads);
+  const std::vector<double> k = row_norms(s.cross ? s.context : s.input, s.m, w.w_k, w.b_k, c.kv_heads);
+  double bound = 0;
+  for (int64_t h = 0; h < c.heads; ++h) bound = std::max(bound, q[h] * k[c.KvHeadOf(h)]);
+  return c.SoftmaxScale() * bound;
+}
+
 double RelativeL2(const float* got, const float* want, size_t count) {
   return RelativeL2(got, std::vector<double>(want, want + count));
 }

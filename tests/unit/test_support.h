@@ -35,6 +35,10 @@ struct OwnedSequence {
 OwnedSequence RandomSequence(std::mt19937_64& rng, int64_t d_model, int64_t n, int64_t m, bool cross,
                              bool causal, int64_t key_length);
 
+// max over heads of scale · max_row ‖q‖ · max_key ‖k‖ for `s` on `w`, in double (RoPE keeps the
+// norms): how far a relative error in Q and K can move a score (the TF32 and 16-bit tolerances).
+double ScoreBound(const LayerWeights& w, const OwnedSequence& s);
+
 // The backends this build can run: "cpu" (its defaults: oneDNN when built with it, the weights
 // packed where its own kernel runs), "cpu-eigen" (Eigen on row-major weights) and "cpu-tiled" (the summed form always mixing first, tiled, in parts) always, "cuda" and "cuda-tf32" when compiled in. Returns nullptr and sets `why`
 // when the backend cannot run here (the test then skips, saying why).
