@@ -10,7 +10,13 @@
 #   nice -n -19 bench/peers/run.sh [BUILD_DIR]        (default build-bench)
 #
 # Environment: THREADS (default 2), ROUNDS (default 3), MIN_TIME_S (default 0.5/ROUNDS),
-# SERVING_DURATION (default 5s).
+# SERVING_DURATION (default 5s), COMPETE (default 0).
+#
+# A disturbed machine: COMPETE=N runs N busy processes (a shell loop each, at the run's own
+# priority) through the rounds of (a), (b) and (c), so that both sides of every ratio share the
+# cores with the same competitors. On 2 vCPUs, COMPETE=1 leaves 4/3 of a core to a 2-thread
+# forward by fair share; the ratio of a disturbed run's times to a quiet run's says how much of
+# that each implementation loses (docs/benchmarks.md, "A disturbed machine").
 #
 # Rounds: (a) and (b, c) are measured in turn ROUNDS times (OUT/ours-R.json, OUT/peers-R.json,
 # R = 1..ROUNDS), and report.py takes each ratio ours/peer within a round, then the median of those
@@ -38,7 +44,9 @@ BUILD=${1:-build-bench}
 THREADS=${THREADS:-2}
 SERVING_DURATION=${SERVING_DURATION:-5s}
 ROUNDS=${ROUNDS:-3}
+COMPETE=${COMPETE:-0}
 [[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || { echo "run.sh: ROUNDS must be a positive integer, not '$ROUNDS'" >&2; exit 2; }
+[[ $COMPETE =~ ^[0-9]+$ ]] || { echo "run.sh: COMPETE must be a count of busy processes, not '$COMPETE'" >&2; exit 2; }
 MIN_TIME_S=${MIN_TIME_S:-$(awk -v r="$ROUNDS" 'BEGIN { printf "%.4g", 0.5 / r }')}
 VENV=$BUILD/peers-venv
 OUT=$BUILD/peers-out
@@ -53,7 +61,20 @@ if [[ ! -x $VENV/bin/python ]]; then
 fi
 
 echo "== machine: $(lscpu | sed -n 's/^Model name: *//p'), $THREADS threads, $(date -u +%F)"
-echo "== $ROUNDS round(s) of (a) then (b, c), at least ${MIN_TIME_S} s a point"
+echo "== $ROUNDS round(s) of (a) then (b, c), at least ${MIN_TIME_S} s a point, $COMPETE busy process(es) beside"
+competitors=()
+stop_competitors() {
+  if ((${#competitors[@]} > 0)); then
+    kill "${competitors[@]}" 2>/dev/null || true
+    wait "${competitors[@]}" 2>/dev/null || true
+  fi
+  competitors=()
+}
+trap stop_competitors EXIT
+for ((i = 0; i < COMPETE; i++)); do
+  bash -c 'while :; do :; done' &
+  competitors+=($!)
+done
 # A previous run's rounds would only mislead beside this one's.
 rm -f "$OUT"/ours.json "$OUT"/peers.json "$OUT"/ours-*.json "$OUT"/peers-*.json
 ours_jsons=() peers_jsons=()
@@ -66,6 +87,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
     --json "$OUT/peers-$r.json"
   ours_jsons+=("$OUT/ours-$r.json") peers_jsons+=("$OUT/peers-$r.json")
 done
+stop_competitors
 
 echo "== serving overhead: attnserve-cli bench at concurrency 1 against a local server"
 # Once with the batcher's queue delay off (the serving path alone), once with the defaults.

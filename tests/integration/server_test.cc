@@ -1421,13 +1421,16 @@ TEST(BatchingTest, ConcurrentRequestsShareBatchesAndEachGetsItsOwnResult) {
 // SIGTERM under load: every request the clients sent ends as OK or as an explicit error, the
 // server stops answering SERVING, and it exits 0 within the drain timeout. A call is surely in
 // flight at the signal, by construction rather than timing: a one-token request on a layer of
-// its own waits in its queue for company for up to 10 s (--max-queue-delay-us), and the signal is
-// sent once the queue gauge shows it there; the drain must run it and answer it OK. The load's
+// its own waits in its queue for company for up to 10 s (--max-queue-delay-us, its maximum), and
+// the signal is sent once the queue gauge shows it there, at most 6 s after it was sent; the
+// drain must run it at once and answer it OK. A drain that waited out the delay would reach its
+// 3 s timeout first (6 + 3 < 10) and fail it: with a 10 s timeout, a slow machine on which the
+// call reached its queue seconds before the signal let that drain pass. The load's
 // requests fill a batch alone (512 tokens, --max-batch-tokens 512) and run at once.
 TEST(DrainTest, SigtermUnderLoadLosesNothing) {
   TempDir dir;
   const std::string metrics_port_file = dir.File("metrics_port");
-  auto server = StartOrFail({"--drain-timeout-s", "10", "--max-queue-delay-us", "10000000", "--max-batch-tokens",
+  auto server = StartOrFail({"--drain-timeout-s", "3", "--max-queue-delay-us", "10000000", "--max-batch-tokens",
                              "512", "--metrics-port-file", metrics_port_file, "--layer",
                              "mid=random:d_model=256,heads=8,seed=4", "--layer", "held=random:d_model=16,heads=2,seed=9"});
   ASSERT_NE(server, nullptr);
@@ -1485,7 +1488,7 @@ TEST(DrainTest, SigtermUnderLoadLosesNothing) {
   auto held = server->client().ForwardFuture(Request("held", one_token, {1, 1, 16}, v1::FORM_FACTORED));
   const std::string held_depth = "attnserve_queue_depth{form=\"factored\",layer=\"held\"}";
   double depth = 0;
-  for (const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(9);
+  for (const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(6);
        depth < 1 && std::chrono::steady_clock::now() < give_up;) {
     depth = testing::MetricSample(testing::ScrapeMetrics(metrics_port), held_depth);
     if (depth < 1) std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -1497,7 +1500,7 @@ TEST(DrainTest, SigtermUnderLoadLosesNothing) {
   stop = true;
   for (auto& t : senders) t.join();
   EXPECT_EQ(status, 0) << server->Log();
-  EXPECT_LT(exited - signalled, std::chrono::seconds(11)) << "drain timeout is 10 s\n" << server->Log();
+  EXPECT_LT(exited - signalled, std::chrono::seconds(4)) << "drain timeout is 3 s\n" << server->Log();
   EXPECT_GT(ok.load(), 0);
   // In flight at the signal, and answered: the drain ran what it had accepted.
   const auto [held_status, held_response] = held.get();
