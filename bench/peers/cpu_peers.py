@@ -108,7 +108,7 @@ def main():
     with torch.inference_mode():
         for name in args.shapes.split(","):
             bsz, n, d, heads = SHAPES[name]
-            w, b = layer(d, CPU)
+            w, b = layer(d, CPU, torch.float32)
             x = torch.randn(bsz, n, d, generator=torch.Generator().manual_seed(2))
             xn = x.numpy()
             mha = mha_module(d, heads, w, b)
