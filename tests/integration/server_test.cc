@@ -1304,8 +1304,12 @@ TEST(ServerFlagsTest, MemoryBudgetRefusesWhatCanNeverFitAndWhatDoesNotFitNow) {
   // request alone would pass it by hundreds of MiB).
   const int64_t peak_kb = ProcessStatusKb(server->pid(), "VmHWM:");
   EXPECT_GT(peak_kb, idle_kb);
+#if !defined(ATTNSERVE_ASAN) && !defined(ATTNSERVE_TSAN)
+  // A sanitized server's allocator adds redzones and keeps freed blocks in quarantine, so its RSS
+  // is not what the budget charges (one run passed the bound by 0.5 MiB): the plain build holds it.
   EXPECT_LE(peak_kb, idle_kb + 300 * 1024 * 105 / 100 + 32 * 1024)
       << "peak RSS " << peak_kb / 1024 << " MiB, idle " << idle_kb / 1024 << " MiB, budget 300 MiB";
+#endif
   EXPECT_EQ(testing::MetricSample(testing::ScrapeMetrics(metrics_port), "attnserve_memory_budget_bytes"),
             300.0 * 1048576);
   // A call gives its reservation back when its state goes, just after its answer is handed to
