@@ -22,7 +22,7 @@ Status DeviceWatch::Warm(const LayerStore& store, int workers) {
   const std::vector<std::shared_ptr<const Layer>> layers = store.List();  // held while they warm
   std::vector<const ResidentForm*> forms;
   for (const auto& layer : layers) {
-    for (const auto& [form, resident] : layer->forms) forms.push_back(resident.get());
+    for (const ResidentForm* resident : layer->AllResident()) forms.push_back(resident);
   }
   const auto start = std::chrono::steady_clock::now();
   const Status st = backend_->Warmup(workers, forms);

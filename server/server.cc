@@ -196,13 +196,19 @@ Status Server::Build() {
   spdlog::info("backend {}", chosen_->why);
   metrics_ = std::make_unique<Metrics>();
   metrics_->SetBuildInfo(ATTNSERVE_VERSION, backend_->DeviceName(), chosen_->blas);
+  for (const Math math : options_.store.extra_maths) {
+    if (Status st = backend_->CheckMath(math); !st.ok()) return InContext("--extra-maths: ", st);
+  }
   store_ = std::make_unique<LayerStore>(backend_, options_.store);
   for (const auto& [name, source] : options_.layers) {
     StatusOr<std::shared_ptr<const Layer>> layer = store_->Load(name, source);
     if (!layer.ok()) return InContext("cannot load layer '" + name + "': ", Status(layer.status().code(), layer.status().ToString()));
     std::string forms;
     for (const auto& [form, _] : (*layer)->forms) forms += (forms.empty() ? "" : ", ") + std::string(FormName(form));
-    spdlog::info("layer '{}' from '{}': {} (forms: {})", name, (*layer)->source, (*layer)->config.ToString(), forms);
+    std::string maths;
+    for (const Math m : (*layer)->maths) maths += (maths.empty() ? "" : ", ") + std::string(MathName(m));
+    spdlog::info("layer '{}' from '{}': {} (forms: {}; maths: {})", name, (*layer)->source, (*layer)->config.ToString(),
+                 forms, maths);
     ReportLayerMetrics(**layer, *metrics_);
   }
 
@@ -216,7 +222,7 @@ Status Server::Build() {
   }
   ATTNSERVE_ASSIGN_OR_RETURN(metrics_endpoint_, MetricsEndpoint::Start(options_.metrics_listen, *metrics_, metrics_web_));
   executor_ = std::make_unique<BatchingExecutor>(backend_, options_.batching, metrics_.get());
-  router_ = std::make_unique<Router>(metrics_.get());
+  router_ = std::make_unique<Router>(metrics_.get(), backend_->default_math());
   for (const auto& [layer, spec] : options_.routes) {
     ATTNSERVE_ASSIGN_OR_RETURN(RouteSplit split, ParseRouteSpec(spec));  // checked by ParseServerOptions too
     ATTNSERVE_RETURN_IF_ERROR(router_->SetRoute(layer, split));

@@ -1,5 +1,6 @@
 #include "server/settings_table.h"
 
+#include <algorithm>
 #include <optional>
 
 #include "server/backend/cpu/gemm.h"
@@ -99,6 +100,28 @@ Status SetGpuMath(const std::string& what, const std::string& text, ServerOption
   return OkStatus();
 }
 
+// "bf16,fp32": each a math, once; "" or "none": none.
+Status SetExtraMaths(const std::string& what, const std::string& text, ServerOptions* o) {
+  o->store.extra_maths.clear();
+  if (text.empty() || text == "none") return OkStatus();
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    const std::string name = text.substr(start, comma - start);
+    const std::optional<Math> math = ParseMath(name);
+    if (!math) {
+      return InvalidArgumentError(what + ": expected a comma-separated list of " + std::string(kMathChoices) + ", got '" +
+                                  name + "' in '" + text + "'");
+    }
+    if (std::find(o->store.extra_maths.begin(), o->store.extra_maths.end(), *math) != o->store.extra_maths.end()) {
+      return InvalidArgumentError(what + ": expected each math once, got " + name + " twice in '" + text + "'");
+    }
+    o->store.extra_maths.push_back(*math);
+    start = comma + 1;
+  }
+  return OkStatus();
+}
+
 using O = ServerOptions;
 // The CPU and CUDA backends' own options, which ServerOptions holds in `backend`.
 template <auto kField>
@@ -134,6 +157,11 @@ const Setting kSettings[] = {
     {"--gpu-math", "gpu_math", "MODE", Choice{SetGpuMath, "fp32"}, 0, 0, nullptr, nullptr,
      "fp32, tf32 (TF32 tensor-core GEMMs), bf16 or fp16 (the projections' weights and inputs in 16 bits, "
      "float32 accumulation and attention)"},
+    {"--extra-maths", "extra_maths", "LIST", Choice{SetExtraMaths, "none"}, 0, 0, nullptr, nullptr,
+     "maths every layer is also held in, beside the device's own (--gpu-math; the CPU's fp32, or bf16 under a "
+     "packed-bf16 layout), e.g. bf16 or fp32,bf16: each form resident once more per math, a served variant that "
+     "routes (factored@bf16:90,factored@fp32:10), requests and shadows name. The CPU runs fp32 and bf16; the GPU "
+     "every math"},
     {"--threads", "threads", "N", &InCpu<&CpuBackendOptions::threads>, 0, 1024, nullptr, nullptr,
      "CPU backend threads per Forward (0: every core)"},
     {"--cpu-idle-spin-us", "cpu_idle_spin_us", "US", Micros{&InCpu<&CpuBackendOptions::idle_spin>},

@@ -288,7 +288,7 @@ bool ParsePrometheusVector(std::string_view json, const std::string& name, std::
     for (auto it = r["metric"].begin(); it != r["metric"].end(); ++it) {
       const std::string key = it.key(), value = it.value().get<std::string>();
       if (key == "__name__") continue;
-      if (key == "layer" || key == "form" || key == "code" || key == "le") {
+      if (key == "layer" || key == "form" || key == "math" || key == "code" || key == "le") {
         s.labels.emplace(key, value);
       } else {
         origin += key + "=" + value + ",";
@@ -365,11 +365,22 @@ Buckets Merge(const std::vector<std::map<double, double>>& origins) {
 
 LayerCounts Aggregate(const std::vector<Sample>& samples) {
   LayerCounts out;
-  // (layer, form), and per origin: le -> cumulative count.
+  // A layer served in more than one math is compared variant by variant: its arms are
+  // FORM@MATH ("factored@bf16"); a layer in one math keeps the bare form names.
+  std::map<std::string, std::set<std::string>> maths;
+  for (const Sample& s : samples) {
+    if (const std::string math = Label(s, "math"); !math.empty() && math != "none") maths[Label(s, "layer")].insert(math);
+  }
+  const auto arm = [&](const Sample& s, const std::string& layer) {
+    const std::string form = Label(s, "form"), math = Label(s, "math");
+    return maths[layer].size() > 1 && !math.empty() && math != "none" ? form + "@" + math : form;
+  };
+  // (layer, arm), and per origin: le -> cumulative count.
   using Key = std::pair<std::string, std::string>;
   std::map<Key, std::map<std::string, std::map<double, double>>> latency, divergence;
   for (const Sample& s : samples) {
-    const std::string layer = Label(s, "layer"), form = Label(s, "form");
+    const std::string layer = Label(s, "layer");
+    const std::string form = Label(s, "form").empty() ? std::string() : arm(s, layer);
     if (layer.empty() || form.empty()) continue;
     if (s.name == kRequests) {
       FormCounts& c = out[layer][form];

@@ -42,7 +42,7 @@ bool IsAbSeries(std::string_view name);
 std::vector<Sample> Difference(const std::vector<Sample>& before, const std::vector<Sample>& after);
 
 // A Prometheus HTTP API instant-query response (resultType "vector"): one Sample per result,
-// named `name`, with `origin` the result's labels other than layer, form, code and le.
+// named `name`, with `origin` the result's labels other than layer, form, math, code and le.
 bool ParsePrometheusVector(std::string_view json, const std::string& name, std::vector<Sample>* out,
                            std::string* error);
 // The queries the Prometheus source runs: each family's series, raw (window empty) or as
@@ -61,11 +61,12 @@ struct FormCounts {
   Buckets divergence;  // attnserve_shadow_divergence, this form as the mirror
   double flops = 0;    // attnserve_flops_total
 };
-// layer -> form -> counts. Forms "none" (calls refused before a form was known) are kept apart
-// by the caller.
+// layer -> arm -> counts: an arm is a form ("factored"), or FORM@MATH ("factored@bf16") on a layer
+// whose series carry more than one math. Forms "none" (calls refused before a form was known)
+// are kept apart by the caller.
 using LayerCounts = std::map<std::string, std::map<std::string, FormCounts>>;
 
-// Sums samples over origins and every label but layer, form and (for latency) code. Histograms
+// Sums samples over origins and every label but layer, form, math and (for latency) code. Histograms
 // are merged on the bucket bounds every origin has (cumulative counts there are exact).
 LayerCounts Aggregate(const std::vector<Sample>& samples);
 

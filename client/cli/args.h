@@ -94,6 +94,7 @@ struct ForwardArgs {
   bool compare = false;
   uint64_t seed = 1;
   std::string request_key;
+  std::string math;  // --math bf16: one the layer is held in; empty: the route's or the default
   bool help = false;
 };
 bool ParseForwardArgs(const std::vector<std::string>& args, ForwardArgs* out, std::string* error);

@@ -72,6 +72,7 @@ int RunForward(CommandContext& ctx, const std::vector<std::string>& args) {
   req.set_causal(fa.causal);
   req.set_compare(fa.compare);
   req.set_request_key(fa.request_key);
+  req.set_math(fa.math);
   for (int32_t k : fa.key_lengths) req.add_key_lengths(k);
 
   if (!fa.input.empty()) {
@@ -112,6 +113,7 @@ int RunForward(CommandContext& ctx, const std::vector<std::string>& args) {
   }
   std::ostream& out = ctx.out();
   out << "form: " << FormName(resp.form()) << "\n"
+      << "math: " << resp.math() << "\n"
       << "queue_us: " << resp.queue_us() << "\n"
       << "decode_us: " << resp.decode_us() << "\n"
       << "compute_us: " << resp.compute_us() << "\n"

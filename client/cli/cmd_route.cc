@@ -20,8 +20,9 @@ bool ParseNumber(std::string_view text, double* out) {
 
 bool ParseSpec(std::string_view spec, std::vector<v1::RouteWeight>* out, std::string* error) {
   const std::string expected =
-      "SPEC: expected FORM:WEIGHT[,FORM:WEIGHT...] with FORM factored, summed, lowrank or auto and WEIGHT >= 0 "
-      "(e.g. factored:90,summed:10), got '" + std::string(spec) + "'";
+      "SPEC: expected FORM:WEIGHT[,FORM:WEIGHT...] with FORM factored, summed, lowrank or auto, optionally "
+      "@MATH (fp32, tf32, bf16, fp16), and WEIGHT >= 0 (e.g. factored:90,summed:10 or "
+      "factored@bf16:90,factored@fp32:10), got '" + std::string(spec) + "'";
   if (spec.empty()) {
     *error = expected;
     return false;
@@ -32,17 +33,23 @@ bool ParseSpec(std::string_view spec, std::vector<v1::RouteWeight>* out, std::st
     const std::string_view item = spec.substr(start, comma == std::string_view::npos ? spec.npos : comma - start);
     start = comma == std::string_view::npos ? spec.size() + 1 : comma + 1;
     const size_t colon = item.find(':');
+    const std::string_view target = item.substr(0, colon);
+    const size_t at = target.find('@');
+    const std::string_view math = at == std::string_view::npos ? std::string_view() : target.substr(at + 1);
     v1::Form form = v1::FORM_UNSPECIFIED;
     double weight = 0;
     std::string form_error;
-    if (colon == std::string_view::npos || !ParseForm(item.substr(0, colon), &form, &form_error) ||
-        form == v1::FORM_UNSPECIFIED || !ParseNumber(item.substr(colon + 1), &weight) || weight < 0) {
+    const bool known_math = math.empty() || math == "fp32" || math == "tf32" || math == "bf16" || math == "fp16";
+    if (colon == std::string_view::npos || !ParseForm(target.substr(0, at), &form, &form_error) ||
+        form == v1::FORM_UNSPECIFIED || (at != std::string_view::npos && math.empty()) || !known_math ||
+        !ParseNumber(item.substr(colon + 1), &weight) || weight < 0) {
       *error = expected + " (at '" + std::string(item) + "')";
       return false;
     }
     v1::RouteWeight w;
     w.set_form(form);
     w.set_weight(weight);
+    w.set_math(std::string(math));
     out->push_back(w);
   }
   return true;
@@ -94,7 +101,7 @@ std::string FormatRoute(const v1::Route& route) {
   for (const v1::RouteWeight& w : route.weights()) {
     char buf[32];
     std::snprintf(buf, sizeof buf, "%.4g", total > 0 ? 100 * w.weight() / total : 0.0);
-    text += (text.empty() ? "" : ",") + FormName(w.form()) + ":" + buf;
+    text += (text.empty() ? "" : ",") + FormName(w.form()) + (w.math().empty() ? "" : "@" + w.math()) + ":" + buf;
   }
   return text.empty() ? "-" : text;
 }
@@ -103,7 +110,8 @@ std::string RouteDetails() {
   return std::string(
       "Without arguments, prints the routing in force. With LAYER SPEC, sets how requests to\n"
       "LAYER that leave the form unspecified are split (LAYER '*' is the default of every layer\n"
-      "without its own route); SPEC is FORM:WEIGHT[,FORM:WEIGHT...], e.g. factored:90,summed:10.\n"
+      "without its own route); SPEC is FORM[@MATH]:WEIGHT[,...], e.g. factored:90,summed:10, or\n"
+      "factored@bf16:90,factored@fp32:10 on a server holding its layers in two maths.\n"
       "Requests with a request key keep their form while the split stays put.\n"
       "  --clear           remove LAYER's own route ('*': back to factored only)\n"
       "  --shadow-rate R   also run this fraction of requests by another held form, off the\n"

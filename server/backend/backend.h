@@ -11,6 +11,7 @@
 #include <string>
 
 #include "server/core/forms.h"
+#include "server/core/math.h"
 #include "server/core/sequence.h"
 #include "server/core/status.h"
 
@@ -42,6 +43,8 @@ class ResidentForm {
  public:
   virtual ~ResidentForm() = default;
   virtual const FormWeights& weights() const = 0;
+  // What its projections multiply in (server/core/math.h).
+  virtual Math math() const { return Math::kFp32; }
   // Host memory this form holds: its weights, and any copy of them the backend made (the CPU
   // backend's packed panels). The layer store's --max-layer-mb and attnserve_layer_bytes count it.
   virtual int64_t HostBytes() const { return weights().Bytes(); }
@@ -54,8 +57,24 @@ class Backend {
   // "cpu" or "cuda:N": the device label of metrics and LayerInfo.
   virtual std::string DeviceName() const = 0;
 
-  // Makes the form resident on this device. Called once per (layer, form) at load.
+  // Makes the form resident on this device in default_math(). Called once per (layer, form) at load.
   virtual StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) = 0;
+  // The math Upload holds a form in: the device's flag (--gpu-math, --cpu-weight-layout).
+  virtual Math default_math() const { return Math::kFp32; }
+  // Makes the form resident in `math` (a served variant's precision, --serve-math): a backend
+  // holds one layer's form in several maths side by side, and Forward runs each in its own.
+  // INVALID_ARGUMENT naming the math and what this device runs when it cannot.
+  virtual StatusOr<std::shared_ptr<const ResidentForm>> UploadIn(std::shared_ptr<const FormWeights> form, Math math) {
+    ATTNSERVE_RETURN_IF_ERROR(CheckMath(math));
+    return Upload(std::move(form));
+  }
+  // OK when UploadIn can hold forms in `math` here; else what UploadIn would answer. The server
+  // checks --extra-maths with it at start, before any layer loads.
+  virtual Status CheckMath(Math math) const {
+    if (math == default_math()) return OkStatus();
+    return InvalidArgumentError("math: " + DeviceName() + " runs " + std::string(MathName(default_math())) +
+                                " only, got " + std::string(MathName(math)));
+  }
 
   // False once a device error made the backend unusable (a GPU fault): the server then reports
   // NOT_SERVING for it. The CPU backend is always healthy.

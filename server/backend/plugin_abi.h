@@ -17,8 +17,8 @@ class Backend;
 // Bumped whenever this table, or anything passed through it, changes shape. 4: the backend's
 // options cross as key=value data (AttnserveOptions) instead of positional arguments. 5: the
 // Backend interface gained Warmup, DeviceMemory, PciBusId, ThisThreadsDeviceTimes and
-// summed_order.
-#define ATTNSERVE_PLUGIN_ABI_VERSION 5u
+// summed_order. 6: Backend gained default_math and UploadIn, ResidentForm math (served variants).
+#define ATTNSERVE_PLUGIN_ABI_VERSION 6u
 
 // The layout of AttnserveOptions; the plugin refuses another (and a struct of another size).
 #define ATTNSERVE_PLUGIN_OPTIONS_VERSION 1u

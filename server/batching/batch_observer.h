@@ -12,14 +12,15 @@
 #include <string_view>
 
 #include "server/core/forms.h"
+#include "server/core/math.h"
 #include "server/core/status.h"
 
 namespace attnserve {
 
-// One backend call (a batch of one or more jobs of the same layer and form).
+// One backend call (a batch of one or more jobs of the same layer and variant).
 struct BatchReport {
   std::string_view layer;
-  Form form = Form::kFactored;
+  Variant variant;  // the form and the math it ran in
   std::string_view device;     // the layer's device ("cpu", "cuda:0")
   int32_t requests = 0;        // jobs in the call
   int64_t tokens = 0;          // query rows over all sequences of the call
@@ -38,13 +39,14 @@ struct BatchReport {
 class BatchObserver {
  public:
   virtual ~BatchObserver() = default;
-  // A job entered the queue of (layer, form).
-  virtual void JobQueued(std::string_view layer, Form form) = 0;
+  // A job entered the queue of (layer, variant).
+  virtual void JobQueued(std::string_view layer, Variant variant) = 0;
   // A job left that queue (taken into a batch, or dropped) after `queue_seconds` there.
-  virtual void JobDequeued(std::string_view layer, Form form, double queue_seconds) = 0;
-  // A backend call of `requests` jobs of (layer, form) started; its BatchDone follows, whatever
-  // the call does. Queued (JobQueued − JobDequeued) plus computing is the layer's in-flight work.
-  virtual void BatchStarted(std::string_view layer, Form form, int32_t requests) = 0;
+  virtual void JobDequeued(std::string_view layer, Variant variant, double queue_seconds) = 0;
+  // A backend call of `requests` jobs of (layer, variant) started; its BatchDone follows,
+  // whatever the call does. Queued (JobQueued − JobDequeued) plus computing is the layer's
+  // in-flight work.
+  virtual void BatchStarted(std::string_view layer, Variant variant, int32_t requests) = 0;
   // A backend call ended, well or not. FLOPs count only when code is kOk.
   virtual void BatchDone(const BatchReport& report) = 0;
 };

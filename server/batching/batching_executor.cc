@@ -26,11 +26,11 @@ bool ForwardItem::Cancelled() const { return job_.cancelled && job_.cancelled();
 
 void ForwardItem::OnQueued() {
   queued_ = true;
-  if (observer_ != nullptr) observer_->JobQueued(job_.layer->name, job_.form);
+  if (observer_ != nullptr) observer_->JobQueued(job_.layer->name, variant());
 }
 
 void ForwardItem::Dequeue(Clock::time_point when) {
-  if (queued_ && observer_ != nullptr) observer_->JobDequeued(job_.layer->name, job_.form, Seconds(when - enqueued));
+  if (queued_ && observer_ != nullptr) observer_->JobDequeued(job_.layer->name, variant(), Seconds(when - enqueued));
   queued_ = false;
 }
 
@@ -55,18 +55,21 @@ BatchingExecutor::BatchingExecutor(Backend* backend, BatchPolicy policy, BatchOb
 std::string BatchingExecutor::QueueName(const ForwardQueue& queue) const {
   // Queue names reach error messages: the load's serial number tells a replaced layer's queue
   // from its successor's, where an address would say nothing.
-  return queue.layer->name + "/" + std::string(FormName(queue.form)) + "/" + backend_->DeviceName() + "#" +
+  return queue.layer->name + "/" + std::string(FormName(queue.variant.form)) + "@" +
+         std::string(MathName(queue.variant.math)) + "/" + backend_->DeviceName() + "#" +
          std::to_string(queue.layer->serial);
 }
 
 void BatchingExecutor::Submit(ForwardJob job) {
   if (job.enqueued == Clock::time_point()) job.enqueued = Clock::now();
-  if (!job.layer || job.layer->Find(job.form) == nullptr) {
-    job.done(FailedPreconditionError("layer does not hold the " + std::string(FormName(job.form)) + " form"),
+  if (job.layer && !job.math) job.math = job.layer->default_math();
+  if (!job.layer || job.layer->Find(Variant{job.form, *job.math}) == nullptr) {
+    job.done(FailedPreconditionError("layer does not hold the " + std::string(FormName(job.form)) + " form" +
+                                     (job.math ? " in " + std::string(MathName(*job.math)) : std::string())),
              JobTimings{});
     return;
   }
-  const ForwardQueue queue{job.layer.get(), job.form};
+  const ForwardQueue queue{job.layer.get(), {job.form, *job.math}};
   // Enqueue ends the item itself when it refuses (full queue, draining): nothing more to do.
   (void)batcher_.Enqueue(queue, std::make_unique<ForwardItem>(std::move(job), observer_));
 }
@@ -81,10 +84,10 @@ void BatchingExecutor::RunBatch(const ForwardQueue& queue, std::vector<std::uniq
     }
   }
   const Layer& layer = *queue.layer;
-  const ResidentForm& form = *layer.Find(queue.form);
+  const ResidentForm& form = *layer.Find(queue.variant);
   const Clock::time_point start = Clock::now();
   for (auto& item : batch) item->Dequeue(start);
-  if (observer_ != nullptr) observer_->BatchStarted(layer.name, queue.form, static_cast<int32_t>(batch.size()));
+  if (observer_ != nullptr) observer_->BatchStarted(layer.name, queue.variant, static_cast<int32_t>(batch.size()));
   Status status;
   // No exception may escape a worker thread; the backend's only expected one is bad_alloc.
   try {
@@ -103,7 +106,7 @@ void BatchingExecutor::RunBatch(const ForwardQueue& queue, std::vector<std::uniq
     const std::string device = backend_->DeviceName();
     BatchReport report;
     report.layer = layer.name;
-    report.form = queue.form;
+    report.variant = queue.variant;
     report.device = device;
     report.requests = static_cast<int32_t>(batch.size());
     for (const SequenceShape& s : shapes) report.tokens += s.n;

@@ -23,11 +23,11 @@ namespace attnserve {
 // job holds it, and a queue is removed once empty.
 struct ForwardQueue {
   const Layer* layer = nullptr;
-  Form form = Form::kFactored;
+  Variant variant;
 
   friend bool operator<(const ForwardQueue& a, const ForwardQueue& b) {
     if (a.layer != b.layer) return std::less<const Layer*>()(a.layer, b.layer);
-    return a.form < b.form;
+    return a.variant < b.variant;
   }
 };
 
@@ -41,6 +41,8 @@ class ForwardItem final : public BatchItem {
   // Leaves the queue into a batch at `when`.
   void Dequeue(Clock::time_point when);
   ForwardJob& job() { return job_; }
+  // What it runs: its form in its math (Submit has set the math).
+  Variant variant() const { return {job_.form, job_.math.value_or(Math::kFp32)}; }
 
  private:
   ForwardJob job_;
@@ -61,7 +63,7 @@ class BatchingExecutor final : public Executor {
   void StopWaitingForCompany() { batcher_.StopWaitingForCompany(); }
 
   int QueueDepth() const { return batcher_.TotalDepth(); }
-  int QueueDepth(const Layer& layer, Form form) const { return batcher_.QueueDepth({&layer, form}); }
+  int QueueDepth(const Layer& layer, Variant variant) const { return batcher_.QueueDepth({&layer, variant}); }
 
  private:
   std::string QueueName(const ForwardQueue& queue) const;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "server/backend/backend.h"
@@ -34,6 +35,8 @@ struct ForwardJob {
   // Held for the whole job: an unload or replace never frees weights in use.
   std::shared_ptr<const Layer> layer;
   Form form = Form::kFactored;
+  // The math the form runs in; nullopt: the layer's default (Layer::default_math).
+  std::optional<Math> math;
   // Views over memory the submitter keeps alive until `done` has run (the request's bytes,
   // the response's output buffer).
   std::vector<Sequence> sequences;

@@ -4,6 +4,7 @@
 // Thread-safety: immutable once published; readers hold a shared_ptr for a whole request.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -14,6 +15,7 @@
 #include "server/core/forms.h"
 #include "server/core/layer.h"
 #include "server/core/live_calibration.h"
+#include "server/core/math.h"
 #include "server/core/spectrum.h"
 
 namespace attnserve {
@@ -28,8 +30,15 @@ struct Layer {
   std::string source;
   LayerConfig config;  // complete
   std::string device;  // the backend's DeviceName()
-  // The forms held, resident on the backend. The factored form is always held.
+  // The forms held, resident on the backend in its default math (maths[0]). The factored form
+  // is always held.
   std::map<Form, std::shared_ptr<const ResidentForm>> forms;
+  // The maths every held form is held in: the backend's default first, then --extra-maths in
+  // their order. Empty: the default alone (a layer a test made by hand).
+  std::vector<Math> maths;
+  // The held forms in the other maths (maths[1], …): the same weights, resident again, each a
+  // served variant of its own (routes' form@math, shadows between precisions).
+  std::map<Variant, std::shared_ptr<const ResidentForm>> other_maths;
   // Per-head OV and QK spectra, computed once at load (server/core/spectrum.h); null when the
   // source said spectrum=false.
   std::shared_ptr<const LayerSpectrum> spectrum;
@@ -52,10 +61,45 @@ struct Layer {
   // held). The layer published with the form has none. Internally synchronised.
   std::shared_ptr<LiveCalibration> live_calibration;
 
-  // nullptr when the layer does not hold that form.
+  // nullptr when the layer does not hold that form (in the default math).
   const ResidentForm* Find(Form form) const {
     auto it = forms.find(form);
     return it == forms.end() ? nullptr : it->second.get();
+  }
+  // nullptr when the layer does not hold that variant.
+  const ResidentForm* Find(Variant v) const {
+    if (v.math == default_math()) return Find(v.form);
+    auto it = other_maths.find(v);
+    return it == other_maths.end() ? nullptr : it->second.get();
+  }
+  Math default_math() const { return maths.empty() ? Math::kFp32 : maths.front(); }
+  bool HoldsMath(Math m) const {
+    return m == default_math() || std::find(maths.begin(), maths.end(), m) != maths.end();
+  }
+  // Every variant held: each held form in each math, the default math's first, in form order.
+  std::vector<Variant> Variants() const {
+    std::vector<Variant> held;
+    for (const auto& [form, _] : forms) held.push_back({form, default_math()});
+    for (const auto& [variant, _] : other_maths) held.push_back(variant);
+    return held;
+  }
+  // Host bytes `v`'s resident form adds to the layer: all of its HostBytes in the default math;
+  // in another, what it holds beyond the float32 weights it shares with the default math's form
+  // (the CPU's packed copy; nothing for a GPU's). 0 when the variant is not held.
+  int64_t HostBytesOf(Variant v) const {
+    const ResidentForm* r = Find(v);
+    if (r == nullptr) return 0;
+    if (v.math == default_math()) return r->HostBytes();
+    const ResidentForm* shared = Find(v.form);
+    return shared != nullptr && &shared->weights() == &r->weights() ? r->HostBytes() - r->weights().Bytes()
+                                                                    : r->HostBytes();
+  }
+  // Every resident form, the other maths' included: what the layer holds on its device.
+  std::vector<const ResidentForm*> AllResident() const {
+    std::vector<const ResidentForm*> all;
+    for (const auto& [_, r] : forms) all.push_back(r.get());
+    for (const auto& [_, r] : other_maths) all.push_back(r.get());
+    return all;
   }
 };
 

@@ -21,13 +21,21 @@ namespace attnserve {
 namespace {
 
 constexpr size_t kCodes = 17;  // gRPC's canonical codes 0..16
-// Series index of a form; kNoForm for calls refused before a form was known.
-constexpr size_t kNoForm = std::size(kAllForms);
+// Series index of a variant (form, math); kNoForm for calls refused before a form was known.
+constexpr size_t kMaths = std::size(kAllMaths);
+constexpr size_t kNoForm = std::size(kAllForms) * kMaths;
 constexpr size_t kFormSlots = kNoForm + 1;
 
-size_t FormSlot(std::optional<Form> form) { return form ? static_cast<size_t>(*form) : kNoForm; }
+size_t FormSlot(std::optional<Variant> v) {
+  return v ? static_cast<size_t>(v->form) * kMaths + static_cast<size_t>(v->math) : kNoForm;
+}
 
-std::string FormLabel(size_t slot) { return slot == kNoForm ? "none" : std::string(FormName(kAllForms[slot])); }
+std::string FormLabel(size_t slot) {
+  return slot == kNoForm ? "none" : std::string(FormName(kAllForms[slot / kMaths]));
+}
+std::string MathLabel(size_t slot) {
+  return slot == kNoForm ? "none" : std::string(MathName(kAllMaths[slot % kMaths]));
+}
 
 const MetricFamilySpec& Spec(std::string_view name) {
   for (const MetricFamilySpec& spec : MetricFamilies()) {
@@ -66,27 +74,27 @@ T& Lazy(std::atomic<T*>& slot, prometheus::Family<T>& family, MakeLabels&& label
 
 const std::vector<MetricFamilySpec>& MetricFamilies() {
   static const std::vector<MetricFamilySpec> families = {
-      {"attnserve_requests_total", "counter", {"layer", "form", "code"},
+      {"attnserve_requests_total", "counter", {"layer", "form", "math", "code"},
        "Forward calls answered, by layer, serving form and gRPC status code."},
-      {"attnserve_request_duration_seconds", "histogram", {"layer", "form", "code"},
+      {"attnserve_request_duration_seconds", "histogram", {"layer", "form", "math", "code"},
        "Forward call latency in the server, from arrival to the answer, in seconds, by gRPC status code."},
-      {"attnserve_queue_duration_seconds", "histogram", {"layer", "form"},
+      {"attnserve_queue_duration_seconds", "histogram", {"layer", "form", "math"},
        "Time a Forward job waited in the executor's queue before its batch started, in seconds."},
-      {"attnserve_compute_duration_seconds", "histogram", {"layer", "form", "device"},
+      {"attnserve_compute_duration_seconds", "histogram", {"layer", "form", "math", "device"},
        "Wall time of one backend call (a batch), in seconds."},
       {"attnserve_stage_seconds", "histogram", {"stage"},
        "Time a served Forward call spent in each stage in the server (route, decode, admit, queue, compute, "
        "encode, send), in seconds."},
-      {"attnserve_device_time_seconds", "histogram", {"layer", "form", "device", "part"},
+      {"attnserve_device_time_seconds", "histogram", {"layer", "form", "math", "device", "part"},
        "One backend call's time on a GPU, by part: inputs (to the device, paced by packing pinned memory), "
        "compute, outputs (back to the host), in seconds, from events on its stream."},
-      {"attnserve_batch_requests", "histogram", {"layer", "form"}, "Jobs per backend call."},
-      {"attnserve_batch_tokens", "histogram", {"layer", "form"}, "Query tokens (rows) per backend call."},
-      {"attnserve_flops_total", "counter", {"layer", "form", "device"},
+      {"attnserve_batch_requests", "histogram", {"layer", "form", "math"}, "Jobs per backend call."},
+      {"attnserve_batch_tokens", "histogram", {"layer", "form", "math"}, "Query tokens (rows) per backend call."},
+      {"attnserve_flops_total", "counter", {"layer", "form", "math", "device"},
        "Floating-point operations the backend calls performed (multiply-add = 2); rate() is the achieved "
        "FLOP/s."},
-      {"attnserve_queue_depth", "gauge", {"layer", "form"}, "Forward jobs waiting in the executor's queue."},
-      {"attnserve_computing_requests", "gauge", {"layer", "form"},
+      {"attnserve_queue_depth", "gauge", {"layer", "form", "math"}, "Forward jobs waiting in the executor's queue."},
+      {"attnserve_computing_requests", "gauge", {"layer", "form", "math"},
        "Forward jobs in a backend call now; with attnserve_queue_depth, a layer's work in flight."},
       {"attnserve_inflight_requests", "gauge", {}, "Forward calls received and not yet answered."},
       {"attnserve_memory_reserved_bytes", "gauge", {},
@@ -94,16 +102,17 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
       {"attnserve_memory_budget_bytes", "gauge", {}, "The memory budget of admitted requests (--max-memory-mb)."},
       {"attnserve_backend_retained_bytes", "gauge", {},
        "Host memory the backend keeps between calls for reuse (the CPU backend's scratch), outside the budget."},
-      {"attnserve_shadow_divergence", "histogram", {"layer", "form"},
-       "Relative L2 distance ||mirror - served|| / ||served|| of shadow runs, by the mirror's form."},
-      {"attnserve_shadow_divergence_max_abs", "histogram", {"layer", "form"},
-       "Largest absolute difference |mirror - served| of shadow runs, by the mirror's form."},
+      {"attnserve_shadow_divergence", "histogram", {"layer", "form", "math"},
+       "Relative L2 distance ||mirror - served|| / ||served|| of shadow runs, by the mirror's form and math."},
+      {"attnserve_shadow_divergence_max_abs", "histogram", {"layer", "form", "math"},
+       "Largest absolute difference |mirror - served| of shadow runs, by the mirror's form and math."},
       {"attnserve_shadow_dropped_total", "counter", {"layer"},
        "Shadow runs not done: the shadow queue was full, or the mirror failed."},
-      {"attnserve_layer_parameters", "gauge", {"layer", "form"}, "Parameters of a loaded layer's form."},
-      {"attnserve_layer_bytes", "gauge", {"layer", "form", "device"},
-       "Bytes of host memory a loaded layer's form holds: its weights, and the CPU backend's packed copy of them."},
-      {"attnserve_route_weight", "gauge", {"layer", "form"},
+      {"attnserve_layer_parameters", "gauge", {"layer", "form", "math"}, "Parameters of a loaded layer's form."},
+      {"attnserve_layer_bytes", "gauge", {"layer", "form", "math", "device"},
+       "Bytes of host memory a loaded layer's form holds: its weights, and the CPU backend's packed copy of them; "
+       "in a math beside the default, what its copy adds (the float32 weights are shared)."},
+      {"attnserve_route_weight", "gauge", {"layer", "form", "math"},
        "Share of unspecified-form requests this process routes to a form (layer \"*\": the default route)."},
       {"attnserve_routes_generation", "gauge", {},
        "Hash of the routes this process applies (53 bits of FNV-1a 64 of their canonical text): equal on every "
@@ -126,10 +135,10 @@ const std::vector<MetricFamilySpec>& MetricFamilies() {
       {"attnserve_gpu_memory_total_bytes", "gauge", {"device"}, "NVML: the GPU's device memory."},
       {"attnserve_gpu_temperature_celsius", "gauge", {"device"}, "NVML: the GPU die's temperature."},
       {"attnserve_gpu_power_watts", "gauge", {"device"}, "NVML: the board's power draw."},
-      {"attnserve_nonfinite_outputs_total", "counter", {"layer", "form"},
+      {"attnserve_nonfinite_outputs_total", "counter", {"layer", "form", "math"},
        "Outputs a form computed with a NaN or an infinity in them (float32 overflowed on finite inputs): served "
        "ones are answered OUT_OF_RANGE, compare and shadow ones show as infinite divergence."},
-      {"attnserve_auto_choice_total", "counter", {"layer", "form"},
+      {"attnserve_auto_choice_total", "counter", {"layer", "form", "math"},
        "Requests with form auto, by the exact form the cost model chose for them (counted once decoded)."},
   };
   return families;
@@ -280,7 +289,7 @@ struct Metrics::Impl {
   FormSeries& Series(std::string_view layer, size_t slot) { return Layer(layer).forms[slot]; }
 
   static prometheus::Labels LayerForm(std::string_view layer, size_t slot) {
-    return {{"layer", std::string(layer)}, {"form", FormLabel(slot)}};
+    return {{"layer", std::string(layer)}, {"form", FormLabel(slot)}, {"math", MathLabel(slot)}};
   }
 
   DeviceSeries& Device(FormSeries& series, std::string_view layer, size_t slot, std::string_view device)
@@ -324,9 +333,10 @@ void Metrics::SetMemory(int64_t reserved_bytes, int64_t budget_bytes) {
   impl_->memory_budget.Set(static_cast<double>(budget_bytes));
 }
 
-void Metrics::RequestFinished(std::string_view layer, std::optional<Form> form, StatusCode code, double seconds) {
+void Metrics::RequestFinished(std::string_view layer, std::optional<Variant> variant, StatusCode code,
+                              double seconds) {
   impl_->inflight.Decrement();
-  const size_t slot = FormSlot(form);
+  const size_t slot = FormSlot(variant);
   Impl::FormSeries& s = impl_->Series(layer, slot);
   size_t c = static_cast<size_t>(code);
   if (c >= kCodes) c = static_cast<size_t>(StatusCode::kUnknown);
@@ -343,9 +353,9 @@ void Metrics::StagesServed(std::span<const double, std::size(kAllServingStages)>
   for (size_t i = 0; i < seconds.size(); ++i) impl_->stages[i]->Observe(seconds[i]);
 }
 
-void Metrics::SetLayerForm(std::string_view layer, Form form, std::string_view device, int64_t parameters,
+void Metrics::SetLayerForm(std::string_view layer, Variant variant, std::string_view device, int64_t parameters,
                            int64_t bytes) {
-  const size_t slot = FormSlot(form);
+  const size_t slot = FormSlot(variant);
   MutexLock lock(impl_->gauge_mu);
   prometheus::Gauge& p = impl_->layer_parameters.Add(Impl::LayerForm(layer, slot));
   prometheus::Labels labels = Impl::LayerForm(layer, slot);
@@ -371,41 +381,41 @@ void Metrics::CountDeviceError(std::string_view device) {
   impl_->device_errors.Add({{"device", std::string(device)}}).Increment();
 }
 
-void Metrics::CountNonFiniteOutput(std::string_view layer, Form form) {
-  const size_t slot = FormSlot(form);
+void Metrics::CountNonFiniteOutput(std::string_view layer, Variant variant) {
+  const size_t slot = FormSlot(variant);
   Impl::FormSeries& s = impl_->Series(layer, slot);
   Lazy(s.nonfinite_outputs, impl_->nonfinite_outputs, [&] { return Impl::LayerForm(layer, slot); }).Increment();
 }
 
-void Metrics::CountAutoChoice(std::string_view layer, Form form) {
-  const size_t slot = FormSlot(form);
+void Metrics::CountAutoChoice(std::string_view layer, Variant variant) {
+  const size_t slot = FormSlot(variant);
   Impl::FormSeries& s = impl_->Series(layer, slot);
   Lazy(s.auto_choices, impl_->auto_choices, [&] { return Impl::LayerForm(layer, slot); }).Increment();
 }
 
-void Metrics::JobQueued(std::string_view layer, Form form) {
-  const size_t slot = FormSlot(form);
+void Metrics::JobQueued(std::string_view layer, Variant variant) {
+  const size_t slot = FormSlot(variant);
   Impl::FormSeries& s = impl_->Series(layer, slot);
   Lazy(s.queue_depth, impl_->queue_depth, [&] { return Impl::LayerForm(layer, slot); }).Increment();
 }
 
-void Metrics::JobDequeued(std::string_view layer, Form form, double queue_seconds) {
-  const size_t slot = FormSlot(form);
+void Metrics::JobDequeued(std::string_view layer, Variant variant, double queue_seconds) {
+  const size_t slot = FormSlot(variant);
   Impl::FormSeries& s = impl_->Series(layer, slot);
   Lazy(s.queue_depth, impl_->queue_depth, [&] { return Impl::LayerForm(layer, slot); }).Decrement();
   Lazy(s.queue_duration, impl_->queue_duration, [&] { return Impl::LayerForm(layer, slot); }, LatencyBuckets())
       .Observe(queue_seconds);
 }
 
-void Metrics::BatchStarted(std::string_view layer, Form form, int32_t requests) {
-  const size_t slot = FormSlot(form);
+void Metrics::BatchStarted(std::string_view layer, Variant variant, int32_t requests) {
+  const size_t slot = FormSlot(variant);
   Impl::FormSeries& s = impl_->Series(layer, slot);
   Lazy(s.computing, impl_->computing, [&] { return Impl::LayerForm(layer, slot); }).Increment(requests);
 }
 
 void Metrics::BatchDone(const BatchReport& report) {
   {
-    const size_t slot = FormSlot(report.form);
+    const size_t slot = FormSlot(report.variant);
     Impl::FormSeries& s = impl_->Series(report.layer, slot);
     Lazy(s.computing, impl_->computing, [&] { return Impl::LayerForm(report.layer, slot); })
         .Decrement(report.requests);
@@ -413,7 +423,7 @@ void Metrics::BatchDone(const BatchReport& report) {
   impl_->backend_retained.Set(static_cast<double>(report.backend_retained_bytes));
   if (report.code == StatusCode::kInternal) CountDeviceError(report.device);
   if (report.code != StatusCode::kOk) return;  // nothing was computed, or not all of it
-  const size_t slot = FormSlot(report.form);
+  const size_t slot = FormSlot(report.variant);
   Impl::FormSeries& s = impl_->Series(report.layer, slot);
   auto labels = [&] { return Impl::LayerForm(report.layer, slot); };
   Lazy(s.batch_requests, impl_->batch_requests, labels, BatchRequestBuckets()).Observe(report.requests);
@@ -445,7 +455,9 @@ void Metrics::RouteChanged(std::string_view layer, const RouteSplit& split) {
   gauges.clear();
   for (const auto& [target, share] : split) {
     prometheus::Gauge& g =
-        impl_->route_weight.Add({{"layer", std::string(layer)}, {"form", std::string(target.name())}});
+        impl_->route_weight.Add({{"layer", std::string(layer)},
+                                 {"form", std::string(target.name())},
+                                 {"math", std::string(MathName(target.math.value_or(Math::kFp32)))}});
     g.Set(share);
     gauges.push_back(&g);
   }
@@ -458,7 +470,7 @@ void Metrics::RoutesApplied(uint64_t generation) {
 
 void Metrics::RoutesFileLoaded(bool ok) { (ok ? impl_->reload_ok : impl_->reload_error).Increment(); }
 
-void Metrics::ShadowCompared(std::string_view layer, Form mirror, const DivergenceStats& divergence) {
+void Metrics::ShadowCompared(std::string_view layer, Variant mirror, const DivergenceStats& divergence) {
   const size_t slot = FormSlot(mirror);
   Impl::FormSeries& s = impl_->Series(layer, slot);
   auto labels = [&] { return Impl::LayerForm(layer, slot); };

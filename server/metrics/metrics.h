@@ -4,9 +4,10 @@
 // it through their observer interfaces, so neither depends on Prometheus.
 //
 // Labels: `layer` is a loaded layer's name ("" for requests that named no loaded layer, "*" for
-// the default route), `form` is factored, summed or lowrank ("none" for requests refused
-// before a form was chosen), `device` is cpu or cuda:N, `code` is the gRPC status name.
-// Hot-path calls find their series in a per-(layer, form) cache under a shared lock and touch
+// the default route), `form` is factored, summed or lowrank and `math` fp32, tf32, bf16 or fp16
+// (a served variant, server/core/math.h; both "none" for requests refused before a form was
+// chosen), `device` is cpu or cuda:N, `code` is the gRPC status name.
+// Hot-path calls find their series in a per-(layer, variant) cache under a shared lock and touch
 // only prometheus-cpp's own atomics after the first call for a label set.
 // Thread-safety: every method may be called from any thread at once.
 #pragma once
@@ -22,6 +23,7 @@
 
 #include "server/batching/batch_observer.h"
 #include "server/core/forms.h"
+#include "server/core/math.h"
 #include "server/core/status.h"
 #include "server/routing/routing_observer.h"
 
@@ -91,14 +93,15 @@ class Metrics final : public BatchObserver, public RoutingObserver {
   // A Forward call ended with `code` after `seconds` (inflight_requests - 1, requests_total,
   // request_duration_seconds, both by code). `form` is the form that served it or was asked for; nullopt
   // when the call was refused before one was known.
-  void RequestFinished(std::string_view layer, std::optional<Form> form, StatusCode code, double seconds);
+  void RequestFinished(std::string_view layer, std::optional<Variant> variant, StatusCode code, double seconds);
 
   // One served call's stages (stage_seconds), in seconds, indexed like kAllServingStages.
   // Lock-free: one series per stage, made at construction.
   void StagesServed(std::span<const double, std::size(kAllServingStages)> seconds);
 
   // layer_parameters and layer_bytes of one held form of a loaded layer.
-  void SetLayerForm(std::string_view layer, Form form, std::string_view device, int64_t parameters, int64_t bytes);
+  void SetLayerForm(std::string_view layer, Variant variant, std::string_view device, int64_t parameters,
+                    int64_t bytes);
   // Removes every layer_parameters / layer_bytes series of `layer` (unloaded or replaced).
   // Counters and histograms stay: a rate over the unload must not see them vanish.
   void RemoveLayer(std::string_view layer);
@@ -109,18 +112,18 @@ class Metrics final : public BatchObserver, public RoutingObserver {
   // An output `form` computed for a request to `layer` held a NaN or an infinity (float32
   // overflowed on finite inputs): nonfinite_outputs_total. The service counts served outputs
   // (answered OUT_OF_RANGE) and compare outputs; ShadowCompared counts mirrors.
-  void CountNonFiniteOutput(std::string_view layer, Form form);
+  void CountNonFiniteOutput(std::string_view layer, Variant variant);
 
   // A request to `layer` with form auto is served by `form`, the cost model's choice:
   // auto_choice_total.
-  void CountAutoChoice(std::string_view layer, Form form);
+  void CountAutoChoice(std::string_view layer, Variant variant);
 
   // BatchObserver: queue_depth, queue_duration_seconds, compute_duration_seconds,
   // batch_requests, batch_tokens, flops_total; a batch failing with INTERNAL also counts a
   // device error.
-  void JobQueued(std::string_view layer, Form form) override;
-  void JobDequeued(std::string_view layer, Form form, double queue_seconds) override;
-  void BatchStarted(std::string_view layer, Form form, int32_t requests) override;
+  void JobQueued(std::string_view layer, Variant variant) override;
+  void JobDequeued(std::string_view layer, Variant variant, double queue_seconds) override;
+  void BatchStarted(std::string_view layer, Variant variant, int32_t requests) override;
   void BatchDone(const BatchReport& report) override;
 
   // RoutingObserver: route_weight, routes_generation, config_reload_total, shadow_divergence (rel_l2),
@@ -129,7 +132,7 @@ class Metrics final : public BatchObserver, public RoutingObserver {
   void RouteChanged(std::string_view layer, const RouteSplit& split) override;
   void RoutesApplied(uint64_t generation) override;
   void RoutesFileLoaded(bool ok) override;
-  void ShadowCompared(std::string_view layer, Form mirror, const DivergenceStats& divergence) override;
+  void ShadowCompared(std::string_view layer, Variant mirror, const DivergenceStats& divergence) override;
   void ShadowDropped(std::string_view layer) override;
 
  private:

@@ -24,10 +24,30 @@ std::string HeldNames() {
   return names + ", " + Str(kAutoChoice.name);
 }
 
-// A target's place in a split: its form's value, auto after every form.
-constexpr size_t kTargetSlots = std::size(kAllForms) + 1;
-size_t SlotOf(const RouteTarget& t) { return t.form ? static_cast<size_t>(*t.form) : std::size(kAllForms); }
-RouteTarget TargetOfSlot(size_t slot) { return slot < std::size(kAllForms) ? RouteTarget(kAllForms[slot]) : RouteTarget(); }
+// A target's place in a split: its form's value, auto after every form; within one, its math's
+// value, the default math (none named) after every math.
+constexpr size_t kForms = std::size(kAllForms), kMaths = std::size(kAllMaths);
+constexpr size_t kTargetSlots = (kForms + 1) * (kMaths + 1);
+size_t SlotOf(const RouteTarget& t) {
+  return (t.form ? static_cast<size_t>(*t.form) : kForms) * (kMaths + 1) +
+         (t.math ? static_cast<size_t>(*t.math) : kMaths);
+}
+RouteTarget TargetOfSlot(size_t slot) {
+  const size_t form = slot / (kMaths + 1), math = slot % (kMaths + 1);
+  return {form < kForms ? std::optional<Form>(kAllForms[form]) : std::nullopt,
+          math < kMaths ? std::optional<Math>(kAllMaths[math]) : std::nullopt};
+}
+
+// The target with its math named: the layer's default where the route named none.
+RouteTarget Resolved(RouteTarget t, Math default_math) {
+  if (!t.math) t.math = default_math;
+  return t;
+}
+RouteSplit Resolved(const RouteSplit& split, Math default_math) {
+  RouteSplit resolved = split;
+  for (auto& [target, _] : resolved) target = Resolved(target, default_math);
+  return resolved;
+}
 
 // A uniform draw in [0, 1) from this thread's generator: routing is on every request's path,
 // and one shared generator would need a lock.
@@ -52,11 +72,11 @@ StatusOr<RouteSplit> MakeRouteSplit(const std::vector<std::pair<RouteTarget, dou
   for (const auto& [target, weight] : weights) {
     const size_t index = SlotOf(target);
     if (seen[index]) {
-      return InvalidArgumentError(w + ": expected each form at most once, got " + Str(target.name()) + " twice");
+      return InvalidArgumentError(w + ": expected each form at most once, got " + target.label() + " twice");
     }
     seen[index] = true;
     if (!std::isfinite(weight) || weight < 0) {
-      return InvalidArgumentError(w + ": expected a finite weight >= 0 for " + Str(target.name()) + ", got " +
+      return InvalidArgumentError(w + ": expected a finite weight >= 0 for " + target.label() + ", got " +
                                   std::to_string(weight));
     }
     by_form[index] = weight;
@@ -76,7 +96,8 @@ StatusOr<RouteSplit> MakeRouteSplit(const std::vector<std::pair<RouteTarget, dou
 StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what) {
   const std::string w(what);
   const std::string expected = "expected FORM:WEIGHT[,FORM:WEIGHT...] with FORM one of " + HeldNames() +
-                               " and WEIGHT >= 0 (e.g. factored:90,summed:10)";
+                               ", optionally @MATH (" + Str(kMathChoices) +
+                               "), and WEIGHT >= 0 (e.g. factored:90,summed:10 or factored@bf16:90,factored@fp32:10)";
   if (Trim(spec).empty()) return InvalidArgumentError(w + ": " + expected + ", got an empty string");
   std::vector<std::pair<RouteTarget, double>> weights;
   size_t start = 0;
@@ -88,12 +109,23 @@ StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what
     if (colon == std::string_view::npos) {
       return InvalidArgumentError(w + ": " + expected + ", got '" + Str(item) + "' (no ':') in '" + Str(spec) + "'");
     }
-    const std::string_view name = Trim(item.substr(0, colon));
+    const std::string_view target = Trim(item.substr(0, colon));
     const std::string_view number = Trim(item.substr(colon + 1));
+    const size_t at = target.find('@');
+    const std::string_view name = Trim(target.substr(0, at));
     const std::optional<Form> form = ParseForm(name);
     if (!form && name != kAutoChoice.name) {
       return InvalidArgumentError(w + ": expected a form among " + HeldNames() + ", got '" + Str(name) + "' in '" +
                                   Str(spec) + "'");
+    }
+    std::optional<Math> math;
+    if (at != std::string_view::npos) {
+      const std::string_view math_name = Trim(target.substr(at + 1));
+      math = ParseMath(math_name);
+      if (!math) {
+        return InvalidArgumentError(w + ": expected a math after " + Str(name) + "@ among " + Str(kMathChoices) +
+                                    ", got '" + Str(math_name) + "' in '" + Str(spec) + "'");
+      }
     }
     double weight = 0;
     const char* end = number.data() + number.size();
@@ -102,7 +134,7 @@ StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what
       return InvalidArgumentError(w + ": expected a finite weight >= 0 for " + Str(name) + ", got '" + Str(number) +
                                   "' in '" + Str(spec) + "'");
     }
-    weights.emplace_back(form ? RouteTarget(*form) : RouteTarget::Auto(), weight);
+    weights.emplace_back(RouteTarget(form, math), weight);
   }
   StatusOr<RouteSplit> split = MakeRouteSplit(weights, what);
   if (!split.ok()) return InvalidArgumentError(split.status().message() + " in '" + Str(spec) + "'");
@@ -114,7 +146,7 @@ std::string FormatRouteSpec(const RouteSplit& split) {
   for (const auto& [form, share] : split) {
     char buf[32];
     std::snprintf(buf, sizeof(buf), "%.4g", share * 100);
-    text += (text.empty() ? "" : ",") + Str(form.name()) + ":" + buf;
+    text += (text.empty() ? "" : ",") + form.label() + ":" + buf;
   }
   return text;
 }
@@ -159,7 +191,7 @@ std::string CanonicalRoutesText(const Routes& routes) {
     for (const auto& [form, share] : split) {
       char buf[32];
       std::snprintf(buf, sizeof(buf), "%.6g", share * 100);
-      text += (first ? "" : ",") + Str(form.name()) + ":" + buf;
+      text += (first ? "" : ",") + form.label() + ":" + buf;
       first = false;
     }
     text += "\n";
@@ -169,10 +201,10 @@ std::string CanonicalRoutesText(const Routes& routes) {
 
 uint64_t RoutesGeneration(const Routes& routes) { return Fnv1a64(CanonicalRoutesText(routes)) >> 11; }
 
-Router::Router(RoutingObserver* observer) : observer_(observer) {
+Router::Router(RoutingObserver* observer, Math default_math) : observer_(observer), default_math_(default_math) {
   WriterLock lock(mu_);
   routes_.emplace(kDefaultRoute, DefaultSplit());
-  if (observer_ != nullptr) observer_->RouteChanged(kDefaultRoute, DefaultSplit());
+  if (observer_ != nullptr) observer_->RouteChanged(kDefaultRoute, Resolved(DefaultSplit(), default_math_));
   RoutesChangedLocked();
 }
 
@@ -208,7 +240,7 @@ Status Router::ReplaceRoutes(const Routes& routes) {
     for (const auto& [layer, _] : routes_) {
       if (!next.contains(layer)) observer_->RouteChanged(layer, {});
     }
-    for (const auto& [layer, split] : next) observer_->RouteChanged(layer, split);
+    for (const auto& [layer, split] : next) observer_->RouteChanged(layer, Resolved(split, default_math_));
   }
   routes_ = std::move(next);
   RoutesChangedLocked();
@@ -230,7 +262,7 @@ Status Router::SetRoute(std::string_view layer, RouteSplit split) {
     routes_.insert_or_assign(std::string(layer), split);
   }
   // Under the lock, so that the observer's view follows the order of the changes.
-  if (observer_ != nullptr) observer_->RouteChanged(layer, split);
+  if (observer_ != nullptr) observer_->RouteChanged(layer, Resolved(split, default_math_));
   RoutesChangedLocked();
   return OkStatus();
 }
@@ -251,38 +283,48 @@ Routes Router::AllRoutes() const {
   return RoutesLocked();
 }
 
-RouteTarget Router::Choose(std::string_view layer, std::span<const Form> held, std::string_view request_key) const {
-  // auto resolves to a held exact form (the factored form at least): every layer can serve it.
+RouteTarget Router::Choose(std::string_view layer, std::span<const Variant> held, Math default_math,
+                           std::string_view request_key) const {
+  // auto resolves to a held exact form (the factored form at least) in its math: every layer
+  // can serve it in a math it holds.
   auto holds = [&](const RouteTarget& t) {
-    if (t.is_auto()) return true;
-    for (Form h : held) {
-      if (h == *t.form) return true;
+    const Math math = t.math.value_or(default_math);
+    for (const Variant& h : held) {
+      if (h.math == math && (t.is_auto() || h.form == *t.form)) return true;
     }
     return false;
   };
   // The factored form is always held (layer_store.h); it is the answer when no share applies.
-  const Form fallback = held.empty() || holds(Form::kFactored) ? Form::kFactored : held.front();
+  const RouteTarget fallback(Form::kFactored, default_math);
   // Drawn before the lock: the draw is the expensive part of an unkeyed request.
   const double point = request_key.empty() ? UniformDraw() : StickyPoint(request_key);
   ReaderLock lock(mu_);
   const RouteSplit& split = RouteOfLocked(layer);
   double total = 0;
-  for (const auto& [form, share] : split) {
-    if (holds(form)) total += share;
+  for (const auto& [target, share] : split) {
+    if (holds(target)) total += share;
   }
   if (!(total > 0)) return fallback;
-  // Cumulative shares in Form order: moving weight between two forms only moves the keys
+  // Cumulative shares in slot order: moving weight between two targets only moves the keys
   // whose points lie between the old and the new boundary.
-  const double target = point * total;
+  const double point_in_total = point * total;
   double cumulative = 0;
   RouteTarget last = fallback;
-  for (const auto& [form, share] : split) {
-    if (!holds(form)) continue;
+  for (const auto& [target, share] : split) {
+    if (!holds(target)) continue;
     cumulative += share;
-    last = form;
-    if (target < cumulative) return form;
+    last = Resolved(target, default_math);
+    if (point_in_total < cumulative) return last;
   }
-  return last;  // rounding left target at the very top
+  return last;  // rounding left the point at the very top
+}
+
+RouteTarget Router::Choose(std::string_view layer, std::span<const Form> held, std::string_view request_key) const {
+  std::vector<Variant> variants;
+  for (Form f : held) variants.push_back({f, default_math_});
+  RouteTarget chosen = Choose(layer, variants, default_math_, request_key);
+  chosen.math.reset();  // one math: the target is a form (or auto) alone
+  return chosen;
 }
 
 Status Router::SetShadowRate(double rate) {
@@ -293,18 +335,24 @@ Status Router::SetShadowRate(double rate) {
   return OkStatus();
 }
 
-std::optional<Form> Router::ShadowMirror(std::span<const Form> held, Form served) const {
+std::optional<Variant> Router::ShadowMirror(std::span<const Variant> held, Variant served) const {
   const double rate = shadow_rate();
   if (!(rate > 0)) return std::nullopt;
   if (rate < 1 && UniformDraw() >= rate) return std::nullopt;
-  Form others[std::size(kAllForms)];
-  size_t count = 0;
-  for (Form f : held) {
-    if (f != served && count < std::size(others)) others[count++] = f;
+  std::vector<Variant> others;
+  for (const Variant& v : held) {
+    if (v != served) others.push_back(v);
   }
-  if (count == 0) return std::nullopt;
-  const size_t pick = std::min(count - 1, static_cast<size_t>(UniformDraw() * static_cast<double>(count)));
+  if (others.empty()) return std::nullopt;
+  const size_t pick = std::min(others.size() - 1, static_cast<size_t>(UniformDraw() * static_cast<double>(others.size())));
   return others[pick];
+}
+
+std::optional<Form> Router::ShadowMirror(std::span<const Form> held, Form served) const {
+  std::vector<Variant> variants;
+  for (Form f : held) variants.push_back({f, default_math_});
+  const std::optional<Variant> mirror = ShadowMirror(variants, {served, default_math_});
+  return mirror ? std::optional<Form>(mirror->form) : std::nullopt;
 }
 
 }  // namespace attnserve

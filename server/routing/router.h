@@ -34,9 +34,11 @@ inline constexpr char kDefaultRoute[] = "*";
 // Checks (each target at most once, weights finite and >= 0, at least one positive) and
 // normalises raw weights into a split. INVALID_ARGUMENT naming `what`, expected and got.
 StatusOr<RouteSplit> MakeRouteSplit(const std::vector<std::pair<RouteTarget, double>>& weights, std::string_view what);
-// Parses "factored:90,summed:10" or "summed:50,auto:50" (weights are non-negative numbers, normalised to shares; a
-// form may be left out or given 0). INVALID_ARGUMENT naming `what`, expected and got: unknown
-// form, bad or negative weight, a form twice, every weight 0, an empty spec.
+// Parses "factored:90,summed:10", "summed:50,auto:50" or, naming the math of each (a served
+// variant, server/core/math.h), "factored@bf16:90,factored@fp32:10" (weights are non-negative
+// numbers, normalised to shares; a target may be left out or given 0; a target without @MATH is
+// served in the layer's default math). INVALID_ARGUMENT naming `what`, expected and got: unknown
+// form or math, bad or negative weight, a target twice, every weight 0, an empty spec.
 StatusOr<RouteSplit> ParseRouteSpec(std::string_view spec, std::string_view what = "route");
 // "factored:90,summed:10" with the shares as percentages (at most 4 significant digits).
 std::string FormatRouteSpec(const RouteSplit& split);
@@ -60,8 +62,10 @@ uint64_t RoutesGeneration(const Routes& routes);
 
 class Router {
  public:
-  // `observer` (may be null) hears every route change; it is told the default at once.
-  explicit Router(RoutingObserver* observer = nullptr);
+  // `observer` (may be null) hears every route change, each target's math resolved to
+  // `default_math` where the route named none; it is told the default route at once.
+  // `default_math`: the backend's (Backend::default_math), what a target without @MATH means.
+  explicit Router(RoutingObserver* observer = nullptr, Math default_math = Math::kFp32);
 
   // Sets the split of `layer` ("*" = the default). An empty split removes the layer's own route
   // (for "*": back to factored:100). INVALID_ARGUMENT for an empty layer name.
@@ -77,16 +81,24 @@ class Router {
   // RoutesGeneration of the routes now applied.
   uint64_t generation() const;
 
-  // The target for a request to `layer` holding `held` (non-empty): a held form, or auto, which
-  // every layer can serve (it resolves to a held exact form). With a non-empty `request_key` the
-  // choice is a function of the key and the split; otherwise random.
+  // The target for a request to `layer` holding the variants `held` (non-empty), its math
+  // resolved (a target without one: `default_math`, the layer's): a held variant, or auto in a
+  // held math (it resolves to a held exact form). Targets the layer does not hold are skipped
+  // and the split renormalised over the rest. With a non-empty `request_key` the choice is a
+  // function of the key and the split; otherwise random.
+  RouteTarget Choose(std::string_view layer, std::span<const Variant> held, Math default_math,
+                     std::string_view request_key) const;
+  // The same for a layer holding `held` in the router's default math alone.
   RouteTarget Choose(std::string_view layer, std::span<const Form> held, std::string_view request_key) const;
 
   // The fraction of served requests mirrored to another form, in [0, 1].
   Status SetShadowRate(double rate);
   double shadow_rate() const { return shadow_rate_.load(std::memory_order_relaxed); }
-  // With probability shadow_rate(), another held form (uniformly among them) to mirror a
-  // request served by `served`; nullopt otherwise or when the layer holds no other form.
+  // With probability shadow_rate(), another held variant (uniformly among them: another form,
+  // or the same form in another math) to mirror a request served by `served`; nullopt
+  // otherwise or when the layer holds no other variant.
+  std::optional<Variant> ShadowMirror(std::span<const Variant> held, Variant served) const;
+  // The same among forms held in the router's default math alone.
   std::optional<Form> ShadowMirror(std::span<const Form> held, Form served) const;
 
  private:
@@ -96,6 +108,7 @@ class Router {
   void RoutesChangedLocked() ATTNSERVE_REQUIRES(mu_);
 
   RoutingObserver* const observer_;
+  const Math default_math_;
   mutable SharedMutex mu_;
   std::map<std::string, RouteSplit, std::less<>> routes_ ATTNSERVE_GUARDED_BY(mu_);  // always holds "*"
   std::atomic<uint64_t> generation_{0};

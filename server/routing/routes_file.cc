@@ -38,7 +38,21 @@ std::string DirectoryOf(const std::string& path) {
 std::string HeldForms(const Layer& layer) {
   std::string names;
   for (const auto& [form, _] : layer.forms) names += (names.empty() ? "" : ", ") + std::string(FormName(form));
+  if (layer.maths.size() > 1) {
+    std::string maths;
+    for (Math m : layer.maths) maths += (maths.empty() ? "" : ", ") + std::string(MathName(m));
+    names += " in " + maths;
+  }
   return names;
+}
+
+// Whether `layer` can serve `target`: its form (any, for auto) in its math (the layer's
+// default where the target names none).
+bool Holds(const Layer& layer, const RouteTarget& target) {
+  const Math math = target.math.value_or(layer.default_math());
+  if (target.is_auto()) return layer.HoldsMath(math);
+  return math == layer.default_math() ? layer.forms.contains(*target.form)
+                                      : layer.other_maths.contains(Variant{*target.form, math});
 }
 
 }  // namespace
@@ -79,12 +93,12 @@ Status CheckRoutesHeld(const Routes& routes, const std::vector<std::shared_ptr<c
   for (const auto& [name, split] : routes) {
     if (name == kDefaultRoute) {
       for (const auto& [target, _] : split) {
-        if (target.is_auto()) continue;  // every layer can serve auto
+        if (target.is_auto() && !target.math) continue;  // every layer can serve auto
         bool held = layers.empty();  // nothing loaded: nothing to hold it against
-        for (const auto& layer : layers) held = held || layer->forms.contains(*target.form);
+        for (const auto& layer : layers) held = held || Holds(*layer, target);
         if (!held) {
-          return FailedPreconditionError("routes: *: expected forms some loaded layer holds, got " +
-                                         std::string(target.name()) + " which none of " + loaded + " holds");
+          return FailedPreconditionError("routes: *: expected forms some loaded layer holds, got " + target.label() +
+                                         " which none of " + loaded + " holds");
         }
       }
       continue;
@@ -99,9 +113,9 @@ Status CheckRoutesHeld(const Routes& routes, const std::vector<std::shared_ptr<c
                                      "), got '" + name + "'");
     }
     for (const auto& [target, _] : split) {
-      if (!target.is_auto() && !layer->forms.contains(*target.form)) {
+      if (!Holds(*layer, target)) {
         return FailedPreconditionError("routes: " + name + ": expected forms the layer holds (" + HeldForms(*layer) +
-                                       ") or auto, got " + std::string(target.name()));
+                                       ") or auto, got " + target.label());
       }
     }
   }

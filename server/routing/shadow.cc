@@ -130,7 +130,8 @@ void ShadowRunner::Run(Task& task) {
   try {
     mirror_output.resize(r.served_output.size());
     job.layer = r.layer;
-    job.form = r.mirror;
+    job.form = r.mirror.form;
+    job.math = r.mirror.math;
     job.sequences = r.request.Sequences(mirror_output.data());
     job.done = [&done](Status status, JobTimings) { done.set_value(std::move(status)); };
   } catch (const std::exception&) {

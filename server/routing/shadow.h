@@ -35,8 +35,8 @@ namespace attnserve {
 // value and keeps every field), so the mirror computes exactly what the client asked.
 struct ShadowRequest {
   std::shared_ptr<const Layer> layer;
-  Form served = Form::kFactored;
-  Form mirror = Form::kSummed;
+  Variant served{Form::kFactored, Math::kFp32};
+  Variant mirror{Form::kSummed, Math::kFp32};  // another form, or the served form in another math
   AttentionRequest request;
   std::vector<float> served_output;  // [batch, n, d_model]
 

@@ -45,7 +45,7 @@ constexpr int64_t kResponseFraming = 384;
 struct CallReporting {
   Metrics* metrics = nullptr;
   ShadowRunner* shadow = nullptr;
-  std::optional<Form> mirror;
+  std::optional<Variant> mirror;
   std::chrono::steady_clock::time_point arrived;
   const Backend* backend = nullptr;  // for the mirror's scratch in its memory reservation
 };
@@ -79,14 +79,15 @@ class ForwardCall {
         ticket_(std::move(ticket)),
         timeline_(timeline) {}
 
-  // Prepares the output buffers and submits the served form's job and, for `compare`, one per
-  // other held form. The call is answered from the last job's completion.
-  static void Start(std::shared_ptr<ForwardCall> call, Form served, bool compare, Executor* executor,
+  // Prepares the output buffers and submits the served variant's job and, for `compare`, one
+  // per other form the layer holds in the served math. The call is answered from the last
+  // job's completion.
+  static void Start(std::shared_ptr<ForwardCall> call, Variant served, bool compare, Executor* executor,
                     const CallControl& control) {
     call->forms_.push_back(served);
     if (compare) {
-      for (const auto& [form, _] : call->layer_->forms) {
-        if (form != served) call->forms_.push_back(form);
+      for (const Variant& v : call->layer_->Variants()) {
+        if (v.math == served.math && v.form != served.form) call->forms_.push_back(v);
       }
     }
     const int64_t elements = call->decoded_.output_elements();
@@ -115,7 +116,8 @@ class ForwardCall {
     std::vector<ForwardJob> jobs(call->forms_.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
       jobs[i].layer = call->layer_;
-      jobs[i].form = call->forms_[i];
+      jobs[i].form = call->forms_[i].form;
+      jobs[i].math = call->forms_[i].math;
       jobs[i].sequences =
           call->decoded_.Sequences(i == 0 ? call->served_output_ : call->compare_outputs_[i - 1].data());
       jobs[i].enqueued = call->timeline_.arrived;
@@ -156,7 +158,7 @@ class ForwardCall {
       if (!statuses[i].ok()) {
         // The client asked for the comparison; an answer without it would look like agreement.
         Answer(Status(statuses[i].code(),
-                      "compare (" + std::string(FormName(forms_[i])) + " form): " + statuses[i].message()));
+                      "compare (" + std::string(FormName(forms_[i].form)) + " form): " + statuses[i].message()));
         return;
       }
     }
@@ -165,7 +167,7 @@ class ForwardCall {
     // The inputs were finite (DecodeForward); a NaN or an infinity here means float32
     // overflowed in the computation, which the client must hear rather than read as an answer.
     // One pass over the output: cheap next to computing it.
-    if (Status finite = CheckOutputFinite(decoded_, forms_[0], served); !finite.ok()) {
+    if (Status finite = CheckOutputFinite(decoded_, forms_[0].form, served); !finite.ok()) {
       if (reporting_.metrics != nullptr) reporting_.metrics->CountNonFiniteOutput(layer_->name, forms_[0]);
       Answer(finite);
       return;
@@ -181,7 +183,7 @@ class ForwardCall {
       if (std::isinf(d.max_abs) && reporting_.metrics != nullptr) {
         reporting_.metrics->CountNonFiniteOutput(layer_->name, forms_[i]);
       }
-      divergences.push_back({.form = forms_[i], .stats = d});
+      divergences.push_back({.form = forms_[i].form, .stats = d});
     }
     timeline_.compute_start = served_timings.compute_start;
     timeline_.compute_end = served_timings.compute_end;
@@ -206,7 +208,7 @@ class ForwardCall {
     if (reporting_.shadow == nullptr || !reporting_.mirror) return;
     const std::vector<SequenceShape> shapes = ShapesOf(decoded_);
     const int64_t bytes =
-        ShadowRequest::BytesFor(decoded_) + JobBytes(*layer_, *reporting_.mirror, decoded_, shapes, reporting_.backend);
+        ShadowRequest::BytesFor(decoded_) + JobBytes(*layer_, reporting_.mirror->form, decoded_, shapes, reporting_.backend);
     reporting_.shadow->Offer(layer_->name, bytes, [&] {
       ShadowRequest r;
       r.layer = layer_;
@@ -229,7 +231,7 @@ class ForwardCall {
   MemoryBudget::Reservation reservation_;
   CallGate::Ticket ticket_;  // the call counts as open for the drain until it is answered
   CallTimeline timeline_;    // arrived … decoded from StartForward; the rest as the call goes
-  std::vector<Form> forms_;  // [0]: the served form; the rest: compared against it
+  std::vector<Variant> forms_;  // [0]: the served variant; the rest: compared against it
   float* served_output_ = nullptr;
   std::vector<float> fallback_output_;
   std::vector<std::vector<float>> compare_outputs_;
@@ -249,9 +251,13 @@ void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<F
                             CallControl control, std::chrono::steady_clock::time_point arrived, const Status& refused) {
   if (options_.metrics != nullptr) options_.metrics->RequestStarted();
   // What a refusal is counted under: a loaded layer's name only (a client-chosen name would
-  // make a new series per typo), the form once known.
+  // make a new series per typo), the form once known, in the math once known.
   std::shared_ptr<const Layer> counted_layer;
   std::optional<Form> counted_form = FormFromWire(request.form);
+  Math counted_math = Math::kFp32;
+  auto counted = [&]() -> std::optional<Variant> {
+    return counted_form ? std::optional<Variant>(Variant{*counted_form, counted_math}) : std::nullopt;
+  };
   // Released when this function returns unless the call is started (then at its answer).
   CallGate::Ticket ticket = gate_.Enter();
   CallTimeline timeline;
@@ -271,21 +277,27 @@ void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<F
                            " is loaded (loaded: " + LoadedNames(*store_) + ")");
     }
     counted_layer = layer;
+    counted_math = layer->default_math();
     // The protocol's own conversion refused the request: counted like a decode error.
     if (!refused.ok()) return refused;
+    ATTNSERVE_ASSIGN_OR_RETURN(const std::optional<Math> asked_math, ChooseMath(request.math, *layer));
+    Math math = asked_math.value_or(layer->default_math());
+    counted_math = math;
+    // The variants a route may pick: every one held, or those in the math the request named.
+    std::vector<Variant> held = layer->Variants();
+    std::erase_if(held, [&](const Variant& v) { return asked_math && v.math != *asked_math; });
     // FORM_UNSPECIFIED: the router's split for this layer (sticky on the request key).
-    Form held[std::size(kAllForms)];
-    size_t held_count = 0;
-    for (const auto& [f, _] : layer->forms) held[held_count++] = f;
-    const std::span<const Form> held_forms(held, held_count);
     // FORM_AUTO, or a route to auto (nullopt here), is resolved once the shapes are decoded.
     std::optional<Form> chosen;
     if (request.form == static_cast<int>(WireForm::kUnspecified) && options_.router != nullptr) {
-      chosen = options_.router->Choose(layer->name, held_forms, request.request_key).form;
+      const RouteTarget target = options_.router->Choose(layer->name, held, math, request.request_key);
+      chosen = target.form;
+      math = target.math.value_or(math);
     } else if (request.form != kAutoChoice.wire) {
       ATTNSERVE_ASSIGN_OR_RETURN(chosen, ChooseForm(request.form, *layer));
     }
     counted_form = chosen;
+    counted_math = math;
     timeline.routed = std::chrono::steady_clock::now();
 
     ATTNSERVE_ASSIGN_OR_RETURN(
@@ -294,7 +306,7 @@ void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<F
     if (!chosen) {
       chosen = ResolveAuto(layer, ShapesOf(decoded));
       counted_form = chosen;
-      if (options_.metrics != nullptr) options_.metrics->CountAutoChoice(layer->name, *chosen);
+      if (options_.metrics != nullptr) options_.metrics->CountAutoChoice(layer->name, {*chosen, math});
     }
     const Form form = *chosen;
     timeline.decoded = std::chrono::steady_clock::now();
@@ -336,12 +348,12 @@ void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<F
                             .backend = options_.backend};
     // `compare` already runs every other form; a shadow of it would measure nothing new.
     if (options_.shadow != nullptr && options_.router != nullptr && !request.compare) {
-      reporting.mirror = options_.router->ShadowMirror(held_forms, form);
+      reporting.mirror = options_.router->ShadowMirror(layer->Variants(), {form, math});
     }
     // A copy of `done`: if building the call throws, the original still ends it below.
     auto call = std::make_shared<ForwardCall>(done, std::move(answer), layer, std::move(decoded), std::move(reporting),
                                               std::move(reservation), std::move(ticket), timeline);
-    ForwardCall::Start(std::move(call), form, request.compare, executor_, control);
+    ForwardCall::Start(std::move(call), {form, math}, request.compare, executor_, control);
     return OkStatus();
   });
   // Once Start has run, the jobs' completions answer the call; only earlier errors end here.
@@ -349,7 +361,7 @@ void ForwardPipeline::Start(const WireForwardRequest& request, std::unique_ptr<F
     spdlog::debug("Forward layer={}: {}", QuoteUntrusted(request.layer), status.ToString());
     if (options_.metrics != nullptr) {
       options_.metrics->RequestFinished(counted_layer ? std::string_view(counted_layer->name) : std::string_view(),
-                                        counted_form, status.code(), SecondsSince(arrived));
+                                        counted(), status.code(), SecondsSince(arrived));
     }
     done(status, nullptr);
   }

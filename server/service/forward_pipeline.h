@@ -85,9 +85,10 @@ class ForwardAnswer {
   // Where the served form's [batch, n, d_model] float32 output goes: a string in the response,
   // which the caller sizes and the backend writes into (no copy).
   virtual std::string* OutputBytes(int64_t batch, int64_t n, int64_t d_model) = 0;
-  // Only for a call answered OK, just before the answer: the form that served it, its batch's
-  // timings and, with `compare`, every other held form's divergence.
-  virtual void Served(Form form, const ServedTimings& timings, std::span<const FormDivergence> divergences) = 0;
+  // Only for a call answered OK, just before the answer: the variant (form and math) that
+  // served it, its batch's timings and, with `compare`, the divergence of every other form held
+  // in that math.
+  virtual void Served(Variant served, const ServedTimings& timings, std::span<const FormDivergence> divergences) = 0;
 };
 
 // How a call ends: called exactly once, on the thread that ends it (the caller's for a refusal,

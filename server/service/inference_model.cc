@@ -58,9 +58,10 @@ std::string* InferAnswer::OutputBytes(int64_t batch, int64_t n, int64_t d_model)
   return response_->add_raw_output_contents();
 }
 
-void InferAnswer::Served(Form form, const ServedTimings& timings, std::span<const FormDivergence> divergences) {
+void InferAnswer::Served(Variant served, const ServedTimings& timings, std::span<const FormDivergence> divergences) {
   auto& p = *response_->mutable_parameters();
-  p["form"].set_string_param(std::string(FormName(form)));
+  p["form"].set_string_param(std::string(FormName(served.form)));
+  p["math"].set_string_param(std::string(MathName(served.math)));
   p["queue_us"].set_int64_param(timings.queue_us);
   p["compute_us"].set_int64_param(timings.compute_us);
   p["batch_requests"].set_int64_param(timings.batch_requests);

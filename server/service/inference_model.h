@@ -33,7 +33,7 @@ class InferAnswer final : public ForwardAnswer {
       : response_(response), model_(std::move(model)), id_(std::move(id)) {}
 
   std::string* OutputBytes(int64_t batch, int64_t n, int64_t d_model) override;
-  void Served(Form form, const ServedTimings& timings, std::span<const FormDivergence> divergences) override;
+  void Served(Variant served, const ServedTimings& timings, std::span<const FormDivergence> divergences) override;
 
  private:
   inference::ModelInferResponse* const response_;

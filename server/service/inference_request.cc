@@ -64,6 +64,9 @@ Status ConvertParameters(const ModelInferRequest& request, WireForwardRequest* w
     } else if (name == "position_offset") {
       if (p.parameter_choice_case() != InferParameter::kInt64Param) return WrongParameterKind(name, "an int64", p);
       wire->position_offset = p.int64_param();  // its range is DecodeForward's to check
+    } else if (name == "math") {
+      if (p.parameter_choice_case() != InferParameter::kStringParam) return WrongParameterKind(name, "a string", p);
+      wire->math = p.string_param();  // ChooseMath checks it against the layer
     } else if (name == "request_key") {
       if (p.parameter_choice_case() != InferParameter::kStringParam) return WrongParameterKind(name, "a string", p);
       wire->request_key = p.string_param();

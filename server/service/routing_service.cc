@@ -25,6 +25,7 @@ void FillRoutingInfo(const Router& router, v1::RoutingInfo* info) {
       v1::RouteWeight* w = route->add_weights();
       w->set_form(static_cast<v1::Form>(target.form ? FormToWire(*target.form) : kAutoChoice.wire));
       w->set_weight(share);
+      if (target.math) w->set_math(std::string(MathName(*target.math)));
     }
   }
   info->set_shadow_rate(router.shadow_rate());
@@ -41,7 +42,15 @@ StatusOr<RouteSplit> SplitOf(const v1::SetRoutingRequest& request) {
                                   "].form: expected " + WireChoiceNames() + ", got " +
                                   v1::Form_Name(w.form()) + " (" + std::to_string(w.form()) + ")");
     }
-    weights.emplace_back(form ? RouteTarget(*form) : RouteTarget::Auto(), w.weight());
+    std::optional<Math> math;
+    if (!w.math().empty()) {
+      math = ParseMath(w.math());
+      if (!math) {
+        return InvalidArgumentError("weights[" + std::to_string(i) + "].math: expected " + std::string(kMathChoices) +
+                                    " or nothing (the layer's default), got " + QuoteUntrusted(w.math()));
+      }
+    }
+    weights.emplace_back(RouteTarget(form, math), w.weight());
   }
   if (weights.empty()) return RouteSplit();
   return MakeRouteSplit(weights, "weights");
@@ -51,9 +60,9 @@ StatusOr<RouteSplit> SplitOf(const v1::SetRoutingRequest& request) {
 
 void ReportLayerMetrics(const Layer& layer, Metrics& metrics) {
   metrics.RemoveLayer(layer.name);
-  for (const auto& [form, resident] : layer.forms) {
-    const FormWeights& w = resident->weights();
-    metrics.SetLayerForm(layer.name, form, layer.device, w.Parameters(), resident->HostBytes());
+  for (const Variant& v : layer.Variants()) {
+    const ResidentForm* resident = layer.Find(v);
+    metrics.SetLayerForm(layer.name, v, layer.device, resident->weights().Parameters(), layer.HostBytesOf(v));
   }
 }
 

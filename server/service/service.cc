@@ -69,6 +69,7 @@ void FillLayerInfo(const Layer& layer, v1::LayerInfo* info) {
                            static_cast<double>(kFlopsReferenceLength));
     f->set_flops_reference_length(kFlopsReferenceLength);
   }
+  for (Math m : layer.maths) info->add_maths(std::string(MathName(m)));
   FillLowRankInfo(layer, info);
 }
 
@@ -112,14 +113,15 @@ class V1ForwardAnswer final : public ForwardAnswer {
     return out->mutable_data();
   }
 
-  void Served(Form form, const ServedTimings& timings, std::span<const FormDivergence> divergences) override {
+  void Served(Variant served, const ServedTimings& timings, std::span<const FormDivergence> divergences) override {
     for (const FormDivergence& d : divergences) {
       v1::Divergence* div = response_->add_divergence();
       div->set_form(ToProtoForm(d.form));
       div->set_max_abs(d.stats.max_abs);
       div->set_rel_l2(d.stats.rel_l2);
     }
-    response_->set_form(ToProtoForm(form));
+    response_->set_form(ToProtoForm(served.form));
+    response_->set_math(std::string(MathName(served.math)));
     response_->set_queue_us(timings.queue_us);
     response_->set_compute_us(timings.compute_us);
     response_->set_batch_requests(timings.batch_requests);

@@ -96,6 +96,23 @@ Status CheckWireForm(int wire_form) {
                               std::to_string(wire_form));
 }
 
+StatusOr<std::optional<Math>> ChooseMath(std::string_view wire_math, const Layer& layer) {
+  if (wire_math.empty()) return std::optional<Math>();
+  const std::optional<Math> math = ParseMath(wire_math);
+  if (!math) {
+    return InvalidArgumentError("math: expected " + Str(kMathChoices) + " (or nothing), got " + QuoteUntrusted(wire_math));
+  }
+  if (!layer.HoldsMath(*math)) {
+    std::string held;
+    for (Math m : layer.maths.empty() ? std::vector<Math>{layer.default_math()} : layer.maths) {
+      held += (held.empty() ? "" : ", ") + Str(MathName(m));
+    }
+    return FailedPreconditionError("math: layer '" + layer.name + "' is held in " + held + " (--extra-maths), got " +
+                                   Str(MathName(*math)));
+  }
+  return math;
+}
+
 StatusOr<Form> ChooseForm(int wire_form, const Layer& layer) {
   ATTNSERVE_RETURN_IF_ERROR(CheckWireForm(wire_form));
   if (wire_form == kAutoChoice.wire) {

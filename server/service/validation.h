@@ -54,6 +54,7 @@ struct WireForwardRequest {
   int64_t position_offset = 0;
   std::string_view request_key;  // sticky routing; empty: none
   bool compare = false;          // also run the other held forms, report divergence
+  std::string_view math;         // the math asked for ("bf16"); empty: the route's, or the default
   // Bytes of the request the protocol's response repeats (the OIP echoes the id and the model
   // name): counted with the output against the largest response gRPC will send.
   int64_t echoed_bytes = 0;
@@ -73,6 +74,10 @@ Status CheckWireForm(int wire_form);
 // FORM_AUTO is no form: the call path resolves it first (forward_pipeline.cc); here it is an
 // INVALID_ARGUMENT.
 StatusOr<Form> ChooseForm(int wire_form, const Layer& layer);
+
+// The math a request named: nullopt when it named none. INVALID_ARGUMENT for a name that is no
+// math; FAILED_PRECONDITION, listing the layer's maths, for one the layer is not held in.
+StatusOr<std::optional<Math>> ChooseMath(std::string_view wire_math, const Layer& layer);
 
 // Checks dtype, rank 3, every dim >= 1 (the product checked for overflow before anything is
 // allocated), d_model, byte length (= product × dtype size) and finiteness; converts FLOAT16

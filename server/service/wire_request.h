@@ -32,6 +32,7 @@ inline WireForwardRequest WireRequestOf(const v1::ForwardRequest& request) {
   wire.position_offset = request.position_offset();
   wire.request_key = request.request_key();
   wire.compare = request.compare();
+  wire.math = request.math();
   return wire;
 }
 

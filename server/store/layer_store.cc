@@ -1,5 +1,6 @@
 #include "server/store/layer_store.h"
 
+#include <algorithm>
 #include <atomic>
 #include <filesystem>
 #include <exception>
@@ -24,15 +25,26 @@ bool NameChar(char c) {
          c == '-';
 }
 
-// Makes one form resident; the error names the form.
-StatusOr<std::shared_ptr<const ResidentForm>> UploadForm(Backend* backend, FormWeights weights) {
+// Makes one form resident in every math the layer is held in (Layer::maths: the backend's
+// default into `forms`, the others into `other_maths`), sharing one copy of its weights; the
+// error names the form and the math.
+Status UploadForm(Backend* backend, FormWeights weights, Layer* layer) {
   const Form form = weights.form;
-  auto resident = backend->Upload(std::make_shared<const FormWeights>(std::move(weights)));
-  if (!resident.ok()) {
-    return Prefixed("uploading the " + std::string(FormName(form)) + " form to " + backend->DeviceName() + ": ",
-                    resident.status());
+  const auto shared = std::make_shared<const FormWeights>(std::move(weights));
+  for (const Math math : layer->maths) {
+    auto resident = backend->UploadIn(shared, math);
+    if (!resident.ok()) {
+      return Prefixed("uploading the " + std::string(FormName(form)) + " form in " + std::string(MathName(math)) +
+                          " to " + backend->DeviceName() + ": ",
+                      resident.status());
+    }
+    if (math == layer->default_math()) {
+      layer->forms[form] = std::move(*resident);
+    } else {
+      layer->other_maths[{form, math}] = std::move(*resident);
+    }
   }
-  return resident;
+  return OkStatus();
 }
 
 // One head's Σ_{j<rank} σ_j² and Σ_j σ_j²: the OV energy a rank keeps, and all of it.
@@ -136,7 +148,7 @@ namespace {
 
 int64_t LayerBytes(const Layer& layer) {
   int64_t bytes = 0;
-  for (const auto& [form, resident] : layer.forms) bytes += resident->HostBytes();
+  for (const Variant& v : layer.Variants()) bytes += layer.HostBytesOf(v);
   if (layer.live_calibration != nullptr) bytes += layer.live_calibration->Bytes();
   return bytes;
 }
@@ -265,19 +277,11 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
     loaded->weights = LayerWeights();  // the forms hold all we need: free the source copy now
     loaded->calibration.reset();
 
-    auto resident = UploadForm(backend_, std::move(factored));
-    if (!resident.ok()) return Prefixed(at, resident.status());
-    layer->forms[Form::kFactored] = std::move(*resident);
-    if (summed) {
-      resident = UploadForm(backend_, std::move(*summed));
-      if (!resident.ok()) return Prefixed(at, resident.status());
-      layer->forms[Form::kSummed] = std::move(*resident);
-    }
-    if (lowrank) {
-      resident = UploadForm(backend_, std::move(*lowrank));
-      if (!resident.ok()) return Prefixed(at, resident.status());
-      layer->forms[Form::kLowRank] = std::move(*resident);
-    }
+    layer->maths = Maths();
+    Status uploaded = UploadForm(backend_, std::move(factored), layer.get());
+    if (uploaded.ok() && summed) uploaded = UploadForm(backend_, std::move(*summed), layer.get());
+    if (uploaded.ok() && lowrank) uploaded = UploadForm(backend_, std::move(*lowrank), layer.get());
+    if (!uploaded.ok()) return Prefixed(at, uploaded);
     published = std::move(layer);
   } catch (const std::bad_alloc&) {
     return ResourceExhaustedError(at + "out of memory loading source " + QuoteUntrusted(layer_source_shown));
@@ -287,6 +291,14 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::Load(const std::string& name,
 
   ATTNSERVE_RETURN_IF_ERROR(Publish(published, at, nullptr));
   return published;
+}
+
+std::vector<Math> LayerStore::Maths() const {
+  std::vector<Math> maths = {backend_->default_math()};
+  for (const Math m : options_.extra_maths) {
+    if (std::find(maths.begin(), maths.end(), m) == maths.end()) maths.push_back(m);
+  }
+  return maths;
 }
 
 Status LayerStore::Publish(const std::shared_ptr<const Layer>& layer, const std::string& at,
@@ -341,7 +353,7 @@ StatusOr<std::shared_ptr<const Layer>> LayerStore::CompleteLiveCalibration(const
     ATTNSERVE_ASSIGN_OR_RETURN(
         FormWeights built, BuildCalibratedLowRank(LayerWeightsOfFactored(layer->Find(Form::kFactored)->weights()), set,
                                                   live->eps(), option, options_.max_form_bytes, next.get()));
-    ATTNSERVE_ASSIGN_OR_RETURN(next->forms[Form::kLowRank], UploadForm(backend_, std::move(built)));
+    ATTNSERVE_RETURN_IF_ERROR(UploadForm(backend_, std::move(built), next.get()));
     ATTNSERVE_RETURN_IF_ERROR(Publish(next, at, layer.get()));
     published = std::move(next);
     return OkStatus();

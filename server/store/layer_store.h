@@ -43,6 +43,9 @@ struct LayerStoreOptions {
   // Where API loads may read checkpoints (absolute paths); none: API loads of safetensors
   // sources are refused. Also what Layer::source is shown relative to.
   std::vector<std::string> model_dirs{};
+  // The maths each layer is also held in, beside the backend's default (--extra-maths): every
+  // form resident once more per math, a served variant for routes and shadows to name.
+  std::vector<Math> extra_maths{};
 };
 
 // Who asked for a load. The operator's own sources (flags, config file) are read as written;
@@ -87,6 +90,9 @@ class LayerStore {
   std::string LayerCountMessage() const;
 
   Backend* backend_;
+  // The maths a layer is held in: the backend's default, then the extra ones not equal to it.
+  std::vector<Math> Maths() const;
+
   const LayerStoreOptions options_;
   mutable Mutex mu_;
   std::map<std::string, std::shared_ptr<const Layer>, std::less<>> layers_ ATTNSERVE_GUARDED_BY(mu_);

@@ -1591,7 +1591,7 @@ class KubernetesTest(unittest.TestCase):
                     metrics_port = int(f.read())
                 with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
                     body = r.read().decode()
-                m = re.search(r'^attnserve_route_weight\{form="%s",layer="demo"\} (\S+)$' % form, body, re.M)
+                m = re.search(r'^attnserve_route_weight\{form="%s",layer="demo",math="fp32"\} (\S+)$' % form, body, re.M)
                 return float(m.group(1)) if m else None
 
             with running_server(self, args, "deploy/k8s Deployment + both ConfigMaps"):

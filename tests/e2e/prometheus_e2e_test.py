@@ -308,9 +308,10 @@ class PrometheusE2E(unittest.TestCase):
     def test_routing_split_and_sticky_keys(self):
         self.assertIn(f"route {LAYER}: factored:50,summed:50", self.route_out)
         weights = self.query_values("attnserve_route_weight")
-        self.assertEqual(weights[(("form", "factored"), ("layer", LAYER))], 0.5)
-        self.assertEqual(weights[(("form", "summed"), ("layer", LAYER))], 0.5)
-        self.assertEqual(weights[(("form", "factored"), ("layer", "*"))], 1.0)
+        # Each target with the math it resolves to: the CPU's default, fp32.
+        self.assertEqual(weights[(("form", "factored"), ("layer", LAYER), ("math", "fp32"))], 0.5)
+        self.assertEqual(weights[(("form", "summed"), ("layer", LAYER), ("math", "fp32"))], 0.5)
+        self.assertEqual(weights[(("form", "factored"), ("layer", "*"), ("math", "fp32"))], 1.0)
         for user, forms in self.sticky.items():
             self.assertEqual(len(forms), 1, f"request key {user} was served by {forms}")
 

@@ -42,12 +42,12 @@ v1::ForwardRequest Request(const std::string& layer, int64_t d, int64_t n, int64
   return req;
 }
 
-std::string Describe(const grpc::Status& s) { return std::string(GrpcCodeName(s.error_code())) + ": " + s.error_message(); }
+using testing::Describe;
 
 std::string Series(const std::string& name, const std::string& layer, const std::string& form,
                    const std::string& code = "") {
   return name + "{" + (code.empty() ? "" : "code=\"" + code + "\",") + "form=\"" + form + "\",layer=\"" + layer +
-         "\"}";
+         "\",math=\"" + (form == "none" ? "none" : "fp32") + "\"}";
 }
 
 TEST(AutoFormServerTest, AutoIsAnsweredByTheCheaperExactFormBitForBit) {

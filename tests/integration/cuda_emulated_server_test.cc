@@ -271,7 +271,7 @@ TEST_F(CudaEmulatedServerTest, EveryWorkersLaneIsWarmBeforeTheServerIsReady) {
   const std::string after = testing::ScrapeMetrics(server.metrics_port);
   for (const char* part : {"inputs", "compute", "outputs"}) {
     EXPECT_GE(testing::MetricSample(after, std::string("attnserve_device_time_seconds_count{device=\"cuda:0\",form=\"factored\","
-                                                       "layer=\"tiny\",part=\"") + part + "\"}"),
+                                                       "layer=\"tiny\",math=\"fp32\",part=\"") + part + "\"}"),
               1)
         << part;
   }

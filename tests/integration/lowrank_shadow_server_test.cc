@@ -46,7 +46,7 @@ std::vector<float> Rows(int64_t rows, uint64_t mix, uint64_t draw) {
 }
 
 std::string Bucket(const std::string& layer, const std::string& le) {
-  return "attnserve_shadow_divergence_bucket{form=\"factored\",layer=\"" + layer + "\",le=\"" + le + "\"}";
+  return "attnserve_shadow_divergence_bucket{form=\"factored\",layer=\"" + layer + "\",math=\"fp32\",le=\"" + le + "\"}";
 }
 
 TEST(LowRankShadowTest, TheShadowDivergenceOfTrafficLikeTheCalibrationStaysUnderEps) {
@@ -93,19 +93,19 @@ TEST(LowRankShadowTest, TheShadowDivergenceOfTrafficLikeTheCalibrationStaysUnder
     }
   }
   for (const std::string name : {"cal", "crude"}) {
-    const std::string count = "attnserve_shadow_divergence_count{form=\"factored\",layer=\"" + name + "\"}";
+    const std::string count = "attnserve_shadow_divergence_count{form=\"factored\",layer=\"" + name + "\",math=\"fp32\"}";
     EXPECT_EQ(server.WaitForSample(count, kRequests, std::chrono::seconds(30)), kRequests) << name;
   }
-  const double cal_mean = server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"cal\"}") / kRequests;
+  const double cal_mean = server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"cal\",math=\"fp32\"}") / kRequests;
   const double crude_mean =
-      server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"crude\"}") / kRequests;
+      server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"crude\",math=\"fp32\"}") / kRequests;
   std::cout << "total rank " << total << " of 32, calibration divergence " << lowrank->calibration_divergence()
             << ", shadow divergence mean: calibrated " << cal_mean << ", budget:4 " << crude_mean << "\n";
   // Every mirror of the calibrated form within EPS; the crude form's are not.
   EXPECT_EQ(server.Sample(Bucket("cal", "0.1")), kRequests)
-      << "mean " << server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"cal\"}") / kRequests;
+      << "mean " << server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"cal\",math=\"fp32\"}") / kRequests;
   EXPECT_LT(server.Sample(Bucket("crude", "0.1")), kRequests)
-      << "mean " << server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"crude\"}") / kRequests;
+      << "mean " << server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"crude\",math=\"fp32\"}") / kRequests;
 }
 
 const v1::FormInfo* FormOf(const v1::LayerInfo& info, v1::Form form) {
@@ -178,10 +178,10 @@ TEST(LowRankShadowTest, ALiveCalibrationBuildsTheFileFormFromTheFirstCallsAndSta
     *req.mutable_input() = MakeTensor(Rows(kCall, kMix, 200 + i), {1, kCall, kDModel});
     ASSERT_TRUE(client.Forward(req, &resp).ok());
   }
-  const std::string count = "attnserve_shadow_divergence_count{form=\"factored\",layer=\"live\"}";
+  const std::string count = "attnserve_shadow_divergence_count{form=\"factored\",layer=\"live\",math=\"fp32\"}";
   ASSERT_EQ(server.WaitForSample(count, kRequests, std::chrono::seconds(30)), kRequests);
   EXPECT_EQ(server.Sample(Bucket("live", "0.1")), kRequests)
-      << "mean " << server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"live\"}") / kRequests;
+      << "mean " << server.Sample("attnserve_shadow_divergence_sum{form=\"factored\",layer=\"live\",math=\"fp32\"}") / kRequests;
 }
 
 }  // namespace

@@ -73,10 +73,10 @@ int Count(const std::map<std::string, v1::Form>& served, v1::Form form) {
   return n;
 }
 
-const std::string kFactoredOk = "attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"ab\"}";
-const std::string kSummedOk = "attnserve_requests_total{code=\"OK\",form=\"summed\",layer=\"ab\"}";
-const std::string kWeightFactored = "attnserve_route_weight{form=\"factored\",layer=\"ab\"}";
-const std::string kWeightSummed = "attnserve_route_weight{form=\"summed\",layer=\"ab\"}";
+const std::string kFactoredOk = "attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"ab\",math=\"fp32\"}";
+const std::string kSummedOk = "attnserve_requests_total{code=\"OK\",form=\"summed\",layer=\"ab\",math=\"fp32\"}";
+const std::string kWeightFactored = "attnserve_route_weight{form=\"factored\",layer=\"ab\",math=\"fp32\"}";
+const std::string kWeightSummed = "attnserve_route_weight{form=\"summed\",layer=\"ab\",math=\"fp32\"}";
 const std::string kGeneration = "attnserve_routes_generation";
 const std::string kReloadOk = "attnserve_config_reload_total{result=\"ok\"}";
 const std::string kReloadError = "attnserve_config_reload_total{result=\"error\"}";

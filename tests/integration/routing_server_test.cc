@@ -25,7 +25,7 @@ using ::testing::HasSubstr;
 using testing::ServerProcess;
 using testing::TempDir;
 
-std::string Describe(const grpc::Status& s) { return std::string(GrpcCodeName(s.error_code())) + ": " + s.error_message(); }
+using testing::Describe;
 
 // A server with its metrics port known.
 struct Server : testing::MetricsServer {
@@ -125,7 +125,7 @@ TEST(RoutingServerTest, SetRoutingIsAdminGuardedAndChecksEveryField) {
   EXPECT_DOUBLE_EQ(info.routes(1).weights(0).weight(), 0.75);
   EXPECT_DOUBLE_EQ(info.routes(1).weights(1).weight(), 0.25);
   EXPECT_EQ(info.shadow_rate(), 0.5);
-  EXPECT_EQ(server.Sample("attnserve_route_weight{form=\"summed\",layer=\"ab\"}"), 0.25);
+  EXPECT_EQ(server.Sample("attnserve_route_weight{form=\"summed\",layer=\"ab\",math=\"fp32\"}"), 0.25);
 }
 
 TEST(RoutingServerTest, RoutedFormsAreStickyAndSkipFormsNotHeld) {
@@ -189,20 +189,20 @@ TEST(RoutingServerTest, ShadowsRecordDivergenceAndNeverChangeTheAnswer) {
     EXPECT_EQ(resp.divergence_size(), 0);  // shadows are not reported to the client
   }
   // The mirrors run after the answers: wait until all are compared.
-  const std::string count = "attnserve_shadow_divergence_count{form=\"summed\",layer=\"ab\"}";
+  const std::string count = "attnserve_shadow_divergence_count{form=\"summed\",layer=\"ab\",math=\"fp32\"}";
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (server.Sample(count) < kRequests && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   EXPECT_EQ(server.Sample(count), kRequests);
   // float32 agreement of two exact forms: every rel_l2 below 1e-5.
-  EXPECT_EQ(server.Sample("attnserve_shadow_divergence_bucket{form=\"summed\",layer=\"ab\",le=\"1e-05\"}"),
+  EXPECT_EQ(server.Sample("attnserve_shadow_divergence_bucket{form=\"summed\",layer=\"ab\",math=\"fp32\",le=\"1e-05\"}"),
             kRequests);
   // The clients' requests are counted once, under the served form only.
-  EXPECT_EQ(server.Sample("attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"ab\"}"), kRequests);
-  EXPECT_EQ(server.Sample("attnserve_requests_total{code=\"OK\",form=\"summed\",layer=\"ab\"}"), -1);
+  EXPECT_EQ(server.Sample("attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"ab\",math=\"fp32\"}"), kRequests);
+  EXPECT_EQ(server.Sample("attnserve_requests_total{code=\"OK\",form=\"summed\",layer=\"ab\",math=\"fp32\"}"), -1);
   // The mirrors' compute is the summed form's.
-  EXPECT_EQ(server.Sample("attnserve_batch_tokens_sum{form=\"summed\",layer=\"ab\"}"), kRequests * 2 * 5);
+  EXPECT_EQ(server.Sample("attnserve_batch_tokens_sum{form=\"summed\",layer=\"ab\",math=\"fp32\"}"), kRequests * 2 * 5);
 }
 
 // A `compare` call already runs every other held form and reports the divergence to its client:
@@ -222,7 +222,7 @@ TEST(RoutingServerTest, CompareCallsAreNotShadowed) {
   }
   v1::ForwardResponse plain;
   ASSERT_TRUE(client.Forward(Request("ab", v1::FORM_FACTORED, "", 400), &plain).ok());
-  const std::string count = "attnserve_shadow_divergence_count{form=\"summed\",layer=\"ab\"}";
+  const std::string count = "attnserve_shadow_divergence_count{form=\"summed\",layer=\"ab\",math=\"fp32\"}";
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (server.Sample(count) < 1 && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -255,17 +255,17 @@ TEST(RoutingServerTest, ShadowsOfRotaryCrossAttentionKeepThePositionOffset) {
     const grpc::Status s = server.client().Forward(req, &resp);
     ASSERT_TRUE(s.ok()) << Describe(s);
   }
-  const std::string count = "attnserve_shadow_divergence_count{form=\"summed\",layer=\"rope\"}";
+  const std::string count = "attnserve_shadow_divergence_count{form=\"summed\",layer=\"rope\",math=\"fp32\"}";
   const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (server.Sample(count) < kRequests && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   ASSERT_EQ(server.Sample(count), kRequests);
   // Two exact forms over the same request agree to float32 rounding (~1e-6 rel L2).
-  EXPECT_EQ(server.Sample("attnserve_shadow_divergence_bucket{form=\"summed\",layer=\"rope\",le=\"1e-05\"}"),
+  EXPECT_EQ(server.Sample("attnserve_shadow_divergence_bucket{form=\"summed\",layer=\"rope\",math=\"fp32\",le=\"1e-05\"}"),
             kRequests)
       << "sum of rel L2 over the mirrors: "
-      << server.Sample("attnserve_shadow_divergence_sum{form=\"summed\",layer=\"rope\"}");
+      << server.Sample("attnserve_shadow_divergence_sum{form=\"summed\",layer=\"rope\",math=\"fp32\"}");
 }
 
 TEST(RoutingServerTest, RefusalsAndLayerGaugesInTheScrape) {
@@ -278,19 +278,19 @@ TEST(RoutingServerTest, RefusalsAndLayerGaugesInTheScrape) {
   EXPECT_EQ(client.Forward(Request("nope", v1::FORM_FACTORED, "", 1), &resp).error_code(), grpc::NOT_FOUND);
   EXPECT_EQ(client.Forward(Request("typo", v1::FORM_UNSPECIFIED, "", 1), &resp).error_code(), grpc::NOT_FOUND);
   // Unknown layer names are not labels: both land under layer="".
-  EXPECT_EQ(server.Sample("attnserve_requests_total{code=\"NOT_FOUND\",form=\"factored\",layer=\"\"}"), 1);
-  EXPECT_EQ(server.Sample("attnserve_requests_total{code=\"NOT_FOUND\",form=\"none\",layer=\"\"}"), 1);
+  EXPECT_EQ(server.Sample("attnserve_requests_total{code=\"NOT_FOUND\",form=\"factored\",layer=\"\",math=\"fp32\"}"), 1);
+  EXPECT_EQ(server.Sample("attnserve_requests_total{code=\"NOT_FOUND\",form=\"none\",layer=\"\",math=\"none\"}"), 1);
   EXPECT_EQ(server.Sample("attnserve_inflight_requests"), 0);
 
   // d_model 32, 4 heads of 8, bias: W_Q, W_K, W_V, W_O and their biases.
-  EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"factored\",layer=\"ab\"}"), 4 * 32 * 32 + 4 * 32);
-  EXPECT_EQ(server.Sample("attnserve_layer_bytes{device=\"cpu\",form=\"factored\",layer=\"ab\"}"),
+  EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"factored\",layer=\"ab\",math=\"fp32\"}"), 4 * 32 * 32 + 4 * 32);
+  EXPECT_EQ(server.Sample("attnserve_layer_bytes{device=\"cpu\",form=\"factored\",layer=\"ab\",math=\"fp32\"}"),
             4 * (4 * 32 * 32 + 4 * 32));
   ASSERT_TRUE(client.UnloadLayer("ab").ok());
-  EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"factored\",layer=\"ab\"}"), -1);
+  EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"factored\",layer=\"ab\",math=\"fp32\"}"), -1);
   ASSERT_TRUE(client.LoadLayer("ab", "random:d_model=32,heads=4,seed=5,summed=false", nullptr).ok());
-  EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"factored\",layer=\"ab\"}"), 4 * 32 * 32 + 4 * 32);
-  EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"summed\",layer=\"ab\"}"), -1);
+  EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"factored\",layer=\"ab\",math=\"fp32\"}"), 4 * 32 * 32 + 4 * 32);
+  EXPECT_EQ(server.Sample("attnserve_layer_parameters{form=\"summed\",layer=\"ab\",math=\"fp32\"}"), -1);
 }
 
 // Every served call is timed stage by stage (attnserve_stage_seconds, docs/metrics.md), and the
@@ -334,9 +334,9 @@ TEST(ServingStagesTest, EveryServedCallIsTimedStageByStage) {
   double requests = 0, computes = 0;
   for (const char* form : {"factored", "summed"}) {
     requests += sample(std::string("attnserve_request_duration_seconds_sum{code=\"OK\",form=\"") + form +
-                      "\",layer=\"ab\"}");
+                      "\",layer=\"ab\",math=\"fp32\"}");
     computes += sample(std::string("attnserve_compute_duration_seconds_sum{device=\"cpu\",form=\"") + form +
-                       "\",layer=\"ab\"}");
+                       "\",layer=\"ab\",math=\"fp32\"}");
   }
   // The request histogram ends a moment after the encode stage (it is recorded as the call is
   // answered); each batch held one call, timed by the same two clock reads as its compute stage.

@@ -92,4 +92,9 @@ struct MetricsServer {
 
 // TempDir comes from tests/unit/temp_dir.h.
 
+// "INVALID_ARGUMENT: message": a status as a failing test prints it.
+inline std::string Describe(const grpc::Status& s) {
+  return std::string(GrpcCodeName(s.error_code())) + ": " + s.error_message();
+}
+
 }  // namespace attnserve::testing

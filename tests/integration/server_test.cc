@@ -128,9 +128,7 @@ std::vector<float> Output(const v1::ForwardResponse& resp) {
   return v;
 }
 
-std::string Describe(const grpc::Status& s) {
-  return std::string(GrpcCodeName(s.error_code())) + ": " + s.error_message();
-}
+using testing::Describe;
 
 // gRPC 1.51 as Debian builds it (no background iomgr) serves the client callback API
 // (ForwardAsync / ForwardFuture) from one process-wide completion queue, torn down whenever
@@ -1173,7 +1171,7 @@ TEST(ServerFlagsTest, HugeFiniteInputsAnswerTheReferenceOrOutOfRange) {
   }
   const std::string scrape = testing::ScrapeMetrics(metrics_port);
   for (const char* form : {"factored", "summed"}) {
-    const std::string labels = std::string("form=\"") + form + "\",layer=\"small\"";
+    const std::string labels = std::string("form=\"") + form + "\",layer=\"small\",math=\"fp32\"";
     EXPECT_EQ(testing::MetricSample(scrape, "attnserve_nonfinite_outputs_total{" + labels + "}"), 1) << form;
     EXPECT_EQ(testing::MetricSample(scrape, "attnserve_requests_total{code=\"OUT_OF_RANGE\"," + labels + "}"), 1)
         << form;
@@ -1252,9 +1250,9 @@ TEST(ServerFlagsTest, ACompareOutputThatOverflowsIsCountedUnderItsOwnForm) {
   EXPECT_EQ(resp.divergence(0).form(), v1::FORM_FACTORED);
   EXPECT_TRUE(std::isinf(resp.divergence(0).max_abs())) << resp.divergence(0).max_abs();
   const std::string scrape = testing::ScrapeMetrics(metrics_port);
-  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_nonfinite_outputs_total{form=\"factored\",layer=\"huge\"}"), 1);
-  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_nonfinite_outputs_total{form=\"summed\",layer=\"huge\"}"), -1);
-  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_requests_total{code=\"OK\",form=\"summed\",layer=\"huge\"}"), 1);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_nonfinite_outputs_total{form=\"factored\",layer=\"huge\",math=\"fp32\"}"), 1);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_nonfinite_outputs_total{form=\"summed\",layer=\"huge\",math=\"fp32\"}"), -1);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_requests_total{code=\"OK\",form=\"summed\",layer=\"huge\",math=\"fp32\"}"), 1);
 }
 
 // Concurrent requests share batches, and each gets exactly what it would alone (the float64
@@ -1380,9 +1378,9 @@ TEST(ServerFlagsTest, OversizedResponsesAreRefusedBeforeCompute) {
   EXPECT_EQ(st.error_code(), grpc::RESOURCE_EXHAUSTED) << Describe(st);
   EXPECT_THAT(st.error_message(), AllOf(HasSubstr("output"), HasSubstr("--max-message-mb")));
   const std::string scrape = testing::ScrapeMetrics(metrics_port);
-  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_requests_total{code=\"RESOURCE_EXHAUSTED\",form=\"factored\",layer=\"demo\"}"), 1);
-  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"demo\"}"), -1);
-  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_batch_requests_count{form=\"factored\",layer=\"demo\"}"), -1)
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_requests_total{code=\"RESOURCE_EXHAUSTED\",form=\"factored\",layer=\"demo\",math=\"fp32\"}"), 1);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"demo\",math=\"fp32\"}"), -1);
+  EXPECT_EQ(testing::MetricSample(scrape, "attnserve_batch_requests_count{form=\"factored\",layer=\"demo\",math=\"fp32\"}"), -1)
       << "nothing was computed";
 }
 
@@ -1490,7 +1488,7 @@ TEST(DrainTest, SigtermUnderLoadLosesNothing) {
   // The held call, queued until the drain runs it.
   const std::vector<float> one_token = RandomFloats(rng, 16);
   auto held = server->client().ForwardFuture(Request("held", one_token, {1, 1, 16}, v1::FORM_FACTORED));
-  const std::string held_depth = "attnserve_queue_depth{form=\"factored\",layer=\"held\"}";
+  const std::string held_depth = "attnserve_queue_depth{form=\"factored\",layer=\"held\",math=\"fp32\"}";
   double depth = 0;
   for (const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(6);
        depth < 1 && std::chrono::steady_clock::now() < give_up;) {
@@ -1621,7 +1619,7 @@ TEST(DeadlineAndCancelTest, QueueExpiryAndClientCancelAreCountedByTheirCodes) {
   const std::vector<float> input = RandomFloats(rng, 1 * 6 * 64);
   const v1::ForwardRequest req = Request("small", input, {1, 6, 64}, v1::FORM_FACTORED);
   const auto series = [](const char* code) {
-    return std::string("attnserve_requests_total{code=\"") + code + "\",form=\"factored\",layer=\"small\"}";
+    return std::string("attnserve_requests_total{code=\"") + code + "\",form=\"factored\",layer=\"small\",math=\"fp32\"}";
   };
   // Polls the server's count of `code` until it is 1 (the server answers after the client saw it).
   const auto count_of = [&](const char* code) {

@@ -277,11 +277,23 @@ class OpenInferenceProtocol(unittest.TestCase):
                 self.assertLess(rel_l2(y, v1), 1e-6)
                 params = result.get_response().parameters
                 self.assertEqual(params["form"].string_param, form)
+                self.assertEqual(params["math"].string_param, "fp32")  # the CPU's default math
                 self.assertGreaterEqual(params["queue_us"].int64_param, 0)
                 self.assertGreater(params["compute_us"].int64_param, 0)
                 self.assertGreaterEqual(params["batch_requests"].int64_param, 1)
                 self.assertEqual(result.get_response().model_name, "small")
                 self.assertEqual(result.get_response().model_version, "1")
+
+    def test_the_math_parameter_is_checked_against_the_layer(self):
+        x = self.random(1, 3, D)
+        result = self.client.infer("small", [infer_input("x", x, "FP32")], parameters={"math": "fp32"})
+        self.assertEqual(result.get_response().parameters["math"].string_param, "fp32")
+        self.expect_error("FAILED_PRECONDITION", ["math: layer 'small' is held in fp32 (--extra-maths), got bf16"],
+                          lambda: self.client.infer("small", [infer_input("x", x, "FP32")], parameters={"math": "bf16"}))
+        self.expect_error("INVALID_ARGUMENT", ["math: expected fp32, tf32, bf16 or fp16 (or nothing), got 'fp8'"],
+                          lambda: self.client.infer("small", [infer_input("x", x, "FP32")], parameters={"math": "fp8"}))
+        self.expect_error("INVALID_ARGUMENT", ["parameters['math']: expected a string, got a bool"],
+                          lambda: self.client.infer("small", [infer_input("x", x, "FP32")], parameters={"math": True}))
 
     def test_context_key_lengths_and_causal(self):
         x, c = self.random(2, 5, D), self.random(2, 9, D)

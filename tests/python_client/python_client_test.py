@@ -226,6 +226,15 @@ class ClientAgainstServer(unittest.TestCase):
             x = self.random(1, 4, D)
             self.assertEqual(self.client.forward("small", x).form, "summed")  # no form: the route
             self.assertEqual(self.client.forward("small", x, form="factored").form, "factored")
+            # A target naming its math; the layer is held in the CPU's fp32 alone.
+            routing = self.client.route("small", {"summed@fp32": 1})
+            self.assertEqual(routing.routes["small"], {"summed@fp32": 1.0})
+            result = self.client.forward("small", x)
+            self.assertEqual((result.form, result.math), ("summed", "fp32"))
+            self.assertEqual(self.client.layer("small").maths, ["fp32"])
+            with self.assertRaises(attnserve.AttnserveError) as e:
+                self.client.forward("small", x, math="bf16")
+            self.assertIn("math: layer 'small' is held in fp32 (--extra-maths), got bf16", str(e.exception))
             self.assertEqual(self.client.route(shadow_rate=0.25).shadow_rate, 0.25)
         finally:
             routing = self.client.route("small", {}, shadow_rate=0.0)

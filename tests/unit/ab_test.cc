@@ -193,20 +193,20 @@ TEST(AbStatsTest, WilsonAndNewcombeIntervalsMatchPublishedExamples) {
 TEST(AbSourceTest, ExpositionParsingAndMergingReplicasWithDifferentBuckets) {
   const std::string a =
       "# HELP attnserve_requests_total x\n# TYPE attnserve_requests_total counter\n"
-      "attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"l\"} 90\n"
-      "attnserve_requests_total{code=\"UNAVAILABLE\",form=\"factored\",layer=\"l\"} 10\n"
-      "attnserve_request_duration_seconds_bucket{form=\"factored\",layer=\"l\",le=\"0.001\"} 40\n"
-      "attnserve_request_duration_seconds_bucket{form=\"factored\",layer=\"l\",le=\"0.002\"} 70\n"
-      "attnserve_request_duration_seconds_bucket{form=\"factored\",layer=\"l\",le=\"+Inf\"} 100\n"
-      "attnserve_request_duration_seconds_sum{form=\"factored\",layer=\"l\"} 0.2\n"
+      "attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"l\",math=\"fp32\"} 90\n"
+      "attnserve_requests_total{code=\"UNAVAILABLE\",form=\"factored\",layer=\"l\",math=\"fp32\"} 10\n"
+      "attnserve_request_duration_seconds_bucket{form=\"factored\",layer=\"l\",math=\"fp32\",le=\"0.001\"} 40\n"
+      "attnserve_request_duration_seconds_bucket{form=\"factored\",layer=\"l\",math=\"fp32\",le=\"0.002\"} 70\n"
+      "attnserve_request_duration_seconds_bucket{form=\"factored\",layer=\"l\",math=\"fp32\",le=\"+Inf\"} 100\n"
+      "attnserve_request_duration_seconds_sum{form=\"factored\",layer=\"l\",math=\"fp32\"} 0.2\n"
       "attnserve_other{a=\"with \\\"quotes\\\", and } inside\"} 1 1700000000000\n";
   const std::string b =  // a replica on the finer layout (code label, one more bound)
-      "attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"l\"} 50\n"
-      "attnserve_request_duration_seconds_bucket{code=\"OK\",form=\"factored\",layer=\"l\",le=\"0.001\"} 10\n"
-      "attnserve_request_duration_seconds_bucket{code=\"OK\",form=\"factored\",layer=\"l\",le=\"0.0015\"} 30\n"
-      "attnserve_request_duration_seconds_bucket{code=\"OK\",form=\"factored\",layer=\"l\",le=\"0.002\"} 45\n"
-      "attnserve_request_duration_seconds_bucket{code=\"OK\",form=\"factored\",layer=\"l\",le=\"+Inf\"} 50\n"
-      "attnserve_request_duration_seconds_bucket{code=\"CANCELLED\",form=\"factored\",layer=\"l\",le=\"+Inf\"} 7\n";
+      "attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"l\",math=\"fp32\"} 50\n"
+      "attnserve_request_duration_seconds_bucket{code=\"OK\",form=\"factored\",layer=\"l\",math=\"fp32\",le=\"0.001\"} 10\n"
+      "attnserve_request_duration_seconds_bucket{code=\"OK\",form=\"factored\",layer=\"l\",math=\"fp32\",le=\"0.0015\"} 30\n"
+      "attnserve_request_duration_seconds_bucket{code=\"OK\",form=\"factored\",layer=\"l\",math=\"fp32\",le=\"0.002\"} 45\n"
+      "attnserve_request_duration_seconds_bucket{code=\"OK\",form=\"factored\",layer=\"l\",math=\"fp32\",le=\"+Inf\"} 50\n"
+      "attnserve_request_duration_seconds_bucket{code=\"CANCELLED\",form=\"factored\",layer=\"l\",math=\"fp32\",le=\"+Inf\"} 7\n";
   std::vector<ab::Sample> samples;
   std::string error;
   ASSERT_TRUE(ab::ParseExposition(a, "z", &samples, &error)) << error;  // after b: the finer layout comes first
@@ -223,6 +223,38 @@ TEST(AbSourceTest, ExpositionParsingAndMergingReplicasWithDifferentBuckets) {
   EXPECT_THAT(error, HasSubstr("line 1"));
   EXPECT_FALSE(ab::ParseExposition("\nattnserve_requests_total 1x\n", "x", &samples, &error));
   EXPECT_THAT(error, HasSubstr("line 2: expected a number"));
+}
+
+// A layer served in two maths (--extra-maths) is compared variant by variant: its arms are
+// FORM@MATH, from the scrape and from Prometheus alike; a layer in one math keeps bare forms.
+TEST(AbSourceTest, ALayerInTwoMathsHasAnArmPerVariant) {
+  const std::string scrape =
+      "attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"l\",math=\"fp32\"} 90\n"
+      "attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"l\",math=\"bf16\"} 10\n"
+      "attnserve_requests_total{code=\"UNAVAILABLE\",form=\"factored\",layer=\"l\",math=\"bf16\"} 2\n"
+      "attnserve_requests_total{code=\"OK\",form=\"summed\",layer=\"m\",math=\"fp32\"} 7\n"
+      "attnserve_requests_total{code=\"NOT_FOUND\",form=\"none\",layer=\"\",math=\"none\"} 3\n"
+      "attnserve_shadow_divergence_bucket{form=\"factored\",layer=\"l\",math=\"bf16\",le=\"0.01\"} 88\n"
+      "attnserve_shadow_divergence_bucket{form=\"factored\",layer=\"l\",math=\"bf16\",le=\"+Inf\"} 90\n";
+  std::vector<ab::Sample> samples;
+  std::string error;
+  ASSERT_TRUE(ab::ParseExposition(scrape, "a", &samples, &error)) << error;
+  ab::LayerCounts c = ab::Aggregate(samples);
+  ASSERT_EQ(c.at("l").size(), 2u);
+  EXPECT_EQ(c.at("l").at("factored@fp32").requests, 90);
+  EXPECT_EQ(c.at("l").at("factored@bf16").requests, 12);
+  EXPECT_EQ(c.at("l").at("factored@bf16").errors, 2);
+  EXPECT_EQ(c.at("l").at("factored@bf16").divergence.cumulative, (std::vector<double>{88, 90}));
+  EXPECT_EQ(c.at("m").at("summed").requests, 7) << "one math: the bare form";
+
+  const std::string json = R"({"status":"success","data":{"resultType":"vector","result":[
+      {"metric":{"layer":"l","form":"factored","math":"bf16","code":"OK","instance":"p1"},"value":[1,"4"]},
+      {"metric":{"layer":"l","form":"factored","math":"fp32","code":"OK","instance":"p2"},"value":[1,"6"]}]}})";
+  samples.clear();
+  ASSERT_TRUE(ab::ParsePrometheusVector(json, "attnserve_requests_total", &samples, &error)) << error;
+  c = ab::Aggregate(samples);
+  EXPECT_EQ(c.at("l").at("factored@bf16").requests, 4);
+  EXPECT_EQ(c.at("l").at("factored@fp32").requests, 6);
 }
 
 TEST(AbSourceTest, DifferenceOfTwoScrapesSurvivesARestart) {
@@ -295,7 +327,7 @@ void Drive(Replica& r, Sent& sent, std::mt19937_64& rng, int n, double summed_sc
     const std::string name(FormName(form));
     for (double x : Latencies(rng, n, scale)) {
       r.metrics.RequestStarted();
-      r.metrics.RequestFinished("ab", form, StatusCode::kOk, x);
+      r.metrics.RequestFinished("ab", Variant{form}, StatusCode::kOk, x);
       sent.requests[name] += 1;
       sent.ok_latency[name].push_back(x);
       sent.all_latency[name].push_back(x);
@@ -304,7 +336,7 @@ void Drive(Replica& r, Sent& sent, std::mt19937_64& rng, int n, double summed_sc
   // Factored sheds 1 % of its calls, fast.
   for (int i = 0; i < n / 100; ++i) {
     r.metrics.RequestStarted();
-    r.metrics.RequestFinished("ab", Form::kFactored, StatusCode::kResourceExhausted, 60e-6);
+    r.metrics.RequestFinished("ab", Variant{Form::kFactored}, StatusCode::kResourceExhausted, 60e-6);
     sent.requests["factored"] += 1;
     sent.errors["factored"] += 1;
     sent.all_latency["factored"].push_back(60e-6);
@@ -312,12 +344,12 @@ void Drive(Replica& r, Sent& sent, std::mt19937_64& rng, int n, double summed_sc
   std::lognormal_distribution<double> rel(std::log(3e-7), 0.5);
   for (int i = 0; i < n / 10; ++i) {
     const double d = rel(rng);
-    r.metrics.ShadowCompared("ab", Form::kSummed, {d * 10, d});
+    r.metrics.ShadowCompared("ab", Variant{Form::kSummed}, {d * 10, d});
     sent.divergence.push_back(d);
   }
   BatchReport batch;
   batch.layer = "ab";
-  batch.form = Form::kSummed;
+  batch.variant = Variant{Form::kSummed};
   batch.device = "cpu";
   batch.requests = 1;
   batch.flops = 1e9 * n;
@@ -430,7 +462,7 @@ TEST(AbCommandTest, EqualFormsWithEnoughRequestsAreDecidedTheSame) {
   for (const auto& [form, xs] : {std::pair{Form::kFactored, &a}, {Form::kSummed, &b}}) {
     for (double x : *xs) {
       r.metrics.RequestStarted();
-      r.metrics.RequestFinished("ab", form, StatusCode::kOk, x);
+      r.metrics.RequestFinished("ab", Variant{form}, StatusCode::kOk, x);
     }
   }
   // Wide margins so that 20,000 calls a form suffice on either bucket layout.

@@ -105,15 +105,15 @@ struct OwnedJob {
 
 class CountingObserver final : public BatchObserver {
  public:
-  void JobQueued(std::string_view layer, Form) override {
+  void JobQueued(std::string_view layer, Variant) override {
     EXPECT_EQ(layer, "demo");
     ++depth;
   }
-  void JobDequeued(std::string_view, Form, double queue_seconds) override {
+  void JobDequeued(std::string_view, Variant, double queue_seconds) override {
     EXPECT_GE(queue_seconds, 0.0);
     --depth;
   }
-  void BatchStarted(std::string_view layer, Form, int32_t n) override {
+  void BatchStarted(std::string_view layer, Variant, int32_t n) override {
     EXPECT_EQ(layer, "demo");
     EXPECT_GT(n, 0);
     computing += n;
@@ -229,12 +229,12 @@ TEST(BatchingExecutorTest, AJobInABackendCallCountsAsComputingUntilItEnds) {
 // at least the 60 ms the blocker still had when the job came, measured by this test's clock.
 TEST(BatchingExecutorTest, QueueTimeCoversAKnownHold) {
   struct QueueObserver final : public BatchObserver {
-    void JobQueued(std::string_view, Form) override {}
-    void JobDequeued(std::string_view, Form, double queue_seconds) override {
+    void JobQueued(std::string_view, Variant) override {}
+    void JobDequeued(std::string_view, Variant, double queue_seconds) override {
       std::lock_guard<std::mutex> lock(mu);
       seconds.push_back(queue_seconds);
     }
-    void BatchStarted(std::string_view, Form, int32_t) override {}
+    void BatchStarted(std::string_view, Variant, int32_t) override {}
     void BatchDone(const BatchReport&) override {}
     std::mutex mu;
     std::vector<double> seconds;

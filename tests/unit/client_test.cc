@@ -360,6 +360,7 @@ class FakeService final : public v1::AttentionService::Service {
     *resp->mutable_output() = MakeTensor(
         x, std::vector<int64_t>(req->input().shape().begin(), req->input().shape().end()));
     resp->set_form(req->form() == v1::FORM_UNSPECIFIED ? v1::FORM_SUMMED : req->form());
+    resp->set_math(req->math().empty() ? "fp32" : req->math());  // echoes the math asked for
     resp->set_queue_us(11);
     resp->set_decode_us(7);
     resp->set_encode_us(5);
@@ -759,9 +760,10 @@ TEST(ClientCli, LayersTableAndLayer) {
 TEST(ClientCli, ForwardRandomPrintsParsableLines) {
   FakeServer server;
   CliRun r = Cli(server, {"forward", "--layer", "small", "--random", "2,3", "--form", "factored",
-                          "--compare", "--causal", "--key-lengths", "3,2", "--seed", "5"});
+                          "--compare", "--causal", "--key-lengths", "3,2", "--seed", "5", "--math", "bf16"});
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_THAT(r.out, HasSubstr("form: factored\n"));
+  EXPECT_THAT(r.out, HasSubstr("math: bf16\n")) << "--math reaches the request";
   EXPECT_THAT(r.out, HasSubstr("queue_us: 11\n"));
   EXPECT_THAT(r.out, HasSubstr("compute_us: 22\n"));
   EXPECT_THAT(r.out, HasSubstr("decode_us: 7\n"));

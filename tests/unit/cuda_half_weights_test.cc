@@ -253,6 +253,53 @@ TEST_P(CudaHalfWeightsTest, TheDeviceBudgetCountsTheSixteenBitBytes) {
   }
 }
 
+// Served variants (--extra-maths): one backend, whose default math is fp32, holds a form in this
+// case's 16-bit math, in TF32 and in fp32 side by side, and one lane runs them in turn. Each
+// answer is bit for bit what a backend of that default math computes, so the lane's handle and
+// plan follow the running form's math (CublasOps::SetMath), back and forth.
+TEST_P(CudaHalfWeightsTest, OneBackendRunsEachFormInItsOwnMath) {
+  const auto [math, gemm_attention] = GetParam();
+  auto mixed = Make(GpuMath::kFp32, gemm_attention);
+  auto half = Make(math, gemm_attention), tf32 = Make(GpuMath::kTf32, gemm_attention);
+  auto fp32 = Make(GpuMath::kFp32, gemm_attention);
+  ASSERT_TRUE(mixed && half && tf32 && fp32);
+  EXPECT_EQ(mixed->default_math(), Math::kFp32);
+  EXPECT_TRUE(mixed->CheckMath(Math::kTf32).ok() && mixed->CheckMath(math).ok());
+  std::mt19937_64 rng(testing::TestSeed());
+  const LayerWeights w = Layer(rng, 1);
+  const std::vector<OwnedSequence> inputs = Batch(rng, w.config.d_model);
+  for (const FormWeights& materialized : {MaterializeFactored(w), MaterializeSummed(w)}) {
+    auto form = std::make_shared<const FormWeights>(materialized);
+    auto in_half = mixed->UploadIn(form, math), in_tf32 = mixed->UploadIn(form, Math::kTf32);
+    auto in_fp32 = mixed->UploadIn(form, Math::kFp32);
+    ASSERT_TRUE(in_half.ok() && in_tf32.ok() && in_fp32.ok());
+    EXPECT_EQ((*in_half)->math(), math);
+    EXPECT_EQ((*in_tf32)->math(), Math::kTf32);
+    const auto run = [&](Backend& backend, const ResidentForm& resident) {
+      std::vector<OwnedSequence> seqs = inputs;
+      std::vector<Sequence> batch;
+      for (auto& s : seqs) batch.push_back(s.View());
+      const Status st = backend.Forward(resident, batch);
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      return seqs;
+    };
+    const auto same = [&](const std::vector<OwnedSequence>& got, const std::vector<OwnedSequence>& want,
+                          const char* what) {
+      for (size_t r = 0; r < got.size(); ++r) EXPECT_EQ(got[r].output, want[r].output) << what << ", sequence " << r;
+    };
+    const std::vector<OwnedSequence> want_half = Run(*half, materialized, inputs);
+    const std::vector<OwnedSequence> want_tf32 = Run(*tf32, materialized, inputs);
+    const std::vector<OwnedSequence> want_fp32 = Run(*fp32, materialized, inputs);
+    // In turn on one backend (its one idle lane): 16 bits, fp32, TF32, fp32, 16 bits again.
+    same(run(*mixed, **in_half), want_half, "16-bit first");
+    same(run(*mixed, **in_fp32), want_fp32, "fp32 after 16 bits");
+    same(run(*mixed, **in_tf32), want_tf32, "TF32 after fp32");
+    same(run(*mixed, **in_fp32), want_fp32, "fp32 after TF32");
+    same(run(*mixed, **in_half), want_half, "16 bits after fp32");
+    EXPECT_NE(want_half[0].output, want_fp32[0].output) << "the case meant the maths to differ";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, CudaHalfWeightsTest,
                          ::testing::Values(Case{GpuMath::kBf16, false}, Case{GpuMath::kBf16, true},
                                            Case{GpuMath::kFp16, false}, Case{GpuMath::kFp16, true}),

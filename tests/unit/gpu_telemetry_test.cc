@@ -68,18 +68,18 @@ TEST(GpuTelemetryTest, TheGaugesAppearWithTheirFirstValue) {
 // A GPU batch's split lands in device_time_seconds by part; a CPU batch (no split) adds none.
 TEST(GpuTelemetryTest, AGpuBatchsSplitIsObservedByPart) {
   Metrics metrics;
-  metrics.BatchDone({.layer = "l", .form = Form::kSummed, .device = "cpu", .requests = 1, .tokens = 4,
+  metrics.BatchDone({.layer = "l", .variant = Variant{Form::kSummed}, .device = "cpu", .requests = 1, .tokens = 4,
                      .compute_seconds = 1e-3});
   EXPECT_THAT(metrics.Scrape(), Not(HasSubstr("attnserve_device_time_seconds")));
-  metrics.BatchDone({.layer = "l", .form = Form::kSummed, .device = "cuda:0", .requests = 1, .tokens = 4,
+  metrics.BatchDone({.layer = "l", .variant = Variant{Form::kSummed}, .device = "cuda:0", .requests = 1, .tokens = 4,
                      .compute_seconds = 1e-3, .device_seconds = {{2e-4, 7e-4, 1e-4}}});
   const std::string text = metrics.Scrape();
-  const std::string series = "attnserve_device_time_seconds_sum{device=\"cuda:0\",form=\"summed\",layer=\"l\",part=\"";
+  const std::string series = "attnserve_device_time_seconds_sum{device=\"cuda:0\",form=\"summed\",layer=\"l\",math=\"fp32\",part=\"";
   EXPECT_THAT(text, HasSubstr(series + "inputs\"} 0.0002\n"));
   EXPECT_THAT(text, HasSubstr(series + "compute\"} 0.0007\n"));
   EXPECT_THAT(text, HasSubstr(series + "outputs\"} 0.0001\n"));
   // A failed batch's split (none is reported) changes nothing.
-  metrics.BatchDone({.layer = "l", .form = Form::kSummed, .device = "cuda:0", .requests = 1,
+  metrics.BatchDone({.layer = "l", .variant = Variant{Form::kSummed}, .device = "cuda:0", .requests = 1,
                      .code = StatusCode::kInternal, .device_seconds = {{1, 1, 1}}});
   EXPECT_THAT(metrics.Scrape(), HasSubstr(series + "compute\"} 0.0007\n"));
 }

@@ -96,22 +96,22 @@ bool Has(const Samples& s, const std::string& name, std::map<std::string, std::s
 Metrics& FullyRecorded(Metrics& m) {
   m.SetBuildInfo("0.1.0", "cpu", "eigen");
   m.RequestStarted();
-  m.RequestFinished("demo", Form::kFactored, StatusCode::kOk, 0.001);
-  m.JobQueued("demo", Form::kFactored);
-  m.JobDequeued("demo", Form::kFactored, 0.0002);
-  m.BatchDone({.layer = "demo", .form = Form::kFactored, .device = "cpu", .requests = 1, .tokens = 8,
+  m.RequestFinished("demo", Variant{Form::kFactored}, StatusCode::kOk, 0.001);
+  m.JobQueued("demo", Variant{Form::kFactored});
+  m.JobDequeued("demo", Variant{Form::kFactored}, 0.0002);
+  m.BatchDone({.layer = "demo", .variant = Variant{Form::kFactored}, .device = "cpu", .requests = 1, .tokens = 8,
                .flops = 1e6, .compute_seconds = 0.0005});
-  m.BatchDone({.layer = "demo", .form = Form::kFactored, .device = "cuda:0", .requests = 1, .tokens = 8,
+  m.BatchDone({.layer = "demo", .variant = Variant{Form::kFactored}, .device = "cuda:0", .requests = 1, .tokens = 8,
                .flops = 1e6, .compute_seconds = 0.0005, .device_seconds = {{1e-4, 3e-4, 5e-5}}});
-  m.SetLayerForm("demo", Form::kFactored, "cpu", 100, 400);
+  m.SetLayerForm("demo", Variant{Form::kFactored}, "cpu", 100, 400);
   m.RouteChanged("*", {{Form::kFactored, 0.9}, {Form::kSummed, 0.1}});
   m.RoutesApplied(12345);
   m.RoutesFileLoaded(true);
-  m.ShadowCompared("demo", Form::kSummed, {.max_abs = 1e-6, .rel_l2 = 1e-7});
+  m.ShadowCompared("demo", Variant{Form::kSummed}, {.max_abs = 1e-6, .rel_l2 = 1e-7});
   m.ShadowDropped("demo");
   m.CountDeviceError("cuda:0");
-  m.CountNonFiniteOutput("demo", Form::kSummed);
-  m.CountAutoChoice("demo", Form::kSummed);
+  m.CountNonFiniteOutput("demo", Variant{Form::kSummed});
+  m.CountAutoChoice("demo", Variant{Form::kSummed});
   const double stages[] = {1e-6, 2e-6, 3e-6, 4e-6, 5e-4, 6e-6, 7e-6};
   m.StagesServed(stages);
   return m;
@@ -121,35 +121,35 @@ TEST(MetricsTest, FamiliesAreExactlyTheDesignsWithTheirLabels) {
   // Written from ../shared/ARCHITECTURE.md §5 (prefix attnserve_), not from metrics.cc; the
   // last three are this project's additions (docs/metrics.md).
   const std::map<std::string, std::pair<std::string, std::vector<std::string_view>>> want = {
-      {"attnserve_requests_total", {"counter", {"layer", "form", "code"}}},
-      {"attnserve_request_duration_seconds", {"histogram", {"layer", "form", "code"}}},
-      {"attnserve_queue_duration_seconds", {"histogram", {"layer", "form"}}},
-      {"attnserve_compute_duration_seconds", {"histogram", {"layer", "form", "device"}}},
-      {"attnserve_batch_requests", {"histogram", {"layer", "form"}}},
-      {"attnserve_batch_tokens", {"histogram", {"layer", "form"}}},
-      {"attnserve_flops_total", {"counter", {"layer", "form", "device"}}},
-      {"attnserve_queue_depth", {"gauge", {"layer", "form"}}},
-      {"attnserve_computing_requests", {"gauge", {"layer", "form"}}},
+      {"attnserve_requests_total", {"counter", {"layer", "form", "math", "code"}}},
+      {"attnserve_request_duration_seconds", {"histogram", {"layer", "form", "math", "code"}}},
+      {"attnserve_queue_duration_seconds", {"histogram", {"layer", "form", "math"}}},
+      {"attnserve_compute_duration_seconds", {"histogram", {"layer", "form", "math", "device"}}},
+      {"attnserve_batch_requests", {"histogram", {"layer", "form", "math"}}},
+      {"attnserve_batch_tokens", {"histogram", {"layer", "form", "math"}}},
+      {"attnserve_flops_total", {"counter", {"layer", "form", "math", "device"}}},
+      {"attnserve_queue_depth", {"gauge", {"layer", "form", "math"}}},
+      {"attnserve_computing_requests", {"gauge", {"layer", "form", "math"}}},
       {"attnserve_inflight_requests", {"gauge", {}}},
       {"attnserve_memory_reserved_bytes", {"gauge", {}}},
       {"attnserve_memory_budget_bytes", {"gauge", {}}},
-      {"attnserve_shadow_divergence", {"histogram", {"layer", "form"}}},
+      {"attnserve_shadow_divergence", {"histogram", {"layer", "form", "math"}}},
       {"attnserve_shadow_dropped_total", {"counter", {"layer"}}},
-      {"attnserve_layer_parameters", {"gauge", {"layer", "form"}}},
-      {"attnserve_layer_bytes", {"gauge", {"layer", "form", "device"}}},
-      {"attnserve_route_weight", {"gauge", {"layer", "form"}}},
+      {"attnserve_layer_parameters", {"gauge", {"layer", "form", "math"}}},
+      {"attnserve_layer_bytes", {"gauge", {"layer", "form", "math", "device"}}},
+      {"attnserve_route_weight", {"gauge", {"layer", "form", "math"}}},
       {"attnserve_routes_generation", {"gauge", {}}},
       {"attnserve_config_reload_total", {"counter", {"result"}}},
       {"attnserve_build_info", {"gauge", {"version", "device", "blas"}}},
-      {"attnserve_shadow_divergence_max_abs", {"histogram", {"layer", "form"}}},
+      {"attnserve_shadow_divergence_max_abs", {"histogram", {"layer", "form", "math"}}},
       {"attnserve_device_errors_total", {"counter", {"device"}}},
-      {"attnserve_nonfinite_outputs_total", {"counter", {"layer", "form"}}},
-      {"attnserve_auto_choice_total", {"counter", {"layer", "form"}}},
+      {"attnserve_nonfinite_outputs_total", {"counter", {"layer", "form", "math"}}},
+      {"attnserve_auto_choice_total", {"counter", {"layer", "form", "math"}}},
       {"attnserve_backend_retained_bytes", {"gauge", {}}},
       {"attnserve_stage_seconds", {"histogram", {"stage"}}},
       // What GPU operators expect (issue 48): the backend call's split, the device budget and
       // lanes, NVML's readings.
-      {"attnserve_device_time_seconds", {"histogram", {"layer", "form", "device", "part"}}},
+      {"attnserve_device_time_seconds", {"histogram", {"layer", "form", "math", "device", "part"}}},
       {"attnserve_device_memory_held_bytes", {"gauge", {"device"}}},
       {"attnserve_device_memory_limit_bytes", {"gauge", {"device"}}},
       {"attnserve_device_lanes", {"gauge", {"device"}}},
@@ -228,21 +228,42 @@ std::string Le(int k) {
   return buf;
 }
 
+// A served variant's math is a label of its own (docs/metrics.md): the same form in two maths
+// is two series of every family, and a route's targets carry the math they were resolved to.
+TEST(MetricsTest, EachMathOfAFormIsASeriesOfItsOwn) {
+  Metrics m;
+  for (int i = 0; i < 3; ++i) m.RequestStarted();
+  m.RequestFinished("demo", Variant{Form::kFactored, Math::kBf16}, StatusCode::kOk, 0.001);
+  m.RequestFinished("demo", Variant{Form::kFactored, Math::kBf16}, StatusCode::kOk, 0.002);
+  m.RequestFinished("demo", Variant{Form::kFactored, Math::kFp32}, StatusCode::kOk, 0.003);
+  m.ShadowCompared("demo", Variant{Form::kFactored, Math::kFp32}, {.max_abs = 1e-3, .rel_l2 = 2e-3});
+  m.RouteChanged("demo", {{RouteTarget(Form::kFactored, Math::kFp32), 0.1}, {RouteTarget(Form::kFactored, Math::kBf16), 0.9}});
+  const Samples s = Parse(m.Scrape());
+  const std::string req = "attnserve_requests_total";
+  EXPECT_EQ(Sample(s, req, {{"layer", "demo"}, {"form", "factored"}, {"math", "bf16"}, {"code", "OK"}}), 2);
+  EXPECT_EQ(Sample(s, req, {{"layer", "demo"}, {"form", "factored"}, {"math", "fp32"}, {"code", "OK"}}), 1);
+  EXPECT_EQ(Sample(s, "attnserve_shadow_divergence_count", {{"layer", "demo"}, {"form", "factored"}, {"math", "fp32"}}),
+            1);
+  EXPECT_FALSE(Has(s, "attnserve_shadow_divergence_count", {{"layer", "demo"}, {"form", "factored"}, {"math", "bf16"}}));
+  EXPECT_DOUBLE_EQ(Sample(s, "attnserve_route_weight", {{"layer", "demo"}, {"form", "factored"}, {"math", "bf16"}}), 0.9);
+  EXPECT_DOUBLE_EQ(Sample(s, "attnserve_route_weight", {{"layer", "demo"}, {"form", "factored"}, {"math", "fp32"}}), 0.1);
+}
+
 TEST(MetricsTest, RequestsCountByCodeAndObserveLatency) {
   Metrics m;
   for (int i = 0; i < 5; ++i) m.RequestStarted();
-  m.RequestFinished("demo", Form::kFactored, StatusCode::kOk, 0.0003);
-  m.RequestFinished("demo", Form::kFactored, StatusCode::kOk, 0.004);
-  m.RequestFinished("demo", Form::kSummed, StatusCode::kResourceExhausted, 0.00004);
-  m.RequestFinished("demo", Form::kFactored, StatusCode::kResourceExhausted, 0.00011);
+  m.RequestFinished("demo", Variant{Form::kFactored}, StatusCode::kOk, 0.0003);
+  m.RequestFinished("demo", Variant{Form::kFactored}, StatusCode::kOk, 0.004);
+  m.RequestFinished("demo", Variant{Form::kSummed}, StatusCode::kResourceExhausted, 0.00004);
+  m.RequestFinished("demo", Variant{Form::kFactored}, StatusCode::kResourceExhausted, 0.00011);
   const Samples s = Parse(m.Scrape());
   const std::string req = "attnserve_requests_total", dur = "attnserve_request_duration_seconds";
-  EXPECT_EQ(Sample(s, req, {{"layer", "demo"}, {"form", "factored"}, {"code", "OK"}}), 2);
-  EXPECT_EQ(Sample(s, req, {{"layer", "demo"}, {"form", "summed"}, {"code", "RESOURCE_EXHAUSTED"}}), 1);
+  EXPECT_EQ(Sample(s, req, {{"layer", "demo"}, {"form", "factored"}, {"math", "fp32"}, {"code", "OK"}}), 2);
+  EXPECT_EQ(Sample(s, req, {{"layer", "demo"}, {"form", "summed"}, {"math", "fp32"}, {"code", "RESOURCE_EXHAUSTED"}}), 1);
   EXPECT_EQ(Sample(s, "attnserve_inflight_requests", {}), 1);  // 5 started, 4 finished
   // Cumulative buckets, OK calls apart from failed ones: 0.0003 s lies in (1e-4·1.25^4, 1e-4·1.25^5]
   // = (0.000244, 0.000305], 0.004 s in (1e-4·1.25^16, 1e-4·1.25^17] = (0.00355, 0.00444].
-  const std::map<std::string, std::string> ok = {{"layer", "demo"}, {"form", "factored"}, {"code", "OK"}};
+  const std::map<std::string, std::string> ok = {{"layer", "demo"}, {"form", "factored"}, {"math", "fp32"}, {"code", "OK"}};
   auto bucket = [&](const std::map<std::string, std::string>& labels, const std::string& le) {
     auto l = labels;
     l["le"] = le;
@@ -256,14 +277,14 @@ TEST(MetricsTest, RequestsCountByCodeAndObserveLatency) {
   EXPECT_EQ(Sample(s, dur + "_count", ok), 2);
   EXPECT_DOUBLE_EQ(Sample(s, dur + "_sum", ok), 0.0043);
   // The refused factored call has its own series: it does not pull the OK latency down.
-  const std::map<std::string, std::string> shed = {{"layer", "demo"}, {"form", "factored"},
+  const std::map<std::string, std::string> shed = {{"layer", "demo"}, {"form", "factored"}, {"math", "fp32"},
                                                    {"code", "RESOURCE_EXHAUSTED"}};
   EXPECT_EQ(Sample(s, dur + "_count", shed), 1);
   EXPECT_EQ(bucket(shed, Le(0)), 0);
   EXPECT_EQ(bucket(shed, Le(1)), 1);
   // Below the first bound: the first bucket.
-  EXPECT_EQ(bucket({{"layer", "demo"}, {"form", "summed"}, {"code", "RESOURCE_EXHAUSTED"}}, Le(0)), 1);
-  EXPECT_FALSE(Has(s, dur + "_count", {{"layer", "demo"}, {"form", "summed"}, {"code", "OK"}}));
+  EXPECT_EQ(bucket({{"layer", "demo"}, {"form", "summed"}, {"math", "fp32"}, {"code", "RESOURCE_EXHAUSTED"}}, Le(0)), 1);
+  EXPECT_FALSE(Has(s, dur + "_count", {{"layer", "demo"}, {"form", "summed"}, {"math", "fp32"}, {"code", "OK"}}));
 }
 
 TEST(MetricsTest, RefusedBeforeAFormIsKnownCountsUnderNone) {
@@ -271,39 +292,39 @@ TEST(MetricsTest, RefusedBeforeAFormIsKnownCountsUnderNone) {
   m.RequestStarted();
   m.RequestFinished("", std::nullopt, StatusCode::kNotFound, 0.0001);
   const Samples s = Parse(m.Scrape());
-  EXPECT_EQ(Sample(s, "attnserve_requests_total", {{"layer", ""}, {"form", "none"}, {"code", "NOT_FOUND"}}), 1);
+  EXPECT_EQ(Sample(s, "attnserve_requests_total", {{"layer", ""}, {"form", "none"}, {"math", "none"}, {"code", "NOT_FOUND"}}), 1);
 }
 
 // A layer's work in flight is its queue plus its jobs in a backend call; a call that fails ends
 // as surely as one that succeeds.
 TEST(MetricsTest, ComputingRequestsCountJobsInABackendCallPerLayerAndForm) {
   Metrics m;
-  m.BatchStarted("demo", Form::kSummed, 2);
-  m.BatchStarted("demo", Form::kFactored, 1);
-  m.BatchStarted("other", Form::kSummed, 5);
+  m.BatchStarted("demo", Variant{Form::kSummed}, 2);
+  m.BatchStarted("demo", Variant{Form::kFactored}, 1);
+  m.BatchStarted("other", Variant{Form::kSummed}, 5);
   Samples s = Parse(m.Scrape());
-  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "demo"}, {"form", "summed"}}), 2);
-  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "demo"}, {"form", "factored"}}), 1);
-  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "other"}, {"form", "summed"}}), 5);
-  m.BatchDone({.layer = "demo", .form = Form::kSummed, .device = "cpu", .requests = 2, .code = StatusCode::kOk});
-  m.BatchDone({.layer = "other", .form = Form::kSummed, .device = "cpu", .requests = 5,
+  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "demo"}, {"form", "summed"}, {"math", "fp32"}}), 2);
+  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "demo"}, {"form", "factored"}, {"math", "fp32"}}), 1);
+  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "other"}, {"form", "summed"}, {"math", "fp32"}}), 5);
+  m.BatchDone({.layer = "demo", .variant = Variant{Form::kSummed}, .device = "cpu", .requests = 2, .code = StatusCode::kOk});
+  m.BatchDone({.layer = "other", .variant = Variant{Form::kSummed}, .device = "cpu", .requests = 5,
                .code = StatusCode::kResourceExhausted});
   s = Parse(m.Scrape());
-  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "demo"}, {"form", "summed"}}), 0);
-  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "demo"}, {"form", "factored"}}), 1);
-  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "other"}, {"form", "summed"}}), 0);
+  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "demo"}, {"form", "summed"}, {"math", "fp32"}}), 0);
+  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "demo"}, {"form", "factored"}, {"math", "fp32"}}), 1);
+  EXPECT_EQ(Sample(s, "attnserve_computing_requests", {{"layer", "other"}, {"form", "summed"}, {"math", "fp32"}}), 0);
 }
 
 TEST(MetricsTest, BatchesRecordQueueComputeSizesAndFlops) {
   Metrics m;
-  m.JobQueued("demo", Form::kSummed);
-  m.JobQueued("demo", Form::kSummed);
-  m.JobQueued("demo", Form::kSummed);
-  m.JobDequeued("demo", Form::kSummed, 0.002);
-  m.JobDequeued("demo", Form::kSummed, 0.0001);
-  for (int i = 0; i < 3; ++i) m.BatchStarted("demo", Form::kSummed, 2);
+  m.JobQueued("demo", Variant{Form::kSummed});
+  m.JobQueued("demo", Variant{Form::kSummed});
+  m.JobQueued("demo", Variant{Form::kSummed});
+  m.JobDequeued("demo", Variant{Form::kSummed}, 0.002);
+  m.JobDequeued("demo", Variant{Form::kSummed}, 0.0001);
+  for (int i = 0; i < 3; ++i) m.BatchStarted("demo", Variant{Form::kSummed}, 2);
   BatchReport r{.layer = "demo",
-                .form = Form::kSummed,
+                .variant = Variant{Form::kSummed},
                 .device = "cpu",
                 .requests = 2,
                 .tokens = 300,
@@ -317,7 +338,7 @@ TEST(MetricsTest, BatchesRecordQueueComputeSizesAndFlops) {
   r.backend_retained_bytes = 7 << 20;       // what the backend keeps now, whatever the call did
   m.BatchDone(r);
   const Samples s = Parse(m.Scrape());
-  const std::map<std::string, std::string> lf = {{"layer", "demo"}, {"form", "summed"}};
+  const std::map<std::string, std::string> lf = {{"layer", "demo"}, {"form", "summed"}, {"math", "fp32"}};
   auto with = [&](std::map<std::string, std::string> extra) {
     auto l = lf;
     l.insert(extra.begin(), extra.end());
@@ -343,28 +364,28 @@ TEST(MetricsTest, BatchesRecordQueueComputeSizesAndFlops) {
 
 TEST(MetricsTest, InternalBatchFailureCountsADeviceError) {
   Metrics m;
-  m.BatchDone({.layer = "demo", .form = Form::kFactored, .device = "cuda:0", .requests = 1, .code = StatusCode::kInternal});
+  m.BatchDone({.layer = "demo", .variant = Variant{Form::kFactored}, .device = "cuda:0", .requests = 1, .code = StatusCode::kInternal});
   m.CountDeviceError("cuda:0");
   const Samples s = Parse(m.Scrape());
   EXPECT_EQ(Sample(s, "attnserve_device_errors_total", {{"device", "cuda:0"}}), 2);
-  EXPECT_FALSE(Has(s, "attnserve_flops_total", {{"layer", "demo"}, {"form", "factored"}, {"device", "cuda:0"}}));
+  EXPECT_FALSE(Has(s, "attnserve_flops_total", {{"layer", "demo"}, {"form", "factored"}, {"math", "fp32"}, {"device", "cuda:0"}}));
 }
 
 TEST(MetricsTest, LayerGaugesFollowLoadsAndUnloads) {
   Metrics m;
-  m.SetLayerForm("a", Form::kFactored, "cpu", 1000, 4000);
-  m.SetLayerForm("a", Form::kSummed, "cpu", 3000, 12000);
-  m.SetLayerForm("b", Form::kFactored, "cpu", 10, 40);
+  m.SetLayerForm("a", Variant{Form::kFactored}, "cpu", 1000, 4000);
+  m.SetLayerForm("a", Variant{Form::kSummed}, "cpu", 3000, 12000);
+  m.SetLayerForm("b", Variant{Form::kFactored}, "cpu", 10, 40);
   Samples s = Parse(m.Scrape());
-  EXPECT_EQ(Sample(s, "attnserve_layer_parameters", {{"layer", "a"}, {"form", "summed"}}), 3000);
-  EXPECT_EQ(Sample(s, "attnserve_layer_bytes", {{"layer", "a"}, {"form", "summed"}, {"device", "cpu"}}), 12000);
+  EXPECT_EQ(Sample(s, "attnserve_layer_parameters", {{"layer", "a"}, {"form", "summed"}, {"math", "fp32"}}), 3000);
+  EXPECT_EQ(Sample(s, "attnserve_layer_bytes", {{"layer", "a"}, {"form", "summed"}, {"math", "fp32"}, {"device", "cpu"}}), 12000);
   m.RemoveLayer("a");
-  m.SetLayerForm("a", Form::kFactored, "cpu", 1001, 4004);  // reloaded with one form only
+  m.SetLayerForm("a", Variant{Form::kFactored}, "cpu", 1001, 4004);  // reloaded with one form only
   s = Parse(m.Scrape());
-  EXPECT_FALSE(Has(s, "attnserve_layer_parameters", {{"layer", "a"}, {"form", "summed"}}));
-  EXPECT_FALSE(Has(s, "attnserve_layer_bytes", {{"layer", "a"}, {"form", "summed"}, {"device", "cpu"}}));
-  EXPECT_EQ(Sample(s, "attnserve_layer_parameters", {{"layer", "a"}, {"form", "factored"}}), 1001);
-  EXPECT_EQ(Sample(s, "attnserve_layer_bytes", {{"layer", "b"}, {"form", "factored"}, {"device", "cpu"}}), 40);
+  EXPECT_FALSE(Has(s, "attnserve_layer_parameters", {{"layer", "a"}, {"form", "summed"}, {"math", "fp32"}}));
+  EXPECT_FALSE(Has(s, "attnserve_layer_bytes", {{"layer", "a"}, {"form", "summed"}, {"math", "fp32"}, {"device", "cpu"}}));
+  EXPECT_EQ(Sample(s, "attnserve_layer_parameters", {{"layer", "a"}, {"form", "factored"}, {"math", "fp32"}}), 1001);
+  EXPECT_EQ(Sample(s, "attnserve_layer_bytes", {{"layer", "b"}, {"form", "factored"}, {"math", "fp32"}, {"device", "cpu"}}), 40);
 }
 
 TEST(MetricsTest, RoutesGenerationIsExactAndReloadsCountByResult) {
@@ -392,21 +413,21 @@ TEST(MetricsTest, RouteWeightShowsTheCurrentSplitOnly) {
   m.RouteChanged("gone", {{Form::kFactored, 1.0}});
   m.RouteChanged("gone", {});
   const Samples s = Parse(m.Scrape());
-  EXPECT_FALSE(Has(s, "attnserve_route_weight", {{"layer", "*"}, {"form", "factored"}}));
-  EXPECT_EQ(Sample(s, "attnserve_route_weight", {{"layer", "*"}, {"form", "summed"}}), 1.0);
-  EXPECT_EQ(Sample(s, "attnserve_route_weight", {{"layer", "enc"}, {"form", "lowrank"}}), 0.5);
-  EXPECT_FALSE(Has(s, "attnserve_route_weight", {{"layer", "gone"}, {"form", "factored"}}));
+  EXPECT_FALSE(Has(s, "attnserve_route_weight", {{"layer", "*"}, {"form", "factored"}, {"math", "fp32"}}));
+  EXPECT_EQ(Sample(s, "attnserve_route_weight", {{"layer", "*"}, {"form", "summed"}, {"math", "fp32"}}), 1.0);
+  EXPECT_EQ(Sample(s, "attnserve_route_weight", {{"layer", "enc"}, {"form", "lowrank"}, {"math", "fp32"}}), 0.5);
+  EXPECT_FALSE(Has(s, "attnserve_route_weight", {{"layer", "gone"}, {"form", "factored"}, {"math", "fp32"}}));
 }
 
 TEST(MetricsTest, ShadowDivergenceAndDrops) {
   Metrics m;
-  m.ShadowCompared("demo", Form::kSummed, {.max_abs = 3e-6, .rel_l2 = 2e-7});
-  m.ShadowCompared("demo", Form::kSummed, {.max_abs = 0.5, .rel_l2 = 0.02});
+  m.ShadowCompared("demo", Variant{Form::kSummed}, {.max_abs = 3e-6, .rel_l2 = 2e-7});
+  m.ShadowCompared("demo", Variant{Form::kSummed}, {.max_abs = 0.5, .rel_l2 = 0.02});
   m.ShadowDropped("demo");
   m.ShadowDropped("demo");
   m.ShadowDropped("demo");
   const Samples s = Parse(m.Scrape());
-  const std::map<std::string, std::string> lf = {{"layer", "demo"}, {"form", "summed"}};
+  const std::map<std::string, std::string> lf = {{"layer", "demo"}, {"form", "summed"}, {"math", "fp32"}};
   auto le = [&](const char* v) {
     auto l = lf;
     l["le"] = v;
@@ -425,12 +446,12 @@ TEST(MetricsTest, ShadowDivergenceAndDrops) {
 TEST(MetricsTest, NonFiniteOutputsAreCountedPerLayerAndForm) {
   Metrics m;
   constexpr double kInf = std::numeric_limits<double>::infinity();
-  m.ShadowCompared("demo", Form::kSummed, {.max_abs = 3e-6, .rel_l2 = 2e-7});
-  m.ShadowCompared("demo", Form::kSummed, {.max_abs = kInf, .rel_l2 = kInf});
-  m.CountNonFiniteOutput("demo", Form::kFactored);
-  m.CountNonFiniteOutput("demo", Form::kFactored);
+  m.ShadowCompared("demo", Variant{Form::kSummed}, {.max_abs = 3e-6, .rel_l2 = 2e-7});
+  m.ShadowCompared("demo", Variant{Form::kSummed}, {.max_abs = kInf, .rel_l2 = kInf});
+  m.CountNonFiniteOutput("demo", Variant{Form::kFactored});
+  m.CountNonFiniteOutput("demo", Variant{Form::kFactored});
   const Samples s = Parse(m.Scrape());
-  const std::map<std::string, std::string> lf = {{"layer", "demo"}, {"form", "summed"}};
+  const std::map<std::string, std::string> lf = {{"layer", "demo"}, {"form", "summed"}, {"math", "fp32"}};
   auto le = [&](const char* v) {
     auto l = lf;
     l["le"] = v;
@@ -439,7 +460,7 @@ TEST(MetricsTest, NonFiniteOutputsAreCountedPerLayerAndForm) {
   EXPECT_EQ(Sample(s, "attnserve_shadow_divergence_bucket", le("1")), 1);
   EXPECT_EQ(Sample(s, "attnserve_shadow_divergence_bucket", le("+Inf")), 2);
   EXPECT_EQ(Sample(s, "attnserve_nonfinite_outputs_total", lf), 1);
-  EXPECT_EQ(Sample(s, "attnserve_nonfinite_outputs_total", {{"layer", "demo"}, {"form", "factored"}}), 2);
+  EXPECT_EQ(Sample(s, "attnserve_nonfinite_outputs_total", {{"layer", "demo"}, {"form", "factored"}, {"math", "fp32"}}), 2);
 }
 
 TEST(MetricsTest, BuildInfoIsOne) {
@@ -458,7 +479,7 @@ TEST(MetricsTest, ConcurrentRecordingLosesNothing) {
       const std::string layer = "l" + std::to_string(t % 2);  // two layers, four threads each
       for (int i = 0; i < kEach; ++i) {
         m.RequestStarted();
-        m.RequestFinished(layer, i % 2 ? Form::kSummed : Form::kFactored, StatusCode::kOk, 1e-4);
+        m.RequestFinished(layer, Variant{i % 2 ? Form::kSummed : Form::kFactored}, StatusCode::kOk, 1e-4);
       }
     });
   }
@@ -467,7 +488,7 @@ TEST(MetricsTest, ConcurrentRecordingLosesNothing) {
   double total = 0;
   for (const char* layer : {"l0", "l1"}) {
     for (const char* form : {"factored", "summed"}) {
-      total += Sample(s, "attnserve_requests_total", {{"layer", layer}, {"form", form}, {"code", "OK"}});
+      total += Sample(s, "attnserve_requests_total", {{"layer", layer}, {"form", form}, {"math", "fp32"}, {"code", "OK"}});
     }
   }
   EXPECT_EQ(total, kThreads * kEach);
@@ -535,7 +556,7 @@ TEST(MetricsEndpointTest, ServesTheTextFormatOnAnEphemeralPort) {
   EXPECT_THAT(response, HasSubstr("text/plain; version=0.0.4"));
   EXPECT_THAT(response, HasSubstr("\nattnserve_inflight_requests 1\n"));
   EXPECT_THAT(response, Not(HasSubstr("exposer_")));  // attnserve's families only
-  EXPECT_THAT(response, HasSubstr("attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"demo\"} 1\n"));
+  EXPECT_THAT(response, HasSubstr("attnserve_requests_total{code=\"OK\",form=\"factored\",layer=\"demo\",math=\"fp32\"} 1\n"));
 
   // The same port again is refused, naming the address.
   StatusOr<std::unique_ptr<MetricsEndpoint>> second =

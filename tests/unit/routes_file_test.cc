@@ -38,7 +38,7 @@ class CountingObserver final : public RoutingObserver {
     ++(ok ? loaded_ok : loaded_error);
     cv.notify_all();
   }
-  void ShadowCompared(std::string_view, Form, const DivergenceStats&) override {}
+  void ShadowCompared(std::string_view, Variant, const DivergenceStats&) override {}
   void ShadowDropped(std::string_view) override {}
   // Waits until the file was read `ok` + `error` times in all (with that many of each).
   bool WaitForLoads(int ok, int error, std::chrono::milliseconds timeout = 5s) {
@@ -173,6 +173,29 @@ TEST(RoutesFileParseTest, RoutesMustNameLayersAndFormsHeld) {
               HasSubstr("routes: nope: expected a loaded layer (loaded: enc, dec), got 'nope'"));
   EXPECT_THAT(CheckRoutesHeld({{"*", *ParseRouteSpec("lowrank:1")}}, layers).message(),
               HasSubstr("routes: *: expected forms some loaded layer holds, got lowrank"));
+}
+
+// A target's math must be one the layer is held in (--extra-maths); without one, the default.
+TEST(RoutesFileParseTest, RoutesMustNameMathsHeld) {
+  auto two = std::make_shared<Layer>();
+  two->name = "enc";
+  two->maths = {Math::kFp32, Math::kBf16};
+  for (Form f : {Form::kFactored, Form::kSummed}) {
+    two->forms[f] = nullptr;
+    two->other_maths[{f, Math::kBf16}] = nullptr;
+  }
+  const std::vector<std::shared_ptr<const Layer>> layers = {two, HeldLayer("dec", {Form::kFactored})};
+  EXPECT_TRUE(CheckRoutesHeld({{"enc", *ParseRouteSpec("factored@bf16:1,factored@fp32:1,summed:1")}}, layers).ok());
+  EXPECT_TRUE(CheckRoutesHeld({{"enc", *ParseRouteSpec("auto@bf16:1")}}, layers).ok());
+  EXPECT_TRUE(CheckRoutesHeld({{"*", *ParseRouteSpec("summed@bf16:1")}}, layers).ok());  // enc holds it
+  Status s = CheckRoutesHeld({{"dec", *ParseRouteSpec("factored@bf16:1")}}, layers);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("routes: dec: expected forms the layer holds (factored) or auto, got factored@bf16"));
+  s = CheckRoutesHeld({{"enc", *ParseRouteSpec("auto@fp16:1")}}, layers);
+  EXPECT_THAT(s.message(),
+              HasSubstr("routes: enc: expected forms the layer holds (factored, summed in fp32, bf16) or auto, got auto@fp16"));
+  EXPECT_THAT(CheckRoutesHeld({{"*", *ParseRouteSpec("factored@tf32:1")}}, layers).message(),
+              HasSubstr("routes: *: expected forms some loaded layer holds, got factored@tf32"));
 }
 
 // --- The watcher on a real directory ---

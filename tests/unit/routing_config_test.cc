@@ -146,6 +146,23 @@ TEST(RouteCliTest, ShowSetClearAndShadow) {
   EXPECT_EQ(a.weights[1].form(), v1::FORM_SUMMED);
   EXPECT_FALSE(a.shadow_rate.has_value());
 
+  // A target may name its math; it travels as RouteWeight.math and prints back as written.
+  a = {};
+  ASSERT_TRUE(cli::ParseRouteArgs({"demo", "factored@bf16:90,factored:10"}, &a, &error)) << error;
+  ASSERT_EQ(a.weights.size(), 2u);
+  EXPECT_EQ(a.weights[0].form(), v1::FORM_FACTORED);
+  EXPECT_EQ(a.weights[0].math(), "bf16");
+  EXPECT_EQ(a.weights[1].math(), "");
+  v1::Route shown;
+  for (const v1::RouteWeight& w : a.weights) *shown.add_weights() = w;
+  EXPECT_EQ(cli::FormatRoute(shown), "factored@bf16:90,factored:10");
+  for (const char* bad : {"factored@fp64:1", "factored@:1", "@bf16:1"}) {
+    a = {};
+    EXPECT_FALSE(cli::ParseRouteArgs({"demo", bad}, &a, &error)) << bad;
+    EXPECT_THAT(error, HasSubstr(std::string("optionally @MATH (fp32, tf32, bf16, fp16)"))) << bad;
+    EXPECT_THAT(error, HasSubstr(std::string("(at '") + bad + "')")) << bad;
+  }
+
   a = {};
   ASSERT_TRUE(cli::ParseRouteArgs({"*", "--clear"}, &a, &error)) << error;
   EXPECT_TRUE(a.clear);

@@ -47,7 +47,7 @@ class RecordingObserver final : public RoutingObserver {
   }
   void RoutesApplied(uint64_t) override {}  // routes_file_test checks generations
   void RoutesFileLoaded(bool) override {}
-  void ShadowCompared(std::string_view layer, Form mirror, const DivergenceStats& d) override {
+  void ShadowCompared(std::string_view layer, Variant mirror, const DivergenceStats& d) override {
     std::lock_guard<std::mutex> lock(mu);
     compared.push_back({std::string(layer), mirror, d});
     cv.notify_all();
@@ -65,7 +65,7 @@ class RecordingObserver final : public RoutingObserver {
 
   struct Compared {
     std::string layer;
-    Form mirror;
+    Variant mirror;
     DivergenceStats divergence;
   };
   std::mutex mu;
@@ -133,6 +133,37 @@ TEST(RouteSpecTest, AutoIsATargetAfterTheForms) {
   EXPECT_EQ(FormatRouteSpec(*s), "summed:25,auto:75");
   EXPECT_EQ(CanonicalRoutesText({{"*", *s}}), "*=summed:25,auto:75\n");
   EXPECT_NE(RoutesGeneration({{"*", *s}}), RoutesGeneration({{"*", *ParseRouteSpec("summed:1,factored:3")}}));
+}
+
+// FORM@MATH names a served variant (server/core/math.h): the same form in two maths is two
+// targets, ordered by math within their form, the default math (none named) after them.
+TEST(RouteSpecTest, ATargetMayNameItsMath) {
+  StatusOr<RouteSplit> s = ParseRouteSpec("factored@bf16:90, factored@fp32:10");
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_EQ(s->size(), 2u);
+  EXPECT_EQ((*s)[0].first, RouteTarget(Form::kFactored, Math::kFp32));
+  EXPECT_DOUBLE_EQ((*s)[0].second, 0.1);
+  EXPECT_EQ((*s)[1].first, RouteTarget(Form::kFactored, Math::kBf16));
+  EXPECT_EQ(FormatRouteSpec(*s), "factored@fp32:10,factored@bf16:90");
+  EXPECT_EQ(CanonicalRoutesText({{"*", *s}}), "*=factored@fp32:10,factored@bf16:90\n");
+  // A target with its math and one without are two targets (the default math may be another).
+  s = ParseRouteSpec("factored:1,factored@bf16:1,auto@bf16:2");
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_EQ(FormatRouteSpec(*s), "factored@bf16:25,factored:25,auto@bf16:50");
+  EXPECT_NE(RoutesGeneration({{"*", *ParseRouteSpec("factored@bf16:1")}}),
+            RoutesGeneration({{"*", *ParseRouteSpec("factored:1")}}));
+  for (const auto& [spec, message] : std::vector<std::pair<std::string, std::string>>{
+           {"factored@fp64:1", "expected a math after factored@ among fp32, tf32, bf16 or fp16, got 'fp64'"},
+           {"factored@:1", "expected a math after factored@ among fp32, tf32, bf16 or fp16, got ''"},
+           {"factored@bf16:1,factored@bf16:2", "expected each form at most once, got factored@bf16 twice"},
+           {"bogus@bf16:1", "expected a form among factored, summed, lowrank, auto, got 'bogus'"},
+           {"factored@bf16:-1", "expected a finite weight >= 0 for factored, got '-1'"},
+       }) {
+    StatusOr<RouteSplit> bad = ParseRouteSpec(spec);
+    ASSERT_FALSE(bad.ok()) << spec;
+    EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(bad.status().message(), HasSubstr(message)) << spec;
+  }
 }
 
 TEST(RouteSpecTest, FlagSplitsLayerAndSpec) {
@@ -317,24 +348,67 @@ TEST(RouterTest, FormsTheLayerDoesNotHoldAreSkipped) {
   for (int i = 0; i < 100; ++i) EXPECT_EQ(router.Choose("demo", kBoth, "key" + std::to_string(i)), Form::kSummed);
 }
 
+// A layer held in two maths: the split holds across them in its stated shares, keyed choices
+// stick, a target without a math is served in the default one, a math the layer lacks is skipped,
+// and auto@MATH keeps its math. The observer hears every target with its math resolved.
+TEST(RouterTest, VariantsAreChosenByMathAsWellAsForm) {
+  RecordingObserver obs;
+  Router router(&obs, Math::kBf16);
+  ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("factored@fp32:30,factored:70")).ok());
+  {
+    std::lock_guard<std::mutex> lock(obs.mu);
+    const RouteSplit heard = obs.routes["*"];
+    ASSERT_EQ(heard.size(), 2u);
+    EXPECT_EQ(heard[0].first, RouteTarget(Form::kFactored, Math::kFp32));
+    EXPECT_EQ(heard[1].first, RouteTarget(Form::kFactored, Math::kBf16)) << "resolved to the default";
+  }
+  const Variant held[] = {{Form::kFactored, Math::kFp32}, {Form::kFactored, Math::kBf16},
+                          {Form::kSummed, Math::kFp32}, {Form::kSummed, Math::kBf16}};
+  constexpr int kKeys = 20000;
+  int fp32 = 0;
+  for (int i = 0; i < kKeys; ++i) {
+    const std::string key = "user-" + std::to_string(i);
+    const RouteTarget t = router.Choose("demo", held, Math::kBf16, key);
+    ASSERT_EQ(t.form, Form::kFactored);
+    ASSERT_TRUE(t.math.has_value());
+    fp32 += *t.math == Math::kFp32;
+    if (i % 1000 == 0) {
+      EXPECT_EQ(router.Choose("demo", held, Math::kBf16, key), t) << "sticky";
+    }
+  }
+  ExpectShare(fp32, kKeys, 0.3, "factored@fp32 of 30/70");
+
+  // A layer held in fp32 alone: the bf16 share is skipped, whatever the key.
+  const Variant fp32_only[] = {{Form::kFactored, Math::kFp32}, {Form::kSummed, Math::kFp32}};
+  for (int i = 0; i < 200; ++i) {
+    EXPECT_EQ(router.Choose("demo", fp32_only, Math::kFp32, "k" + std::to_string(i)),
+              RouteTarget(Form::kFactored, Math::kFp32));
+  }
+  ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("auto@bf16:1")).ok());
+  EXPECT_EQ(router.Choose("demo", held, Math::kBf16, ""), RouteTarget(std::nullopt, Math::kBf16));
+  // auto in a math the layer lacks: nothing applies, the factored form in the default math.
+  EXPECT_EQ(router.Choose("demo", fp32_only, Math::kFp32, ""), RouteTarget(Form::kFactored, Math::kFp32));
+}
+
 TEST(RouterTest, LayerRoutesOverrideTheDefaultAndCanBeRemoved) {
   RecordingObserver obs;
   Router router(&obs);
-  EXPECT_EQ(FormatRouteSpec(obs.routes.at("*")), "factored:100");  // told the default at once
+  // Told the default at once, its math resolved to the router's default (fp32 here).
+  EXPECT_EQ(FormatRouteSpec(obs.routes.at("*")), "factored@fp32:100");
   ASSERT_TRUE(router.SetRoute("*", *ParseRouteSpec("factored:90,summed:10")).ok());
   ASSERT_TRUE(router.SetRoute("enc", *ParseRouteSpec("summed:1")).ok());
   EXPECT_EQ(router.Choose("enc", kBoth, "whoever"), Form::kSummed);
   EXPECT_EQ(FormatRouteSpec(router.RouteOf("dec")), "factored:90,summed:10");
   ASSERT_EQ(router.AllRoutes().size(), 2u);
   EXPECT_EQ(router.AllRoutes()[0].first, "*");
-  EXPECT_EQ(FormatRouteSpec(obs.routes.at("enc")), "summed:100");
+  EXPECT_EQ(FormatRouteSpec(obs.routes.at("enc")), "summed@fp32:100");
 
   ASSERT_TRUE(router.SetRoute("enc", {}).ok());  // removed: back to the default
   EXPECT_EQ(FormatRouteSpec(router.RouteOf("enc")), "factored:90,summed:10");
   EXPECT_TRUE(obs.routes.at("enc").empty());
   ASSERT_TRUE(router.SetRoute("*", {}).ok());  // the default resets, never disappears
   EXPECT_EQ(FormatRouteSpec(router.RouteOf("enc")), "factored:100");
-  EXPECT_EQ(FormatRouteSpec(obs.routes.at("*")), "factored:100");
+  EXPECT_EQ(FormatRouteSpec(obs.routes.at("*")), "factored@fp32:100");
 
   Status empty = router.SetRoute("", *ParseRouteSpec("factored:1"));
   EXPECT_EQ(empty.code(), StatusCode::kInvalidArgument);
@@ -405,6 +479,28 @@ TEST(ShadowPolicyTest, RateAndMirrorChoice) {
   ExpectShare(mirrored, 50000, 0.2, "shadow rate 0.2");
 }
 
+// Shadows between precisions: a mirror is any other held variant, the served form in another
+// math among them, uniformly.
+TEST(ShadowPolicyTest, AMirrorMayBeTheSameFormInAnotherMath) {
+  Router router;
+  ASSERT_TRUE(router.SetShadowRate(1).ok());
+  const Variant one_form[] = {{Form::kFactored, Math::kFp32}, {Form::kFactored, Math::kBf16}};
+  for (int i = 0; i < 100; ++i) {
+    EXPECT_EQ(router.ShadowMirror(one_form, {Form::kFactored, Math::kBf16}), (Variant{Form::kFactored, Math::kFp32}));
+  }
+  const Variant four[] = {{Form::kFactored, Math::kFp32}, {Form::kFactored, Math::kBf16},
+                          {Form::kSummed, Math::kFp32}, {Form::kSummed, Math::kBf16}};
+  std::map<Variant, int> mirrors;
+  for (int i = 0; i < 30000; ++i) {
+    const std::optional<Variant> m = router.ShadowMirror(four, {Form::kFactored, Math::kFp32});
+    ASSERT_TRUE(m.has_value());
+    ++mirrors[*m];
+  }
+  EXPECT_EQ(mirrors.count({Form::kFactored, Math::kFp32}), 0u) << "never the served variant";
+  ExpectShare(mirrors[{Form::kFactored, Math::kBf16}], 30000, 1.0 / 3, "same form, other math");
+  ExpectShare(mirrors[{Form::kSummed, Math::kBf16}], 30000, 1.0 / 3, "other form, other math");
+}
+
 // --- ShadowRunner ---
 
 // Holds every job until released, then writes output = 1 everywhere.
@@ -454,8 +550,8 @@ std::shared_ptr<const Layer> NamedLayer(const std::string& name) {
 ShadowRequest SmallRequest(const std::string& layer) {
   ShadowRequest r;
   r.layer = NamedLayer(layer);
-  r.served = Form::kFactored;
-  r.mirror = Form::kSummed;
+  r.served = {Form::kFactored, Math::kFp32};
+  r.mirror = {Form::kSummed, Math::kFp32};
   r.request.input = RequestTensor::Own({0.5f, 0.5f, 0.5f, 0.5f}, 1, 2, 2);
   r.served_output = {1, 1, 1, 3};
   return r;
@@ -471,7 +567,7 @@ TEST(ShadowRunnerTest, ComparesTheMirrorWithTheServedOutput) {
   ASSERT_TRUE(obs.WaitForOutcomes(1));
   ASSERT_EQ(obs.compared.size(), 1u);
   EXPECT_EQ(obs.compared[0].layer, "demo");
-  EXPECT_EQ(obs.compared[0].mirror, Form::kSummed);
+  EXPECT_EQ(obs.compared[0].mirror, (Variant{Form::kSummed, Math::kFp32}));
   EXPECT_DOUBLE_EQ(obs.compared[0].divergence.max_abs, 2.0);
   EXPECT_NEAR(obs.compared[0].divergence.rel_l2, 2.0 / std::sqrt(12.0), 1e-12);
 }
@@ -608,8 +704,8 @@ TEST(ShadowRunnerTest, SummedMirrorOfTheFactoredFormAgreesOnTheCpu) {
   std::mt19937_64 rng(testing::TestSeed());
   ShadowRequest r;
   r.layer = layer;
-  r.served = Form::kFactored;
-  r.mirror = Form::kSummed;
+  r.served = {Form::kFactored, Math::kFp32};
+  r.mirror = {Form::kSummed, Math::kFp32};
   r.request.input = RequestTensor::Own(testing::RandomVector(rng, 2 * 5 * 32), 2, 5, 32);
   r.request.context = RequestTensor::Own(testing::RandomVector(rng, 2 * 7 * 32), 2, 7, 32);
   r.request.causal = true;
@@ -631,7 +727,7 @@ TEST(ShadowRunnerTest, SummedMirrorOfTheFactoredFormAgreesOnTheCpu) {
   ASSERT_TRUE(runner.Offer("real", ShadowRequest::BytesFor(r.request), [&] { return r; }));
   ASSERT_TRUE(obs.WaitForOutcomes(1));
   ASSERT_EQ(obs.compared.size(), 1u) << "dropped instead";
-  EXPECT_EQ(obs.compared[0].mirror, Form::kSummed);
+  EXPECT_EQ(obs.compared[0].mirror, (Variant{Form::kSummed, Math::kFp32}));
   EXPECT_GT(obs.compared[0].divergence.rel_l2, 0.0);  // float32 rounding differs between forms
   EXPECT_LT(obs.compared[0].divergence.rel_l2, 1e-5);
   runner.Shutdown();

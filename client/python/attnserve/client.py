@@ -54,7 +54,8 @@ class ForwardResult:
     batch_requests: int
     decode_us: int
     encode_us: int
-    divergence: Dict[str, Divergence]  # with compare: one per other held form
+    divergence: Dict[str, Divergence]  # with compare: one per other form held in the served math
+    math: str = ""                     # the math it ran in: fp32, tf32, bf16 or fp16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +123,7 @@ class LayerInfo:
     forms: Dict[str, FormInfo]
     spectrum: Optional[Spectrum]  # only from layer(name, spectrum=True) / spectrum(name)
     live_calibration: Optional[LiveCalibration] = None
+    maths: List[str] = dataclasses.field(default_factory=list)  # every form is held in each; the default first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,12 +189,15 @@ def _layer_info(info, with_spectrum: bool) -> LayerInfo:
         lc = info.live_calibration
         live = LiveCalibration(lc.rank_selection, lc.rows_wanted, lc.rows_seen, lc.error)
     return LayerInfo(info.name, info.source, c.d_model, c.heads, c.kv_heads, c.d_head, c.bias, c.scale, c.rope_theta,
-                     forms, spectrum, live)
+                     forms, spectrum, live, list(info.maths))
 
 
 def _routing(info) -> Routing:
-    return Routing({r.layer: {_FORM_NAMES.get(w.form, str(w.form)): w.weight for w in r.weights} for r in info.routes},
-                   info.shadow_rate)
+    def target(w) -> str:
+        name = _FORM_NAMES.get(w.form, str(w.form))
+        return f"{name}@{w.math}" if w.math else name
+
+    return Routing({r.layer: {target(w): w.weight for w in r.weights} for r in info.routes}, info.shadow_rate)
 
 
 def _encode_health_request(service: str) -> bytes:
@@ -293,18 +298,20 @@ class Client:
 
     def forward(self, layer: str, x, *, form: Optional[str] = None, context=None, causal: bool = False,
                 key_lengths: Union[int, Sequence[int], None] = None, request_key: str = "",
-                position_offset: int = 0, compare: bool = False) -> ForwardResult:
+                position_offset: int = 0, compare: bool = False, math: str = "") -> ForwardResult:
         """The layer's attention over x: [batch, n, d_model], or [n, d_model] for one sequence
         (the output then has that shape too). float32, float16 (sent as FLOAT16) or float64
         (rounded to float32). form None: the server's route decides; context: cross-attention
         keys and values, [batch, m, d_model] (or [m, d_model]); key_lengths: one per batch row
         (an int for a 2-D x), row b sees keys [0, key_lengths[b]); request_key: the sticky-
-        routing key; compare: also run the other held forms and report their divergence."""
+        routing key; compare: also run the other held forms and report their divergence; math:
+        the math to run in (fp32, tf32, bf16, fp16: one the layer is held in), "" for the
+        route's or the layer's default."""
         x_arr = np.asarray(x)
         batched = x_arr.ndim != 2
         request = pb.ForwardRequest(layer=layer, form=_form(form), input=_tensor("x", x_arr, batched),
                                     causal=causal, request_key=request_key, compare=compare,
-                                    position_offset=position_offset)
+                                    position_offset=position_offset, math=math)
         if context is not None:
             request.context.CopyFrom(_tensor("context", context, batched))
         if key_lengths is not None:
@@ -324,7 +331,7 @@ class Client:
         return ForwardResult(y, _FORM_NAMES.get(response.form, str(response.form)), response.queue_us,
                              response.compute_us, response.batch_requests, response.decode_us, response.encode_us,
                              {_FORM_NAMES.get(d.form, str(d.form)): Divergence(d.max_abs, d.rel_l2)
-                              for d in response.divergence})
+                              for d in response.divergence}, response.math)
 
     def compare(self, layer: str, x, **kwargs) -> ForwardResult:
         """forward(..., compare=True): the served answer and, in .divergence, how far every other
@@ -356,13 +363,15 @@ class Client:
     def route(self, layer: str = "", weights: Optional[Mapping[str, float]] = None, *,
               shadow_rate: Optional[float] = None) -> Routing:
         """SetRouting (admin): route("*", {"factored": 90, "summed": 10}) splits the requests that
-        name no form; an empty `weights` removes the layer's route (for "*": back to factored
-        only); layer "" with shadow_rate changes the shadow rate alone. Returns the routing now."""
+        name no form; a key may name the math too, {"factored@bf16": 90, "factored@fp32": 10};
+        an empty `weights` removes the layer's route (for "*": back to factored only); layer ""
+        with shadow_rate changes the shadow rate alone. Returns the routing now."""
         request = pb.SetRoutingRequest(layer=layer)
-        for form, weight in (weights or {}).items():
-            if form is None:
+        for target, weight in (weights or {}).items():
+            if target is None:
                 raise ValueError("weights: a form name, got None")
-            request.weights.add(form=_form(form), weight=float(weight))
+            form, _, math = target.partition("@")
+            request.weights.add(form=_form(form), weight=float(weight), math=math)
         if shadow_rate is not None:
             request.shadow_rate = float(shadow_rate)
         return _routing(self._call("SetRouting", request, admin=True))

@@ -9,6 +9,7 @@
 
 #include "server/backend/attention/skeleton.h"
 #include "server/backend/compute_team.h"
+#include "server/backend/cpu/bf16_dot_gemm.h"
 #include "server/backend/cpu/cpu_ops.h"
 
 namespace attnserve {
@@ -114,12 +115,37 @@ int64_t CpuBackend::RetainedScratchBytes() const {
 }
 
 StatusOr<std::shared_ptr<const ResidentForm>> CpuBackend::Upload(std::shared_ptr<const FormWeights> form) {
+  return UploadIn(std::move(form), default_math());
+}
+
+Math CpuBackend::default_math() const {
+  return weight_layout_ == WeightLayout::kPackedBf16 || weight_layout_ == WeightLayout::kPackedBf16Dot ? Math::kBf16
+                                                                                                       : Math::kFp32;
+}
+
+Status CpuBackend::CheckMath(Math math) const {
+  if (math == Math::kFp32) return OkStatus();
+  if (math != Math::kBf16) return InvalidArgumentError("math: the CPU runs fp32 or bf16, got " + std::string(MathName(math)));
+  if (PanelWidth() <= 0) {
+    return InvalidArgumentError("math: bf16 on the CPU needs the backend's own GEMM kernel (an x86-64 build and a "
+                                "CPU with AVX2 and FMA), which cannot run here; got bf16");
+  }
+  return OkStatus();
+}
+
+StatusOr<std::shared_ptr<const ResidentForm>> CpuBackend::UploadIn(std::shared_ptr<const FormWeights> form, Math math) {
   if (!form) return InvalidArgumentError("Upload: no form given");
   ATTNSERVE_RETURN_IF_ERROR(CheckHeadCombine(*form));
-  const int64_t panel_width = weight_layout_ == WeightLayout::kPlain ? 0 : PanelWidth();
-  const PanelPrecision precision = weight_layout_ == WeightLayout::kPackedBf16      ? PanelPrecision::kBfloat16
-                                   : weight_layout_ == WeightLayout::kPackedBf16Dot ? PanelPrecision::kBfloat16Pairs
-                                                                                    : PanelPrecision::kFloat32;
+  ATTNSERVE_RETURN_IF_ERROR(CheckMath(math));
+  int64_t panel_width = PanelWidth();
+  PanelPrecision precision = PanelPrecision::kFloat32;
+  if (math == Math::kFp32 && weight_layout_ == WeightLayout::kPlain) panel_width = 0;
+  if (math == Math::kBf16) {
+    // The inputs too where vdpbf16ps runs, as the GPU's bf16 does; the weights alone elsewhere
+    // and under packed-bf16, which asked for that.
+    precision = weight_layout_ != WeightLayout::kPackedBf16 && Bf16DotAvailable() ? PanelPrecision::kBfloat16Pairs
+                                                                                  : PanelPrecision::kBfloat16;
+  }
   return std::shared_ptr<const ResidentForm>(
       std::make_shared<CpuResidentForm>(std::move(form), panel_width, precision));
 }

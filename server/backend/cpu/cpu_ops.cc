@@ -20,7 +20,7 @@ int64_t ForwardScratch::Bytes() const {
 }
 
 CpuResidentForm::CpuResidentForm(std::shared_ptr<const FormWeights> w, int64_t panel_width, PanelPrecision precision)
-    : w_(std::move(w)) {
+    : w_(std::move(w)), precision_(panel_width > 0 ? precision : PanelPrecision::kFloat32) {
   if (panel_width <= 0) return;
   const DeviceWeights host = HostWeights(*w_);
   w_in_ = PackPanels(host.w_in.view, panel_width, precision);

@@ -40,6 +40,8 @@ class CpuResidentForm final : public ResidentForm {
  public:
   CpuResidentForm(std::shared_ptr<const FormWeights> w, int64_t panel_width, PanelPrecision precision);
   const FormWeights& weights() const override { return *w_; }
+  // bf16 when its panels hold bfloat16 (either PanelPrecision of it), else fp32.
+  Math math() const override { return precision_ == PanelPrecision::kFloat32 ? Math::kFp32 : Math::kBf16; }
   int64_t HostBytes() const override { return w_->Bytes() + w_in_.Bytes() + w_out_.Bytes(); }
 
   // The packed block of the weights that `w` names (its matrix, rows and columns; never the
@@ -49,6 +51,7 @@ class CpuResidentForm final : public ResidentForm {
 
  private:
   std::shared_ptr<const FormWeights> w_;
+  PanelPrecision precision_;
   PackedWeights w_in_, w_out_;
 };
 

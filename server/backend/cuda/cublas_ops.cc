@@ -17,6 +17,14 @@ Status CublasOps::Init(cudaStream_t stream, GpuMath math) {
   return OkStatus();
 }
 
+Status CublasOps::SetMath(GpuMath math) {
+  if (math == math_) return OkStatus();
+  math_ = math;
+  tf32_ = math == GpuMath::kTf32;
+  CUBLAS_TRY(cublasSetMathMode(handle_, tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
+  return OkStatus();
+}
+
 void CublasOps::Destroy() {
   if (handle_ != nullptr) cublasDestroy(handle_);
   handle_ = nullptr;
@@ -32,7 +40,7 @@ Status CublasOps::Gemm(DeviceBlock x, DeviceBlock w, DeviceBlock y, float alpha,
 
 Status CublasOps::GemmHalf(HalfBlock x, HalfBlock w, DeviceBlock y, float beta) {
   if (!HalfWeights(math_)) {
-    return InternalError("GemmHalf: expected a handle of --gpu-math bf16 or fp16, got " +
+    return InternalError("GemmHalf: expected a handle of math bf16 or fp16, got " +
                          std::string(GpuMathName(math_)));
   }
   const cudaDataType type = math_ == GpuMath::kBf16 ? CUDA_R_16BF : CUDA_R_16F;

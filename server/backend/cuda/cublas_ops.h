@@ -42,6 +42,9 @@ class CublasOps {
   // stream, which the lane's non-blocking stream does not wait for), in TF32 under kTf32; under
   // kBf16 and kFp16 GemmHalf's operands are of that type.
   Status Init(cudaStream_t stream, GpuMath math);
+  // The math of the form a batch runs (its resident form's): each lane runs every math its
+  // backend holds forms in. Cheap when unchanged.
+  Status SetMath(GpuMath math);
   // Destroys the handle on the current device, before the lane destroys its stream; idempotent.
   void Destroy();
 

@@ -96,9 +96,15 @@ class CudaBackend final : public Backend {
   }
 
   StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override {
+    return UploadIn(std::move(form), options_.math);
+  }
+  Math default_math() const override { return options_.math; }
+  Status CheckMath(Math) const override { return OkStatus(); }
+  // Every math runs here: the lane sets its handle's math per product from the form's.
+  StatusOr<std::shared_ptr<const ResidentForm>> UploadIn(std::shared_ptr<const FormWeights> form, Math math) override {
     if (!form) return InvalidArgumentError("Upload: no form given");
     ATTNSERVE_RETURN_IF_ERROR(CheckHeadCombine(*form));
-    auto resident = std::make_shared<CudaResidentForm>(std::move(form), budget_, options_.math);
+    auto resident = std::make_shared<CudaResidentForm>(std::move(form), budget_, math);
     Status st = WithLane([&](Lane& lane) { return lane.Upload(*resident); });
     if (!st.ok()) return st;
     return std::shared_ptr<const ResidentForm>(std::move(resident));

@@ -18,25 +18,19 @@
 #include <string_view>
 
 #include "server/backend/backend.h"
+#include "server/core/math.h"
 
 namespace attnserve {
 
-// What the projections' GEMMs multiply (--gpu-math). kFp32: float32 throughout. kTf32: TF32
-// tensor cores (inputs rounded to a 10-bit mantissa) for every GEMM. kBf16, kFp16: the form's
-// W_in and W_out held on the device in bfloat16 or IEEE half (converted once at upload, half the
-// bytes), the activations converted on the device before each product by a weight, float32
-// accumulation and outputs; the attention (scores, softmax, mix) stays float32.
-enum class GpuMath { kFp32, kTf32, kBf16, kFp16 };
-inline constexpr std::string_view kGpuMathNames[] = {"fp32", "tf32", "bf16", "fp16"};
-inline std::string_view GpuMathName(GpuMath m) { return kGpuMathNames[static_cast<int>(m)]; }
-inline std::optional<GpuMath> ParseGpuMath(std::string_view text) {
-  for (int m = 0; m < 4; ++m) {
-    if (text == kGpuMathNames[m]) return static_cast<GpuMath>(m);
-  }
-  return std::nullopt;
-}
-// Whether the weights are held in 16 bits (kBf16, kFp16).
-inline bool HalfWeights(GpuMath m) { return m == GpuMath::kBf16 || m == GpuMath::kFp16; }
+// What the projections' GEMMs multiply (--gpu-math): the server's Math (server/core/math.h).
+// kFp32: float32 throughout. kTf32: TF32 tensor cores (inputs rounded to a 10-bit mantissa) for
+// every GEMM. kBf16, kFp16: the form's W_in and W_out held on the device in bfloat16 or IEEE half
+// (converted once at upload, half the bytes), the activations converted on the device before
+// each product by a weight, float32 accumulation and outputs; the attention (scores, softmax,
+// mix) stays float32. Each resident form carries its own (Backend::UploadIn).
+using GpuMath = Math;
+inline std::string_view GpuMathName(GpuMath m) { return MathName(m); }
+inline std::optional<GpuMath> ParseGpuMath(std::string_view text) { return ParseMath(text); }
 
 struct CudaBackendOptions {
   int device = 0;

@@ -34,9 +34,9 @@ std::vector<uint16_t> ToHalf(std::span<const float> values, GpuMath math) {
 Status CudaResidentForm::Upload(cudaStream_t stream) {
   // The 16-bit copies live until the stream has run their copies (the synchronisation below).
   std::vector<uint16_t> w_in16, w_out16;
-  if (HalfWeights(math)) {
-    w_in16 = ToHalf(host_->w_in, math);
-    w_out16 = ToHalf(host_->w_out, math);
+  if (HalfWeights(math_)) {
+    w_in16 = ToHalf(host_->w_in, math_);
+    w_out16 = ToHalf(host_->w_out, math_);
     ATTNSERVE_RETURN_IF_ERROR(w_in.Upload(std::span<const uint16_t>(w_in16), stream));
     ATTNSERVE_RETURN_IF_ERROR(w_out.Upload(std::span<const uint16_t>(w_out16), stream));
   } else {
@@ -50,7 +50,7 @@ Status CudaResidentForm::Upload(cudaStream_t stream) {
 }
 
 DeviceWeights CudaResidentForm::Weights() const {
-  if (!HalfWeights(math)) return WeightsAt(*host_, w_in.get(), b_in.get(), w_out.get(), b_out.get());
+  if (!HalfWeights(math_)) return WeightsAt(*host_, w_in.get(), b_in.get(), w_out.get(), b_out.get());
   return WeightsAt(*host_, host_->w_in.data(), b_in.get(), host_->w_out.data(), b_out.get());
 }
 
@@ -59,13 +59,13 @@ StatusOr<HalfBlock> CudaResidentForm::HalfBlockOf(const WeightBlock& w) const {
   const bool in = w.matrix == WeightMatrix::kIn;
   const int64_t rows = in ? f.config.d_model : f.out_rows, cols = in ? f.in_cols() : f.config.d_model;
   const int64_t last_row = w.row0 + w.view.rows, last_col = w.col0 + w.view.cols;
-  if (!HalfWeights(math) || w.row0 < 0 || w.col0 < 0 || w.view.rows < 0 || w.view.cols < 0 || last_row > rows ||
+  if (!HalfWeights(math_) || w.row0 < 0 || w.col0 < 0 || w.view.rows < 0 || w.view.cols < 0 || last_row > rows ||
       last_col > cols) {
     return InternalError("GemmWeights: rows [" + std::to_string(w.row0) + ", " + std::to_string(last_row) +
                          ") and columns [" + std::to_string(w.col0) + ", " + std::to_string(last_col) + ") of " +
                          std::string(WeightMatrixName(w.matrix)) + ": expected a block inside its 16-bit [" +
-                         std::to_string(rows) + ", " + std::to_string(cols) + "], held under --gpu-math " +
-                         std::string(GpuMathName(math)));
+                         std::to_string(rows) + ", " + std::to_string(cols) + "], held in math " +
+                         std::string(GpuMathName(math_)));
   }
   const uint16_t* base = (in ? w_in : w_out).get16();
   return HalfBlock{base + w.row0 * cols + w.col0, w.view.rows, w.view.cols, cols};
@@ -141,6 +141,7 @@ Status Lane::RunBatch(const CudaResidentForm& r, std::span<const Sequence> batch
   batch_bytes_ = 0;
   resident_ = &r;
   capture_failed_ = graphs_refused_ = false;
+  ATTNSERVE_RETURN_IF_ERROR(gemms_.SetMath(r.math()));
   Status st = RunWithinBound(r.weights(), w, batch);
   AbandonCapture();  // a batch that failed while capturing leaves the capture open
   if (capture_failed_) {
@@ -246,7 +247,7 @@ StatusOr<BatchWorkspace> Lane::PlaceWorkspace(const FormWeights& f, const BatchP
   const int64_t guard = options_.guard_zones ? kGuardFloats : 0;
   ATTNSERVE_ASSIGN_OR_RETURN(const WorkspacePlan w, FitWorkspace([&](int64_t score_bytes) {
                                return PlanWorkspace(f, plan, batch, score_bytes, guard, !options_.gemm_attention,
-                                                    HalfWeights(options_.math));
+                                                    HalfWeights(math()));
                              }));
   const PieceLayout layout = LayOut(w, guard);
   BatchWorkspace placed{.score_bytes = w.score_bytes,
@@ -289,10 +290,10 @@ Status Lane::Prepare(const FormWeights& f, const BatchPlan& plan, std::span<cons
 
   ATTNSERVE_RETURN_IF_ERROR(staging_.StageInputs(batch, all_self, d, piece[kInputs]));
   BeginGraph(f, plan, batch);  // the device work from here to Finish: captured, or replayed there
-  if (HalfWeights(options_.math) && !replaying()) {
+  if (HalfWeights(math()) && !replaying()) {
     // Every product by W_in reads these rows: converted once, behind their copies on the stream.
     CUDA_TRY(cuda::ConvertToHalf(piece[kInputs], tx + c_rows, d, d, reinterpret_cast<uint16_t*>(piece[kHalfInputs]),
-                                 d, HalfFormatOf(options_.math), stream_));
+                                 d, HalfFormatOf(math()), stream_));
   }
   b.x = ConstMatrixView(piece[kInputs], tx, d);
   b.c = all_self ? b.x : ConstMatrixView(piece[kInputs] + tx * d, tc, d);

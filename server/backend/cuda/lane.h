@@ -46,10 +46,11 @@ class CudaResidentForm final : public ResidentForm {
         b_in(budget),
         w_out(budget),
         b_out(budget),
-        math(math),
+        math_(math),
         serial(NextSerial()),
         host_(std::move(w)) {}
   const FormWeights& weights() const override { return *host_; }
+  Math math() const override { return math_; }
 
   // Returns once the weights are on the device: the host copies may go after that.
   Status Upload(cudaStream_t stream);
@@ -63,7 +64,7 @@ class CudaResidentForm final : public ResidentForm {
   StatusOr<HalfBlock> HalfBlockOf(const WeightBlock& w) const;
 
   DeviceArray w_in, b_in, w_out, b_out;
-  const GpuMath math;
+  const GpuMath math_;
   // This form's number among every form made in the process: what a lane's CUDA graphs name it
   // by (an address may be reused by a later form, with other weights).
   const uint64_t serial;
@@ -199,6 +200,8 @@ class Lane final : public DeviceOps {
   DeviceArray workspace_;
   BatchWorkspace batch_;            // this batch's, as Prepare placed it
   const CudaResidentForm* resident_ = nullptr;  // the form RunBatch runs
+  // The running form's math (each resident form has its own), else the backend's.
+  GpuMath math() const { return resident_ != nullptr ? resident_->math() : options_.math; }
   bool workspace_refused_ = false;  // the batch's Prepare found no room (RunWithinBound)
   GuardZones guards_;               // this batch's (options_.guard_zones)
   Staging staging_;

@@ -140,7 +140,7 @@ Status Lane::Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, Matri
 // float32 y, then the float32 bias.
 Status Lane::GemmWeights(ConstMatrixView x, const WeightBlock& w, const float* bias, MatrixView y, bool accumulate) {
   if (replaying()) return OkStatus();  // the batch's graph does it (LaunchGraph)
-  if (!HalfWeights(options_.math)) return Gemm(x, w.view, bias, y, accumulate);
+  if (!HalfWeights(math())) return Gemm(x, w.view, bias, y, accumulate);
   if (resident_ == nullptr) return InternalError("GemmWeights: no form is running on this lane");
   ATTNSERVE_ASSIGN_OR_RETURN(const HalfBlock w16, resident_->HalfBlockOf(w));
   ATTNSERVE_ASSIGN_OR_RETURN(const HalfBlock x16, HalfOperand(x));
@@ -162,7 +162,7 @@ StatusOr<HalfBlock> Lane::HalfOperand(ConstMatrixView x) {
                          " values");
   }
   auto* dst = reinterpret_cast<uint16_t*>(batch_.piece[kHalfOperands]);
-  CUDA_TRY(cuda::ConvertToHalf(x.data, x.rows, x.cols, x.ld, dst, std::max<int64_t>(x.cols, 1), HalfFormatOf(options_.math), stream_));
+  CUDA_TRY(cuda::ConvertToHalf(x.data, x.rows, x.cols, x.ld, dst, std::max<int64_t>(x.cols, 1), HalfFormatOf(math()), stream_));
   return HalfBlock{dst, x.rows, x.cols, std::max<int64_t>(x.cols, 1)};
 }
 

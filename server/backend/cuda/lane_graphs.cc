@@ -25,7 +25,7 @@ uint64_t CudaResidentForm::NextSerial() {
 std::vector<int64_t> Lane::GraphKey(const FormWeights& f, const BatchPlan& plan,
                                     std::span<const Sequence> batch) const {
   std::vector<int64_t> key = {static_cast<int64_t>(resident_->serial),
-                              static_cast<int64_t>(options_.math),
+                              static_cast<int64_t>(math()),
                               batch_.score_bytes,
                               batch_.pointer_slots,
                               static_cast<int64_t>(plan.combine),
