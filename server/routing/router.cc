@@ -1,5 +1,6 @@
 #include "server/routing/router.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -43,9 +44,21 @@ RouteTarget Resolved(RouteTarget t, Math default_math) {
   if (!t.math) t.math = default_math;
   return t;
 }
+// A split with every target's math resolved, shares of targets that become one added up
+// ("factored:1,factored@fp32:1" under fp32 is factored@fp32 at 100 %), in slot order.
 RouteSplit Resolved(const RouteSplit& split, Math default_math) {
-  RouteSplit resolved = split;
-  for (auto& [target, _] : resolved) target = Resolved(target, default_math);
+  RouteSplit resolved;
+  for (const auto& [target, share] : split) {
+    const RouteTarget t = Resolved(target, default_math);
+    auto same = std::find_if(resolved.begin(), resolved.end(), [&](const auto& r) { return r.first == t; });
+    if (same != resolved.end()) {
+      same->second += share;
+    } else {
+      resolved.emplace_back(t, share);
+    }
+  }
+  std::sort(resolved.begin(), resolved.end(),
+            [](const auto& a, const auto& b) { return SlotOf(a.first) < SlotOf(b.first); });
   return resolved;
 }
 

@@ -362,6 +362,12 @@ TEST(RouterTest, VariantsAreChosenByMathAsWellAsForm) {
     EXPECT_EQ(heard[0].first, RouteTarget(Form::kFactored, Math::kFp32));
     EXPECT_EQ(heard[1].first, RouteTarget(Form::kFactored, Math::kBf16)) << "resolved to the default";
   }
+  // Two targets that resolve to one variant are heard as one, their shares added.
+  ASSERT_TRUE(router.SetRoute("enc", *ParseRouteSpec("factored@bf16:1,factored:1,summed@fp32:2")).ok());
+  {
+    std::lock_guard<std::mutex> lock(obs.mu);
+    EXPECT_EQ(FormatRouteSpec(obs.routes["enc"]), "factored@bf16:50,summed@fp32:50");
+  }
   const Variant held[] = {{Form::kFactored, Math::kFp32}, {Form::kFactored, Math::kBf16},
                           {Form::kSummed, Math::kFp32}, {Form::kSummed, Math::kBf16}};
   constexpr int kKeys = 20000;
