@@ -61,7 +61,7 @@ class Backend {
   virtual StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) = 0;
   // The math Upload holds a form in: the device's flag (--gpu-math, --cpu-weight-layout).
   virtual Math default_math() const { return Math::kFp32; }
-  // Makes the form resident in `math` (a served variant's precision, --serve-math): a backend
+  // Makes the form resident in `math` (a served variant's precision, --extra-maths): a backend
   // holds one layer's form in several maths side by side, and Forward runs each in its own.
   // INVALID_ARGUMENT naming the math and what this device runs when it cannot.
   virtual StatusOr<std::shared_ptr<const ResidentForm>> UploadIn(std::shared_ptr<const FormWeights> form, Math math) {

@@ -100,7 +100,7 @@ class CudaBackend final : public Backend {
   }
   Math default_math() const override { return options_.math; }
   Status CheckMath(Math) const override { return OkStatus(); }
-  // Every math runs here: the lane sets its handle's math per product from the form's.
+  // Every math runs here: the lane sets its handle's math per batch from the running form's.
   StatusOr<std::shared_ptr<const ResidentForm>> UploadIn(std::shared_ptr<const FormWeights> form, Math math) override {
     if (!form) return InvalidArgumentError("Upload: no form given");
     ATTNSERVE_RETURN_IF_ERROR(CheckHeadCombine(*form));
