@@ -102,6 +102,7 @@ std::optional<FormCostModel> AutoFormChooser::Fit(const Layer& layer) const {
     return st.ok();
   };
   double flops_per_second = 0;
+  int timed = 0;  // forwards whose time a probe kept a candidate of (the warm-up pass's are not)
   for (int pass = 0; pass <= kPasses && options_.now() < until; ++pass) {
     for (Probe& p : probes) {
       if (options_.now() >= until) break;
@@ -114,7 +115,10 @@ std::optional<FormCostModel> AutoFormChooser::Fit(const Layer& layer) const {
       if (!forward(p)) return model;
       const double seconds = std::chrono::duration<double>(options_.now() - t0).count();
       if (seconds > 0) flops_per_second = std::max(flops_per_second, flops / seconds);
-      if (pass > 0) p.best = std::min(p.best, seconds);
+      if (pass > 0) {
+        p.best = std::min(p.best, seconds);
+        ++timed;
+      }
     }
   }
   std::vector<CostSample> samples[std::size(kAllForms)];
@@ -138,8 +142,9 @@ std::optional<FormCostModel> AutoFormChooser::Fit(const Layer& layer) const {
     fitted.by_form[static_cast<size_t>(form)] = *c;
   }
   fitted.measured = true;
-  spdlog::info("layer '{}': auto's cost model fitted from {} timed forwards in {:.0f} ms", layer.name,
-               samples[0].size() + samples[1].size(),
+  spdlog::info("layer '{}': auto's cost model fitted from {} timed forwards ({} shape and form pairs, the best of "
+               "each kept) in {:.0f} ms",
+               layer.name, timed, samples[0].size() + samples[1].size(),
                std::chrono::duration<double, std::milli>(options_.now() - start).count());
   return fitted;
 }
