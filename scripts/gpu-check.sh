@@ -5,7 +5,8 @@
 # and in TF32 against a cuBLAS SGEMM ceiling (random data) measured in the same run, and run
 # PyTorch's SDPA peer in FP32, TF32 and BF16 (where SDPA picks flash attention) when the
 # interpreter has torch with CUDA, each paired with our run of the same precision in a table
-# (BF16: forward_bench --gpu-math bf16, 16-bit weights and projections). The FP32 and TF32 runs take the fused
+# (BF16: forward_bench --gpu-math bf16, 16-bit weights and projections, and attention in the
+# fused kernel's tensor-core twin, fused_attention_bf16.cu). The FP32 and TF32 runs take the fused
 # attention kernel (the default); a third FP32 run takes the score GEMM, softmax and mix GEMM
 # instead (--gemm-attention), for what the fused kernel buys. A failing step is
 # reported and the later ones still run; the exit status says whether all passed. Everything it
@@ -62,7 +63,7 @@
 #                               and by 4 host threads)
 #   bench-tf32    25        -   forward_bench --tf32
 #   bench-bf16    20        -   forward_bench --gpu-math bf16: both forms, the same shapes, the
-#                               weights and projections in BF16, attention FP32
+#                               weights, projections and fused attention in BF16
 #   bench-gemm-   20        -   forward_bench --gemm-attention: FP32 with the score GEMM, the
 #     attention                 softmax kernel and the mix GEMM in place of the fused kernel
 #   bench-graphs  10        -   forward_bench --gpu-graphs 1024: FP32, the shapes of at most

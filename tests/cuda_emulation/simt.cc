@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_fp16.h"
 #include "state.h"
 
 #if defined(ATTNSERVE_ASAN)
@@ -34,6 +35,7 @@ namespace {
 
 constexpr size_t kStackBytes = 64 * 1024;
 constexpr int kWarp = 32;
+constexpr int kMmaRegs = 6;  // an mma.m16n8k16 lane's operands: 4 registers of A, 2 of B
 constexpr unsigned kMaxThreads = 1024;
 
 // A saved execution context. On x86-64 a stack pointer and a 12-instruction switch (callee-
@@ -140,6 +142,7 @@ struct BlockRun {
   int done = 0;
   std::vector<int> at_warp_barrier;  // per warp
   std::vector<double> exchange;      // [warp][2][lane]: a float or a double, exactly
+  std::vector<uint32_t> mma_exchange;  // [warp][2][lane][kMmaRegs]: each lane's A and B registers
   // The order threads run in, drawn per block and again at each __syncthreads: the warps in a
   // random order, each warp's lanes together, from a drawn lane up or down. A warp whose shuffle is
   // released runs on at once (`run_ahead`: up to its next __syncthreads, overtaking the warps
@@ -334,6 +337,24 @@ void SyncThreads() {
   SwitchAway(false);
 }
 
+namespace {
+
+// Waits until every lane of `warp` has arrived at its collective (a shuffle or an mma), having
+// written its values first.
+void WarpRendezvous(BlockRun& r, Fiber& self, int warp, int lanes) {
+  self.state = State::kAtWarpBarrier;
+  if (++r.at_warp_barrier[warp] == lanes && r.run_ahead) {
+    // The last lane to arrive releases the collective; the warp runs on from its first lane.
+    for (int l = 0; l < lanes; ++l) r.fibers[warp * kWarp + l].state = State::kRunnable;
+    r.at_warp_barrier[warp] = 0;
+    SwitchAway(false, r.warp_first[warp]);
+  } else {
+    SwitchAway(false);
+  }
+}
+
+}  // namespace
+
 double ShuffleXor(unsigned mask, double value, int lane_mask, int width) {
   BlockRun& r = *run;
   Fiber& self = Current();
@@ -341,21 +362,68 @@ double ShuffleXor(unsigned mask, double value, int lane_mask, int width) {
   const int lanes = LanesOf(r, warp);
   const unsigned everyone = lanes == kWarp ? 0xffffffffu : (1u << lanes) - 1;
   if (mask != everyone || width != kWarp) UnsupportedShuffle(self, mask, width);
+  // The other half of the buffer takes the next collective, so no lane overwrites a value
+  // another lane has yet to read.
   double* slots = &r.exchange[(warp * 2 + self.shuffles % 2) * kWarp];
   self.shuffles++;
   slots[lane] = value;
-  self.state = State::kAtWarpBarrier;
-  if (++r.at_warp_barrier[warp] == lanes && r.run_ahead) {
-    // The last lane to arrive releases the shuffle; the warp runs on from its first lane.
-    for (int l = 0; l < lanes; ++l) r.fibers[warp * kWarp + l].state = State::kRunnable;
-    r.at_warp_barrier[warp] = 0;
-    SwitchAway(false, r.warp_first[warp]);
-  } else {
-    SwitchAway(false);
-  }
-  // The other half of the buffer takes the next shuffle, so no lane overwrites a value another
-  // lane has yet to read.
+  WarpRendezvous(r, self, warp, lanes);
   return slots[(lane ^ lane_mask) % kWarp];
+}
+
+namespace {
+
+// A 16-bit value of an mma operand, widened exactly.
+float Widen(uint32_t bits16, MmaType type) {
+  if (type == MmaType::kFp16) return __half2float(__half{static_cast<unsigned short>(bits16)});
+  const uint32_t bits = bits16 << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Element i (0 low, 1 high) of a register of two 16-bit values.
+float Half(uint32_t reg, int i, MmaType type) { return Widen(i == 0 ? reg & 0xffffu : reg >> 16, type); }
+
+}  // namespace
+
+void MmaM16N8K16(float d[4], const uint32_t a[4], const uint32_t b[2], MmaType type) {
+  BlockRun& r = *run;
+  Fiber& self = Current();
+  const int thread = static_cast<int>(self.coords.thread_idx.x), warp = thread / kWarp, lane = thread % kWarp;
+  const int lanes = LanesOf(r, warp);
+  if (lanes != kWarp && r.error.empty()) {
+    r.error = "mma.sync at " + Where(self) + ": a warp of " + std::to_string(lanes) + " lanes (it takes all 32)";
+  }
+  uint32_t* slots = &r.mma_exchange[(warp * 2 + self.shuffles % 2) * kWarp * kMmaRegs];
+  self.shuffles++;
+  std::copy(a, a + 4, slots + lane * kMmaRegs);
+  std::copy(b, b + 2, slots + lane * kMmaRegs + 4);
+  WarpRendezvous(r, self, warp, lanes);
+  // The PTX ISA's fragments of mma.m16n8k16 with .bf16/.f16 operands ("Matrix Fragments for
+  // mma.m16n8k16 with floating point type"), groupID = lane >> 2, threadID_in_group = lane % 4:
+  //   A: aᵢ (register i / 2, low half first) at row groupID (+8 for i in 2, 3, 6, 7), column
+  //      threadID_in_group·2 + (i & 1) (+8 for i ≥ 4);
+  //   B: bᵢ (register i / 2) at row threadID_in_group·2 + (i & 1) (+8 for i ≥ 2), column groupID;
+  //   C, D: cᵢ at row groupID (+8 for i ≥ 2), column threadID_in_group·2 + (i & 1).
+  float A[16][16], B[16][8];
+  for (int l = 0; l < kWarp; ++l) {
+    const uint32_t* regs = slots + l * kMmaRegs;
+    const int group = l >> 2, in_group = l % 4;
+    for (int i = 0; i < 8; ++i) {
+      A[group + ((i / 2) % 2 == 1 ? 8 : 0)][in_group * 2 + (i & 1) + (i >= 4 ? 8 : 0)] = Half(regs[i / 2], i & 1, type);
+    }
+    for (int i = 0; i < 4; ++i) B[in_group * 2 + (i & 1) + (i >= 2 ? 8 : 0)][group] = Half(regs[4 + i / 2], i & 1, type);
+  }
+  const int group = lane >> 2, in_group = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = group + (i >= 2 ? 8 : 0), col = in_group * 2 + (i & 1);
+    // The products of 16-bit values are exact in float; the device's order and width of the
+    // sum are unspecified, so the tests' bounds allow float32's.
+    float sum = d[i];
+    for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+    d[i] = sum;
+  }
 }
 
 bool CheckLaunch(dim3 grid, dim3 block) {
@@ -409,6 +477,7 @@ void RunBlocks(dim3 grid, dim3 block, const std::function<void()>& body) {
 #endif
   const size_t warps = (threads + kWarp - 1) / kWarp;
   r.exchange.assign(warps * 2 * kWarp, 0.0);
+  r.mma_exchange.assign(warps * 2 * kWarp * kMmaRegs, 0u);
   r.warp_first.assign(warps, 0);
   // The blocks in an order drawn per launch, from the run's seed: a device runs them in any.
   r.draw.state = internal::LaunchDraw();

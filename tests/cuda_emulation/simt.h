@@ -35,6 +35,14 @@ void SyncThreads();
 // Both of the device's shuffles of a float and of a double: a float travels as a double, exactly.
 double ShuffleXor(unsigned mask, double value, int lane_mask, int width);
 
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 d, a, b, d: a warp-wide
+// collective like a shuffle (every lane of a full warp waits for the others), each lane giving
+// its fragments of A (4 registers of two 16-bit values) and B (2), and getting its 4 floats of
+// D = A·B + D, by the PTX ISA's fragment layout (simt.cc), so a kernel that loads a fragment
+// into the wrong lane or register computes a wrong product here as on a device.
+enum class MmaType { kBf16, kFp16 };
+void MmaM16N8K16(float d[4], const uint32_t a[4], const uint32_t b[2], MmaType type);
+
 // What a launch checks when it is issued: the configuration (an error for cudaGetLastError) and
 // an injected fault. False: nothing is queued.
 bool CheckLaunch(dim3 grid, dim3 block);

@@ -4,10 +4,12 @@
 // or narrower than d_head, more keys than one tile and more rows than one tile), rows whose
 // scores overflow float32 recomputed in float64, and through the backend: one launch per 48
 // sequences, no score or mix GEMM, and no score piece in the workspace.
+#include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <memory>
 #include <random>
 #include <string>
@@ -47,9 +49,19 @@ struct HostRange {
   std::vector<float> q, k, values;
 };
 
+// x rounded to bfloat16 and widened back (to nearest even, as the device converts).
+double Bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
 // Head `head`'s answer for row r of `range` in float64: softmax(scale · q kᵀ) over the keys row r
-// sees, times the values.
-std::vector<double> Expected(const HostRange& range, const cuda::FusedLayout& l, int64_t head, int64_t r) {
+// sees, times the values; with `bf16`, of q, k and the values rounded to bfloat16 first (the
+// tensor-core kernel's operands: its rounding model but for the weights' rounding).
+// `weight_rounding`, if given, gets the standard deviation of the answer's error (its L2 norm) when
+// each weight p_j is rounded by an independent uniform share of u = 2^-8 and the row normalised by
+// the rounded weights' sum: the answer moves by Σ_j p_j δ_j (v_j − answer), of variance
+// u²/3 · Σ_j p_j² ‖v_j − answer‖².
+std::vector<double> Expected(const HostRange& range, const cuda::FusedLayout& l, int64_t head, int64_t r,
+                             bool bf16 = false, double* weight_rounding = nullptr) {
+  const auto in = [&](float x) { return bf16 ? Bf16(x) : static_cast<double>(x); };
   const int64_t kv = head / l.group;
   const int64_t visible = range.causal ? std::min(range.visible, range.first_row + r + 1) : range.visible;
   std::vector<double> score(visible);
@@ -57,7 +69,7 @@ std::vector<double> Expected(const HostRange& range, const cuda::FusedLayout& l,
   for (int64_t j = 0; j < visible; ++j) {
     double dot = 0;
     for (int64_t t = 0; t < l.d_head; ++t) {
-      dot += static_cast<double>(range.q[r * l.q_ld + head * l.d_head + t]) * range.k[j * l.k_ld + kv * l.d_head + t];
+      dot += in(range.q[r * l.q_ld + head * l.d_head + t]) * in(range.k[j * l.k_ld + kv * l.d_head + t]);
     }
     score[j] = static_cast<double>(l.scale) * dot;
     top = std::max(top, score[j]);
@@ -67,14 +79,28 @@ std::vector<double> Expected(const HostRange& range, const cuda::FusedLayout& l,
   std::vector<double> out(l.width, 0.0);
   for (int64_t j = 0; j < visible; ++j) {
     for (int64_t c = 0; c < l.width; ++c)
-      out[c] += score[j] / sum * range.values[j * l.values_ld + head / l.value_group * l.value_stride + c];
+      out[c] += score[j] / sum * in(range.values[j * l.values_ld + head / l.value_group * l.value_stride + c]);
+  }
+  if (weight_rounding != nullptr) {
+    double variance = 0;
+    for (int64_t j = 0; j < visible; ++j) {
+      const double p = score[j] / sum;
+      for (int64_t c = 0; c < l.width; ++c) {
+        const double dv = in(range.values[j * l.values_ld + head / l.value_group * l.value_stride + c]) - out[c];
+        variance += p * p * dv * dv;
+      }
+    }
+    *weight_rounding = 0x1p-8 * std::sqrt(variance / 3);
   }
   return out;
 }
 
-// Runs `ranges` in one launch and compares every row and head with float64; returns the answers.
-void ExpectFloat64(const std::vector<HostRange>& ranges, const cuda::FusedLayout& l, double tolerance,
-                   const std::string& label) {
+// Runs `ranges` in one launch of `kernel` and compares every row and head with float64 (with
+// `bf16`, of the operands rounded to bfloat16); returns the answers per range.
+using Kernel = cudaError_t (*)(cuda::FusedRanges, const cuda::FusedLayout&, cudaStream_t);
+std::vector<std::vector<float>> ExpectFloat64(const std::vector<HostRange>& ranges, const cuda::FusedLayout& l,
+                                              double tolerance, const std::string& label,
+                                              Kernel kernel = cuda::FusedAttention, bool bf16 = false) {
   std::vector<std::unique_ptr<DeviceVector>> held;
   cuda::FusedRanges launch;
   for (const HostRange& r : ranges) {
@@ -96,19 +122,22 @@ void ExpectFloat64(const std::vector<HostRange>& ranges, const cuda::FusedLayout
                                     .causal = r.causal};
   }
   cuda_emulation::ResetCounters();
-  ASSERT_EQ(cuda::FusedAttention(launch, l, nullptr), cudaSuccess) << label;
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << label << ": " << cuda_emulation::LastDiagnostic();
+  std::vector<std::vector<float>> answers;
+  EXPECT_EQ(kernel(launch, l, nullptr), cudaSuccess) << label;
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << label << ": " << cuda_emulation::LastDiagnostic();
   EXPECT_EQ(cuda_emulation::ReadCounters().kernel_launches, 1) << label;
   for (size_t i = 0; i < ranges.size(); ++i) {
-    const std::vector<float> got = held[4 * i + 3]->Read();
+    answers.push_back(held[4 * i + 3]->Read());
+    const std::vector<float>& got = answers.back();
     for (int64_t r = 0; r < ranges[i].rows; ++r) {
       for (int64_t h = 0; h < l.heads; ++h) {
-        const std::vector<double> want = Expected(ranges[i], l, h, r);
+        const std::vector<double> want = Expected(ranges[i], l, h, r, bf16);
         EXPECT_LT(RelativeL2(&got[r * l.out_ld + h * l.width], want), tolerance)
             << label << ": range " << i << " row " << r << " head " << h;
       }
     }
   }
+  return answers;
 }
 
 HostRange RandomRange(std::mt19937_64& rng, const cuda::FusedLayout& l, int64_t rows, int64_t m, int64_t visible,
@@ -128,46 +157,99 @@ HostRange RandomRange(std::mt19937_64& rng, const cuda::FusedLayout& l, int64_t 
 
 // Shapes of heads — MHA, GQA (3 query heads a kv head), the values every head reads the same
 // columns of and wider than d_head (the summed form mixing first), the kernel's bounds, values
-// of each query head's own narrower than d_head (the low-rank form at one rank) — each
-// over ragged ranges in one launch: one row and one key; a causal sequence of 37 rows (three
-// query tiles, two key tiles); a block of rows starting at row 30 of a causal sequence; a cross
-// attention of 5 queries to 100 keys of which 70 are seen (padding); 16 rows and 33 keys (a
-// second key tile of one key).
-TEST_F(CudaFusedAttentionTest, MatchesFloat64OverRaggedCausalPaddedAndGroupedRanges) {
+// of each query head's own narrower than d_head (the low-rank form at one rank) — each with
+// leading dimensions past its columns.
+std::vector<cuda::FusedLayout> Layouts() {
   struct Shape {
     int32_t heads, group, d_head, width, value_stride, value_group;
   };
+  std::vector<cuda::FusedLayout> layouts;
   for (const Shape& s : {Shape{4, 1, 16, 16, 16, 1}, Shape{6, 3, 24, 24, 24, 3}, Shape{3, 3, 8, 40, 0, 1},
                          Shape{2, 2, 128, 128, 0, 1}, Shape{2, 1, 5, 7, 7, 1}, Shape{4, 2, 12, 6, 6, 1}}) {
     const int32_t kv_heads = s.heads / s.group;
-    cuda::FusedLayout l{.q_ld = s.heads * s.d_head + 3,
-                        .k_ld = kv_heads * s.d_head + 1,
-                        .values_ld = (s.heads / s.value_group - 1) * s.value_stride + s.width + 2,
-                        .out_ld = s.heads * s.width + 5,
-                        .heads = s.heads,
-                        .group = s.group,
-                        .d_head = s.d_head,
-                        .width = s.width,
-                        .value_stride = s.value_stride,
-                        .value_group = s.value_group,
-                        .scale = 1.0f / std::sqrt(static_cast<float>(s.d_head))};
-    std::vector<HostRange> ranges;
-    ranges.push_back(RandomRange(rng_, l, 1, 1, 1, 0, false));
-    ranges.push_back(RandomRange(rng_, l, 37, 37, 37, 0, true));
-    ranges.push_back(RandomRange(rng_, l, 20, 50, 50, 30, true));
-    ranges.push_back(RandomRange(rng_, l, 5, 100, 70, 0, false));
-    ranges.push_back(RandomRange(rng_, l, 16, 33, 33, 0, false));
-    ExpectFloat64(ranges, l, 1e-5,
-                  "heads " + std::to_string(s.heads) + " group " + std::to_string(s.group) + " d_head " +
-                      std::to_string(s.d_head) + " width " + std::to_string(s.width));
+    layouts.push_back({.q_ld = s.heads * s.d_head + 3,
+                       .k_ld = kv_heads * s.d_head + 1,
+                       .values_ld = (s.heads / s.value_group - 1) * s.value_stride + s.width + 2,
+                       .out_ld = s.heads * s.width + 5,
+                       .heads = s.heads,
+                       .group = s.group,
+                       .d_head = s.d_head,
+                       .width = s.width,
+                       .value_stride = s.value_stride,
+                       .value_group = s.value_group,
+                       .scale = 1.0f / std::sqrt(static_cast<float>(s.d_head))});
+  }
+  return layouts;
+}
+
+std::string Label(const cuda::FusedLayout& l) {
+  return "heads " + std::to_string(l.heads) + " group " + std::to_string(l.group) + " d_head " +
+         std::to_string(l.d_head) + " width " + std::to_string(l.width);
+}
+
+// Ragged ranges for one launch: one row and one key; a causal sequence of 37 rows (three query
+// tiles of the float32 kernel, two key tiles); a block of rows starting at row 30 of a causal
+// sequence; a cross attention of 5 queries to 100 keys of which 70 are seen (padding); 16 rows
+// and 33 keys (a second key tile of one key); and 70 causal rows over 131 keys (two query tiles
+// and three key tiles of the tensor-core kernel, its second query tile's last key tile short).
+std::vector<HostRange> RaggedRanges(std::mt19937_64& rng, const cuda::FusedLayout& l) {
+  std::vector<HostRange> ranges;
+  ranges.push_back(RandomRange(rng, l, 1, 1, 1, 0, false));
+  ranges.push_back(RandomRange(rng, l, 37, 37, 37, 0, true));
+  ranges.push_back(RandomRange(rng, l, 20, 50, 50, 30, true));
+  ranges.push_back(RandomRange(rng, l, 5, 100, 70, 0, false));
+  ranges.push_back(RandomRange(rng, l, 16, 33, 33, 0, false));
+  ranges.push_back(RandomRange(rng, l, 70, 131, 131, 61, true));
+  return ranges;
+}
+
+TEST_F(CudaFusedAttentionTest, MatchesFloat64OverRaggedCausalPaddedAndGroupedRanges) {
+  for (const cuda::FusedLayout& l : Layouts()) ExpectFloat64(RaggedRanges(rng_, l), l, 1e-5, Label(l));
+}
+
+// The tensor-core kernel (--gpu-math bf16) over the same ranges and heads. Against float64 of
+// its operands rounded to bfloat16 (q, k and the values), the one rounding left is the weights'
+// (Expected's weight_rounding: its standard deviation for this row), held to λ = 4 of it plus
+// float32's accumulation. A fragment loaded into the wrong lane or register mixes the wrong
+// scores or columns, off by the answer's own size. And it really rounds: its answers are further
+// from the float32 kernel's than float32's accumulation goes (at least u/16).
+TEST_F(CudaFusedAttentionTest, Bf16KernelIsTheRoundingModelOfItsBfloat16Operands) {
+  constexpr double kU = 0x1p-8, kLambda = 4;
+  for (const cuda::FusedLayout& l : Layouts()) {
+    const std::vector<HostRange> ranges = RaggedRanges(rng_, l);
+    // Every row written and finite (within 1 of the model), then each against its own bound.
+    const auto bf16 = ExpectFloat64(ranges, l, 1.0, Label(l) + " bf16", cuda::FusedAttentionBf16, true);
+    const auto fp32 = ExpectFloat64(ranges, l, 1e-5, Label(l), cuda::FusedAttention);
+    double distance = 0, worst = 0;  // to the float32 kernel; to the model, over the bound
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      for (int64_t r = 0; r < ranges[i].rows; ++r) {
+        for (int64_t h = 0; h < l.heads; ++h) {
+          const int64_t at = r * l.out_ld + h * l.width;
+          double spread = 0;
+          const std::vector<double> model = Expected(ranges[i], l, h, r, true, &spread);
+          double norm = 0;
+          for (double v : model) norm += v * v;
+          const double bound = kLambda * spread / std::sqrt(norm) + 1e-5;
+          const double error = RelativeL2(&bf16[i][at], model);
+          EXPECT_LT(error, bound) << Label(l) << ": range " << i << " row " << r << " head " << h;
+          worst = std::max(worst, error / bound);
+          distance = std::max(distance, RelativeL2(&bf16[i][at], &fp32[i][at], l.width));
+        }
+      }
+    }
+    EXPECT_GT(distance, kU / 16) << Label(l) << ": no further from float32's answers than float32 goes";
+    std::cout << "[ info     ] bf16 kernel, " << Label(l) << ": worst error / bound " << worst
+              << ", distance to float32's " << distance << "\n";
   }
 }
 
 // Scores past float32's range (q·k of inputs ~1e20 is ~1e41): such a row is recomputed in
 // float64 from Q, K and the values and must match the float64 answer, while the rows of
 // ordinary scores in the same launch keep the float32 path; a query that itself overflowed
-// gives a NaN row (the service's OUT_OF_RANGE), never an answer that looks right.
+// gives a NaN row (the service's OUT_OF_RANGE), never an answer that looks right. Both kernels:
+// the tensor-core one's ordinary rows against its rounding model, its float64 rows as exact.
 TEST_F(CudaFusedAttentionTest, RowsWhoseScoresOverflowAreComputedInFloat64) {
+  for (const bool bf16 : {false, true})
   for (const int64_t keys : {7, 33, 100}) {
     for (const bool causal : {false, true}) {
       const cuda::FusedLayout l{.q_ld = 4 * 8 + 3,
@@ -200,21 +282,57 @@ TEST_F(CudaFusedAttentionTest, RowsWhoseScoresOverflowAreComputedInFloat64) {
                          .rows = static_cast<int32_t>(r.rows),
                          .keys = static_cast<int32_t>(keys),
                          .causal = causal};
-      ASSERT_EQ(cuda::FusedAttention(launch, l, nullptr), cudaSuccess);
+      ASSERT_EQ((bf16 ? cuda::FusedAttentionBf16 : cuda::FusedAttention)(launch, l, nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << cuda_emulation::LastDiagnostic();
       const std::vector<float> got = out.Read();
       for (int64_t row = 0; row < r.rows; ++row) {
         for (int64_t h = 0; h < l.heads; ++h) {
-          const std::string where = "keys " + std::to_string(keys) + (causal ? " causal" : "") + " row " +
+          const std::string where = std::string(bf16 ? "bf16 " : "") + "keys " + std::to_string(keys) +
+                                    (causal ? " causal" : "") + " row " +
                                     std::to_string(row) + " head " + std::to_string(h);
           const float* answer = &got[row * l.out_ld + h * l.width];
           if (row == nan_row && h == nan_head) {
             for (int64_t c = 0; c < l.width; ++c) EXPECT_TRUE(std::isnan(answer[c])) << where << " column " << c;
             continue;
           }
-          EXPECT_LT(RelativeL2(answer, Expected(r, l, h, row)), 1e-5) << where;
+          // Head 0's scores stay finite: the bfloat16 kernel's own path, its operands rounded.
+          const bool rounded = bf16 && h == 0;
+          EXPECT_LT(RelativeL2(answer, Expected(r, l, h, row, rounded)), rounded ? 0x1p-8 : 1e-5) << where;
         }
       }
+    }
+  }
+}
+
+// Which kernel a lane runs by its math: under bf16 the tensor-core kernel, whose roundings of Q,
+// K, the weights and the values move the answer from the same lane's GEMM path (float32
+// attention) by about u; under fp16 the float32 kernel, whose answers match the GEMM path's to
+// float32's accumulation and the odd half rounding it tips (fp16's range would overflow scores
+// and values float32 holds), 4 times closer than bfloat16's nearest.
+TEST_F(CudaFusedAttentionTest, UnderBf16TheLaneRunsTheTensorCoreKernelAndUnderFp16TheFloat32One) {
+  const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 64, .heads = 4, .kv_heads = 2}), rng_());
+  const auto form = std::make_shared<const FormWeights>(MaterializeFactored(w));
+  testing::OwnedSequence seq = RandomSequence(rng_, w.config.d_model, 40, 40, true, false, -1);
+  for (const GpuMath math : {GpuMath::kBf16, GpuMath::kFp16}) {
+    std::vector<float> answers[2];
+    for (const bool gemm : {false, true}) {
+      auto made = MakeCudaBackend({.math = math, .gemm_attention = gemm});
+      ASSERT_TRUE(made.ok()) << made.status().ToString();
+      auto resident = (*made)->Upload(form);
+      ASSERT_TRUE(resident.ok()) << resident.status().ToString();
+      const Sequence batch[] = {seq.View()};
+      ASSERT_TRUE((*made)->Forward(**resident, batch).ok());
+      answers[gemm] = seq.output;
+    }
+    const double apart = RelativeL2(answers[0].data(), answers[1].data(), answers[0].size());
+    std::cout << "[ info     ] " << GpuMathName(math) << ": fused against the GEMM path " << apart << "\n";
+    if (math == GpuMath::kBf16) {
+      EXPECT_GT(apart, 0x1p-8 / 16) << "bf16: the fused answer is float32 attention's";
+      EXPECT_LT(apart, 4 * 0x1p-8) << "bf16: the two attention paths are further apart than bfloat16 rounding goes";
+    } else {
+      // Float32 attention both, summed in different orders: O differs by float32's rounding,
+      // which now and then tips one of O's half roundings before W_out (u = 2^-11 each).
+      EXPECT_LT(apart, 0x1p-8 / 64) << "fp16: the fused kernel is not the float32 one";
     }
   }
 }

@@ -2,10 +2,14 @@
 #include <cmath>
 
 #include "server/backend/cuda/fused_attention.h"
-#include "server/backend/cuda/launch.h"
+#include "server/backend/cuda/fused_exact_row.h"
 
 namespace attnserve::cuda {
 namespace {
+
+using fused::ExactRow;
+using fused::KeysSeenBy;
+using fused::WarpAll;
 
 // A block: 4 warps, each 4 query rows of the tile; a lane a key of the key tile while scoring,
 // the columns lane + 32·c of the row while mixing.
@@ -15,75 +19,13 @@ constexpr int kTileKeys = 32;
 constexpr int kColsPerLane = static_cast<int>(kFusedMaxWidth / 32);  // 4
 constexpr int kMaxDHead = static_cast<int>(kFusedMaxDHead);
 
-template <bool kMax, class T>
-__device__ T WarpAll(T v) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const T other = __shfl_xor_sync(0xffffffffu, v, offset);
-    v = kMax ? static_cast<T>(fmax(v, other)) : v + other;
-  }
-  return v;
-}
-
-// q·k in float64 (kernels.cu's ExactDot: the products of floats are exact there).
-__device__ double ExactDot(const float* q, const float* k, int d_head) {
-  double dot = 0;
-  for (int t = 0; t < d_head; ++t) dot += static_cast<double>(q[t]) * static_cast<double>(k[t]);
-  return dot;
-}
-
-// A row one of whose visible scores was not finite in float32, again in float64 by its warp:
-// weights exp(scale · (dot − max)) with the dots and the max in float64 (the max over the
-// unscaled dots, the scale after the subtraction, as kernels.cu's ExactExponentials and for
-// its reason), the mix accumulated in float64. A non-finite dot makes the max +inf and the
-// row NaN, which the service reports as OUT_OF_RANGE. Warp-uniform: shuffles only.
-__device__ void ExactRow(const float* q, const float* k, const float* values, float* out, int visible,
-                         const FusedLayout& l) {
-  const int lane = threadIdx.x % 32;
-  double top = -DBL_MAX;
-  for (int j = lane; j < visible; j += 32) {
-    const double dot = ExactDot(q, k + j * l.k_ld, l.d_head);
-    top = fmax(top, fabs(dot) <= DBL_MAX ? dot : INFINITY);
-  }
-  top = WarpAll<true>(top);
-  double sum = 0, acc[kColsPerLane] = {};
-  for (int j0 = 0; j0 < visible; j0 += 32) {
-    const int j = j0 + lane;
-    const double e =
-        j < visible ? exp(static_cast<double>(l.scale) * (ExactDot(q, k + j * l.k_ld, l.d_head) - top)) : 0.0;
-    sum += e;
-    for (int b = 0; b < 32 && j0 + b < visible; ++b) {
-      const double weight = WarpAll<false>(lane == b ? e : 0.0);  // lane b's, to every lane
-      const float* v = values + (j0 + b) * l.values_ld;
-#pragma unroll
-      for (int c = 0; c < kColsPerLane; ++c) {
-        if (lane + 32 * c < l.width) acc[c] += weight * static_cast<double>(v[lane + 32 * c]);
-      }
-    }
-  }
-  sum = WarpAll<false>(sum);
-#pragma unroll
-  for (int c = 0; c < kColsPerLane; ++c) {
-    if (lane + 32 * c < l.width) out[lane + 32 * c] = static_cast<float>(acc[c] / sum);
-  }
-}
-
 __global__ void FusedAttentionKernel(FusedRanges ranges, FusedLayout l) {
   __shared__ float q_tile[kTileRows][kMaxDHead];
   __shared__ float k_tile[kTileKeys][kMaxDHead + 1];  // + 1: lane j reads row j without bank conflicts
   __shared__ float v_tile[kTileKeys][kFusedMaxWidth];
   __shared__ float p_tile[kTileRows][kTileKeys];
 
-  // The block's range: the last whose first block is at or before it (a binary search).
-  int lo = 0, hi = ranges.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (ranges.range[mid].tile0 <= static_cast<int>(blockIdx.x)) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const FusedRange r = ranges.range[lo];  // copied out of the arguments, as kernels.cu does
+  const FusedRange r = ranges.range[fused::RangeOfBlock(ranges)];  // copied out of the arguments, as kernels.cu does
   const int local = static_cast<int>(blockIdx.x) - r.tile0;
   const int head = local % l.heads, row0 = local / l.heads * kTileRows;
   const int tile_rows = min(kTileRows, r.rows - row0);
@@ -100,9 +42,7 @@ __global__ void FusedAttentionKernel(FusedRanges ranges, FusedLayout l) {
   }
   // The keys any row of the tile sees (causal: none past its last row's), and each of the
   // warp's rows' own (0 for a row past the range's end).
-  const auto seen_by = [&](int row) {  // row `row` of the tile, causal: keys [0, its query + 1)
-    return r.causal ? static_cast<int>(min(static_cast<int64_t>(r.keys), r.first_row + row0 + row + 1)) : r.keys;
-  };
+  const auto seen_by = [&](int row) { return KeysSeenBy(r, row0, row); };
   const int keys = seen_by(tile_rows - 1);
   int visible[kRowsPerWarp];
   float top[kRowsPerWarp], sum[kRowsPerWarp], acc[kRowsPerWarp][kColsPerLane];
@@ -185,18 +125,7 @@ __global__ void FusedAttentionKernel(FusedRanges ranges, FusedLayout l) {
 }  // namespace
 
 cudaError_t FusedAttention(FusedRanges ranges, const FusedLayout& layout, cudaStream_t stream) {
-  if (ranges.count <= 0 || ranges.count > kFusedMaxRanges || layout.d_head > kFusedMaxDHead ||
-      layout.width > kFusedMaxWidth) {
-    return cudaErrorInvalidValue;
-  }
-  int tiles = 0;
-  for (int i = 0; i < ranges.count; ++i) {
-    ranges.range[i].tile0 = tiles;
-    tiles += layout.heads * ((ranges.range[i].rows + kTileRows - 1) / kTileRows);
-  }
-  if (tiles == 0) return cudaSuccess;
-  ATTNSERVE_LAUNCH(FusedAttentionKernel, static_cast<unsigned>(tiles), kWarps * 32, stream)(ranges, layout);
-  return cudaGetLastError();
+  return fused::LaunchOverTiles(FusedAttentionKernel, kTileRows, kWarps * 32, ranges, layout, stream);
 }
 
 }  // namespace attnserve::cuda

@@ -1,8 +1,9 @@
-// The fused attention kernel (fused_attention.cu): per (range, head, tile of query rows), the
-// scores of a tile of keys at a time in shared memory and registers, the masked online softmax
-// (a running max and sum per row, the partial mix rescaled when the max grows) and the mix with
-// the values, in one launch; the scores are never written to device memory. FP32 on the SIMT
-// cores. docs/architecture.md, "The CUDA backend", says when a lane runs it.
+// The fused attention kernels (fused_attention.cu, fused_attention_bf16.cu): per (range, head,
+// tile of query rows), the scores of a tile of keys at a time in shared memory and registers,
+// the masked online softmax (a running max and sum per row, the partial mix rescaled when the
+// max grows) and the mix with the values, in one launch; the scores are never written to device
+// memory. FusedAttention runs in FP32 on the SIMT cores, FusedAttentionBf16 on the tensor cores
+// over bfloat16 operands. docs/architecture.md, "The CUDA backend", says when a lane runs which.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -49,5 +50,12 @@ struct FusedRanges {
 // d_head ≤ kFusedMaxDHead, width ≤ kFusedMaxWidth). A row with a non-finite score (q·k past
 // float32's range, inputs from ~1e19 on) is computed again in float64, as MaskedSoftmax does.
 cudaError_t FusedAttention(FusedRanges ranges, const FusedLayout& layout, cudaStream_t stream);
+
+// The same on the tensor cores (mma.sync.m16n8k16, sm_80 on), a tile of 64 query rows a block:
+// Q, K and the values rounded to bfloat16 as they are read, the weights exp(score − max) rounded
+// to bfloat16 before the mix (the row's sum counts them rounded), every product accumulated in
+// float32, and the answer written in float32. A row with a non-finite score takes the same
+// float64 path, from the float32 inputs. The lane runs it under --gpu-math bf16.
+cudaError_t FusedAttentionBf16(FusedRanges ranges, const FusedLayout& layout, cudaStream_t stream);
 
 }  // namespace attnserve::cuda

@@ -196,7 +196,12 @@ Status Lane::FusedAttend(const AttentionJob& job, const FusedShape& shape) {
   cuda::FusedRanges launch;
   cuda::FusedLayout layout;
   const auto flush = [&]() -> Status {
-    if (launch.count > 0) CUDA_TRY(cuda::FusedAttention(launch, layout, stream_));
+    // Under bf16 the tensor cores' kernel; fp16's range (65504) would overflow scores and values
+    // float32 holds, so fp16 and tf32 keep the float32 kernel.
+    if (launch.count > 0) {
+      CUDA_TRY(math() == GpuMath::kBf16 ? cuda::FusedAttentionBf16(launch, layout, stream_)
+                                        : cuda::FusedAttention(launch, layout, stream_));
+    }
     launch.count = 0;
     return OkStatus();
   };
