@@ -11,15 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "cublas_gemm.h"
 #include "cublas_v2.h"
 #include "cuda_bf16.h"
 #include "cuda_fp16.h"
 #include "state.h"
-
-struct cublasContext {
-  cudaStream_t stream = nullptr;
-  cublasMath_t math = CUBLAS_DEFAULT_MATH;
-};
 
 namespace cuda_emulation {
 namespace {
@@ -61,26 +57,6 @@ cublasStatus_t Invalid(const std::string& call, const std::string& why) {
   return CUBLAS_STATUS_INVALID_VALUE;
 }
 
-struct GemmCall {
-  const char* name = "";
-  cublasHandle_t handle = nullptr;
-  cublasOperation_t transa = CUBLAS_OP_N, transb = CUBLAS_OP_N;
-  int m = 0, n = 0, k = 0;
-  const float *alpha = nullptr, *beta = nullptr;
-  const void* a = nullptr;
-  cudaDataType a_type = CUDA_R_32F;
-  int lda = 0;
-  long long stride_a = 0;
-  const void* b = nullptr;
-  cudaDataType b_type = CUDA_R_32F;
-  int ldb = 0;
-  long long stride_b = 0;
-  float* c = nullptr;
-  int ldc = 0;
-  long long stride_c = 0;
-  int batch = 1;
-  bool tf32 = false;
-};
 
 // The documented checks of cublas<t>gemm / cublasGemmEx / cublasGemmStridedBatchedEx.
 cublasStatus_t Validate(const GemmCall& g) {
@@ -175,6 +151,7 @@ void RunGemm(const GemmCall& g, float alpha, float beta) {
         float& out = pc[i + int64_t{j} * g.ldc];
         // With beta == 0, C is not read (it may hold NaN), as cuBLAS documents.
         out = beta == 0.0f ? alpha * acc : alpha * acc + beta * out;
+        if (g.bias != nullptr) out += g.bias[i];  // cuBLASLt's epilogue: D's row i, every column
       }
     }
   }
@@ -202,10 +179,17 @@ cublasStatus_t Admit(const GemmCall& g) {
   return CUBLAS_STATUS_SUCCESS;
 }
 
+}  // namespace
+
 cublasStatus_t Gemm(const GemmCall& g) {
   if (const cublasStatus_t s = Admit(g); s != CUBLAS_STATUS_SUCCESS) return s;
   if (g.m == 0 || g.n == 0 || g.batch == 0) return CUBLAS_STATUS_SUCCESS;
   if (!OperandsInDeviceMemory(g)) return CUBLAS_STATUS_EXECUTION_FAILED;
+  if (g.bias != nullptr && !internal::IsDeviceRange(g.bias, static_cast<size_t>(g.m) * sizeof(float))) {
+    internal::RaiseFault(cudaErrorIllegalAddress,
+                         std::string(g.name) + ": the bias (" + std::to_string(g.m) + " floats) is not in device memory");
+    return CUBLAS_STATUS_EXECUTION_FAILED;
+  }
   if (OutputsOverlap(g)) {
     return Invalid(g.name, "the outputs of the batch entries overlap (ldc=" + std::to_string(g.ldc) +
                                ", strideC=" + std::to_string(g.stride_c) + ", m=" + std::to_string(g.m) +
@@ -220,6 +204,8 @@ cublasStatus_t Gemm(const GemmCall& g) {
   }
   return CUBLAS_STATUS_SUCCESS;
 }
+
+namespace {
 
 // A pointer-array batch: `g` holds the sizes, leading dimensions, scalars and the arrays' device
 // addresses in a, b and c (read as pointer arrays). The arrays are checked to be device memory
@@ -276,6 +262,8 @@ bool UsesTf32(cublasHandle_t handle, cublasComputeType_t compute) {
          (compute == CUBLAS_COMPUTE_32F && handle != nullptr && handle->math == CUBLAS_TF32_TENSOR_OP_MATH);
 }
 
+}  // namespace
+
 // The combinations emulated, as cuBLAS's table of cublasGemmEx types has them: A and B both
 // CUDA_R_32F, both CUDA_R_16BF or both CUDA_R_16F, C CUDA_R_32F; the 16-bit inputs with
 // CUBLAS_COMPUTE_32F (or _PEDANTIC) only, since TF32 applies to float inputs.
@@ -299,6 +287,8 @@ cublasStatus_t CheckTypes(const char* name, cudaDataType at, cudaDataType bt, cu
   }
   return CUBLAS_STATUS_SUCCESS;
 }
+
+namespace {
 
 // The Ex entry points: 32-bit float operands only, then the common GEMM; with `pointer_arrays`,
 // a, b and c are the device addresses of arrays of pointers (cublasGemmBatchedEx).

@@ -5,6 +5,7 @@
 // (float64 with the device's roundings: to float32's accumulation) (docs/testing.md,
 // "Tolerances"), answers that really are rounded (further from float32's than float32's own
 // rounding), and the device budget counting the 16-bit bytes.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <gtest/gtest.h>
 
@@ -18,7 +19,11 @@
 #include <string>
 #include <vector>
 
+#include "cuda_emulation.h"
+#include "cuda_runtime_api.h"
+#include "server/backend/cuda/cublas_ops.h"
 #include "server/backend/cuda/cuda_backend.h"
+#include "tests/unit/cuda_test_support.h"
 #include "server/core/forms.h"
 #include "server/core/reference.h"
 #include "server/core/spectrum.h"
@@ -309,6 +314,98 @@ TEST_P(CudaHalfWeightsTest, OneBackendRunsEachFormInItsOwnMath) {
     same(run(*mixed, **in_half), want_half, "16 bits after fp32");
     EXPECT_NE(want_half[0].output, want_fp32[0].output) << "the case meant the maths to differ";
   }
+}
+
+// The projections' biases ride in cuBLASLt's epilogue (CublasOps::GemmHalfBias): a batch of a
+// layer with biases launches no more kernels than the same layer without them, and calls as many
+// GEMMs, where float32 launches a bias kernel after each biased projection. The answers are the
+// other tests' (EveryFormIsWithinTheFormatsBound… runs layers with biases).
+TEST_P(CudaHalfWeightsTest, TheBiasRidesInTheProjectionsEpilogue) {
+  const auto [math, gemm_attention] = GetParam();
+  std::mt19937_64 rng(testing::TestSeed());
+  const std::vector<OwnedSequence> inputs = Batch(rng, 48);
+  const uint64_t seed = rng();
+  // [math][bias]: kernel launches and GEMM calls of one batch of the factored form.
+  cuda_emulation::Counters counted[2][2] = {};
+  for (const bool half_math : {false, true}) {
+    for (const bool bias : {false, true}) {
+      const LayerWeights w = RandomLayerWeights(
+          *CompleteConfig({.d_model = 48, .heads = 4, .kv_heads = 2, .bias = bias}), seed);
+      auto backend = Make(half_math ? math : GpuMath::kFp32, gemm_attention);
+      ASSERT_TRUE(backend);
+      auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
+      ASSERT_TRUE(resident.ok()) << resident.status().ToString();
+      std::vector<OwnedSequence> seqs = inputs;
+      std::vector<Sequence> batch;
+      for (auto& s : seqs) batch.push_back(s.View());
+      cuda_emulation::ResetCounters();
+      ASSERT_TRUE(backend->Forward(**resident, batch).ok());
+      counted[half_math][bias] = cuda_emulation::ReadCounters();
+    }
+  }
+  std::printf("%s %s, 4 sequences, factored with biases: %d launches, %d GEMM calls (float32: %d, %d)\n",
+              GpuMathName(math).data(), gemm_attention ? "GEMM path" : "fused",
+              static_cast<int>(counted[1][1].kernel_launches), static_cast<int>(counted[1][1].gemm_calls),
+              static_cast<int>(counted[0][1].kernel_launches), static_cast<int>(counted[0][1].gemm_calls));
+  EXPECT_EQ(counted[1][1].kernel_launches, counted[1][0].kernel_launches) << "a bias kernel beside the epilogue";
+  EXPECT_EQ(counted[1][1].gemm_calls, counted[1][0].gemm_calls);
+  EXPECT_GT(counted[0][1].kernel_launches, counted[0][0].kernel_launches)
+      << "float32 was meant to add its biases by kernel, so that the count can tell";
+}
+
+// Where the epilogue cannot take the bias (a bias not 16-byte aligned, as a slice of a bias
+// vector may start), GemmHalfBias queues nothing and says so, and the caller's GemmHalf and bias
+// kernel run; where it can, y = x·w + bias + beta·y in one call, against float64 of the
+// operands' 16-bit values.
+TEST(CudaGemmHalfBiasTest, TheEpilogueTakesAnAlignedBiasAndDeclinesAnotherWithNothingQueued) {
+  cuda_emulation::Reset();
+  std::mt19937_64 rng(testing::TestSeed());
+  constexpr int64_t kRows = 5, kInner = 24, kCols = 12;
+  std::vector<uint16_t> x(kRows * kInner), w(kInner * kCols);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (uint16_t& v : x) v = __bfloat16_as_ushort(__float2bfloat16_rn(normal(rng)));
+  for (uint16_t& v : w) v = __bfloat16_as_ushort(__float2bfloat16_rn(normal(rng)));
+  std::vector<float> bias(kCols + 1), y0(kRows * kCols);
+  for (float& b : bias) b = normal(rng);
+  for (float& v : y0) v = normal(rng);
+  uint16_t *dx = nullptr, *dw = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dx), x.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dw), w.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dw, w.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  testing::DeviceVector dbias(bias), dy(y0);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  {
+    cuda::CublasOps ops;
+    ASSERT_TRUE(ops.Init(stream, GpuMath::kBf16).ok());
+    const cuda::HalfBlock hx{dx, kRows, kInner, kInner}, hw{dw, kInner, kCols, kCols};
+    const cuda::DeviceBlock y{dy.data, kRows, kCols, kCols};
+    cuda_emulation::ResetCounters();
+    auto declined = ops.GemmHalfBias(hx, hw, dbias.data + 1, y, 1.0f);  // 4 bytes past an aligned start
+    ASSERT_TRUE(declined.ok()) << declined.status().ToString();
+    EXPECT_FALSE(*declined);
+    EXPECT_EQ(cuda_emulation::ReadCounters().gemm_calls, 0);
+    auto taken = ops.GemmHalfBias(hx, hw, dbias.data, y, 1.0f);
+    ASSERT_TRUE(taken.ok()) << taken.status().ToString();
+    EXPECT_TRUE(*taken);
+    EXPECT_EQ(cuda_emulation::ReadCounters().gemm_calls, 1);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess) << cuda_emulation::LastDiagnostic();
+    const std::vector<float> got = dy.Read();
+    const auto widen = [](uint16_t v) { return static_cast<double>(__bfloat162float(__ushort_as_bfloat16(v))); };
+    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t c = 0; c < kCols; ++c) {
+        double want = y0[r * kCols + c] + bias[c];
+        for (int64_t t = 0; t < kInner; ++t) want += widen(x[r * kInner + t]) * widen(w[t * kCols + c]);
+        EXPECT_NEAR(got[r * kCols + c], want, 1e-4) << "row " << r << " column " << c;
+      }
+    }
+    ops.Destroy();
+  }
+  cudaStreamDestroy(stream);
+  cudaFree(dx);
+  cudaFree(dw);
+  cuda_emulation::Reset();
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, CudaHalfWeightsTest,

@@ -1,6 +1,7 @@
 #include "server/backend/cuda/cublas_ops.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "server/backend/cuda/errors.h"
@@ -26,8 +27,21 @@ Status CublasOps::SetMath(GpuMath math) {
 }
 
 void CublasOps::Destroy() {
+  DestroyPlans();
+  if (lt_ != nullptr) cublasLtDestroy(lt_);
+  lt_ = nullptr;
   if (handle_ != nullptr) cublasDestroy(handle_);
   handle_ = nullptr;
+}
+
+void CublasOps::DestroyPlans() {
+  for (LtPlan& p : lt_plans_) {
+    for (cublasLtMatrixLayout_t layout : {p.a, p.b, p.c}) {
+      if (layout != nullptr) cublasLtMatrixLayoutDestroy(layout);
+    }
+    if (p.desc != nullptr) cublasLtMatmulDescDestroy(p.desc);
+  }
+  lt_plans_.clear();
 }
 
 Status CublasOps::Gemm(DeviceBlock x, DeviceBlock w, DeviceBlock y, float alpha, float beta) {
@@ -50,6 +64,90 @@ Status CublasOps::GemmHalf(HalfBlock x, HalfBlock w, DeviceBlock y, float beta) 
                           static_cast<int>(x.ld), &beta, y.data, CUDA_R_32F, static_cast<int>(y.ld),
                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return OkStatus();
+}
+
+namespace {
+
+// The largest power of two up to 256 that divides the address: the alignment cuBLASLt's
+// heuristic is told an operand has (its default, 256, would let it pick an algorithm that
+// faults on an operand that starts inside a block of weights).
+uint32_t AlignmentOf(const void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+}  // namespace
+
+StatusOr<const CublasOps::LtPlan*> CublasOps::PlanFor(const LtPlan& key) {
+  for (const LtPlan& p : lt_plans_) {
+    if (p.m == key.m && p.n == key.n && p.k == key.k && p.lda == key.lda && p.ldb == key.ldb && p.ldc == key.ldc &&
+        p.type == key.type && p.align_a == key.align_a && p.align_b == key.align_b && p.align_c == key.align_c) {
+      return &p;
+    }
+  }
+  if (lt_ == nullptr) CUBLAS_TRY(cublasLtCreate(&lt_));
+  if (lt_plans_.size() == kMaxLtPlans) DestroyPlans();  // shapes past the cap: start again
+  lt_plans_.push_back(key);
+  LtPlan& p = lt_plans_.back();
+  // Column-major, as cuBLAS sees the row-major blocks: y^T [m = w.cols, n = x.rows] =
+  // w^T [m, k] · x^T [k, n]; the bias is one value per row of y^T.
+  CUBLAS_TRY(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+  CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+  CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p.a, p.type, p.m, p.k, p.lda));
+  CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p.b, p.type, p.k, p.n, p.ldb));
+  CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, p.m, p.n, p.ldc));
+  cublasLtMatmulPreference_t pref = nullptr;
+  CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t no_workspace = 0;
+  const uint32_t alignments[] = {p.align_a, p.align_b, p.align_c, p.align_c};
+  const cublasLtMatmulPreferenceAttributes_t which[] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  cublasStatus_t status = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                               &no_workspace, sizeof(no_workspace));
+  for (int i = 0; i < 4 && status == CUBLAS_STATUS_SUCCESS; ++i) {
+    status = cublasLtMatmulPreferenceSetAttribute(pref, which[i], &alignments[i], sizeof(alignments[i]));
+  }
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  if (status == CUBLAS_STATUS_SUCCESS) {
+    status = cublasLtMatmulAlgoGetHeuristic(lt_, p.desc, p.a, p.b, p.c, p.c, pref, 1, &result, &found);
+  }
+  cublasLtMatmulPreferenceDestroy(pref);
+  // NOT_SUPPORTED: no algorithm for this operation here, as much an answer as none found.
+  if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_TRY(status);
+  p.found = status == CUBLAS_STATUS_SUCCESS && found > 0;
+  p.algo = result.algo;
+  return &p;
+}
+
+StatusOr<bool> CublasOps::GemmHalfBias(HalfBlock x, HalfBlock w, const float* bias, DeviceBlock y, float beta) {
+  if (!HalfWeights(math_)) {
+    return InternalError("GemmHalfBias: expected a handle of math bf16 or fp16, got " +
+                         std::string(GpuMathName(math_)));
+  }
+  // The epilogue reads the bias in vectors: a bias that starts inside one takes the bias kernel.
+  if (reinterpret_cast<uintptr_t>(bias) % 16 != 0) return false;
+  ATTNSERVE_ASSIGN_OR_RETURN(const LtPlan* plan,
+                             PlanFor({.m = w.cols,
+                                      .n = x.rows,
+                                      .k = x.cols,
+                                      .lda = w.ld,
+                                      .ldb = x.ld,
+                                      .ldc = y.ld,
+                                      .type = math_ == GpuMath::kBf16 ? CUDA_R_16BF : CUDA_R_16F,
+                                      .align_a = AlignmentOf(w.data),
+                                      .align_b = AlignmentOf(x.data),
+                                      .align_c = AlignmentOf(y.data)}));
+  if (!plan->found) return false;
+  CUBLAS_TRY(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  const float alpha = 1.0f;
+  CUBLAS_TRY(cublasLtMatmul(lt_, plan->desc, &alpha, w.data, plan->a, x.data, plan->b, &beta, y.data, plan->c,
+                            y.data, plan->c, &plan->algo, nullptr, 0, stream_));
+  return true;
 }
 
 Status CublasOps::GemmStridedBatched(cublasOperation_t op_a, int64_t m, int64_t n, int64_t k, float alpha,

@@ -4,6 +4,7 @@
 // Thread-safety: a CublasOps serves one lane, on that lane's thread.
 #pragma once
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -56,6 +57,14 @@ class CublasOps {
   // products and sums in float32, y float32). INTERNAL unless the handle's math is kBf16 or kFp16.
   Status GemmHalf(HalfBlock x, HalfBlock w, DeviceBlock y, float beta);
 
+  // The same with `bias` (one float per column of y, in device memory) added in the GEMM's
+  // epilogue: one cublasLtMatmul (CUBLASLT_EPILOGUE_BIAS) in place of a GEMM and a bias kernel.
+  // False, with nothing queued, when cuBLASLt offers no algorithm for these operands (their
+  // alignments are given to its heuristic) or the bias is not 16-byte aligned: the caller then
+  // runs GemmHalf and adds the bias itself. The descriptors and the algorithm are kept per
+  // shape and alignment (kMaxLtPlans of them), so a batch after the first queries nothing.
+  StatusOr<bool> GemmHalfBias(HalfBlock x, HalfBlock w, const float* bias, DeviceBlock y, float beta);
+
   // `count` products C_b = op(A_b) · B_b laid out at fixed strides, column-major as cuBLAS sees them.
   Status GemmStridedBatched(cublasOperation_t op_a, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
                             int64_t lda, int64_t stride_a, const float* b, int64_t ldb, int64_t stride_b, float* c,
@@ -88,10 +97,28 @@ class CublasOps {
   void ReleasePinned() { pointers_host_.Release(); }
 
  private:
+  // A cuBLASLt matmul of one shape, type and set of alignments: its descriptors, and the
+  // heuristic's algorithm if it found one.
+  struct LtPlan {
+    int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+    cudaDataType type = CUDA_R_32F;
+    uint32_t align_a = 0, align_b = 0, align_c = 0;
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+    bool found = false;
+  };
+  static constexpr size_t kMaxLtPlans = 64;
+
   cublasComputeType_t ComputeType() const { return tf32_ ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F; }
+  // The plan for `key` (its shape, type and alignments), made and queried once.
+  StatusOr<const LtPlan*> PlanFor(const LtPlan& key);
+  void DestroyPlans();
 
   cudaStream_t stream_ = nullptr;
   cublasHandle_t handle_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;  // made by the first GemmHalfBias
+  std::vector<LtPlan> lt_plans_;
   bool tf32_ = false;
   GpuMath math_ = GpuMath::kFp32;
   // This batch's pointer arena (StartBatch): device slots, how many, how many used so far.

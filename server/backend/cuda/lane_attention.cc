@@ -136,15 +136,21 @@ Status Lane::Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, Matri
 }
 
 // Under 16-bit weights (GpuMath kBf16, kFp16): the 16-bit block of the weights by its name, the
-// activations as a 16-bit input (HalfOperand), one cublasGemmEx accumulating in float32 into
-// float32 y, then the float32 bias.
+// activations as a 16-bit input (HalfOperand), one GEMM accumulating in float32 into float32 y:
+// with a bias, cuBLASLt's with the bias in its epilogue where it has an algorithm for the
+// operands (CublasOps::GemmHalfBias), else cublasGemmEx and the bias kernel.
 Status Lane::GemmWeights(ConstMatrixView x, const WeightBlock& w, const float* bias, MatrixView y, bool accumulate) {
   if (replaying()) return OkStatus();  // the batch's graph does it (LaunchGraph)
   if (!HalfWeights(math())) return Gemm(x, w.view, bias, y, accumulate);
   if (resident_ == nullptr) return InternalError("GemmWeights: no form is running on this lane");
   ATTNSERVE_ASSIGN_OR_RETURN(const HalfBlock w16, resident_->HalfBlockOf(w));
   ATTNSERVE_ASSIGN_OR_RETURN(const HalfBlock x16, HalfOperand(x));
-  ATTNSERVE_RETURN_IF_ERROR(gemms_.GemmHalf(x16, w16, Block(y), accumulate ? 1.0f : 0.0f));
+  const float beta = accumulate ? 1.0f : 0.0f;
+  if (bias != nullptr) {
+    ATTNSERVE_ASSIGN_OR_RETURN(const bool fused, gemms_.GemmHalfBias(x16, w16, bias, Block(y), beta));
+    if (fused) return OkStatus();
+  }
+  ATTNSERVE_RETURN_IF_ERROR(gemms_.GemmHalf(x16, w16, Block(y), beta));
   if (bias != nullptr) CUDA_TRY(cuda::AddRowBias(y.data, y.rows, y.cols, y.ld, bias, stream_));
   return OkStatus();
 }
