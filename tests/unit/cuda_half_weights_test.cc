@@ -65,6 +65,18 @@ double HalfTolerance(GpuMath math, const LayerWeights& w, const OwnedSequence& s
   return Fp32ChainTolerance(w, s) + products * per_product + 4 * per_product * ScoreBound(w, s);
 }
 
+// What the fused kernel on the tensor cores (bf16, fused) rounds beyond float32 attention, for
+// the forms that take it (fused_attention.h): Q and K again (the scores' term of HalfTolerance
+// once more), and the weights and the values (a product's share each). The summed form projects
+// first unless mixing first is allowed, and its mix-first parts over d_model > 128 take the GEMM
+// path, so the concatenating forms alone are counted here.
+double TensorCoreAttentionRounding(GpuMath math, bool gemm_attention, const FormWeights& f, const LayerWeights& w,
+                                   const OwnedSequence& s) {
+  if (math != GpuMath::kBf16 || gemm_attention || !f.concat_then_project()) return 0;
+  const double per_product = kLambda * std::sqrt(2.0 / 3.0) * UnitRoundoff(math);
+  return 2 * per_product + 4 * per_product * ScoreBound(w, s);
+}
+
 // x rounded to the 16-bit format and widened back (round to nearest even: the device's and the
 // toolkit's conversion).
 double Rounded(GpuMath math, double x) {
@@ -210,14 +222,7 @@ TEST_P(CudaHalfWeightsTest, EveryFormIsWithinTheFormatsBoundAndReallyRounded) {
         SCOPED_TRACE(std::string(f.name) + ", trial " + std::to_string(trial) + ", sequence " + std::to_string(r));
         OwnedSequence in = inputs[r];
         const std::vector<double> want = ReferenceForward(w, in.View());
-        // Under bf16 the fused kernel runs on the tensor cores and rounds what float32 attention
-        // keeps exact (fused_attention.h): Q and K again (the scores' term of HalfTolerance once
-        // more), and the weights and the values (a product's share each). The summed form
-        // projects first here (the GEMM path), so only the forms that concatenate take it.
-        const bool tensor_core_attention = math == GpuMath::kBf16 && !gemm_attention && f.form.concat_then_project();
-        const double per_product = kLambda * std::sqrt(2.0 / 3.0) * u;
-        const double attention_rounding =
-            tensor_core_attention ? 2 * per_product + 4 * per_product * ScoreBound(w, got[r]) : 0.0;
+        const double attention_rounding = TensorCoreAttentionRounding(math, gemm_attention, f.form, w, got[r]);
         const double bound = HalfTolerance(math, w, got[r], f.products) + attention_rounding;
         EXPECT_LT(RelativeL2(got[r].output.data(), want), bound);
         worst = std::max(worst, RelativeL2(got[r].output.data(), want) / bound);
@@ -351,6 +356,53 @@ TEST_P(CudaHalfWeightsTest, TheBiasRidesInTheProjectionsEpilogue) {
   EXPECT_EQ(counted[1][1].gemm_calls, counted[1][0].gemm_calls);
   EXPECT_GT(counted[0][1].kernel_launches, counted[0][0].kernel_launches)
       << "float32 was meant to add its biases by kernel, so that the count can tell";
+}
+
+// Under 16-bit weights the inputs are rounded on the host as they are packed: 2 bytes a value
+// cross to the device where float32 sends 4, and no conversion is launched. The summed form
+// mixing first (CudaBackendOptions::summed_mix_first) reads the context rows themselves in
+// float32, so its inputs cross in float32 and are converted on the device; its answers stay
+// within the bound (a row the staging left out reads as NaN on the emulated device).
+TEST_P(CudaHalfWeightsTest, InputsCrossInSixteenBitsUnlessTheFloat32RowsAreRead) {
+  const auto [math, gemm_attention] = GetParam();
+  std::mt19937_64 rng(testing::TestSeed());
+  const LayerWeights w = Layer(rng, 0);
+  // Cross-attention with fewer queries than keys: the summed form mixes first where allowed.
+  std::vector<OwnedSequence> inputs;
+  inputs.push_back(RandomSequence(rng, w.config.d_model, 3, 20, true, false, -1));
+  inputs.push_back(RandomSequence(rng, w.config.d_model, 2, 11, true, false, 9));
+  int64_t values = 0;  // input and context values a batch stages
+  for (const OwnedSequence& s : inputs) values += static_cast<int64_t>(s.input.size() + s.context.size());
+  const auto staged_bytes = [&](Backend& backend, const FormWeights& form, std::vector<OwnedSequence>* seqs) {
+    auto resident = backend.Upload(std::make_shared<const FormWeights>(form));
+    EXPECT_TRUE(resident.ok()) << resident.status().ToString();
+    std::vector<Sequence> batch;
+    for (auto& s : *seqs) batch.push_back(s.View());
+    cuda_emulation::ResetCounters();
+    const Status st = backend.Forward(**resident, batch);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    return cuda_emulation::ReadCounters().host_to_device_bytes;
+  };
+  // Copies besides the inputs (the GEMM path's pointer arrays) are the same under either math,
+  // so the differences are the inputs'.
+  auto fp32 = Make(GpuMath::kFp32, gemm_attention), half = Make(math, gemm_attention);
+  auto fp32_mix_first = MakeCudaBackend({.summed_mix_first = true, .gemm_attention = gemm_attention});
+  auto mix_first = MakeCudaBackend({.math = math, .summed_mix_first = true, .gemm_attention = gemm_attention});
+  ASSERT_TRUE(fp32 && half && fp32_mix_first.ok() && mix_first.ok());
+  const FormWeights factored = MaterializeFactored(w), summed = MaterializeSummed(w);
+  std::vector<OwnedSequence> a = inputs, b = inputs, c = inputs, e = inputs;
+  EXPECT_EQ(staged_bytes(*fp32, factored, &a) - staged_bytes(*half, factored, &b), values * 2)
+      << "16-bit weights: the inputs cross in 16 bits";
+  EXPECT_EQ(staged_bytes(**fp32_mix_first, summed, &e), staged_bytes(**mix_first, summed, &c))
+      << "the summed form mixing first reads float32 rows: they cross in float32";
+  for (size_t r = 0; r < inputs.size(); ++r) {
+    OwnedSequence in = inputs[r];
+    const std::vector<double> want = ReferenceForward(w, in.View());
+    EXPECT_LT(RelativeL2(b[r].output.data(), want),
+              HalfTolerance(math, w, b[r], 2) + TensorCoreAttentionRounding(math, gemm_attention, factored, w, b[r]))
+        << "factored, sequence " << r;
+    EXPECT_LT(RelativeL2(c[r].output.data(), want), HalfTolerance(math, w, c[r], 1)) << "summed mixing first, sequence " << r;
+  }
 }
 
 // Where the epilogue cannot take the bias (a bias not 16-byte aligned, as a slice of a bias

@@ -288,12 +288,19 @@ Status Lane::Prepare(const FormWeights& f, const BatchPlan& plan, std::span<cons
   float* const* piece = batch_.piece;
   ATTNSERVE_RETURN_IF_ERROR(gemms_.StartBatch(reinterpret_cast<const void**>(piece[kPointers]), batch_.pointer_slots));
 
-  ATTNSERVE_RETURN_IF_ERROR(staging_.StageInputs(batch, all_self, d, piece[kInputs]));
+  // Under 16-bit weights every product by W_in reads the inputs' 16-bit rows. They are rounded
+  // on the host as they are packed, and half the bytes cross, unless something reads the
+  // float32 rows too: the summed form's mix-first parts mix the context rows themselves.
+  auto* const inputs16 = reinterpret_cast<uint16_t*>(piece[kHalfInputs]);
+  const bool half = HalfWeights(math());
+  const bool float_inputs_read = !f.concat_then_project() && SummedOrderOf(options_).mix_first_allowed;
+  const bool half_staged = half && !float_inputs_read;
+  ATTNSERVE_RETURN_IF_ERROR(staging_.StageInputs(
+      batch, all_self, d, piece[kInputs], half_staged ? std::optional(HalfFormatOf(math())) : std::nullopt, inputs16));
   BeginGraph(f, plan, batch);  // the device work from here to Finish: captured, or replayed there
-  if (HalfWeights(math()) && !replaying()) {
-    // Every product by W_in reads these rows: converted once, behind their copies on the stream.
-    CUDA_TRY(cuda::ConvertToHalf(piece[kInputs], tx + c_rows, d, d, reinterpret_cast<uint16_t*>(piece[kHalfInputs]),
-                                 d, HalfFormatOf(math()), stream_));
+  if (half && !half_staged && !replaying()) {
+    // Staged in float32: converted once, behind their copies on the stream.
+    CUDA_TRY(cuda::ConvertToHalf(piece[kInputs], tx + c_rows, d, d, inputs16, d, HalfFormatOf(math()), stream_));
   }
   b.x = ConstMatrixView(piece[kInputs], tx, d);
   b.c = all_self ? b.x : ConstMatrixView(piece[kInputs] + tx * d, tc, d);

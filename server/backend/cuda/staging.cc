@@ -1,5 +1,8 @@
 #include "server/backend/cuda/staging.h"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -34,23 +37,41 @@ int64_t Staging::SliceRows(int64_t d) const {
   return std::max<int64_t>(1, slice_bytes_ / (d * static_cast<int64_t>(sizeof(float))));
 }
 
-void Staging::CopyRows(std::span<float* const> rows, float* pinned, int64_t r0, int64_t r1, int64_t d, bool pack) {
-  const int64_t bytes = (r1 - r0) * d * static_cast<int64_t>(sizeof(float));
+template <class Row>
+void Staging::ForRows(int64_t r0, int64_t r1, int64_t bytes, const Row& row) {
   const int64_t tasks = bytes < kTeamSliceBytes ? 1 : std::min<int64_t>(4 * staging_team_.size(), r1 - r0);
   staging_team_.Run(tasks, [&](int64_t task, int) {
     const int64_t lo = r0 + (r1 - r0) * task / tasks, hi = r0 + (r1 - r0) * (task + 1) / tasks;
-    for (int64_t r = lo; r < hi; ++r) {
-      float* block = pinned + (r - r0) * d;
-      if (pack) {
-        std::memcpy(block, rows[r], d * sizeof(float));
-      } else {
-        std::memcpy(rows[r], block, d * sizeof(float));
-      }
+    for (int64_t r = lo; r < hi; ++r) row(r);
+  });
+}
+
+void Staging::CopyRows(std::span<float* const> rows, float* pinned, int64_t r0, int64_t r1, int64_t d, bool pack) {
+  ForRows(r0, r1, (r1 - r0) * d * static_cast<int64_t>(sizeof(float)), [&](int64_t r) {
+    float* block = pinned + (r - r0) * d;
+    if (pack) {
+      std::memcpy(block, rows[r], d * sizeof(float));
+    } else {
+      std::memcpy(rows[r], block, d * sizeof(float));
     }
   });
 }
 
-Status Staging::StageInputs(std::span<const Sequence> batch, bool all_self, int64_t d, float* device) {
+void Staging::PackRowsHalf(std::span<float* const> rows, uint16_t* pinned, int64_t r0, int64_t r1, int64_t d,
+                           HalfFormat format) {
+  ForRows(r0, r1, (r1 - r0) * d * static_cast<int64_t>(sizeof(uint16_t)), [&](int64_t r) {
+    uint16_t* block = pinned + (r - r0) * d;
+    const float* row = rows[r];
+    if (format == HalfFormat::kBf16) {
+      for (int64_t c = 0; c < d; ++c) block[c] = __bfloat16_as_ushort(__float2bfloat16_rn(row[c]));
+    } else {
+      for (int64_t c = 0; c < d; ++c) block[c] = __half_as_ushort(__float2half_rn(row[c]));
+    }
+  });
+}
+
+Status Staging::StageInputs(std::span<const Sequence> batch, bool all_self, int64_t d, float* device,
+                            std::optional<HalfFormat> half, uint16_t* device16) {
   row_pointers_.clear();
   const auto add = [&](ConstMatrixView v) {
     for (int64_t row = 0; row < v.rows; ++row) row_pointers_.push_back(const_cast<float*>(v.row(row)));
@@ -63,8 +84,16 @@ Status Staging::StageInputs(std::span<const Sequence> batch, bool all_self, int6
   ATTNSERVE_RETURN_IF_ERROR(staging_in_.Reserve(rows * d));
   float* const pinned = staging_in_.get();
   CUDA_TRY(cudaEventRecord(marks_[kStagingStarted], stream_));
+  // 16-bit rows take half of the pinned floats reserved for them.
+  uint16_t* const pinned16 = reinterpret_cast<uint16_t*>(pinned);
   for (int64_t r0 = 0; r0 < rows; r0 += slice_rows) {
     const int64_t r1 = std::min(rows, r0 + slice_rows);
+    if (half) {
+      PackRowsHalf(row_pointers_, pinned16 + r0 * d, r0, r1, d, *half);
+      CUDA_TRY(cudaMemcpyAsync(device16 + r0 * d, pinned16 + r0 * d, (r1 - r0) * d * sizeof(uint16_t),
+                               cudaMemcpyHostToDevice, stream_));
+      continue;
+    }
     CopyRows(row_pointers_, pinned + r0 * d, r0, r1, d, /*pack=*/true);
     CUDA_TRY(cudaMemcpyAsync(device + r0 * d, pinned + r0 * d, (r1 - r0) * d * sizeof(float), cudaMemcpyHostToDevice,
                              stream_));

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "server/backend/backend.h"
 #include "server/backend/compute_team.h"
 #include "server/backend/cuda/errors.h"
+#include "server/backend/cuda/kernels.h"
 #include "server/core/sequence.h"
 #include "server/core/status.h"
 
@@ -74,8 +76,12 @@ class Staging {
 
   // The inputs (then the contexts, when !all_self) of `batch`, rows of width d, packed into
   // pinned memory and queued to `device` a slice at a time: the copy engine moves one slice
-  // while the host packs the next, instead of waiting for the whole batch to be packed.
-  Status StageInputs(std::span<const Sequence> batch, bool all_self, int64_t d, float* device);
+  // while the host packs the next, instead of waiting for the whole batch to be packed. With
+  // `half`, each value is rounded to that 16-bit format as it is packed (to nearest even, as
+  // the device's conversion rounds) and the rows go to `device16` instead: half the bytes
+  // copied, and no conversion on the device.
+  Status StageInputs(std::span<const Sequence> batch, bool all_self, int64_t d, float* device,
+                     std::optional<HalfFormat> half = std::nullopt, uint16_t* device16 = nullptr);
 
   // Every output row, from `y` ([plan.rows.queries, d] on the device, ld = d) into its sequence's
   // output: copied back a slice at a time, each slice's rows unpacked as soon as it has arrived
@@ -96,6 +102,13 @@ class Staging {
   // pinned block `pinned` (its row r0 first), into pinned when `pack`, out of it else: on the
   // staging team when the slice is large enough to pay for waking it.
   void CopyRows(std::span<float* const> rows, float* pinned, int64_t r0, int64_t r1, int64_t d, bool pack);
+  // Rows [r0, r1) of `rows`, each rounded to `format`, into `pinned` (d values a row).
+  void PackRowsHalf(std::span<float* const> rows, uint16_t* pinned, int64_t r0, int64_t r1, int64_t d,
+                    HalfFormat format);
+  // row(r) for every r in [r0, r1), shared among the staging team when the slice's `bytes` make
+  // it worth waking them.
+  template <class Row>
+  void ForRows(int64_t r0, int64_t r1, int64_t bytes, const Row& row);
   // At least `count` events for the output slices (no timing: they only say a slice arrived).
   Status SliceEvents(int64_t count);
 
