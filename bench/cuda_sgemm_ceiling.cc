@@ -33,7 +33,7 @@ StatusOr<double> CudaSgemmGflops(const CudaBackendOptions& options, int64_t size
   }
   cublasHandle_t handle;
   CUBLAS_TRY(cublasCreate(&handle));
-  cublasSetMathMode(handle, options.math == GpuMath::kTf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH);
+  cublasSetMathMode(handle, options.math == Math::kTf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH);
   const float one = 1.0f, zero = 0.0f;
   const int s = static_cast<int>(size);
   auto run = [&] {

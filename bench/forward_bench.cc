@@ -61,7 +61,7 @@
 
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cpu/gemm.h"
-#include "server/backend/cuda/cuda_backend.h"  // GpuMath, CudaBackendOptions: no CUDA header
+#include "server/backend/cuda/cuda_backend.h"  // Math, CudaBackendOptions: no CUDA header
 #include "server/core/forms.h"
 #include "server/core/layer.h"
 #ifdef ATTNSERVE_HAVE_CUDA
@@ -128,7 +128,7 @@ struct Options {
   std::vector<Form> forms = {Form::kFactored, Form::kSummed};                 // --forms (a profile of one)
   int64_t idle_us = 0;  // --idle-us: a pause before each timed call, as between served requests
   bool ceiling = true;  // --no-ceiling: the forwards alone (ceiling 0), seconds instead of ten
-  GpuMath math = GpuMath::kFp32;  // --gpu-math (--tf32: tf32): CudaBackendOptions::math
+  Math math = Math::kFp32;  // --gpu-math (--tf32: tf32): CudaBackendOptions::math
   bool gemm_attention = false;    // --gemm-attention: CudaBackendOptions::gemm_attention
   int graph_rows = 0;             // --gpu-graphs: CudaBackendOptions::graph_rows
   // --staging-slice-kib: the CUDA backend's staging slices (CudaBackendOptions::
@@ -312,10 +312,10 @@ StatusOr<Ceiling> MeasureCeiling(const Options& opt, int threads, const std::vec
   const int device = opt.device.size() > 5 ? std::atoi(opt.device.c_str() + 5) : 0;
   // The SGEMM's, in TF32 under tf32; under bf16 and fp16 still the float32 SGEMM (no 16-bit
   // ceiling is measured): their ratios say how far 16-bit weights move past float32's.
-  const bool tf32 = opt.math == GpuMath::kTf32;
+  const bool tf32 = opt.math == Math::kTf32;
   ATTNSERVE_ASSIGN_OR_RETURN(auto gflops, CudaSgemmGflops({.device = device, .math = opt.math}, 8192));
   std::string source = tf32 ? "cublas-tf32 8192x8192x8192" : "cublas 8192x8192x8192";
-  if (HalfWeights(opt.math)) source += ", forwards in " + std::string(GpuMathName(opt.math));
+  if (HalfWeights(opt.math)) source += ", forwards in " + std::string(MathName(opt.math));
   return Ceiling{gflops, source, {8192, 8192, 8192}, nullptr};
 #else
   (void)threads, (void)libraries, (void)shapes;
@@ -701,11 +701,11 @@ int Main(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--help" || arg == "-h") return Usage("both forms at reference shapes, as ratios to a GEMM ceiling");
     if (arg == "--tf32") {
-      opt.math = GpuMath::kTf32;
+      opt.math = Math::kTf32;
       continue;
     }
     if (arg == "--gpu-math") {
-      const std::optional<GpuMath> math = i + 1 < argc ? ParseGpuMath(argv[i + 1]) : std::nullopt;
+      const std::optional<Math> math = i + 1 < argc ? ParseMath(argv[i + 1]) : std::nullopt;
       if (!math) return Usage("--gpu-math: expected fp32, tf32, bf16 or fp16");
       opt.math = *math;
       ++i;

@@ -94,8 +94,8 @@ Status SetCpuWeightLayout(const std::string& what, const std::string& text, Serv
 }
 
 Status SetGpuMath(const std::string& what, const std::string& text, ServerOptions* o) {
-  const std::optional<GpuMath> math = ParseGpuMath(text);
-  if (!math) return InvalidArgumentError(what + ": expected fp32, tf32, bf16 or fp16, got '" + text + "'");
+  const std::optional<Math> math = ParseMath(text);
+  if (!math) return InvalidArgumentError(what + ": expected " + std::string(kMathChoices) + ", got '" + text + "'");
   o->backend.cuda.math = *math;
   return OkStatus();
 }

@@ -15,7 +15,7 @@ using C = CudaBackendOptions;
 // One option: its key, its field and, for integers, its range.
 struct CudaOption {
   std::string_view key;
-  std::variant<int C::*, int64_t C::*, bool C::*, GpuMath C::*> member;
+  std::variant<int C::*, int64_t C::*, bool C::*, Math C::*> member;
   int64_t min = 0, max = 0;
 };
 
@@ -47,8 +47,8 @@ Status Set(const CudaOption& option, std::string_view text, CudaBackendOptions* 
     out->** b = text == "true";
     return OkStatus();
   }
-  if (auto* m = std::get_if<GpuMath C::*>(&option.member)) {
-    const std::optional<GpuMath> math = ParseGpuMath(text);
+  if (auto* m = std::get_if<Math C::*>(&option.member)) {
+    const std::optional<Math> math = ParseMath(text);
     if (!math) return Refuse(option.key, "fp32, tf32, bf16 or fp16", text);
     out->** m = *math;
     return OkStatus();
@@ -72,7 +72,7 @@ OptionPairs EncodeCudaOptions(const CudaBackendOptions& options) {
   for (const CudaOption& option : kCudaOptions) {
     std::string value;
     if (auto* b = std::get_if<bool C::*>(&option.member)) value = options.**b ? "true" : "false";
-    if (auto* m = std::get_if<GpuMath C::*>(&option.member)) value = GpuMathName(options.**m);
+    if (auto* m = std::get_if<Math C::*>(&option.member)) value = MathName(options.**m);
     if (auto* i = std::get_if<int C::*>(&option.member)) value = std::to_string(options.**i);
     if (auto* l = std::get_if<int64_t C::*>(&option.member)) value = std::to_string(options.**l);
     pairs.emplace_back(option.key, std::move(value));

@@ -52,7 +52,7 @@ std::string PluginPath() {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, GpuMath math,
+StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, Math math,
                                                   int64_t max_device_bytes) {
   return LoadCudaPlugin(path, CudaBackendOptions{.device = index, .math = math, .max_device_bytes = max_device_bytes});
 }
@@ -112,11 +112,11 @@ StatusOr<ChosenBackend> ChooseBackend(const BackendOptions& options) {
     return ChosenBackend{std::move(gpu).value(),
                          "cuda:" + std::to_string(cuda.device) + ": " +
                              (options.device == "auto" ? "a usable GPU is present" : "asked for") +
-                             ", " + std::string(GpuMathName(cuda.math)) + " GEMMs, " +
+                             ", " + std::string(MathName(cuda.math)) + " GEMMs, " +
                              std::to_string(cuda.staging_threads) + " staging threads" +
                              (cuda.summed_mix_first ? ", summed mix-first" : "") +
                              (cuda.gemm_attention ? ", GEMM attention" : ""),
-                         cuda.math == GpuMath::kFp32 ? "cublas" : "cublas-" + std::string(GpuMathName(cuda.math))};
+                         cuda.math == Math::kFp32 ? "cublas" : "cublas-" + std::string(MathName(cuda.math))};
   }
   if (options.device != "auto") return UnavailableError("--device " + options.device + ": " + gpu.status().message());
   return Cpu(options.cpu, "cpu: " + gpu.status().message());

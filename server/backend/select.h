@@ -44,7 +44,7 @@ bool BuiltWithCuda();
 // from a cold page cache outlasts CTest's test discovery).
 StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, const CudaBackendOptions& options);
 // The same with the defaults but for the device, the GEMMs' math and the device memory bound.
-StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, GpuMath math,
+StatusOr<std::unique_ptr<Backend>> LoadCudaPlugin(const std::string& path, int index, Math math,
                                                   int64_t max_device_bytes = 0);
 
 }  // namespace attnserve

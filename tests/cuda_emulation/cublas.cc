@@ -57,7 +57,6 @@ cublasStatus_t Invalid(const std::string& call, const std::string& why) {
   return CUBLAS_STATUS_INVALID_VALUE;
 }
 
-
 // The documented checks of cublas<t>gemm / cublasGemmEx / cublasGemmStridedBatchedEx.
 cublasStatus_t Validate(const GemmCall& g) {
   const std::string call = g.name;

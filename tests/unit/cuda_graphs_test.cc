@@ -105,13 +105,13 @@ TEST_F(CudaGraphsTest, ReplaysAnswerAsTheLaunchesForEveryFormAndPathReadingEachB
                                                                   {"low-rank, ragged", *ragged},
                                                                   {"low-rank, one rank", *one_rank}};
   // FP32, and BF16 weights (the inputs' 16-bit conversion is captured too).
-  for (const auto& [math, gemm] : {std::pair{GpuMath::kFp32, false}, std::pair{GpuMath::kFp32, true},
-                                   std::pair{GpuMath::kBf16, false}, std::pair{GpuMath::kBf16, true}}) {
+  for (const auto& [math, gemm] : {std::pair{Math::kFp32, false}, std::pair{Math::kFp32, true},
+                                   std::pair{Math::kBf16, false}, std::pair{Math::kBf16, true}}) {
     auto off = Make({.math = math, .gemm_attention = gemm, .guard_zones = true});
     auto on = Make({.math = math, .gemm_attention = gemm, .graph_rows = kGraphRows, .guard_zones = true});
     ASSERT_TRUE(off && on);
     for (const auto& [name, form] : forms) {
-      SCOPED_TRACE(std::string(name) + (gemm ? ", GEMM attention, " : ", fused, ") + std::string(GpuMathName(math)));
+      SCOPED_TRACE(std::string(name) + (gemm ? ", GEMM attention, " : ", fused, ") + std::string(MathName(math)));
       auto shared = std::make_shared<const FormWeights>(form);
       auto resident_off = off->Upload(shared), resident_on = on->Upload(shared);
       ASSERT_TRUE(resident_off.ok() && resident_on.ok());

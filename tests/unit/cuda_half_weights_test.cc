@@ -39,7 +39,7 @@ using testing::ScoreBound;
 
 // The unit roundoff of the 16-bit format: 2^-8 for bfloat16 (8 significant bits), 2^-11 for
 // IEEE half (11).
-double UnitRoundoff(GpuMath math) { return math == GpuMath::kBf16 ? 0x1p-8 : 0x1p-11; }
+double UnitRoundoff(Math math) { return math == Math::kBf16 ? 0x1p-8 : 0x1p-11; }
 
 // The bound docs/testing.md derives ("Tolerances", 16-bit weights). A 16-bit product
 // y = Σ_k x̂_k ŵ_k rounds each operand once (|δ| ≤ u): its error Σ_k x_k w_k (δ_k + ε_k) has
@@ -60,7 +60,7 @@ double Fp32ChainTolerance(const LayerWeights& w, const OwnedSequence& s) {
           std::sqrt(static_cast<double>(std::max<int64_t>(keys, 1))) + std::sqrt(static_cast<double>(c.heads * c.d_head)));
 }
 
-double HalfTolerance(GpuMath math, const LayerWeights& w, const OwnedSequence& s, int products) {
+double HalfTolerance(Math math, const LayerWeights& w, const OwnedSequence& s, int products) {
   const double u = UnitRoundoff(math), per_product = kLambda * std::sqrt(2.0 / 3.0) * u;
   return Fp32ChainTolerance(w, s) + products * per_product + 4 * per_product * ScoreBound(w, s);
 }
@@ -70,18 +70,18 @@ double HalfTolerance(GpuMath math, const LayerWeights& w, const OwnedSequence& s
 // once more), and the weights and the values (a product's share each). The summed form projects
 // first unless mixing first is allowed, and its mix-first parts over d_model > 128 take the GEMM
 // path, so the concatenating forms alone are counted here.
-double TensorCoreAttentionRounding(GpuMath math, bool gemm_attention, const FormWeights& f, const LayerWeights& w,
+double TensorCoreAttentionRounding(Math math, bool gemm_attention, const FormWeights& f, const LayerWeights& w,
                                    const OwnedSequence& s) {
-  if (math != GpuMath::kBf16 || gemm_attention || !f.concat_then_project()) return 0;
+  if (math != Math::kBf16 || gemm_attention || !f.concat_then_project()) return 0;
   const double per_product = kLambda * std::sqrt(2.0 / 3.0) * UnitRoundoff(math);
   return 2 * per_product + 4 * per_product * ScoreBound(w, s);
 }
 
 // x rounded to the 16-bit format and widened back (round to nearest even: the device's and the
 // toolkit's conversion).
-double Rounded(GpuMath math, double x) {
+double Rounded(Math math, double x) {
   const float f = static_cast<float>(x);
-  if (math == GpuMath::kFp16) return __half2float(__float2half_rn(f));
+  if (math == Math::kFp16) return __half2float(__float2half_rn(f));
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
   bits += 0x7fff + ((bits >> 16) & 1);  // finite inputs only: the tests' weights and rows
@@ -98,7 +98,7 @@ double Rounded(GpuMath math, double x) {
 // this leaves out (HalfModelTolerance). Built from the form as uploaded: each head's value
 // columns times its rows of W_out (the summed form: its value block alone), the value bias
 // folded into the output bias, Q and K from the rounded inputs and weights.
-std::vector<double> RoundingModelForward(GpuMath math, const LayerWeights& w, const FormWeights& f,
+std::vector<double> RoundingModelForward(Math math, const LayerWeights& w, const FormWeights& f,
                                          const OwnedSequence& s) {
   const LayerConfig& c = w.config;
   const int64_t d = c.d_model;
@@ -140,17 +140,17 @@ std::vector<double> RoundingModelForward(GpuMath math, const LayerWeights& w, co
 }
 
 struct Case {
-  GpuMath math;
+  Math math;
   bool gemm_attention;
 };
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
-  return std::string(GpuMathName(info.param.math)) + (info.param.gemm_attention ? "_gemm_attention" : "_fused");
+  return std::string(MathName(info.param.math)) + (info.param.gemm_attention ? "_gemm_attention" : "_fused");
 }
 
 class CudaHalfWeightsTest : public ::testing::TestWithParam<Case> {
  protected:
-  static std::unique_ptr<Backend> Make(GpuMath math, bool gemm_attention) {
+  static std::unique_ptr<Backend> Make(Math math, bool gemm_attention) {
     auto made = MakeCudaBackend(
         {.device = 0, .math = math, .gemm_attention = gemm_attention, .guard_zones = true});
     EXPECT_TRUE(made.ok()) << made.status().ToString();
@@ -196,7 +196,7 @@ class CudaHalfWeightsTest : public ::testing::TestWithParam<Case> {
 TEST_P(CudaHalfWeightsTest, EveryFormIsWithinTheFormatsBoundAndReallyRounded) {
   const auto [math, gemm_attention] = GetParam();
   auto half = Make(math, gemm_attention);
-  auto fp32 = Make(GpuMath::kFp32, gemm_attention);
+  auto fp32 = Make(Math::kFp32, gemm_attention);
   ASSERT_TRUE(half && fp32);
   std::mt19937_64 rng(testing::TestSeed());
   const double u = UnitRoundoff(math);
@@ -243,7 +243,7 @@ TEST_P(CudaHalfWeightsTest, EveryFormIsWithinTheFormatsBoundAndReallyRounded) {
       EXPECT_GT(rounded, u / 8) << f.name << ": the answers are no further from float32's than float32 rounding goes";
       std::printf("%s %s, trial %d: worst error / bound %.3f, against the rounding model %.3f, distance to "
                   "float32 %.2e (u = %.2e)\n",
-                  GpuMathName(math).data(), f.name, trial, worst, worst_model, rounded, u);
+                  MathName(math).data(), f.name, trial, worst, worst_model, rounded, u);
     }
   }
 }
@@ -258,7 +258,7 @@ TEST_P(CudaHalfWeightsTest, TheDeviceBudgetCountsTheSixteenBitBytes) {
       RandomLayerWeights(*CompleteConfig({.d_model = 9, .heads = 3, .kv_heads = 3, .bias = true}), rng());
   for (const FormWeights& f : {MaterializeFactored(w), MaterializeSummed(w)}) {
     auto half = Make(math, gemm_attention);
-    auto fp32 = Make(GpuMath::kFp32, gemm_attention);
+    auto fp32 = Make(Math::kFp32, gemm_attention);
     ASSERT_TRUE(half && fp32);
     ASSERT_EQ(half->DeviceMemory()->held_bytes, 0);
     auto form = std::make_shared<const FormWeights>(f);
@@ -280,9 +280,9 @@ TEST_P(CudaHalfWeightsTest, TheDeviceBudgetCountsTheSixteenBitBytes) {
 // plan follow the running form's math (CublasOps::SetMath), back and forth.
 TEST_P(CudaHalfWeightsTest, OneBackendRunsEachFormInItsOwnMath) {
   const auto [math, gemm_attention] = GetParam();
-  auto mixed = Make(GpuMath::kFp32, gemm_attention);
-  auto half = Make(math, gemm_attention), tf32 = Make(GpuMath::kTf32, gemm_attention);
-  auto fp32 = Make(GpuMath::kFp32, gemm_attention);
+  auto mixed = Make(Math::kFp32, gemm_attention);
+  auto half = Make(math, gemm_attention), tf32 = Make(Math::kTf32, gemm_attention);
+  auto fp32 = Make(Math::kFp32, gemm_attention);
   ASSERT_TRUE(mixed && half && tf32 && fp32);
   EXPECT_EQ(mixed->default_math(), Math::kFp32);
   EXPECT_TRUE(mixed->CheckMath(Math::kTf32).ok() && mixed->CheckMath(math).ok());
@@ -336,7 +336,7 @@ TEST_P(CudaHalfWeightsTest, TheBiasRidesInTheProjectionsEpilogue) {
     for (const bool bias : {false, true}) {
       const LayerWeights w = RandomLayerWeights(
           *CompleteConfig({.d_model = 48, .heads = 4, .kv_heads = 2, .bias = bias}), seed);
-      auto backend = Make(half_math ? math : GpuMath::kFp32, gemm_attention);
+      auto backend = Make(half_math ? math : Math::kFp32, gemm_attention);
       ASSERT_TRUE(backend);
       auto resident = backend->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
       ASSERT_TRUE(resident.ok()) << resident.status().ToString();
@@ -349,7 +349,7 @@ TEST_P(CudaHalfWeightsTest, TheBiasRidesInTheProjectionsEpilogue) {
     }
   }
   std::printf("%s %s, 4 sequences, factored with biases: %d launches, %d GEMM calls (float32: %d, %d)\n",
-              GpuMathName(math).data(), gemm_attention ? "GEMM path" : "fused",
+              MathName(math).data(), gemm_attention ? "GEMM path" : "fused",
               static_cast<int>(counted[1][1].kernel_launches), static_cast<int>(counted[1][1].gemm_calls),
               static_cast<int>(counted[0][1].kernel_launches), static_cast<int>(counted[0][1].gemm_calls));
   EXPECT_EQ(counted[1][1].kernel_launches, counted[1][0].kernel_launches) << "a bias kernel beside the epilogue";
@@ -385,7 +385,7 @@ TEST_P(CudaHalfWeightsTest, InputsCrossInSixteenBitsUnlessTheFloat32RowsAreRead)
   };
   // Copies besides the inputs (the GEMM path's pointer arrays) are the same under either math,
   // so the differences are the inputs'.
-  auto fp32 = Make(GpuMath::kFp32, gemm_attention), half = Make(math, gemm_attention);
+  auto fp32 = Make(Math::kFp32, gemm_attention), half = Make(math, gemm_attention);
   auto fp32_mix_first = MakeCudaBackend({.summed_mix_first = true, .gemm_attention = gemm_attention});
   auto mix_first = MakeCudaBackend({.math = math, .summed_mix_first = true, .gemm_attention = gemm_attention});
   ASSERT_TRUE(fp32 && half && fp32_mix_first.ok() && mix_first.ok());
@@ -430,7 +430,7 @@ TEST(CudaGemmHalfBiasTest, TheEpilogueTakesAnAlignedBiasAndDeclinesAnotherWithNo
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   {
     cuda::CublasOps ops;
-    ASSERT_TRUE(ops.Init(stream, GpuMath::kBf16).ok());
+    ASSERT_TRUE(ops.Init(stream, Math::kBf16).ok());
     const cuda::HalfBlock hx{dx, kRows, kInner, kInner}, hw{dw, kInner, kCols, kCols};
     const cuda::DeviceBlock y{dy.data, kRows, kCols, kCols};
     cuda_emulation::ResetCounters();
@@ -461,8 +461,8 @@ TEST(CudaGemmHalfBiasTest, TheEpilogueTakesAnAlignedBiasAndDeclinesAnotherWithNo
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, CudaHalfWeightsTest,
-                         ::testing::Values(Case{GpuMath::kBf16, false}, Case{GpuMath::kBf16, true},
-                                           Case{GpuMath::kFp16, false}, Case{GpuMath::kFp16, true}),
+                         ::testing::Values(Case{Math::kBf16, false}, Case{Math::kBf16, true},
+                                           Case{Math::kFp16, false}, Case{Math::kFp16, true}),
                          CaseName);
 
 }  // namespace

@@ -42,7 +42,7 @@ CudaBackendOptions RandomOptions(std::mt19937_64& rng) {
   auto bytes = [&rng] { return static_cast<int64_t>(rng() % (int64_t{1} << 40)) + 1; };
   CudaBackendOptions o;
   o.device = static_cast<int>(rng() % 8) + 1;
-  o.math = static_cast<GpuMath>(rng() % 3 + 1);  // tf32, bf16 or fp16
+  o.math = static_cast<Math>(rng() % 3 + 1);  // tf32, bf16 or fp16
   o.max_score_workspace_bytes = bytes();
   o.max_device_bytes = bytes();
   o.max_lane_workspace_bytes = bytes();

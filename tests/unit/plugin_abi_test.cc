@@ -19,7 +19,7 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 TEST(PluginAbiTest, ThePluginOfThisBuildLoads) {
-  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_GOOD_PLUGIN, 0, GpuMath::kFp32);
+  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_GOOD_PLUGIN, 0, Math::kFp32);
   ASSERT_TRUE(backend.ok()) << backend.status().ToString();
   EXPECT_EQ((*backend)->DeviceName(), "cuda:0");
 }
@@ -28,7 +28,7 @@ TEST(PluginAbiTest, ThePluginOfThisBuildLoads) {
 // that need more, naming the budget and the flag.
 TEST(PluginAbiTest, TheDeviceMemoryBoundReachesThePlugin) {
   StatusOr<std::unique_ptr<Backend>> backend =
-      LoadCudaPlugin(ATTNSERVE_GOOD_PLUGIN, 0, GpuMath::kFp32, int64_t{1} << 20);
+      LoadCudaPlugin(ATTNSERVE_GOOD_PLUGIN, 0, Math::kFp32, int64_t{1} << 20);
   ASSERT_TRUE(backend.ok()) << backend.status().ToString();
   const LayerWeights w = RandomLayerWeights(*CompleteConfig({.d_model = 512, .heads = 8}), 3);  // 4 MiB
   auto resident = (*backend)->Upload(std::make_shared<const FormWeights>(MaterializeFactored(w)));
@@ -39,7 +39,7 @@ TEST(PluginAbiTest, TheDeviceMemoryBoundReachesThePlugin) {
 }
 
 TEST(PluginAbiTest, AnotherAbiVersionIsRefusedWithTheVersions) {
-  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_BAD_ABI_PLUGIN, 0, GpuMath::kFp32);
+  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_BAD_ABI_PLUGIN, 0, Math::kFp32);
   ASSERT_FALSE(backend.ok());
   EXPECT_EQ(backend.status().code(), StatusCode::kUnavailable);
   EXPECT_THAT(backend.status().message(),
@@ -48,17 +48,17 @@ TEST(PluginAbiTest, AnotherAbiVersionIsRefusedWithTheVersions) {
 }
 
 TEST(PluginAbiTest, AnotherBuildIsRefusedNamingBoth) {
-  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_BAD_BUILD_PLUGIN, 0, GpuMath::kFp32);
+  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin(ATTNSERVE_BAD_BUILD_PLUGIN, 0, Math::kFp32);
   ASSERT_FALSE(backend.ok());
   EXPECT_THAT(backend.status().message(),
               AllOf(HasSubstr("plugin from build '0.0.1+someothercommit-GNU1.0'"), HasSubstr("this server is build '")));
 }
 
 TEST(PluginAbiTest, SomethingElseIsNotAPlugin) {
-  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin("libm.so.6", 0, GpuMath::kFp32);
+  StatusOr<std::unique_ptr<Backend>> backend = LoadCudaPlugin("libm.so.6", 0, Math::kFp32);
   ASSERT_FALSE(backend.ok());
   EXPECT_THAT(backend.status().message(), HasSubstr("not an attnserve backend plugin"));
-  EXPECT_THAT(LoadCudaPlugin("/nonexistent/libattnserve_cuda.so", 0, GpuMath::kFp32).status().message(),
+  EXPECT_THAT(LoadCudaPlugin("/nonexistent/libattnserve_cuda.so", 0, Math::kFp32).status().message(),
               HasSubstr("cannot load the CUDA backend"));
 }
 

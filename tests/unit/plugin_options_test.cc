@@ -19,7 +19,7 @@ using ::testing::HasSubstr;
 
 TEST(PluginOptionsTest, EveryOptionCrossesAsKeyAndValue) {
   const CudaBackendOptions options{.device = 3,
-                                   .math = GpuMath::kBf16,
+                                   .math = Math::kBf16,
                                    .max_score_workspace_bytes = 123456789,
                                    .max_device_bytes = int64_t{5} << 30,
                                    .max_lane_workspace_bytes = 987654321,
@@ -43,7 +43,7 @@ TEST(PluginOptionsTest, EveryOptionCrossesAsKeyAndValue) {
 
 // The positional form the tests used before options crossed as data sends the same keys.
 TEST(PluginOptionsTest, TheShortFormSendsTheDefaultsForTheRest) {
-  StatusOr<std::unique_ptr<Backend>> echo = LoadCudaPlugin(ATTNSERVE_ECHO_PLUGIN, 1, GpuMath::kFp32, int64_t{1} << 20);
+  StatusOr<std::unique_ptr<Backend>> echo = LoadCudaPlugin(ATTNSERVE_ECHO_PLUGIN, 1, Math::kFp32, int64_t{1} << 20);
   ASSERT_FALSE(echo.ok());
   EXPECT_THAT(echo.status().message(),
               AllOf(HasSubstr(" device=1 math=fp32 max_score_workspace_bytes=268435456 max_device_bytes=1048576 "
@@ -55,7 +55,7 @@ TEST(PluginOptionsTest, TheShortFormSendsTheDefaultsForTheRest) {
 // The CUDA plugin (over the emulated device) takes every option, and refuses a value out of its
 // range before making anything, naming it.
 TEST(PluginOptionsTest, TheCudaPluginTakesEveryOptionAndRefusesABadOne) {
-  CudaBackendOptions options{.math = GpuMath::kFp16,
+  CudaBackendOptions options{.math = Math::kFp16,
                              .max_score_workspace_bytes = int64_t{8} << 20,
                              .max_device_bytes = int64_t{512} << 20,
                              .max_lane_workspace_bytes = int64_t{128} << 20,

@@ -345,9 +345,9 @@ TEST(ServerOptionsTest, GpuSettingsFromFlagAndYaml) {
                   "0", "--gpu-staging-slice-kb", "513", "--gpu-gemm-attention", "--gpu-graphs", "24"});
   ASSERT_TRUE(o.ok()) << o.status().ToString();
   const CudaBackendOptions& c = o->backend.cuda;
-  EXPECT_EQ(c.math, GpuMath::kTf32);
-  for (const auto& [text, math] : {std::pair{"bf16", GpuMath::kBf16}, std::pair{"fp16", GpuMath::kFp16},
-                                   std::pair{"fp32", GpuMath::kFp32}}) {
+  EXPECT_EQ(c.math, Math::kTf32);
+  for (const auto& [text, math] : {std::pair{"bf16", Math::kBf16}, std::pair{"fp16", Math::kFp16},
+                                   std::pair{"fp32", Math::kFp32}}) {
     auto parsed = Parse({"--gpu-math", text});
     ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
     EXPECT_EQ(parsed->backend.cuda.math, math) << text;
@@ -369,7 +369,7 @@ TEST(ServerOptionsTest, GpuSettingsFromFlagAndYaml) {
   EXPECT_EQ(from_yaml.backend.cuda.staging_threads, 3);
   EXPECT_TRUE(from_yaml.backend.cuda.summed_mix_first);
   EXPECT_EQ(from_yaml.backend.cuda.max_lane_workspace_bytes, int64_t{9} << 20);
-  EXPECT_EQ(from_yaml.backend.cuda.math, GpuMath::kTf32);
+  EXPECT_EQ(from_yaml.backend.cuda.math, Math::kTf32);
   auto off = Parse({"--gpu-summed-mix-first=false"});
   ASSERT_TRUE(off.ok());
   EXPECT_FALSE(off->backend.cuda.summed_mix_first);

@@ -114,14 +114,14 @@ std::unique_ptr<Backend> MakeBackend(const std::string& name, std::string* why) 
     // (CudaBackendOptions::gemm_attention): the suite covers both paths.
     auto backend = MakeCudaBackend(
         {.device = 0,
-         .math = name == "cuda-tf32" ? GpuMath::kTf32 : GpuMath::kFp32,
+         .math = name == "cuda-tf32" ? Math::kTf32 : Math::kFp32,
          .gemm_attention = name == "cuda-tf32",
          .guard_zones = true});
 #else
     // The real one through the plugin the server loads, as the server loads it.
     auto backend = LoadCudaPlugin(ATTNSERVE_CUDA_PLUGIN_FILE,
                                   {.device = 0,
-                                   .math = name == "cuda-tf32" ? GpuMath::kTf32 : GpuMath::kFp32,
+                                   .math = name == "cuda-tf32" ? Math::kTf32 : Math::kFp32,
                                    .gemm_attention = name == "cuda-tf32"});
 #endif
     if (backend.ok()) return std::move(backend).value();

@@ -8,20 +8,20 @@
 
 namespace attnserve::cuda {
 
-Status CublasOps::Init(cudaStream_t stream, GpuMath math) {
+Status CublasOps::Init(cudaStream_t stream, Math math) {
   stream_ = stream;
   math_ = math;
-  tf32_ = math == GpuMath::kTf32;
+  tf32_ = math == Math::kTf32;
   CUBLAS_TRY(cublasCreate(&handle_));
   CUBLAS_TRY(cublasSetStream(handle_, stream_));
   CUBLAS_TRY(cublasSetMathMode(handle_, tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
   return OkStatus();
 }
 
-Status CublasOps::SetMath(GpuMath math) {
+Status CublasOps::SetMath(Math math) {
   if (math == math_) return OkStatus();
   math_ = math;
-  tf32_ = math == GpuMath::kTf32;
+  tf32_ = math == Math::kTf32;
   CUBLAS_TRY(cublasSetMathMode(handle_, tf32_ ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
   return OkStatus();
 }
@@ -55,9 +55,9 @@ Status CublasOps::Gemm(DeviceBlock x, DeviceBlock w, DeviceBlock y, float alpha,
 Status CublasOps::GemmHalf(HalfBlock x, HalfBlock w, DeviceBlock y, float beta) {
   if (!HalfWeights(math_)) {
     return InternalError("GemmHalf: expected a handle of math bf16 or fp16, got " +
-                         std::string(GpuMathName(math_)));
+                         std::string(MathName(math_)));
   }
-  const cudaDataType type = math_ == GpuMath::kBf16 ? CUDA_R_16BF : CUDA_R_16F;
+  const cudaDataType type = math_ == Math::kBf16 ? CUDA_R_16BF : CUDA_R_16F;
   const float alpha = 1.0f;
   CUBLAS_TRY(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(w.cols), static_cast<int>(x.rows),
                           static_cast<int>(x.cols), &alpha, w.data, type, static_cast<int>(w.ld), x.data, type,
@@ -127,7 +127,7 @@ StatusOr<const CublasOps::LtPlan*> CublasOps::PlanFor(const LtPlan& key) {
 StatusOr<bool> CublasOps::GemmHalfBias(HalfBlock x, HalfBlock w, const float* bias, DeviceBlock y, float beta) {
   if (!HalfWeights(math_)) {
     return InternalError("GemmHalfBias: expected a handle of math bf16 or fp16, got " +
-                         std::string(GpuMathName(math_)));
+                         std::string(MathName(math_)));
   }
   // The epilogue reads the bias in vectors: a bias that starts inside one takes the bias kernel.
   if (reinterpret_cast<uintptr_t>(bias) % 16 != 0) return false;
@@ -138,7 +138,7 @@ StatusOr<bool> CublasOps::GemmHalfBias(HalfBlock x, HalfBlock w, const float* bi
                                       .lda = w.ld,
                                       .ldb = x.ld,
                                       .ldc = y.ld,
-                                      .type = math_ == GpuMath::kBf16 ? CUDA_R_16BF : CUDA_R_16F,
+                                      .type = math_ == Math::kBf16 ? CUDA_R_16BF : CUDA_R_16F,
                                       .align_a = AlignmentOf(w.data),
                                       .align_b = AlignmentOf(x.data),
                                       .align_c = AlignmentOf(y.data)}));

@@ -26,7 +26,7 @@ struct DeviceBlock {
   DeviceBlock Cols(int64_t first, int64_t count) const { return {data + first, rows, count, ld}; }
 };
 
-// The same over 16-bit values (bfloat16 or half, by the handle's GpuMath), as raw bits.
+// The same over 16-bit values (bfloat16 or half, by the handle's Math), as raw bits.
 struct HalfBlock {
   const uint16_t* data;
   int64_t rows, cols, ld;
@@ -42,10 +42,10 @@ class CublasOps {
   // A handle whose every call is queued on `stream` (the lane's; never the legacy default
   // stream, which the lane's non-blocking stream does not wait for), in TF32 under kTf32; under
   // kBf16 and kFp16 GemmHalf's operands are of that type.
-  Status Init(cudaStream_t stream, GpuMath math);
+  Status Init(cudaStream_t stream, Math math);
   // The math of the form a batch runs (its resident form's): each lane runs every math its
   // backend holds forms in. Cheap when unchanged.
-  Status SetMath(GpuMath math);
+  Status SetMath(Math math);
   // Destroys the handle on the current device, before the lane destroys its stream; idempotent.
   void Destroy();
 
@@ -120,7 +120,7 @@ class CublasOps {
   cublasLtHandle_t lt_ = nullptr;  // made by the first GemmHalfBias
   std::vector<LtPlan> lt_plans_;
   bool tf32_ = false;
-  GpuMath math_ = GpuMath::kFp32;
+  Math math_ = Math::kFp32;
   // This batch's pointer arena (StartBatch): device slots, how many, how many used so far.
   const void** pointers_device_ = nullptr;
   int64_t pointer_slots_ = 0, pointers_used_ = 0;

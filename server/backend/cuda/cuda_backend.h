@@ -22,20 +22,16 @@
 
 namespace attnserve {
 
-// What the projections' GEMMs multiply (--gpu-math): the server's Math (server/core/math.h).
-// kFp32: float32 throughout. kTf32: TF32 tensor cores (inputs rounded to a 10-bit mantissa) for
-// every GEMM. kBf16, kFp16: the form's W_in and W_out held on the device in bfloat16 or IEEE half
-// (converted once at upload, half the bytes), the activations converted on the device before
-// each product by a weight, float32 accumulation and outputs; the attention (scores, softmax,
-// mix) stays float32. Each resident form carries its own (Backend::UploadIn).
-using GpuMath = Math;
-inline std::string_view GpuMathName(GpuMath m) { return MathName(m); }
-inline std::optional<GpuMath> ParseGpuMath(std::string_view text) { return ParseMath(text); }
-
 struct CudaBackendOptions {
   int device = 0;
-  // The GEMMs' math (GpuMath): float32 by default.
-  GpuMath math = GpuMath::kFp32;
+  // What the projections' GEMMs multiply (--gpu-math; server/core/math.h), float32 by default.
+  // kTf32: TF32 tensor cores (inputs rounded to a 10-bit mantissa) for every GEMM. kBf16, kFp16:
+  // the form's W_in and W_out held on the device in bfloat16 or IEEE half (converted once at
+  // upload, half the bytes), the inputs rounded while staged and the other activations on the
+  // device before each product by a weight, float32 accumulation and outputs, the biases in the
+  // GEMMs' epilogue; attention in float32, but for bf16's fused kernel on the tensor cores. Each
+  // resident form carries its own (Backend::UploadIn).
+  Math math = Math::kFp32;
   // Device memory for one block of a sequence's attention: its scores (heads · rows · keys
   // floats) and, for the summed form, the interleaved A_cat block of the same size. Each
   // sequence's queries run in blocks of as many rows as fit (at least one), so the workspace

@@ -20,10 +20,10 @@ namespace {
 
 // Each weight rounded once to the 16-bit format, to nearest, ties to even: the toolkit's
 // host conversions, the same rounding as the kernel that converts the activations.
-std::vector<uint16_t> ToHalf(std::span<const float> values, GpuMath math) {
+std::vector<uint16_t> ToHalf(std::span<const float> values, Math math) {
   std::vector<uint16_t> bits(values.size());
   for (size_t i = 0; i < values.size(); ++i) {
-    bits[i] = math == GpuMath::kBf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(values[i]))
+    bits[i] = math == Math::kBf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(values[i]))
                                      : __half_as_ushort(__float2half_rn(values[i]));
   }
   return bits;
@@ -65,7 +65,7 @@ StatusOr<HalfBlock> CudaResidentForm::HalfBlockOf(const WeightBlock& w) const {
                          ") and columns [" + std::to_string(w.col0) + ", " + std::to_string(last_col) + ") of " +
                          std::string(WeightMatrixName(w.matrix)) + ": expected a block inside its 16-bit [" +
                          std::to_string(rows) + ", " + std::to_string(cols) + "], held in math " +
-                         std::string(GpuMathName(math_)));
+                         std::string(MathName(math_)));
   }
   const uint16_t* base = (in ? w_in : w_out).get16();
   return HalfBlock{base + w.row0 * cols + w.col0, w.view.rows, w.view.cols, cols};

@@ -34,14 +34,14 @@ inline SummedOrder SummedOrderOf(const CudaBackendOptions& options) {
 }
 
 // The 16-bit format of kBf16 and kFp16 (HalfWeights), as the conversion kernel names it.
-inline HalfFormat HalfFormatOf(GpuMath math) { return math == GpuMath::kBf16 ? HalfFormat::kBf16 : HalfFormat::kFp16; }
+inline HalfFormat HalfFormatOf(Math math) { return math == Math::kBf16 ? HalfFormat::kBf16 : HalfFormat::kFp16; }
 
-// A form's weights on the device, counted against the budget. Under GpuMath kBf16 and kFp16,
+// A form's weights on the device, counted against the budget. Under Math kBf16 and kFp16,
 // W_in and W_out are held in 16 bits (rounded once, here, to nearest even), two values a float
 // of their DeviceArray, so the budget counts their real bytes; the biases stay float32.
 class CudaResidentForm final : public ResidentForm {
  public:
-  CudaResidentForm(std::shared_ptr<const FormWeights> w, const std::shared_ptr<DeviceBudget>& budget, GpuMath math)
+  CudaResidentForm(std::shared_ptr<const FormWeights> w, const std::shared_ptr<DeviceBudget>& budget, Math math)
       : w_in(budget),
         b_in(budget),
         w_out(budget),
@@ -64,7 +64,7 @@ class CudaResidentForm final : public ResidentForm {
   StatusOr<HalfBlock> HalfBlockOf(const WeightBlock& w) const;
 
   DeviceArray w_in, b_in, w_out, b_out;
-  const GpuMath math_;
+  const Math math_;
   // This form's number among every form made in the process: what a lane's CUDA graphs name it
   // by (an address may be reused by a later form, with other weights).
   const uint64_t serial;
@@ -201,7 +201,7 @@ class Lane final : public DeviceOps {
   BatchWorkspace batch_;            // this batch's, as Prepare placed it
   const CudaResidentForm* resident_ = nullptr;  // the form RunBatch runs
   // The running form's math (each resident form has its own), else the backend's.
-  GpuMath math() const { return resident_ != nullptr ? resident_->math() : options_.math; }
+  Math math() const { return resident_ != nullptr ? resident_->math() : options_.math; }
   bool workspace_refused_ = false;  // the batch's Prepare found no room (RunWithinBound)
   GuardZones guards_;               // this batch's (options_.guard_zones)
   Staging staging_;

@@ -135,7 +135,7 @@ Status Lane::Gemm(ConstMatrixView x, ConstMatrixView w, const float* bias, Matri
   return OkStatus();
 }
 
-// Under 16-bit weights (GpuMath kBf16, kFp16): the 16-bit block of the weights by its name, the
+// Under 16-bit weights (Math kBf16, kFp16): the 16-bit block of the weights by its name, the
 // activations as a 16-bit input (HalfOperand), one GEMM accumulating in float32 into float32 y:
 // with a bias, cuBLASLt's with the bias in its epilogue where it has an algorithm for the
 // operands (CublasOps::GemmHalfBias), else cublasGemmEx and the bias kernel.
@@ -205,7 +205,7 @@ Status Lane::FusedAttend(const AttentionJob& job, const FusedShape& shape) {
     // Under bf16 the tensor cores' kernel; fp16's range (65504) would overflow scores and values
     // float32 holds, so fp16 and tf32 keep the float32 kernel.
     if (launch.count > 0) {
-      CUDA_TRY(math() == GpuMath::kBf16 ? cuda::FusedAttentionBf16(launch, layout, stream_)
+      CUDA_TRY(math() == Math::kBf16 ? cuda::FusedAttentionBf16(launch, layout, stream_)
                                         : cuda::FusedAttention(launch, layout, stream_));
     }
     launch.count = 0;

@@ -23,7 +23,7 @@
 namespace attnserve::cuda {
 
 // The workspace of one batch: its pieces, in floats, each starting 256-byte aligned. With 16-bit
-// weights (GpuMath kBf16, kFp16) two more hold the GEMM inputs in 16 bits, two to a float: the
+// weights (Math kBf16, kFp16) two more hold the GEMM inputs in 16 bits, two to a float: the
 // staged inputs and contexts converted once, and the other products' inputs (the heads'
 // outputs before W_out, a mix-first part's mixes before W_M_i) converted before each.
 inline constexpr int kPieces = 11;
