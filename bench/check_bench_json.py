@@ -26,6 +26,20 @@ for r in records:
     assert r["weights"] == ("plain" if r["isa"] == "generic" else "packed"), r
 print("forward_bench JSON ok:", records)
 
+# Before timing, both forms against float64: reported, and a bound nothing meets stops the run
+# with exit status 1 before anything is timed.
+checked = subprocess.run([bench, "--shapes", "small-request", "--threads", "1", "--min-time-s", "0", "--no-ceiling"],
+                         capture_output=True, text=True, check=True)
+for form in ("factored", "summed"):
+    assert f"{form} in fp32: relative L2 to float64" in checked.stdout and ": ok" in checked.stdout, checked.stdout
+failed = subprocess.run([bench, "--shapes", "small-request", "--threads", "1", "--min-time-s", "0", "--no-ceiling",
+                         "--accuracy-bound", "1e-12"], capture_output=True, text=True)
+assert failed.returncode == 1 and "FAILED" in failed.stdout and "nothing timed" in failed.stderr, (failed.returncode,
+                                                                                                  failed.stdout,
+                                                                                                  failed.stderr)
+assert "GFLOP/s" not in failed.stdout, failed.stdout
+print("forward_bench's check against float64 ok")
+
 # One form alone (a profile's run), with a pause before each timed call and one sequence a value
 # group; a bad value is refused with the flag's name.
 with tempfile.NamedTemporaryFile(suffix=".json") as out:

@@ -23,7 +23,9 @@
 // CUDA backend's attention as GEMMs around the softmax kernel instead of the fused kernel
 // (CudaBackendOptions::gemm_attention), labelled cublas-gemm-attention. --gpu-graphs N replays a
 // CUDA graph for each batch of at most N rows (CudaBackendOptions::graph_rows; the warm-up call
-// captures it), labelled cublas-graphs.
+// captures it), labelled cublas-graphs. Before a backend is timed, both forms answer a check batch
+// against float64 (accuracy_check.h), within 10 units of the math's rounding or --accuracy-bound
+// X; past it the benchmark stops, exit status 1, timing nothing.
 // The CPU ceiling is the fastest of every SGEMM library the build found (Eigen always; oneDNN
 // and BLIS when present), each on its own threading, at 2048³ and at each benchmarked layer's
 // own projection shapes ([tokens, d]·[d, 3d] and [tokens, d]·[d, d]); `ceiling_source` names the
@@ -59,6 +61,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/accuracy_check.h"
 #include "server/backend/cpu/cpu_backend.h"
 #include "server/backend/cpu/gemm.h"
 #include "server/backend/cuda/cuda_backend.h"  // Math, CudaBackendOptions: no CUDA header
@@ -118,6 +121,7 @@ struct Record {
 struct Options {
   std::vector<int> threads = {1, 2};
   double min_time_s = 0.5;
+  double accuracy_bound = 0;  // --accuracy-bound; 0: AccuracyBound(the backend's math)
   std::string json;
   std::vector<std::string> shapes;
   std::string device = "cpu";
@@ -690,6 +694,7 @@ int Usage(const char* why) {
                "                     [--staging-threads 1,4]   (the CUDA backend's packing threads, in turn)\n"
                "                     [--gemm-attention]   (the CUDA backend's attention as GEMMs, not fused)\n"
                "                     [--gpu-graphs 1024]   (batches of up to this many rows replay CUDA graphs)\n"
+               "                     [--accuracy-bound X]   (the check against float64 before timing; default by math)\n"
                "       forward_bench --sweep long [--lengths 512,2048,8192,16384] [--threads 2] [--json FILE]\n"
                "                     [--summed-order auto,mix-first]\n";
   return 2;
@@ -729,6 +734,9 @@ int Main(int argc, char** argv) {
       }
     } else if (arg == "--min-time-s") {
       opt.min_time_s = std::atof(value.c_str());
+    } else if (arg == "--accuracy-bound") {
+      opt.accuracy_bound = std::atof(value.c_str());
+      if (!(opt.accuracy_bound > 0)) return Usage("--accuracy-bound: expected a positive relative L2 bound");
     } else if (arg == "--json") {
       opt.json = value;
     } else if (arg == "--device") {
@@ -841,6 +849,13 @@ int Main(int argc, char** argv) {
       auto backend = MakeBenchBackend(opt, threads, v.gemm, v.order, v.layout, v.staging_slice_kib, v.staging_threads);
       if (!backend.ok()) {
         std::cerr << "forward_bench: " << backend.status().ToString() << "\n";
+        return 1;
+      }
+      // What is timed must be attention: both forms against float64 first (accuracy_check.h).
+      const AccuracyCheck accuracy = CheckAgainstFloat64(**backend, (*backend)->default_math(), opt.accuracy_bound);
+      std::printf("accuracy (%s):\n%s", v.gemm.c_str(), accuracy.report.c_str());
+      if (!accuracy.passed) {
+        std::cerr << "forward_bench: the backend's answers are not attention's (above); nothing timed\n";
         return 1;
       }
       std::string library = on_cpu ? std::string(GemmLibraryName(static_cast<CpuBackend&>(**backend).gemm())) : v.gemm;

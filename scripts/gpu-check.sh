@@ -9,7 +9,10 @@
 # fused kernel's tensor-core twin, fused_attention_bf16.cu). The FP32 and TF32 runs take the fused
 # attention kernel (the default); a third FP32 run takes the score GEMM, softmax and mix GEMM
 # instead (--gemm-attention), for what the fused kernel buys. A failing step is
-# reported and the later ones still run; the exit status says whether all passed. Everything it
+# reported and the later ones still run; the exit status says whether all passed. Every bench
+# row first holds both forms to float64 on the device (forward_bench's accuracy check: 10 units of
+# the row's math), so the BF16 row checks the tensor-core kernel and the epilogue's biases there,
+# which the unit tests run only on the emulation. Everything it
 # wrote under $OUT is also packed into one file, $OUT/gpu-check.tar.gz, at the end.
 #
 #   scripts/gpu-check.sh --prepare   # here: copy Eigen's headers and GoogleTest's sources into
