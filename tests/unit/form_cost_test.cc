@@ -188,24 +188,51 @@ std::shared_ptr<Layer> ResidentLayer(Backend& backend, const LayerConfig& config
   return layer;
 }
 
-// Seconds of the best of `runs` forwards of one synthetic sequence of this shape.
-double TimeForward(Backend& backend, const ResidentForm& form, const SequenceShape& s, std::mt19937_64& rng, int runs) {
-  const int64_t d = form.weights().config.d_model;
+// Seconds of the best of `rounds` forwards of each exact form on one synthetic sequence of this
+// shape, the two forms interleaved (the order swapped every round) after one untimed forward of
+// each: what drifts on a shared machine (a neighbour, the clock) falls on both alike.
+//
+// How far a timed pair may be from the truth: at a few queries against a long context the summed
+// form takes 0.7–0.8 of the factored form's time here, but that is a mean over layers; one layer's
+// weights, placed by the allocator, timed at n 4, m 4096 from 0.64 to 1.05 of it (AMD EPYC Zen 3,
+// 2026-12-07, 30 runs of this test; timed apart, best of 3 each, the summed form came out the
+// slower in 2 to 6 of 40 runs). The slower form takes, on average, about 1.3× the other's time
+// at these long contexts and 3× where queries and keys are alike: a flipped pick is past this
+// (and the check on the choice above catches it first).
+constexpr double kTimingNoise = 1.15;
+
+struct FormTimes {
+  double factored = INFINITY, summed = INFINITY;
+};
+FormTimes TimeExactForms(Backend& backend, const Layer& layer, const SequenceShape& s, std::mt19937_64& rng,
+                         int rounds) {
+  const int64_t d = layer.config.d_model;
   testing::OwnedSequence seq = testing::RandomSequence(rng, d, s.n, s.m, s.m != s.n, false, -1);
   const Sequence view = seq.View();
-  double best = INFINITY;
-  for (int i = 0; i < runs; ++i) {
+  const ResidentForm& factored = *layer.Find(Form::kFactored);
+  const ResidentForm& summed = *layer.Find(Form::kSummed);
+  const auto seconds = [&](const ResidentForm& form) {
     const auto t0 = std::chrono::steady_clock::now();
     EXPECT_TRUE(backend.Forward(form, std::span(&view, 1)).ok());
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  seconds(factored);
+  seconds(summed);
+  FormTimes best;
+  for (int round = 0; round < rounds; ++round) {
+    const bool factored_first = round % 2 == 0;
+    const double first = seconds(factored_first ? factored : summed);
+    const double second = seconds(factored_first ? summed : factored);
+    best.factored = std::min(best.factored, factored_first ? first : second);
+    best.summed = std::min(best.summed, factored_first ? second : first);
   }
   return best;
 }
 
 // The constants measured here (the server's calibration, AutoFormChooser) pick the summed form
 // for a few queries against a long context, which it mixes first, and the factored form when
-// queries and keys are alike in number; each pick is the faster form as timed here, and the
-// measured model was used (not the flop count).
+// queries and keys are alike in number; each pick is the faster form as timed here (within
+// kTimingNoise), and the measured model was used (not the flop count).
 TEST(FormCostTest, CalibratedModelPicksTheFasterFormOnThisCpu) {
   CpuBackend backend;
   ASSERT_TRUE(backend.summed_order().mix_first_allowed) << "the CPU backend mixes first by default";
@@ -224,13 +251,15 @@ TEST(FormCostTest, CalibratedModelPicksTheFasterFormOnThisCpu) {
   for (const Cell& cell : {Cell{{.n = 1, .m = 2048}, Form::kSummed}, Cell{{.n = 4, .m = 4096}, Form::kSummed},
                            Cell{{.n = 128, .m = 128}, Form::kFactored}, Cell{{.n = 256, .m = 256}, Form::kFactored}}) {
     const ExactChoice choice = chooser.Choose(layer, std::span(&cell.shape, 1));
-    const double factored = TimeForward(backend, *layer->Find(Form::kFactored), cell.shape, rng, 3);
-    const double summed = TimeForward(backend, *layer->Find(Form::kSummed), cell.shape, rng, 3);
+    const auto [factored, summed] = TimeExactForms(backend, *layer, cell.shape, rng, 7);
     EXPECT_EQ(choice.form, cell.want) << "n " << cell.shape.n << " m " << cell.shape.m << ": predicted factored "
                                       << choice.predicted_seconds[0] << " s, summed " << choice.predicted_seconds[1]
                                       << " s; timed factored " << factored << " s, summed " << summed << " s";
-    EXPECT_EQ(cell.want == Form::kSummed, summed < factored)
-        << "the cell's faster form as timed here (n " << cell.shape.n << " m " << cell.shape.m << ")";
+    const double wanted = cell.want == Form::kSummed ? summed : factored;
+    const double other = cell.want == Form::kSummed ? factored : summed;
+    EXPECT_LE(wanted, kTimingNoise * other)
+        << "the cell's faster form as timed here (n " << cell.shape.n << " m " << cell.shape.m << "): timed factored "
+        << factored << " s, summed " << summed << " s";
   }
 }
 
