@@ -20,7 +20,7 @@ namespace attnserve {
 // One backend call (a batch of one or more jobs of the same layer and variant).
 struct BatchReport {
   std::string_view layer;
-  Variant variant;  // the form and the math it ran in
+  Variant variant;             // the form and the math it ran in
   std::string_view device;     // the layer's device ("cpu", "cuda:0")
   int32_t requests = 0;        // jobs in the call
   int64_t tokens = 0;          // query rows over all sequences of the call
@@ -33,7 +33,7 @@ struct BatchReport {
   struct DeviceSeconds {
     double inputs = 0, compute = 0, outputs = 0;
   };
-  std::optional<DeviceSeconds> device_seconds;
+  std::optional<DeviceSeconds> device_seconds{};  // `{}`: designated initializers may leave it out
 };
 
 class BatchObserver {

@@ -14,12 +14,14 @@ namespace attnserve {
 
 // One reading of a device (gauges attnserve_gpu_*, docs/metrics.md); a quantity NVML did not
 // report (power on some boards, anything after the device fell off the bus) is nullopt.
+// (The `{}`s let a designated initializer leave a quantity out without GCC's
+// -Wmissing-field-initializers.)
 struct GpuSample {
-  std::optional<double> utilization;    // share of the last sample period a kernel ran, 0 … 1
-  std::optional<double> memory_used;    // bytes, every process's
-  std::optional<double> memory_total;   // bytes
-  std::optional<double> temperature_c;  // the GPU die, degrees Celsius
-  std::optional<double> power_w;        // board power draw, watts
+  std::optional<double> utilization{};    // share of the last sample period a kernel ran, 0 … 1
+  std::optional<double> memory_used{};    // bytes, every process's
+  std::optional<double> memory_total{};   // bytes
+  std::optional<double> temperature_c{};  // the GPU die, degrees Celsius
+  std::optional<double> power_w{};        // board power draw, watts
 };
 
 class GpuTelemetry {
