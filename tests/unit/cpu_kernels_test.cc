@@ -250,9 +250,8 @@ TEST(PackedWeightsTest, RoundToBfloat16IsNearestTiesToEven) {
 }
 
 // Where the backend multiplies packed weights (PanelGemmPays), as measured: the AVX-512 kernel at
-// any row count, whole 1024-token batches included; the AVX2 one from 64 rows, or from 4 where the
-// row-major rows lie a multiple of 4 KiB apart (gpt2-medium's 1024 floats, not bert-base's 768),
-// up to 256.
+// any row count; the AVX2 one from 64 rows, or from 4 where the row-major rows lie a multiple of
+// 4 KiB apart (gpt2-medium's 1024 floats, not bert-base's 768); both on whole 1024-token batches.
 // cpu_kernels_avx2 runs it capped to AVX2.
 TEST(PanelGemmTest, PaysWhereItWasMeasuredToWin) {
   const std::string_view isa = SkinnyGemmIsa();
@@ -265,8 +264,10 @@ TEST(PanelGemmTest, PaysWhereItWasMeasuredToWin) {
     EXPECT_FALSE(PanelGemmPays(16, 768));
     EXPECT_FALSE(PanelGemmPays(63, 2304));
     EXPECT_TRUE(PanelGemmPays(64, 2304));
-    EXPECT_TRUE(PanelGemmPays(256, 768));
-    EXPECT_FALSE(PanelGemmPays(kPanelGemmMaxRowsAvx2 + 1, 1024));
+    for (int64_t rows : {256, 1024, 8192}) {
+      EXPECT_TRUE(PanelGemmPays(rows, 768)) << rows;
+      EXPECT_TRUE(PanelGemmPays(rows, 1024)) << rows;
+    }
   } else {
     EXPECT_FALSE(PanelGemmPays(16, 1024));
   }

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -13,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "server/backend/compute_team.h"
 #include "server/backend/cpu/skinny_gemm.h"
 #include "server/core/forms.h"
 #include "server/core/layer.h"
@@ -152,6 +154,84 @@ TEST(CpuOpsTest, MidPanelBlocksUseTheViewAndBlocksOutsideTheirMatrixFail) {
                            ") of W_out: " + "expected a block inside its [" + std::to_string(d) + ", " +
                            std::to_string(d) + "]";
   EXPECT_NE(refused.status().message().find(want), std::string::npos) << refused.status().message();
+}
+
+// SplitColumns: one block per thread from the library; three per thread on the panels where
+// each has work enough; whole 64-column blocks that cover the columns, none empty.
+TEST(ColumnSplitTest, ThreeBlocksAThreadOnPanelsOneFromTheLibrary) {
+  // bert-base's W_in at 1024 tokens on 2 threads: 6 blocks of 384 on panels, 2 of 1152 without.
+  EXPECT_EQ(SplitColumns(1024, 768, 2304, 2, true).blocks, 6);
+  EXPECT_EQ(SplitColumns(1024, 768, 2304, 2, true).width, 384);
+  EXPECT_EQ(SplitColumns(1024, 768, 2304, 2, false).blocks, 2);
+  EXPECT_EQ(SplitColumns(1024, 768, 2304, 2, false).width, 1152);
+  // gpt2-medium's W_O: 1024 / 6 rounds up to 192, five of them and one of 64.
+  EXPECT_EQ(SplitColumns(1024, 1024, 1024, 2, true).blocks, 6);
+  EXPECT_EQ(SplitColumns(1024, 1024, 1024, 2, true).width, 192);
+  // One token's product is under the blocks' minimum work: one block per thread, as before.
+  EXPECT_EQ(SplitColumns(1, 768, 2304, 2, true).blocks, 2);
+  // Few columns: no block under 64 of them; one thread: one block.
+  EXPECT_EQ(SplitColumns(1024, 768, 100, 2, true).blocks, 2);
+  EXPECT_EQ(SplitColumns(1024, 768, 64, 4, true).blocks, 1);
+  EXPECT_EQ(SplitColumns(1024, 768, 2304, 1, true).blocks, 1);
+  EXPECT_EQ(SplitColumns(1024, 768, 0, 2, true).blocks, 0);
+
+  std::mt19937_64 rng(testing::TestSeed());
+  std::uniform_int_distribution<int64_t> dim(1, 4096);
+  std::uniform_int_distribution<int> thread_count(1, 8);
+  for (int i = 0; i < 2000; ++i) {
+    const int64_t rows = dim(rng), depth = dim(rng), cols = dim(rng);
+    const int threads = thread_count(rng);
+    for (const bool on_panels : {false, true}) {
+      const ColumnSplit s = SplitColumns(rows, depth, cols, threads, on_panels);
+      SCOPED_TRACE(std::to_string(rows) + "x" + std::to_string(depth) + "x" + std::to_string(cols) + " on " +
+                   std::to_string(threads) + (on_panels ? ", panels" : ", library"));
+      ASSERT_EQ(s.width % 64, 0);
+      ASSERT_GE(s.blocks * s.width, cols) << "columns left out";
+      ASSERT_LT((s.blocks - 1) * s.width, cols) << "an empty block";
+      const int64_t most = on_panels ? int64_t{threads} * kPanelBlocksPerThread : threads;
+      ASSERT_LE(s.blocks, most);
+      // At least a block per thread, as far as whole 64-column blocks allow (817 columns on 8
+      // threads are 7 blocks of 128).
+      const int64_t least = std::min<int64_t>(threads, (cols + 63) / 64), even = (cols + least - 1) / least;
+      ASSERT_LE(s.width, (even + 63) / 64 * 64) << "fewer blocks than threads";
+      if (on_panels && s.blocks > threads) {
+        ASSERT_GE(rows * depth * s.width, kMinColumnBlockMultiplyAdds) << "blocks below the minimum work";
+      }
+    }
+  }
+}
+
+// Float32 panels cut into more blocks than threads (SplitColumns), ragged last block included,
+// on a real team of two and on this thread alone: the product of every block is the float64
+// one, the bias in each block's own columns.
+TEST(CpuOpsTest, PanelProductsSplitAcrossATeamMatchFloat64) {
+  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: the weights stay row-major";
+  std::mt19937_64 rng(testing::TestSeed());
+  const LayerConfig c = *CompleteConfig({.d_model = 320, .heads = 4, .bias = true});
+  const auto f = std::make_shared<const FormWeights>(MaterializeFactored(RandomLayerWeights(c, rng())));
+  const CpuResidentForm resident(f, PanelWidth(), PanelPrecision::kFloat32);
+  const DeviceWeights w = HostWeights(*f);
+  const int64_t rows = 96;  // the AVX2 kernel's panels from 64 rows
+  ASSERT_TRUE(PanelGemmPays(rows, w.w_in.view.ld));
+  ComputeTeam team(2, std::chrono::microseconds(100));
+  for (ComputeTeam* on : {&team, static_cast<ComputeTeam*>(nullptr)}) {
+    for (const WeightBlock& block : {w.w_in, w.w_out}) {
+      SCOPED_TRACE(std::string(on != nullptr ? "team" : "alone") + ", " + std::string(WeightMatrixName(block.matrix)));
+      ASSERT_GT(SplitColumns(rows, block.view.rows, block.view.cols, 2, true).blocks, 2);
+      const std::vector<float> x = testing::RandomVector(rng, rows * block.view.rows);
+      const std::vector<float> bias = testing::RandomVector(rng, block.view.cols);
+      std::vector<float> y(static_cast<size_t>(rows * block.view.cols));
+      ForwardScratch scratch;
+      CpuOps ops(Compute{.gemm = GemmLibrary::kEigen, .threads = 2, .summed_order = {}, .team = on}, &resident,
+                 int64_t{256} << 20, int64_t{64} << 20, scratch);
+      if (on != nullptr) on->Hold();
+      const Status st = ops.GemmWeights(ConstMatrixView(x.data(), rows, block.view.rows), block, bias.data(),
+                                        MatrixView(y.data(), rows, block.view.cols), /*accumulate=*/false);
+      if (on != nullptr) on->Release();
+      ASSERT_TRUE(st.ok()) << st.message();
+      EXPECT_LE(WorstInBounds(x, y, bias, *f, block, AsLoaded), 1.0);
+    }
+  }
 }
 
 }  // namespace

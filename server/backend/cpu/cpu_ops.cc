@@ -42,6 +42,19 @@ StatusOr<std::optional<PackedBlock>> CpuResidentForm::Packed(const WeightBlock& 
   return packed.Block(w.row0, w.col0, w.view.rows, w.view.cols);
 }
 
+ColumnSplit SplitColumns(int64_t rows, int64_t depth, int64_t cols, int threads, bool on_panels) {
+  if (cols <= 0) return {0, 0};
+  constexpr int64_t kColumnAlign = 64;  // whole cache lines, and whole panels of either ISA's kernel
+  int64_t blocks = std::max(threads, 1);
+  if (on_panels && threads > 1) {
+    const int64_t by_work = rows * depth * cols / kMinColumnBlockMultiplyAdds;
+    blocks = std::max<int64_t>(threads, std::min<int64_t>(int64_t{threads} * kPanelBlocksPerThread, by_work));
+  }
+  blocks = std::min(blocks, (cols + kColumnAlign - 1) / kColumnAlign);
+  const int64_t width = ((cols + blocks - 1) / blocks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
+  return {(cols + width - 1) / width, width};  // counted again: a width rounded up can leave the last block empty
+}
+
 namespace {
 
 // How many members a step of `run` may run on: per-member scratch is indexed by member. One where
@@ -59,25 +72,22 @@ void ForEachTask(const Compute& run, int64_t tasks, Body&& body) {
   run.team->Run(tasks, body);
 }
 
-// y = x · w (+ bias) with the threads splitting w's columns: each thread streams its own share
-// of the weights once. (A split by rows of y, Eigen's own, makes every thread pack the whole
+// y = x · w (+ bias) with the threads splitting w's columns (SplitColumns): each block of the
+// weights is streamed once. (A split by rows of y, Eigen's own, makes every thread pack the whole
 // weight matrix when the batch has few tokens: slower on 2 threads than on 1,
 // docs/journal/benchmarks-journal.md, "Figures the CPU backend's comments held".)
 // With `accumulate`, y += x · w instead.
 // `packed`, where given, is w packed (CpuResidentForm::Packed): the column split falls on its
-// panels (kColumnAlign is a multiple of every PanelWidth), and PanelGemm computes where it pays,
-// and always on bfloat16 panels: a layer's weights are rounded alike whatever the batch.
+// panels (the blocks' width is a multiple of every PanelWidth), and PanelGemm computes where it
+// pays, and always on bfloat16 panels: a layer's weights are rounded alike whatever the batch.
 void SplitGemm(Compute run, ConstMatrixView x, ConstMatrixView w, std::optional<PackedBlock> packed, const float* bias,
                MatrixView y, bool accumulate = false) {
   if (packed && packed->weights->precision == PanelPrecision::kFloat32 && !PanelGemmPays(x.rows, w.ld)) {
     packed.reset();
   }
-  constexpr int64_t kColumnAlign = 64;  // whole cache lines and register blocks per thread
-  const int64_t chunks = std::min<int64_t>(run.threads, (w.cols + kColumnAlign - 1) / kColumnAlign);
-  const int64_t chunk_cols = ((w.cols + chunks - 1) / chunks + kColumnAlign - 1) / kColumnAlign * kColumnAlign;
-  ForEachTask(run, chunks, [&](int64_t t, int /*member*/) {
-    const int64_t c0 = t * chunk_cols, count = std::min(chunk_cols, w.cols - c0);
-    if (count <= 0) return;
+  const ColumnSplit split = SplitColumns(x.rows, x.cols, w.cols, run.threads, packed.has_value());
+  ForEachTask(run, split.blocks, [&](int64_t t, int /*member*/) {
+    const int64_t c0 = t * split.width, count = std::min(split.width, w.cols - c0);
     const MatrixView block = y.ColBlock(c0, count);
     // The bias before the product where y is written over: on the panels it is where the
     // kernel's accumulators start (no pass of its own over y); for the library it is written

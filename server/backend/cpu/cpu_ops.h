@@ -1,7 +1,7 @@
 // The skeleton's device operations on the CPU (server/backend/attention/device_ops.h), and the
 // form and the scratch they run on: the buffers are one forward's ForwardScratch, the GEMMs split
-// across the forward's threads by columns (SplitGemm: each thread streams its own share of the
-// weights once), and attention runs as tiled tasks (tiled_attention.h) on its compute team.
+// across the forward's threads by columns (SplitColumns: each block of the weights streamed
+// once), and attention runs as tiled tasks (tiled_attention.h) on its compute team.
 // A product by the form's weights (GemmWeights) finds their packed panels through the block's
 // name, CpuResidentForm::Packed; anything else goes to the library row-major.
 // Internal to server/backend/cpu; the backend (cpu_backend.h) makes one CpuOps per forward.
@@ -62,6 +62,25 @@ struct Compute {
   SummedOrder summed_order;     // when the summed form mixes first (SummedMixesFirst)
   ComputeTeam* team = nullptr;  // the forward's threads (threads of them); none: this one alone
 };
+
+// How SplitGemm cuts a product of x [rows, depth] by `cols` columns of weights across `threads`:
+// `blocks` blocks of `width` columns (the last one narrower where cols is not a multiple),
+// handed out to the team's members as each comes free.
+//   - From the library (`on_panels` false), one block per thread: the library copies x and its
+//     block of w into its own layout inside every call, so every extra block is another copy of
+//     x (on gpt2-medium's 4 KiB-aliased rows, three blocks a thread cost 10–15 % of a quiet
+//     forward).
+//   - On packed panels, kPanelBlocksPerThread per thread, none under kMinColumnBlockMultiplyAdds:
+//     the kernel reads x and the panels where they lie, so a block costs nothing to start, and a
+//     member whose core another process holds takes fewer blocks instead of making the step wait
+//     for its one block at half speed (docs/benchmarks.md, "A disturbed machine").
+// The width is a multiple of 64 columns: whole cache lines, whole panels of either ISA's kernel.
+struct ColumnSplit {
+  int64_t blocks = 0, width = 0;
+};
+constexpr int64_t kPanelBlocksPerThread = 3;
+constexpr int64_t kMinColumnBlockMultiplyAdds = int64_t{1} << 21;  // tens of µs on one core
+ColumnSplit SplitColumns(int64_t rows, int64_t depth, int64_t cols, int threads, bool on_panels);
 
 class CpuOps final : public DeviceOps {
  public:

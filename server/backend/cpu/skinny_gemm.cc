@@ -407,7 +407,7 @@ bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols) {
 bool PanelGemmPays(int64_t rows, int64_t row_major_ld) {
   const std::string_view isa = SkinnyGemmIsa();
   if (isa == "avx512") return true;
-  if (isa != "avx2" || rows > kPanelGemmMaxRowsAvx2) return false;
+  if (isa != "avx2") return false;
   constexpr int64_t kPageFloats = 4096 / sizeof(float);
   const bool aliased = row_major_ld % kPageFloats == 0;
   return rows >= kPanelGemmMinRowsAvx2 || (aliased && rows >= kPanelGemmMinRowsAliasedAvx2);
