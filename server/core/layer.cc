@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <string>
 
+#include "server/core/splitmix64.h"
+
 namespace attnserve {
 namespace {
 
@@ -28,19 +30,6 @@ Status CheckSize(const char* name, const std::vector<float>& v, int64_t rows, in
   }
   return OkStatus();
 }
-
-// splitmix64: a tiny generator whose output is fixed by the standard, unlike std:: distributions.
-struct SplitMix64 {
-  uint64_t state;
-  uint64_t Next() {
-    uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [-1, 1).
-  double Symmetric() { return static_cast<double>(Next() >> 11) * 0x1.0p-52 - 1.0; }
-};
 
 void FillUniform(std::vector<float>& v, size_t count, double std_dev, SplitMix64& rng) {
   // A uniform on [-a, a] has standard deviation a / sqrt(3).

@@ -15,6 +15,7 @@
 #include "server/core/forms.h"
 #include "server/core/reference.h"
 #include "server/core/spectrum.h"
+#include "server/core/splitmix64.h"
 #include "tests/unit/test_support.h"
 
 namespace attnserve {
@@ -116,23 +117,23 @@ class BackendTest : public ::testing::TestWithParam<std::string> {
   // three random draws): what rounding the inputs, and the projections made from them, costs
   // any float32 kernel. A draw whose output cancels (a head of d_head 1 whose value sums 117 terms
   // to nearly 0, then scaled up by W_O) moves by 1e-6 and more there; most move by 1e-7.
-  // With `moved_weights` (MovedWeights, one per draw), the weights move by the same relative
-  // amount as well: a kernel rounds every product, and rounding the term o_j · w_jt moves it as
-  // moving its w_jt does, so the weights' draw stands in for the intermediate roundings the
-  // inputs' alone miss (an output that cancels across the heads' terms after W_O, as d_model 1
-  // with 7 heads of 28 does: under TF32, ATTNSERVE_SEED=2148256672376425759's case 80 is off by
-  // 0.029, over the 0.0117 that the inputs' move alone allowed; in float32 on the CPU's panels,
+  // The weights, one set per draw (MovedWeights), move by the same relative amount as well: a
+  // kernel rounds every product, and rounding the term o_j · w_jt moves it as moving its w_jt
+  // does, so the weights' draw stands in for the intermediate roundings the inputs' alone miss
+  // (an output that cancels across the heads' terms after W_O, as d_model 1 with 7 heads of 28
+  // does: under TF32, ATTNSERVE_SEED=2148256672376425759's case 80 is off by 0.029, over the
+  // 0.0117 that the inputs' move alone allowed; in float32 on the CPU's panels,
   // ATTNSERVE_SEED=15615823664079165517's case 37, d_model 1 with 16 heads of 44, by 1.04e-5
   // over 1e-5).
-  static double RoundingSensitivity(const LayerWeights& w, const OwnedSequence& s, const std::vector<double>& want,
-                                    int exponent, std::span<const LayerWeights> moved_weights) {
+  static double RoundingSensitivity(const OwnedSequence& s, const std::vector<double>& want, int exponent,
+                                    std::span<const LayerWeights> moved_weights) {
     std::mt19937_64 rng(testing::TestSeed() ^ 0x51ed270b);
     double worst = 0;
     for (size_t draw = 0; draw < kSensitivityDraws; ++draw) {
       OwnedSequence moved = s;
       MoveBy(moved.input, exponent, rng);
       MoveBy(moved.context, exponent, rng);
-      const std::vector<double> there = ReferenceForward(moved_weights.empty() ? w : moved_weights[draw], moved.View());
+      const std::vector<double> there = ReferenceForward(moved_weights[draw], moved.View());
       double diff = 0, norm = 0;
       for (size_t i = 0; i < want.size(); ++i) {
         diff += (there[i] - want[i]) * (there[i] - want[i]);
@@ -153,22 +154,15 @@ class BackendTest : public ::testing::TestWithParam<std::string> {
 
   // RoundingSensitivity's weights, each draw's: every weight and bias moved. Drawn once for a
   // batch and shared by its sequences, each weight by a uniform draw of the normal's variance
-  // (±√3) from splitmix64: a million weights' normal draws per case, per sequence, made this
+  // (±√3) from SplitMix64: a million weights' normal draws per case, per sequence, made this
   // suite 1.3–2× slower, most of all under the sanitizers.
   static std::vector<LayerWeights> MovedWeights(const LayerWeights& w, int exponent) {
-    uint64_t state = testing::TestSeed() ^ 0x3c6ef372;
-    const double scale = std::ldexp(2 * std::sqrt(3.0), exponent) * 0x1p-53;
+    SplitMix64 rng{testing::TestSeed() ^ 0x3c6ef372};
+    const double scale = std::ldexp(std::sqrt(3.0), exponent);
     std::vector<LayerWeights> draws(kSensitivityDraws, w);
     for (LayerWeights& m : draws) {
       for (std::vector<float>* v : {&m.w_q, &m.w_k, &m.w_v, &m.w_o, &m.b_q, &m.b_k, &m.b_v, &m.b_o}) {
-        for (float& x : *v) {
-          uint64_t z = (state += 0x9e3779b97f4a7c15ULL);  // splitmix64
-          z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-          z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-          z ^= z >> 31;
-          const double centred = static_cast<double>(z >> 11) - 0x1p52;  // uniform in [-2^52, 2^52)
-          x = static_cast<float>(x * (1 + scale * centred));
-        }
+        for (float& x : *v) x = static_cast<float>(x * (1 + scale * rng.Symmetric()));
       }
     }
     return draws;
@@ -271,7 +265,7 @@ class BackendTest : public ::testing::TestWithParam<std::string> {
       // inputs and the weights move by that much instead.
       if (!large_magnitude && s.n * s.m <= 65536) {
         if (moved_weights.empty()) moved_weights = MovedWeights(w, exponent);
-        tols.back() = std::max(tols.back(), 8 * RoundingSensitivity(w, s, want.back(), exponent, moved_weights));
+        tols.back() = std::max(tols.back(), 8 * RoundingSensitivity(s, want.back(), exponent, moved_weights));
       }
       skip.push_back(large_magnitude ? IllConditionedRows(w, s, want.back()) : std::vector<char>(s.n, 0));
       rows += s.n;

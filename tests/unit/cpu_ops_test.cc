@@ -78,16 +78,21 @@ TwoLayers PackedBf16(std::mt19937_64& rng) {
   return l;
 }
 
-// y = x · w + bias through CpuOps::GemmWeights on `resident`, with the block viewed in `copy`.
+// y = x · w + bias through CpuOps::GemmWeights on `resident`, with the block viewed in `copy`,
+// split for 2 threads: on `team` (held for the call, as a forward holds it), or none, on this
+// thread.
 StatusOr<std::vector<float>> ProductOn(const CpuResidentForm& resident, const WeightBlock& w,
-                                       const std::vector<float>& x, const std::vector<float>& bias) {
+                                       const std::vector<float>& x, const std::vector<float>& bias,
+                                       ComputeTeam* team = nullptr) {
   ForwardScratch scratch;
-  CpuOps ops(Compute{.gemm = GemmLibrary::kEigen, .threads = 2, .summed_order = {}, .team = nullptr}, &resident,
+  CpuOps ops(Compute{.gemm = GemmLibrary::kEigen, .threads = 2, .summed_order = {}, .team = team}, &resident,
              int64_t{256} << 20, int64_t{64} << 20, scratch);
   const int64_t rows = static_cast<int64_t>(x.size()) / w.view.rows;
   std::vector<float> y(static_cast<size_t>(rows * w.view.cols));
+  if (team != nullptr) team->Hold();
   const Status st = ops.GemmWeights(ConstMatrixView(x.data(), rows, w.view.rows), w, bias.data(),
                                     MatrixView(y.data(), rows, w.view.cols), /*accumulate=*/false);
+  if (team != nullptr) team->Release();
   if (!st.ok()) return st;
   return y;
 }
@@ -220,16 +225,9 @@ TEST(CpuOpsTest, PanelProductsSplitAcrossATeamMatchFloat64) {
       ASSERT_GT(SplitColumns(rows, block.view.rows, block.view.cols, 2, true).blocks, 2);
       const std::vector<float> x = testing::RandomVector(rng, rows * block.view.rows);
       const std::vector<float> bias = testing::RandomVector(rng, block.view.cols);
-      std::vector<float> y(static_cast<size_t>(rows * block.view.cols));
-      ForwardScratch scratch;
-      CpuOps ops(Compute{.gemm = GemmLibrary::kEigen, .threads = 2, .summed_order = {}, .team = on}, &resident,
-                 int64_t{256} << 20, int64_t{64} << 20, scratch);
-      if (on != nullptr) on->Hold();
-      const Status st = ops.GemmWeights(ConstMatrixView(x.data(), rows, block.view.rows), block, bias.data(),
-                                        MatrixView(y.data(), rows, block.view.cols), /*accumulate=*/false);
-      if (on != nullptr) on->Release();
-      ASSERT_TRUE(st.ok()) << st.message();
-      EXPECT_LE(WorstInBounds(x, y, bias, *f, block, AsLoaded), 1.0);
+      const StatusOr<std::vector<float>> y = ProductOn(resident, block, x, bias, on);
+      ASSERT_TRUE(y.ok()) << y.status().message();
+      EXPECT_LE(WorstInBounds(x, *y, bias, *f, block, AsLoaded), 1.0);
     }
   }
 }
