@@ -45,6 +45,7 @@ RUN scripts/setup --build-only
 COPY CMakeLists.txt ./
 COPY cmake/ cmake/
 COPY proto/ proto/
+COPY format/ format/
 COPY server/ server/
 COPY client/ client/
 COPY scripts/build scripts/runtime-packages scripts/
@@ -99,6 +100,7 @@ RUN scripts/setup --build-only
 COPY CMakeLists.txt ./
 COPY cmake/ cmake/
 COPY proto/ proto/
+COPY format/ format/
 COPY server/ server/
 COPY client/ client/
 COPY scripts/build scripts/build

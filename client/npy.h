@@ -2,7 +2,8 @@
 //
 // The reader trusts nothing in the file: magic, version, header length, a strict parse of the
 // header dict, the element-count overflow and the file size are all checked before any data is
-// allocated. '<f4' is read as is; '<f8' is converted to float32 (values outside float range
+// allocated (format/npy.h, the reader the server's calibration files use too: a header of at
+// most 64 KiB, rank at most 32). '<f4' is read as is; '<f8' is converted to float32 (values outside float range
 // become +-inf). Files are written as version 1.0, '<f4'.
 // Thread-safety: pure functions of their arguments; no shared state.
 #pragma once
@@ -20,12 +21,6 @@ struct NpyArray {
   std::vector<int64_t> shape;  // empty = a scalar (one element)
   std::vector<float> data;     // row-major, product(shape) elements
 };
-
-// The largest header the reader accepts (numpy itself writes well under 1 KiB for any
-// reasonable rank); a larger declared length is refused before it is read.
-inline constexpr uint32_t kNpyMaxHeaderBytes = 64 * 1024;
-// The largest rank the reader accepts.
-inline constexpr int kNpyMaxRank = 32;
 
 // Reads `path`. Errors name the file and say expected/got: NOT_FOUND when the file does not
 // exist, INVALID_ARGUMENT when its contents are not a supported .npy, other codes for I/O.

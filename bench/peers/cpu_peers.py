@@ -11,6 +11,19 @@ All four use the same weights (torch_attention.layer) and are checked against ea
 they are timed. Times are the median of runs lasting at least --min-time-s, in ms.
 
     python bench/peers/cpu_peers.py --threads 2 --json peers.json
+
+With --bf16, PyTorch in bfloat16 on the CPU instead, beside its float32 SDPA (the peers of
+forward_bench --weight-layout packed-bf16-dot, docs/benchmarks.md):
+
+  torch-sdpa-fp32      torch-sdpa as above, float32
+  torch-sdpa-autocast  the same float32 layer under torch.autocast("cpu", torch.bfloat16)
+  torch-mha-autocast   torch-mha under autocast (autocast leaves MHA's fast path)
+  torch-sdpa-bf16      weights, biases and input held in bfloat16, the answer as float32
+
+Each record then says its divergence from float64 (`rel_l2`: ‖y − y64‖ / ‖y64‖ over the whole
+batch, the measure forward_bench's accuracy check prints), the same input and weights for all.
+
+    python bench/peers/cpu_peers.py --threads 2 --bf16 --json peers-bf16.json
 """
 import argparse
 import json
@@ -92,18 +105,56 @@ def ort_session(model_bytes, threads):
     return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--shapes", default="bert-base,gpt2-medium,small-request")
-    ap.add_argument("--min-time-s", type=float, default=0.5)
-    ap.add_argument("--json")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    torch.set_num_interop_threads(1)
-    versions = {"torch": torch.__version__, "onnxruntime": ort.__version__, "onnx": onnx.__version__}
-    print(f"peers on {args.threads} threads: " + ", ".join(f"{k} {v}" for k, v in versions.items()) +
-          f"; mha fast path enabled: {torch.backends.mha.get_fastpath_enabled()}")
+def rel_l2(got, want64):
+    """‖got − want64‖ / ‖want64‖, in float64."""
+    diff = got.double() - want64
+    return float(diff.norm() / want64.norm())
+
+
+def bf16_peers(x, w, b, heads, mha):
+    """PyTorch's float32 SDPA and its bfloat16 ways on the CPU: name -> fn returning float32."""
+    w16 = [t.to(torch.bfloat16) for t in w]
+    b16 = [t.to(torch.bfloat16) for t in b]
+
+    def autocast(fn):
+        def run():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn().float()
+        return run
+
+    return {
+        "torch-sdpa-fp32": lambda: forward(x, w, b, heads),
+        "torch-sdpa-autocast": autocast(lambda: forward(x, w, b, heads)),
+        "torch-mha-autocast": autocast(lambda: mha(x, x, x, need_weights=False)[0]),
+        "torch-sdpa-bf16": lambda: forward(x.to(torch.bfloat16), w16, b16, heads).float(),
+    }
+
+
+def measure_bf16(args, versions):
+    """--bf16: each peer's time and its divergence from float64 on the same batch."""
+    records = []
+    with torch.inference_mode():
+        for name in args.shapes.split(","):
+            bsz, n, d, heads = SHAPES[name]
+            w, b = layer(d, CPU, torch.float32)
+            x = torch.randn(bsz, n, d, generator=torch.Generator().manual_seed(2))
+            want64 = forward(x.double(), [t.double() for t in w], [t.double() for t in b], heads)
+            peers = bf16_peers(x, w, b, heads, mha_module(d, heads, w, b))
+            for peer, fn in peers.items():
+                err = rel_l2(fn(), want64)
+                # A bfloat16 answer is ~1e-2 off at worst; far beyond is another computation.
+                if err > 5e-2:
+                    raise SystemExit(f"{name} {peer}: {err:.2e} from float64 (relative L2): not this layer")
+                ms = median_ms(fn, CPU, args.min_time_s)
+                precision = "fp32" if peer.endswith("fp32") else "bf16"
+                records.append({"shape": name, "peer": peer, "device": "cpu", "threads": args.threads, "ms": ms,
+                                "precision": precision, "rel_l2": err, **versions})
+                print(f"{name:14s} {peer:20s} {ms:9.3f} ms   {err:.2e} from float64")
+    return records
+
+
+def measure_fp32(args, versions):
+    """The four float32 peers (the docstring's first list), checked against each other."""
     records = []
     with torch.inference_mode():
         for name in args.shapes.split(","):
@@ -132,6 +183,23 @@ def main():
                 records.append({"shape": name, "peer": peer, "device": "cpu", "threads": args.threads, "ms": ms,
                                 **versions})
                 print(f"{name:14s} {peer:14s} {ms:9.3f} ms")
+    return records
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shapes", default="bert-base,gpt2-medium,small-request")
+    ap.add_argument("--min-time-s", type=float, default=0.5)
+    ap.add_argument("--bf16", action="store_true", help="PyTorch in bfloat16 beside its float32 SDPA (docstring)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    versions = {"torch": torch.__version__, "onnxruntime": ort.__version__, "onnx": onnx.__version__}
+    print(f"peers on {args.threads} threads: " + ", ".join(f"{k} {v}" for k, v in versions.items()) +
+          f"; mha fast path enabled: {torch.backends.mha.get_fastpath_enabled()}")
+    records = (measure_bf16 if args.bf16 else measure_fp32)(args, versions)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -313,7 +313,7 @@ void AddForwardFlags(FlagParser* f, ForwardArgs* a, std::string* form, std::stri
   f->AddBool("compare", &a->compare, "also run the other held forms, print divergence");
   f->AddString("seed", seed, "S", "seed of --random (default 1)");
   f->AddString("request-key", &a->request_key, "K", "sticky-routing key");
-  f->AddString("math", &a->math, "M", "the math to run in (fp32, tf32, bf16, fp16; one the layer is held in)");
+  f->AddString("math", &a->math, "M", "the math to run in, one the layer is held in (e.g. bf16; the server names its maths when it refuses one)");
 }
 
 }  // namespace

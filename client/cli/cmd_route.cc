@@ -21,7 +21,7 @@ bool ParseNumber(std::string_view text, double* out) {
 bool ParseSpec(std::string_view spec, std::vector<v1::RouteWeight>* out, std::string* error) {
   const std::string expected =
       "SPEC: expected FORM:WEIGHT[,FORM:WEIGHT...] with FORM factored, summed, lowrank or auto, optionally "
-      "@MATH (fp32, tf32, bf16, fp16), and WEIGHT >= 0 (e.g. factored:90,summed:10 or "
+      "@MATH (a math the layer is held in, e.g. bf16), and WEIGHT >= 0 (e.g. factored:90,summed:10 or "
       "factored@bf16:90,factored@fp32:10), got '" + std::string(spec) + "'";
   if (spec.empty()) {
     *error = expected;
@@ -39,9 +39,10 @@ bool ParseSpec(std::string_view spec, std::vector<v1::RouteWeight>* out, std::st
     v1::Form form = v1::FORM_UNSPECIFIED;
     double weight = 0;
     std::string form_error;
-    const bool known_math = math.empty() || math == "fp32" || math == "tf32" || math == "bf16" || math == "fp16";
+    // The maths' names are the server's vocabulary: it judges them (SetRouting's error names
+    // the ones it knows), so a client older than the server routes to a math added since.
     if (colon == std::string_view::npos || !ParseForm(target.substr(0, at), &form, &form_error) ||
-        form == v1::FORM_UNSPECIFIED || (at != std::string_view::npos && math.empty()) || !known_math ||
+        form == v1::FORM_UNSPECIFIED || (at != std::string_view::npos && math.empty()) ||
         !ParseNumber(item.substr(colon + 1), &weight) || weight < 0) {
       *error = expected + " (at '" + std::string(item) + "')";
       return false;

@@ -1,7 +1,8 @@
 // MetricsEndpoint: serves a Metrics registry over HTTP at /metrics for Prometheus to scrape,
 // in the text exposition format 0.0.4 ("text/plain; version=0.0.4"). It uses civetweb (the
 // HTTP server prometheus-cpp's own exposer wraps) directly, so that the answer carries the
-// format's version and holds only attnserve's families, without the exposer's own.
+// format's version and holds only attnserve's families, without the exposer's own; its
+// listener (address, TLS, threads) is the one the REST endpoint stands on too (server/web).
 // Thread-safety: Start and the destructor from one owner thread; civetweb answers scrapes on
 // its own threads, and recording into Metrics meanwhile is safe.
 #pragma once
@@ -13,8 +14,7 @@
 #include "server/core/status.h"
 #include "server/metrics/metrics.h"
 #include "server/metrics/web_config.h"
-
-class CivetServer;
+#include "server/web/listener.h"
 
 namespace attnserve {
 
@@ -32,15 +32,13 @@ class MetricsEndpoint {
   MetricsEndpoint& operator=(const MetricsEndpoint&) = delete;
 
   // The port it listens on (the chosen one when asked for port 0).
-  int port() const { return port_; }
+  int port() const { return listener_->port(); }
 
  private:
   class Handler;
   MetricsEndpoint() = default;
   std::unique_ptr<Handler> handler_;
-  std::unique_ptr<CivetServer> server_;  // after handler_: destroyed first, so no scrape outlives it
-  int port_ = 0;
-  std::vector<int> pem_fds_;  // in-memory PEM files civetweb reads by /proc/self/fd path
+  std::unique_ptr<WebListener> listener_;  // after handler_: destroyed first, so no scrape outlives it
 };
 
 }  // namespace attnserve

@@ -8,6 +8,8 @@
 #include <random>
 #include <thread>
 
+#include "server/core/splitmix64.h"
+
 namespace attnserve {
 namespace {
 
@@ -187,10 +189,7 @@ uint64_t Fnv1a64(std::string_view bytes) {
 double StickyPoint(std::string_view key) {
   // FNV-1a's low bits mix well but its high bits barely move for a change in the last byte;
   // the splitmix64 finaliser spreads every input bit over the 53 bits used here.
-  uint64_t z = Fnv1a64(key);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  z ^= z >> 31;
+  const uint64_t z = SplitMix64Finalise(Fnv1a64(key));
   return static_cast<double>(z >> 11) * 0x1.0p-53;
 }
 

@@ -1,8 +1,9 @@
 // The calibration inputs of lowrank=divergence:EPS (calibration=PATH, docs/spectra.md): a NumPy
-// .npy file of float32 rows, shape [rows, d_model], C order.
+// .npy file of float32 (or float64, converted) rows, shape [rows, d_model], C order.
 // The reader trusts nothing in the file: magic, version, header length, a strict parse of the
-// header dict, the element count against kMaxCalibrationRows and the file size are checked
-// before any data is allocated. Errors name the option, the file, expected and got.
+// header dict and the file size are checked by format/npy.h (the client's reader too), then the
+// shape against kMaxCalibrationRows and kMaxDModel, before any data is allocated. Errors name
+// the option, the file, expected and got.
 // Thread-safety: free functions; call from any thread.
 #pragma once
 

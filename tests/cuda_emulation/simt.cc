@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda_fp16.h"
+#include "server/core/splitmix64.h"
 #include "state.h"
 
 #if defined(ATTNSERVE_ASAN)
@@ -117,20 +118,6 @@ struct Fiber {
   int next = -1;          // the fiber after it in BlockRun's order; -1 for the last
 };
 
-// SplitMix64: the launches' draws, cheap to seed once per launch.
-struct Draw {
-  using result_type = uint64_t;
-  uint64_t state;
-  static constexpr uint64_t min() { return 0; }
-  static constexpr uint64_t max() { return ~uint64_t{0}; }
-  uint64_t operator()() {
-    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-};
-
 // One block being run on this thread.
 struct BlockRun {
   const std::function<void()>* body = nullptr;
@@ -151,7 +138,7 @@ struct BlockRun {
   std::vector<int> warp_first;  // per warp: its first fiber in the order
   std::vector<int> warp_order;
   bool run_ahead = false;
-  Draw draw{0};
+  attnserve::SplitMix64 draw{0};  // the launches' draws, cheap to seed once per launch
 #if defined(CUDA_EMULATION_ASAN)
   const void* scheduler_stack_bottom = nullptr;
   size_t scheduler_stack_size = 0;

@@ -275,8 +275,9 @@ TEST(CalibratedRankTest, RefusalsNameTheFieldExpectedAndGot) {
   EXPECT_TRUE(ValidateCalibration(k.set, k.config, "calibration").ok());
 }
 
-// A .npy image: version 1.0, the given descr and shape text.
-std::string Npy(const std::string& descr, const std::string& shape, const std::vector<float>& data) {
+// A .npy image: version 1.0, the given descr and shape text, the values' bytes as they lie.
+template <typename T>
+std::string Npy(const std::string& descr, const std::string& shape, const std::vector<T>& data) {
   std::string header = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': " + shape + ", }";
   while ((10 + header.size() + 1) % 64 != 0) header += ' ';
   header += '\n';
@@ -286,7 +287,7 @@ std::string Npy(const std::string& descr, const std::string& shape, const std::v
   out += static_cast<char>(header.size() & 0xff);
   out += static_cast<char>(header.size() >> 8);
   out += header;
-  out.append(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float));
+  out.append(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(T));
   return out;
 }
 
@@ -301,16 +302,28 @@ TEST(CalibratedRankTest, CalibrationFilesAreCheckedBeforeUse) {
   EXPECT_EQ(ok->x, six);
   // An empty array parses (UBSan once caught a memcpy to its null data); its rows are refused
   // against the layer.
-  auto empty = ParseCalibrationNpy(Npy("<f4", "(0, 3)", {}), "c");
+  auto empty = ParseCalibrationNpy(Npy("<f4", "(0, 3)", std::vector<float>{}), "c");
   ASSERT_TRUE(empty.ok()) << empty.status().ToString();
   EXPECT_EQ(empty->rows, 0);
   EXPECT_TRUE(empty->x.empty());
+  // numpy's default dtype, float64, is converted as it is read (format/npy.h).
+  const std::vector<double> wide = {0.25, -1.5, 3.0e38, 1.0e39, 1.0 / 3.0, -0.0};
+  auto converted = ParseCalibrationNpy(Npy("<f8", "(3, 2)", wide), "c");
+  ASSERT_TRUE(converted.ok()) << converted.status().ToString();
+  EXPECT_EQ(converted->rows, 3);
+  EXPECT_EQ(converted->d_model, 2);
+  ASSERT_EQ(converted->x.size(), wide.size());
+  for (size_t i = 0; i < wide.size(); ++i) EXPECT_EQ(converted->x[i], static_cast<float>(wide[i])) << i;
+  EXPECT_TRUE(std::isinf(converted->x[3]));  // beyond float32's range
   const std::pair<std::string, std::string> bad[] = {
-      {Npy("<f8", "(2, 3)", six), "c: expected dtype '<f4' (float32), got '<f8'"},
+      {Npy("<i4", "(2, 3)", std::vector<int32_t>(6, 1)),
+       "c: dtype: expected '<f4' (float32) or '<f8' (float64, converted), got '<i4'"},
       {Npy("<f4", "(6,)", six), "c: expected shape [rows, d_model] (2 dimensions), got (6,)"},
-      {Npy("<f4", "(1, 2, 3)", six), "c: expected shape [rows, d_model] (2 dimensions), got (1,2,3)"},
-      {Npy("<f4", "(2, 4)", six), "c: expected 32 bytes of data for shape (2,4), got 24"},
-      {"PK\x03\x04 not numpy", "c: expected a .npy file (magic \\x93NUMPY)"},
+      {Npy("<f4", "(1, 2, 3)", six), "c: expected shape [rows, d_model] (2 dimensions), got (1, 2, 3)"},
+      {Npy("<f4", "(2, 4)", six), "c: size: expected 160 bytes (header 128 + shape (2, 4) x 4), got 152 (truncated)"},
+      {Npy("<f4", "(65537, 0)", std::vector<float>{}),
+       "c: expected at most 65536 rows of at most 65536 values, got shape (65537, 0)"},
+      {"PK\x03\x04 not numpy", "c: not a .npy file: expected magic '\\x93NUMPY', got 'PK\\x03\\x04 n'"},
   };
   for (const auto& [bytes, want] : bad)
     EXPECT_THAT(ParseCalibrationNpy(bytes, "c").status().message(), HasSubstr(want));

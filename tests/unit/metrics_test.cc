@@ -4,12 +4,8 @@
 // the Grafana dashboard asks only for metrics and labels the server exports.
 #include "server/metrics/metrics.h"
 
-#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -28,10 +24,12 @@
 
 #include "server/metrics/device_gauges.h"
 #include "server/metrics/metrics_endpoint.h"
+#include "tests/unit/http_get.h"
 
 namespace attnserve {
 namespace {
 
+using ::attnserve::testing::HttpGet;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -520,27 +518,6 @@ TEST(MetricsTest, PromtoolAcceptsTheScrape) {
   const std::string out = RunCommand("promtool check metrics < " + path, &status);
   EXPECT_EQ(status, 0) << out << "\n--- scrape:\n" << text;
   std::remove(path.c_str());
-}
-
-// GET http://127.0.0.1:port/metrics; the whole response, headers included.
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    close(fd);
-    return "";
-  }
-  const std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-  (void)!write(fd, request.data(), request.size());
-  std::string response;
-  char buf[4096];
-  ssize_t n;
-  while ((n = read(fd, buf, sizeof buf)) > 0) response.append(buf, static_cast<size_t>(n));
-  close(fd);
-  return response;
 }
 
 TEST(MetricsEndpointTest, ServesTheTextFormatOnAnEphemeralPort) {

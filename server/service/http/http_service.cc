@@ -2,11 +2,8 @@
 
 #include <CivetServer.h>
 #include <spdlog/spdlog.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -27,39 +24,12 @@ namespace {
 
 // A request's and a response's bytes may take this long on the socket: slow (or slowloris)
 // clients cannot hold a thread for ever. An infer call's compute is not counted in it.
-constexpr char kSocketTimeoutMs[] = "30000";
+constexpr int kSocketTimeoutMs = 30000;
 // How much of a body one read takes. civetweb runs handlers on threads with 100 KiB stacks
 // (a constant compiled into the library) and glibc guards them with one page: a frame holding
 // a buffer this size would step over the guard into the next thread's stack. Buffers live on
 // the heap; the handlers' frames stay small.
 constexpr size_t kReadStep = 64 * 1024;
-
-int PortOf(const std::string& listen) {
-  const size_t colon = listen.rfind(':');
-  const std::string_view port =
-      colon == std::string::npos ? std::string_view(listen) : std::string_view(listen).substr(colon + 1);
-  int value = -1;
-  auto [p, ec] = std::from_chars(port.data(), port.data() + port.size(), value);
-  if (port.empty() || ec != std::errc() || p != port.data() + port.size() || value < 0 || value > 65535) return -1;
-  return value;
-}
-
-// An anonymous in-memory file holding `text`, readable at /proc/self/fd/N: civetweb takes its
-// certificate and key as one file path (as the metrics endpoint does). -1 when it cannot be made.
-int InMemoryFile(const std::string& text) {
-  const int fd = static_cast<int>(::syscall(SYS_memfd_create, "attnserve-http-tls", 0));
-  if (fd < 0) return -1;
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n <= 0) {
-      ::close(fd);
-      return -1;
-    }
-    done += static_cast<size_t>(n);
-  }
-  return fd;
-}
 
 const char* Reason(int status) {
   switch (status) {
@@ -337,62 +307,34 @@ HttpService::~HttpService() { Stop(); }
 
 void HttpService::Stop(std::chrono::milliseconds grace) {
   const auto until = std::chrono::steady_clock::now() + grace;
-  while (server_ != nullptr && serving_.load() > 0 && std::chrono::steady_clock::now() < until) {
+  if (listener_ == nullptr) return;
+  while (listener_->listening() && serving_.load() > 0 && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  server_.reset();  // civetweb's mg_stop: answers in progress finish, then its threads end
-  for (int fd : pem_fds_) ::close(fd);
-  pem_fds_.clear();
+  listener_->Stop();
 }
 
 StatusOr<std::unique_ptr<HttpService>> HttpService::Start(HttpServiceOptions options, LayerStore* store,
                                                           ForwardPipeline* pipeline) {
-  if (PortOf(options.listen) < 0) {
-    return InvalidArgumentError("http_listen: expected HOST:PORT with PORT in [0, 65535] (e.g. 0.0.0.0:8080), got '" +
-                                options.listen + "'");
-  }
   std::unique_ptr<HttpService> service(new HttpService(std::move(options), store, pipeline));
   const HttpServiceOptions& o = service->options_;
   service->handler_ = std::make_unique<Handler>(service.get());
-  try {
-    std::vector<std::string> civet = {"listening_ports",    o.listen + (service->tls() ? "s" : ""),
-                                      "num_threads",        std::to_string(o.threads),
-                                      "request_timeout_ms", kSocketTimeoutMs,
-                                      "enable_keep_alive",  "no"};
-    if (service->tls()) {
-      // civetweb loads OpenSSL at run time by symbol name; where it cannot (Debian bookworm's
-      // civetweb 1.15 asks for OpenSSL 1.1 names that OpenSSL 3 no longer exports), a TLS port
-      // would crash on its first connection. Refuse to start instead, as /metrics does.
-      if (mg_check_feature(MG_FEATURES_TLS) == 0 || mg_init_library(MG_FEATURES_TLS) == 0) {
-        return UnavailableError(
-            "http_listen: --tls-cert asks every listener for TLS, and this build's civetweb cannot load the "
-            "system's OpenSSL, so the HTTP listener cannot serve TLS; put it behind a TLS-terminating proxy or "
-            "sidecar and leave --http-listen on loopback, or serve the Open Inference Protocol over gRPC "
-            "(docs/service.md, \"HTTP/REST\")");
-      }
-      const int pem = InMemoryFile(o.key_pem + "\n" + o.cert_pem);
-      if (pem < 0) return UnavailableError("http_listen: cannot hold the certificate in memory");
-      service->pem_fds_.push_back(pem);
-      civet.insert(civet.end(),
-                   {"ssl_certificate", "/proc/self/fd/" + std::to_string(pem), "ssl_protocol_version", "4"});
-      if (!o.client_ca_pem.empty()) {
-        const int ca = InMemoryFile(o.client_ca_pem);
-        if (ca < 0) return UnavailableError("http_listen: cannot hold the client CA in memory");
-        service->pem_fds_.push_back(ca);
-        civet.insert(civet.end(), {"ssl_ca_file", "/proc/self/fd/" + std::to_string(ca), "ssl_verify_peer", "yes"});
-      }
-    }
-    service->server_ = std::make_unique<CivetServer>(civet);
-    service->server_->addHandler("/v2", service->handler_.get());
-    const std::vector<int> ports = service->server_->getListeningPorts();
-    if (ports.empty() || ports.front() <= 0) {
-      return UnavailableError("http_listen: listening on '" + o.listen + "' reported no port");
-    }
-    service->port_ = ports.front();
-  } catch (const std::exception& e) {
-    return UnavailableError("http_listen: cannot listen on '" + o.listen +
-                            "' (address in use, or not an address of this machine): " + e.what());
-  }
+  WebListenerOptions web;
+  web.field = "http_listen";
+  web.listen = o.listen;
+  web.example = "0.0.0.0:8080";
+  web.threads = o.threads;
+  web.request_timeout_ms = kSocketTimeoutMs;
+  web.cert_pem = o.cert_pem;
+  web.key_pem = o.key_pem;
+  web.client_ca_pem = o.client_ca_pem;
+  web.tls_field = "http_listen";
+  web.tls_unavailable =
+      "http_listen: --tls-cert asks every listener for TLS, and this build's civetweb cannot load the "
+      "system's OpenSSL, so the HTTP listener cannot serve TLS; put it behind a TLS-terminating proxy or "
+      "sidecar and leave --http-listen on loopback, or serve the Open Inference Protocol over gRPC "
+      "(docs/service.md, \"HTTP/REST\")";
+  ATTNSERVE_ASSIGN_OR_RETURN(service->listener_, WebListener::Start(web, {{"/v2", service->handler_.get()}}));
   return service;
 }
 

@@ -18,8 +18,7 @@
 #include "server/core/status.h"
 #include "server/service/forward_pipeline.h"
 #include "server/store/layer_store.h"
-
-class CivetServer;
+#include "server/web/listener.h"
 
 namespace attnserve {
 
@@ -44,7 +43,7 @@ class HttpService {
   HttpService(const HttpService&) = delete;
   HttpService& operator=(const HttpService&) = delete;
 
-  int port() const { return port_; }
+  int port() const { return listener_ ? listener_->port() : 0; }
   bool tls() const { return !options_.cert_pem.empty(); }
   // Closes the listener (the drain, after the pipeline's): first waits until no request is being
   // served, or until `grace` has passed (civetweb's stop cuts the reads and writes in progress),
@@ -59,9 +58,7 @@ class HttpService {
   LayerStore* const store_;
   ForwardPipeline* const pipeline_;
   std::unique_ptr<Handler> handler_;
-  std::unique_ptr<CivetServer> server_;
-  std::vector<int> pem_fds_;  // the in-memory certificate files civetweb reads
-  int port_ = 0;
+  std::unique_ptr<WebListener> listener_;  // after handler_: destroyed first
   std::atomic<int> serving_{0};  // requests inside a handler now
 };
 
