@@ -130,14 +130,22 @@ def bf16_peers(x, w, b, heads, mha):
     }
 
 
+def batches(shapes):
+    """(name, heads, w, b, x) per shape: the layer (torch_attention.layer) and the input batch
+    every peer of a shape shares."""
+    for name in shapes.split(","):
+        bsz, n, d, heads = SHAPES[name]
+        w, b = layer(d, CPU, torch.float32)
+        x = torch.randn(bsz, n, d, generator=torch.Generator().manual_seed(2))
+        yield name, heads, w, b, x
+
+
 def measure_bf16(args, versions):
     """--bf16: each peer's time and its divergence from float64 on the same batch."""
     records = []
     with torch.inference_mode():
-        for name in args.shapes.split(","):
-            bsz, n, d, heads = SHAPES[name]
-            w, b = layer(d, CPU, torch.float32)
-            x = torch.randn(bsz, n, d, generator=torch.Generator().manual_seed(2))
+        for name, heads, w, b, x in batches(args.shapes):
+            d = x.shape[-1]
             want64 = forward(x.double(), [t.double() for t in w], [t.double() for t in b], heads)
             peers = bf16_peers(x, w, b, heads, mha_module(d, heads, w, b))
             for peer, fn in peers.items():
@@ -157,10 +165,8 @@ def measure_fp32(args, versions):
     """The four float32 peers (the docstring's first list), checked against each other."""
     records = []
     with torch.inference_mode():
-        for name in args.shapes.split(","):
-            bsz, n, d, heads = SHAPES[name]
-            w, b = layer(d, CPU, torch.float32)
-            x = torch.randn(bsz, n, d, generator=torch.Generator().manual_seed(2))
+        for name, heads, w, b, x in batches(args.shapes):
+            d = x.shape[-1]
             xn = x.numpy()
             mha = mha_module(d, heads, w, b)
             graph = ort_session(onnx_graph(d, heads, w, b, fused=False), args.threads)
