@@ -1,7 +1,7 @@
 """Joins one run of bench/peers/run.sh into Markdown tables (docs/journal/benchmarks-journal.md pastes them).
 
     python3 report.py --ours ours-1.json [ours-2.json ...] --peers peers-1.json [peers-2.json ...]
-                      [--serving serving.json [serving-batching.json ...]]
+                      [--serving serving-defaults.json [serving-noop.json]]
 
 --ours     forward_bench --json (attnserve's in-process forward, both forms), one file a round
 --peers    cpu_peers.py --json (torch-mha, torch-sdpa, ort-graph, ort-attention), one file a round,

@@ -90,7 +90,8 @@ done
 stop_competitors
 
 echo "== serving overhead: attnserve-cli bench at concurrency 1 against a local server"
-# Once with the batcher's queue delay off (the serving path alone), once with the defaults.
+# One quick look, the server at its defaults (the batcher's queue delay is 0, so a lone request
+# waits for no company); bench/serving_overhead.sh measures the overhead in interleaved rounds.
 serve_and_bench() {  # NAME SERVER-FLAGS...
   local name=$1; shift
   rm -f "$OUT/port"
@@ -105,7 +106,6 @@ serve_and_bench() {  # NAME SERVER-FLAGS...
     --concurrency 1 --duration "$SERVING_DURATION" --warmup 1s --json "$OUT/serving-$name.json" || true
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
-serve_and_bench "queue-delay-0" --max-queue-delay-us 0
 serve_and_bench "defaults"
 # The bench's own cost in the same conditions: an in-process server that answers at once.
 "$BUILD/client/attnserve-cli" bench --noop-server --forms factored --shape 1,16 --concurrency 1 \
@@ -113,4 +113,4 @@ serve_and_bench "defaults"
 
 echo
 python3 bench/peers/report.py --ours "${ours_jsons[@]}" --peers "${peers_jsons[@]}" \
-  --serving "$OUT/serving-queue-delay-0.json" "$OUT/serving-defaults.json" "$OUT/serving-noop.json"
+  --serving "$OUT/serving-defaults.json" "$OUT/serving-noop.json"

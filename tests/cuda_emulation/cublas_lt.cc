@@ -109,6 +109,9 @@ cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, cudaDa
                                           uint64_t cols, int64_t ld) {
   // The documented rule for a column-major layout: ld ≥ rows (rows > 0).
   if (ld < static_cast<int64_t>(rows) || ld <= 0) return CUBLAS_STATUS_INVALID_VALUE;
+  if (cuda_emulation::internal::TakeFault(cuda_emulation::Fault::kLtLayoutAllocFailed)) {
+    return CUBLAS_STATUS_ALLOC_FAILED;
+  }
   *layout = new cublasLtMatrixLayoutOpaque_t{.type = type, .rows = rows, .cols = cols, .ld = ld};
   return CUBLAS_STATUS_SUCCESS;
 }

@@ -395,6 +395,25 @@ TEST_P(CudaHalfWeightsTest, InputsCrossInSixteenBitsUnlessTheFloat32RowsAreRead)
       << "16-bit weights: the inputs cross in 16 bits";
   EXPECT_EQ(staged_bytes(**fp32_mix_first, summed, &e), staged_bytes(**mix_first, summed, &c))
       << "the summed form mixing first reads float32 rows: they cross in float32";
+  // Mixing first allowed, but no sequence of this batch has fewer queries than keys: every one
+  // projects first, nothing reads the float32 rows, and the inputs cross in 16 bits.
+  std::vector<OwnedSequence> project_first;
+  project_first.push_back(RandomSequence(rng, w.config.d_model, 9, 4, true, false, -1));
+  project_first.push_back(RandomSequence(rng, w.config.d_model, 5, 5, true, false, -1));
+  int64_t project_first_values = 0;
+  for (const OwnedSequence& s : project_first) {
+    project_first_values += static_cast<int64_t>(s.input.size() + s.context.size());
+  }
+  std::vector<OwnedSequence> f32 = project_first, f16 = project_first;
+  EXPECT_EQ(staged_bytes(**fp32_mix_first, summed, &f32) - staged_bytes(**mix_first, summed, &f16),
+            project_first_values * 2)
+      << "a batch where no sequence mixes first: the inputs cross in 16 bits";
+  for (size_t r = 0; r < project_first.size(); ++r) {
+    const std::vector<double> want = ReferenceForward(w, project_first[r].View());
+    EXPECT_LT(RelativeL2(f16[r].output.data(), want),
+              HalfTolerance(math, w, f16[r], 1) + TensorCoreAttentionRounding(math, gemm_attention, summed, w, f16[r]))
+        << "summed projecting first, sequence " << r;
+  }
   for (size_t r = 0; r < inputs.size(); ++r) {
     OwnedSequence in = inputs[r];
     const std::vector<double> want = ReferenceForward(w, in.View());
@@ -405,59 +424,108 @@ TEST_P(CudaHalfWeightsTest, InputsCrossInSixteenBitsUnlessTheFloat32RowsAreRead)
   }
 }
 
-// Where the epilogue cannot take the bias (a bias not 16-byte aligned, as a slice of a bias
-// vector may start), GemmHalfBias queues nothing and says so, and the caller's GemmHalf and bias
-// kernel run; where it can, y = x·w + bias + beta·y in one call, against float64 of the
-// operands' 16-bit values.
-TEST(CudaGemmHalfBiasTest, TheEpilogueTakesAnAlignedBiasAndDeclinesAnotherWithNothingQueued) {
-  cuda_emulation::Reset();
-  std::mt19937_64 rng(testing::TestSeed());
-  constexpr int64_t kRows = 5, kInner = 24, kCols = 12;
-  std::vector<uint16_t> x(kRows * kInner), w(kInner * kCols);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (uint16_t& v : x) v = __bfloat16_as_ushort(__float2bfloat16_rn(normal(rng)));
-  for (uint16_t& v : w) v = __bfloat16_as_ushort(__float2bfloat16_rn(normal(rng)));
-  std::vector<float> bias(kCols + 1), y0(kRows * kCols);
-  for (float& b : bias) b = normal(rng);
-  for (float& v : y0) v = normal(rng);
-  uint16_t *dx = nullptr, *dw = nullptr;
-  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dx), x.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dw), w.size() * 2), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dw, w.data(), w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  testing::DeviceVector dbias(bias), dy(y0);
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  {
-    cuda::CublasOps ops;
-    ASSERT_TRUE(ops.Init(stream, Math::kBf16).ok());
-    const cuda::HalfBlock hx{dx, kRows, kInner, kInner}, hw{dw, kInner, kCols, kCols};
-    const cuda::DeviceBlock y{dy.data, kRows, kCols, kCols};
-    cuda_emulation::ResetCounters();
-    auto declined = ops.GemmHalfBias(hx, hw, dbias.data + 1, y, 1.0f);  // 4 bytes past an aligned start
-    ASSERT_TRUE(declined.ok()) << declined.status().ToString();
-    EXPECT_FALSE(*declined);
-    EXPECT_EQ(cuda_emulation::ReadCounters().gemm_calls, 0);
-    auto taken = ops.GemmHalfBias(hx, hw, dbias.data, y, 1.0f);
-    ASSERT_TRUE(taken.ok()) << taken.status().ToString();
-    EXPECT_TRUE(*taken);
-    EXPECT_EQ(cuda_emulation::ReadCounters().gemm_calls, 1);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess) << cuda_emulation::LastDiagnostic();
-    const std::vector<float> got = dy.Read();
+// GemmHalfBias on random bf16 operands: y = x·w + bias + beta·y in one cuBLASLt call where the
+// epilogue can take the bias, checked against float64 of the operands' 16-bit values.
+class CudaGemmHalfBiasTest : public ::testing::Test {
+ protected:
+  static constexpr int64_t kRows = 5, kInner = 24, kCols = 12;
+
+  void SetUp() override {
+    cuda_emulation::Reset();
+    std::mt19937_64 rng(testing::TestSeed());
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    x_.resize(kRows * kInner);
+    w_.resize(kInner * kCols);
+    for (uint16_t& v : x_) v = __bfloat16_as_ushort(__float2bfloat16_rn(normal(rng)));
+    for (uint16_t& v : w_) v = __bfloat16_as_ushort(__float2bfloat16_rn(normal(rng)));
+    bias_.resize(kCols + 1);
+    y0_.resize(kRows * kCols);
+    for (float& b : bias_) b = normal(rng);
+    for (float& v : y0_) v = normal(rng);
+    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dx_), x_.size() * 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&dw_), w_.size() * 2), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dx_, x_.data(), x_.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dw_, w_.data(), w_.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    dbias_ = std::make_unique<testing::DeviceVector>(bias_);
+    dy_ = std::make_unique<testing::DeviceVector>(y0_);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_TRUE(ops_.Init(stream_, Math::kBf16).ok());
+  }
+
+  void TearDown() override {
+    ops_.Destroy();
+    cudaStreamDestroy(stream_);
+    dbias_.reset();
+    dy_.reset();
+    cudaFree(dx_);
+    cudaFree(dw_);
+    cuda_emulation::Reset();
+  }
+
+  StatusOr<bool> GemmHalfBias(const float* bias) {
+    const cuda::HalfBlock hx{dx_, kRows, kInner, kInner}, hw{dw_, kInner, kCols, kCols};
+    return ops_.GemmHalfBias(hx, hw, bias, cuda::DeviceBlock{dy_->data, kRows, kCols, kCols}, 1.0f);
+  }
+  const float* AlignedBias() const { return dbias_->data; }
+
+  // y after one GemmHalfBias of the aligned bias, against float64.
+  void ExpectOneProductWithBias() {
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess) << cuda_emulation::LastDiagnostic();
+    const std::vector<float> got = dy_->Read();
     const auto widen = [](uint16_t v) { return static_cast<double>(__bfloat162float(__ushort_as_bfloat16(v))); };
     for (int64_t r = 0; r < kRows; ++r) {
       for (int64_t c = 0; c < kCols; ++c) {
-        double want = y0[r * kCols + c] + bias[c];
-        for (int64_t t = 0; t < kInner; ++t) want += widen(x[r * kInner + t]) * widen(w[t * kCols + c]);
+        double want = y0_[r * kCols + c] + bias_[c];
+        for (int64_t t = 0; t < kInner; ++t) want += widen(x_[r * kInner + t]) * widen(w_[t * kCols + c]);
         EXPECT_NEAR(got[r * kCols + c], want, 1e-4) << "row " << r << " column " << c;
       }
     }
-    ops.Destroy();
   }
-  cudaStreamDestroy(stream);
-  cudaFree(dx);
-  cudaFree(dw);
-  cuda_emulation::Reset();
+
+ private:
+  std::vector<uint16_t> x_, w_;
+  std::vector<float> bias_, y0_;
+  uint16_t *dx_ = nullptr, *dw_ = nullptr;
+  std::unique_ptr<testing::DeviceVector> dbias_, dy_;
+  cudaStream_t stream_ = nullptr;
+  cuda::CublasOps ops_;
+};
+
+// Where the epilogue cannot take the bias (a bias not 16-byte aligned, as a slice of a bias
+// vector may start), GemmHalfBias queues nothing and says so, and the caller's GemmHalf and bias
+// kernel run; where it can, one call does it all.
+TEST_F(CudaGemmHalfBiasTest, TheEpilogueTakesAnAlignedBiasAndDeclinesAnotherWithNothingQueued) {
+  cuda_emulation::ResetCounters();
+  auto declined = GemmHalfBias(AlignedBias() + 1);  // 4 bytes past an aligned start
+  ASSERT_TRUE(declined.ok()) << declined.status().ToString();
+  EXPECT_FALSE(*declined);
+  EXPECT_EQ(cuda_emulation::ReadCounters().gemm_calls, 0);
+  auto taken = GemmHalfBias(AlignedBias());
+  ASSERT_TRUE(taken.ok()) << taken.status().ToString();
+  EXPECT_TRUE(*taken);
+  EXPECT_EQ(cuda_emulation::ReadCounters().gemm_calls, 1);
+  ExpectOneProductWithBias();
+}
+
+// A plan whose making failed halfway (cuBLASLt out of memory for a layout, after the matmul's
+// descriptor was made) is not kept: the call fails with RESOURCE_EXHAUSTED naming the status, and
+// the next call of that shape makes the plan again and takes the epilogue, rather than finding
+// "no algorithm" and leaving the shape on the slower path. (Under ASan, the half-made
+// descriptors are checked for leaks.)
+TEST_F(CudaGemmHalfBiasTest, APlanWhoseMakingFailedIsNotKeptAndTheNextCallMakesIt) {
+  cuda_emulation::InjectFault(cuda_emulation::Fault::kLtLayoutAllocFailed);
+  cuda_emulation::ResetCounters();
+  auto failed = GemmHalfBias(AlignedBias());
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::kResourceExhausted) << failed.status().ToString();
+  EXPECT_NE(failed.status().message().find("CUBLAS_STATUS_ALLOC_FAILED"), std::string::npos)
+      << failed.status().ToString();
+  EXPECT_EQ(cuda_emulation::ReadCounters().gemm_calls, 0);
+  auto taken = GemmHalfBias(AlignedBias());
+  ASSERT_TRUE(taken.ok()) << taken.status().ToString();
+  EXPECT_TRUE(*taken) << "the shape's plan was made again, not remembered as having no algorithm";
+  EXPECT_EQ(cuda_emulation::ReadCounters().gemm_calls, 1);
+  ExpectOneProductWithBias();
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, CudaHalfWeightsTest,

@@ -34,13 +34,17 @@ void CublasOps::Destroy() {
   handle_ = nullptr;
 }
 
-void CublasOps::DestroyPlans() {
-  for (LtPlan& p : lt_plans_) {
-    for (cublasLtMatrixLayout_t layout : {p.a, p.b, p.c}) {
-      if (layout != nullptr) cublasLtMatrixLayoutDestroy(layout);
-    }
-    if (p.desc != nullptr) cublasLtMatmulDescDestroy(p.desc);
+void CublasOps::DestroyPlan(LtPlan& plan) {
+  for (cublasLtMatrixLayout_t* layout : {&plan.a, &plan.b, &plan.c}) {
+    if (*layout != nullptr) cublasLtMatrixLayoutDestroy(*layout);
+    *layout = nullptr;
   }
+  if (plan.desc != nullptr) cublasLtMatmulDescDestroy(plan.desc);
+  plan.desc = nullptr;
+}
+
+void CublasOps::DestroyPlans() {
+  for (LtPlan& p : lt_plans_) DestroyPlan(p);
   lt_plans_.clear();
 }
 
@@ -80,29 +84,35 @@ uint32_t AlignmentOf(const void* p) {
 
 }  // namespace
 
-StatusOr<const CublasOps::LtPlan*> CublasOps::PlanFor(const LtPlan& key) {
+StatusOr<const CublasOps::LtPlan*> CublasOps::PlanFor(const LtKey& key) {
   for (const LtPlan& p : lt_plans_) {
-    if (p.m == key.m && p.n == key.n && p.k == key.k && p.lda == key.lda && p.ldb == key.ldb && p.ldc == key.ldc &&
-        p.type == key.type && p.align_a == key.align_a && p.align_b == key.align_b && p.align_c == key.align_c) {
-      return &p;
-    }
+    if (p.key == key) return &p;
   }
   if (lt_ == nullptr) CUBLAS_TRY(cublasLtCreate(&lt_));
+  LtPlan plan{.key = key};
+  if (Status made = MakePlan(plan); !made.ok()) {
+    DestroyPlan(plan);
+    return made;
+  }
   if (lt_plans_.size() == kMaxLtPlans) DestroyPlans();  // shapes past the cap: start again
-  lt_plans_.push_back(key);
-  LtPlan& p = lt_plans_.back();
+  lt_plans_.push_back(plan);
+  return &lt_plans_.back();
+}
+
+Status CublasOps::MakePlan(LtPlan& p) {
+  const LtKey& key = p.key;
   // Column-major, as cuBLAS sees the row-major blocks: y^T [m = w.cols, n = x.rows] =
   // w^T [m, k] · x^T [k, n]; the bias is one value per row of y^T.
   CUBLAS_TRY(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
   CUBLAS_TRY(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-  CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p.a, p.type, p.m, p.k, p.lda));
-  CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p.b, p.type, p.k, p.n, p.ldb));
-  CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, p.m, p.n, p.ldc));
+  CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p.a, key.type, key.m, key.k, key.lda));
+  CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p.b, key.type, key.k, key.n, key.ldb));
+  CUBLAS_TRY(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_32F, key.m, key.n, key.ldc));
   cublasLtMatmulPreference_t pref = nullptr;
   CUBLAS_TRY(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t no_workspace = 0;
-  const uint32_t alignments[] = {p.align_a, p.align_b, p.align_c, p.align_c};
+  const uint32_t alignments[] = {key.align_a, key.align_b, key.align_c, key.align_c};
   const cublasLtMatmulPreferenceAttributes_t which[] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
@@ -121,7 +131,7 @@ StatusOr<const CublasOps::LtPlan*> CublasOps::PlanFor(const LtPlan& key) {
   if (status != CUBLAS_STATUS_SUCCESS && status != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_TRY(status);
   p.found = status == CUBLAS_STATUS_SUCCESS && found > 0;
   p.algo = result.algo;
-  return &p;
+  return OkStatus();
 }
 
 StatusOr<bool> CublasOps::GemmHalfBias(HalfBlock x, HalfBlock w, const float* bias, DeviceBlock y, float beta) {

@@ -97,12 +97,16 @@ class CublasOps {
   void ReleasePinned() { pointers_host_.Release(); }
 
  private:
-  // A cuBLASLt matmul of one shape, type and set of alignments: its descriptors, and the
-  // heuristic's algorithm if it found one.
-  struct LtPlan {
+  // What a cuBLASLt matmul is planned for: one shape, type and set of alignments.
+  struct LtKey {
     int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
     cudaDataType type = CUDA_R_32F;
     uint32_t align_a = 0, align_b = 0, align_c = 0;
+    bool operator==(const LtKey&) const = default;
+  };
+  // Its descriptors, and the heuristic's algorithm if it found one.
+  struct LtPlan {
+    LtKey key;
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
     cublasLtMatmulAlgo_t algo{};
@@ -111,8 +115,12 @@ class CublasOps {
   static constexpr size_t kMaxLtPlans = 64;
 
   cublasComputeType_t ComputeType() const { return tf32_ ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F; }
-  // The plan for `key` (its shape, type and alignments), made and queried once.
-  StatusOr<const LtPlan*> PlanFor(const LtPlan& key);
+  // The plan for `key`, made and queried once. A plan is kept only once it is whole: one whose
+  // making failed (an allocation) is destroyed and its error returned, so that the next batch of
+  // that shape tries again instead of finding "no algorithm" and taking the slower path for good.
+  StatusOr<const LtPlan*> PlanFor(const LtKey& key);
+  Status MakePlan(LtPlan& plan);  // its descriptors and the heuristic's answer
+  static void DestroyPlan(LtPlan& plan);
   void DestroyPlans();
 
   cudaStream_t stream_ = nullptr;

@@ -290,10 +290,11 @@ Status Lane::Prepare(const FormWeights& f, const BatchPlan& plan, std::span<cons
 
   // Under 16-bit weights every product by W_in reads the inputs' 16-bit rows. They are rounded
   // on the host as they are packed, and half the bytes cross, unless something reads the
-  // float32 rows too: the summed form's mix-first parts mix the context rows themselves.
+  // float32 rows too: the summed form's mix-first parts mix the context rows themselves, so a
+  // batch with a sequence that mixes first (the plan's choice, per sequence) stages float32.
   auto* const inputs16 = reinterpret_cast<uint16_t*>(piece[kHalfInputs]);
   const bool half = HalfWeights(math());
-  const bool float_inputs_read = !f.concat_then_project() && SummedOrderOf(options_).mix_first_allowed;
+  const bool float_inputs_read = std::ranges::find(plan.mixes_first, true) != plan.mixes_first.end();
   const bool half_staged = half && !float_inputs_read;
   ATTNSERVE_RETURN_IF_ERROR(staging_.StageInputs(
       batch, all_self, d, piece[kInputs], half_staged ? std::optional(HalfFormatOf(math())) : std::nullopt, inputs16));

@@ -80,7 +80,8 @@ void SetDeviceCount(int count);
 // kPinnedOutOfMemory the next cudaMallocHost with cudaErrorMemoryAllocation, kGraphInstantiate
 // the next cudaGraphInstantiate with cudaErrorInvalidValue, kCaptureInvalidated the next capture
 // (cudaStreamBeginCapture succeeds; its first recorded operation invalidates it, as an
-// operation the capture cannot record would).
+// operation the capture cannot record would), kLtLayoutAllocFailed the next
+// cublasLtMatrixLayoutCreate with CUBLAS_STATUS_ALLOC_FAILED (a cuBLASLt plan half made).
 // `times` > 1: the next `times` operations of the kind fail.
 enum class Fault {
   kKernel,
@@ -92,9 +93,10 @@ enum class Fault {
   kGemmAllocFailed,
   kPinnedOutOfMemory,
   kGraphInstantiate,
-  kCaptureInvalidated
+  kCaptureInvalidated,
+  kLtLayoutAllocFailed
 };
-inline constexpr int kFaultKinds = 10;
+inline constexpr int kFaultKinds = 11;
 void InjectFault(Fault fault, int times = 1);
 // The error an injected kKernel, kGemm or kCopy fault raises (a cudaError_t; 0: each its own,
 // cudaErrorLaunchFailure or cudaErrorIllegalAddress), so that a test can raise each sticky error
