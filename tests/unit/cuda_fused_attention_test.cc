@@ -279,13 +279,15 @@ TEST_F(CudaFusedAttentionTest, RowsWhoseScoresOverflowAreComputedInFloat64) {
                                 .value_stride = 8,
                                 .value_group = 2,
                                 .scale = 1.0f / std::sqrt(8.0f)};
-      HostRange r = RandomRange(rng_, l, 6, keys, keys, 2, causal);
+      // 13 rows: in the tensor-core kernel each lane holds two rows, r and r + 8, and rows of
+      // both halves take the float64 path.
+      HostRange r = RandomRange(rng_, l, 13, keys, keys, 2, causal);
       // Head 0 keeps unit-scale queries; the others' are ~1e20, as are all keys.
       for (int64_t row = 0; row < r.rows; ++row) {
         for (int64_t c = l.d_head; c < l.q_ld; ++c) r.q[row * l.q_ld + c] *= 1e20f;
       }
       for (float& v : r.k) v *= 1e20f;
-      const int64_t nan_row = 5, nan_head = 3;
+      const int64_t nan_row = 11, nan_head = 3;
       r.q[nan_row * l.q_ld + nan_head * l.d_head + 1] = INFINITY;  // its projection overflowed
       DeviceVector q(r.q), k(r.k), v(r.values), out(std::vector<float>(r.rows * l.out_ld, std::nanf("")));
       cuda::FusedRanges launch;

@@ -216,13 +216,17 @@ __global__ void FusedAttentionBf16Kernel(FusedRanges ranges, FusedLayout l) {
       }
     }
   }
-  // The rows with a non-finite score, one at a time by the whole warp.
+  // The rows with a non-finite score, one at a time by the whole warp. (h unrolled, so that
+  // exact[h] stays in a register: indexed at run time the array would live in local memory.)
   if (WarpAll<true>(exact[0] || exact[1] ? 1.0f : 0.0f) > 0.0f) {
-    for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-      const bool mine = group == rr % 8 && exact[rr / 8];
-      if (WarpAll<true>(mine ? 1.0f : 0.0f) == 0.0f) continue;
-      const int row = warp * kRowsPerWarp + rr;
-      ExactRow(q + row * l.q_ld, k, values, out + row * l.out_ld, seen_by(row), l);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      for (int g = 0; g < 8; ++g) {
+        const bool mine = group == g && exact[h];
+        if (WarpAll<true>(mine ? 1.0f : 0.0f) == 0.0f) continue;
+        const int row = warp * kRowsPerWarp + 8 * h + g;
+        ExactRow(q + row * l.q_ld, k, values, out + row * l.out_ld, seen_by(row), l);
+      }
     }
   }
 }
