@@ -158,6 +158,12 @@ TEST(RoutesFileParseTest, TheConfigsRoutesKeyAlone) {
   EXPECT_THAT(error("shadow_rate: 1\n"), HasSubstr("got the key 'shadow_rate'"));
   EXPECT_THAT(error("routes: factored:1\n"), HasSubstr("routes: expected a mapping"));
   EXPECT_THAT(error("routes:\n  enc: [\n"), HasSubstr("f.yaml: not valid YAML"));
+  // YAML keeps a repeated key: the file says which layer came twice, rather than one route
+  // silently replacing the other.
+  EXPECT_THAT(error("routes:\n  enc: factored:1\n  dec: summed:1\n  enc: summed:1\n"),
+              HasSubstr("f.yaml: routes: enc: expected each layer once, got it twice"));
+  EXPECT_THAT(error("routes:\n  \"\": factored:1\n"),
+              HasSubstr("f.yaml: routes: expected a layer name or '*', got an empty key"));
 }
 
 TEST(RoutesFileParseTest, RoutesMustNameLayersAndFormsHeld) {
