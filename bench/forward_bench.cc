@@ -6,7 +6,7 @@
 //                 [--json FILE] [--shapes a,b] [--gemm auto,eigen,onednn] [--weight-layout auto,plain]
 // --gemm runs the CPU backend with each GEMM library in turn (gemm.h), against one ceiling;
 // --weight-layout with its weights packed (auto: where its own kernel runs; packed-bf16 as bfloat16;
-// packed-bf16-dot with the projections' inputs in bfloat16 too, on vdpbf16ps)
+// packed-bf16-dot with the projections' inputs in bfloat16 too, on vdpbf16ps; packed-fp16 as IEEE half)
 // and row-major (plain) in turn (packed_weights.h; the JSON's `weights` says which ran);
 // --summed-order auto,project-first,mix-first the summed form in each association order (the cross-*
 // shapes sweep n/m); --value-group-mib N the summed form's value groups (CpuBackendOptions::
@@ -685,7 +685,8 @@ int Usage(const char* why) {
                "                     [--summed-order auto,project-first,mix-first]   (the summed form's association order)\n"
                "                     [--weight-layout auto,plain]   (the CPU backend's weights packed or row-major,\n"
                "                                                    in turn; packed-bf16: packed as bfloat16;\n"
-               "                                                    packed-bf16-dot: inputs too, vdpbf16ps)\n"
+               "                                                    packed-bf16-dot: inputs too, vdpbf16ps;\n"
+               "                                                    packed-fp16: packed as IEEE half)\n"
                "                     [--forms factored,summed]   (one form alone: for a profile)\n"
                "                     [--idle-us 0]   (a pause before each timed call, as between served requests)\n"
                "                     [--no-ceiling]   (time the forwards only: no SGEMM ceiling, ratios 0)\n"

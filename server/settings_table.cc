@@ -158,10 +158,10 @@ const Setting kSettings[] = {
      "fp32, tf32 (TF32 tensor-core GEMMs), bf16 or fp16 (the projections' weights and inputs in 16 bits, "
      "float32 accumulation and attention)"},
     {"--extra-maths", "extra_maths", "LIST", Choice{SetExtraMaths, "none"}, 0, 0, nullptr, nullptr,
-     "maths every layer is also held in, beside the device's own (--gpu-math; the CPU's fp32, or bf16 under a "
-     "packed-bf16 layout), e.g. bf16 or fp32,bf16: each form resident once more per math, a served variant that "
-     "routes (factored@bf16:90,factored@fp32:10), requests and shadows name. The CPU runs fp32 and bf16; the GPU "
-     "every math"},
+     "maths every layer is also held in, beside the device's own (--gpu-math; the CPU's fp32, or bf16 or fp16 "
+     "under a packed-bf16 or packed-fp16 layout), e.g. bf16 or fp32,fp16: each form resident once more per math, "
+     "a served variant that routes (factored@fp16:90,factored@fp32:10), requests and shadows name. The CPU runs "
+     "fp32, bf16 and fp16; the GPU every math"},
     {"--threads", "threads", "N", &InCpu<&CpuBackendOptions::threads>, 0, 1024, nullptr, nullptr,
      "CPU backend threads per Forward (0: every core)"},
     {"--cpu-idle-spin-us", "cpu_idle_spin_us", "US", Micros{&InCpu<&CpuBackendOptions::idle_spin>},
@@ -171,11 +171,12 @@ const Setting kSettings[] = {
     {"--cpu-gemm", "cpu_gemm", "LIB", Choice{SetCpuGemm, "auto"}, 0, 0, nullptr, nullptr,
      "auto, eigen or onednn: the CPU backend's GEMM library (auto: oneDNN when the build has it, else Eigen)"},
     {"--cpu-weight-layout", "cpu_weight_layout", "LAYOUT", Choice{SetCpuWeightLayout, "auto"}, 0, 0, nullptr, nullptr,
-     "auto, packed, packed-bf16, packed-bf16-dot or plain: packed keeps a copy of each layer's projection weights "
-     "in panels for the CPU backend's own kernel (as many bytes again; auto: where the CPU has AVX2 and FMA), "
-     "packed-bf16 the same copy rounded to bfloat16 (half the bytes, a few 1e-3 relative error), packed-bf16-dot "
-     "that and the projections' inputs rounded too, multiplied by vdpbf16ps (CPUs with AVX512_BF16), plain the "
-     "row-major weights only"},
+     "auto, packed, packed-bf16, packed-bf16-dot, packed-fp16 or plain: packed keeps a copy of each layer's "
+     "projection weights in panels for the CPU backend's own kernel (as many bytes again; auto: where the CPU has "
+     "AVX2, FMA and F16C), packed-bf16 the same copy rounded to bfloat16 (half the bytes, a few 1e-3 relative "
+     "error), packed-bf16-dot that and the projections' inputs rounded too, multiplied by vdpbf16ps (CPUs with "
+     "AVX512_BF16), packed-fp16 the copy rounded to IEEE half (half the bytes, 8 times closer than bfloat16; "
+     "weights past 65504 refused), plain the row-major weights only"},
     {"--workers", "workers", "N", &InBatching<&BatchPolicy::workers>, 1, 256, nullptr, nullptr,
      "batches computed side by side"},
     {"--worker-idle-spin-us", "worker_idle_spin_us", "US", Micros{&InBatching<&BatchPolicy::idle_spin>},

@@ -33,6 +33,7 @@ StatusOr<ChosenBackend> Cpu(const CpuBackendOptions& options, std::string why) {
          (layout == WeightLayout::kPacked          ? "weights packed, "
           : layout == WeightLayout::kPackedBf16    ? "weights packed as bfloat16, "
           : layout == WeightLayout::kPackedBf16Dot ? "weights and projection inputs in bfloat16 (vdpbf16ps), "
+          : layout == WeightLayout::kPackedFp16    ? "weights packed as IEEE half, "
                                                    : "weights row-major, ") +
          "idle spin " + std::to_string(options.idle_spin.count()) + " µs, " + std::string(CpuIsa()) + ")";
   return ChosenBackend{std::move(cpu), std::move(why), blas};

@@ -198,7 +198,7 @@ TEST(PrecisionAbTest, AMathTheDeviceCannotRunStopsTheServerAtStart) {
   const int code = testing::RunToExit(ATTNSERVE_BINARY, {"--device", "cpu", "--layer", kLayer, "--extra-maths", "tf32"},
                                       &output);
   EXPECT_NE(code, 0) << output;
-  EXPECT_THAT(output, HasSubstr("--extra-maths: math: the CPU runs fp32 or bf16, got tf32")) << output;
+  EXPECT_THAT(output, HasSubstr("--extra-maths: math: the CPU runs fp32, bf16 or fp16, got tf32")) << output;
   output.clear();
   EXPECT_NE(testing::RunToExit(ATTNSERVE_BINARY, {"--extra-maths", "bf16,bf16"}, &output), 0);
   EXPECT_THAT(output, HasSubstr("--extra-maths: expected each math once, got bf16 twice in 'bf16,bf16'")) << output;

@@ -44,6 +44,26 @@ double Widened(uint16_t bfloat16) {
   return widened;
 }
 double AsBfloat16(float w) { return Widened(RoundToBfloat16(w)); }
+// An IEEE half's value by its definition: sign, 5 exponent bits (bias 15; 0: subnormal, 31:
+// infinity or NaN), 10 mantissa bits.
+double HalfValue(uint16_t h) {
+  const int exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  const double sign = (h & 0x8000) != 0 ? -1.0 : 1.0;
+  if (exponent == 31) return mantissa == 0 ? sign * INFINITY : NAN;
+  if (exponent == 0) return sign * std::ldexp(mantissa, -24);
+  return sign * std::ldexp(1024 + mantissa, exponent - 25);
+}
+// x rounded to the nearest half in float64, ties to even, from the definition (not RoundToHalf):
+// the quantum of x's binade (2^-24 below 2^-14, where the subnormals keep it), x / quantum to the
+// nearest integer (exact in float64: x has 24 bits), and an infinity past the largest half.
+double NearestHalf(float x) {
+  if (!std::isfinite(x)) return x;
+  const int binade = x == 0 ? -14 : std::max(std::ilogb(x), -14);
+  const double quantum = std::ldexp(1.0, binade - 10);
+  const double rounded = std::nearbyint(static_cast<double>(x) / quantum) * quantum;
+  return std::abs(rounded) > 65504.0 ? std::copysign(INFINITY, x) : rounded;
+}
+double AsHalf(float w) { return NearestHalf(w); }
 bool ProductMatchesFloat64(std::mt19937_64& rng, int64_t rows, int64_t k, int64_t cols, bool transpose_w, float alpha,
                            const Product& product, bool accumulate = false, std::span<const float> bias = {},
                            WeightAs weight_as = AsLoaded, WeightAs x_as = AsLoaded) {
@@ -132,7 +152,9 @@ TEST(SkinnyGemmTest, AccumulatesAtEveryBlockEdge) {
 void PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision precision) {
   const int64_t width = PanelWidth();
   EXPECT_EQ(width, SkinnyGemmIsa() == "avx512" ? 64 : 16);
-  const WeightAs weight_as = precision == PanelPrecision::kFloat32 ? AsLoaded : AsBfloat16;
+  const WeightAs weight_as = precision == PanelPrecision::kFloat32   ? AsLoaded
+                             : precision == PanelPrecision::kFloat16 ? AsHalf
+                                                                     : AsBfloat16;
   // vdpbf16ps rounds x's rows too: float64 multiplies them rounded alike.
   const WeightAs x_as = precision == PanelPrecision::kBfloat16Pairs ? AsBfloat16 : AsLoaded;
   std::mt19937_64 rng(testing::TestSeed());
@@ -180,6 +202,13 @@ TEST(PanelGemmTest, MatchesFloat64AtEveryPanelEdgeAndOffset) {
 TEST(PanelGemmTest, Bfloat16PanelsMatchFloat64OnTheRoundedWeights) {
   if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: the weights stay row-major";
   PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision::kBfloat16);
+}
+
+// --cpu-weight-layout packed-fp16: IEEE halves widened by vcvtph2ps, against float64 on the
+// weights rounded to the nearest half by the definition (NearestHalf, not PackPanels' own code).
+TEST(PanelGemmTest, HalfPanelsMatchFloat64OnTheRoundedWeights) {
+  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: the weights stay row-major";
+  PanelGemmMatchesFloat64AtEveryPanelEdgeAndOffset(PanelPrecision::kFloat16);
 }
 
 // --cpu-weight-layout packed-bf16-dot: vdpbf16ps on weights packed in row pairs and x's rows
@@ -249,6 +278,59 @@ TEST(PackedWeightsTest, RoundToBfloat16IsNearestTiesToEven) {
   }
 }
 
+// RoundToHalf against the definition (NearestHalf): every half's own value, the halfway points
+// between neighbouring halves (ties to even) and a hair either side of them, the subnormals,
+// the largest finite half and the rounding past it to infinity, signed zeros, NaN; then random
+// floats of every magnitude. FirstBeyondHalf finds the first weight that would overflow.
+TEST(PackedWeightsTest, RoundToHalfIsNearestTiesToEven) {
+  const auto expect_rounds_to = [](float x, double want) {
+    const uint16_t got = RoundToHalf(x);
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(HalfValue(got))) << x;
+    } else {
+      EXPECT_EQ(HalfValue(got), want) << std::hexfloat << x << " gave 0x" << std::hex << got;
+      EXPECT_EQ(std::signbit(HalfValue(got)), std::signbit(x)) << x;
+    }
+  };
+  for (uint32_t h = 0; h < 0x7c00; ++h) {  // every finite half, both signs, and each tie above it
+    const double v = HalfValue(static_cast<uint16_t>(h)), next = HalfValue(static_cast<uint16_t>(h + 1));
+    for (const double sign : {1.0, -1.0}) {
+      expect_rounds_to(static_cast<float>(sign * v), sign * v);
+      const float tie = static_cast<float>(sign * (v + next) / 2);  // exact in float32
+      if (h + 1 < 0x7c00) {
+        expect_rounds_to(tie, sign * (h % 2 == 0 ? v : next));
+        expect_rounds_to(std::nextafter(tie, 0.0f), sign * v);
+        expect_rounds_to(std::nextafter(tie, static_cast<float>(sign * INFINITY)), sign * next);
+      }
+    }
+  }
+  expect_rounds_to(65519.996f, 65504.0);   // below the last tie: the largest half
+  expect_rounds_to(65520.0f, INFINITY);    // the tie past 65504 (odd): up, to infinity
+  expect_rounds_to(-1e9f, -INFINITY);
+  expect_rounds_to(0x1p-25f, 0.0);         // half the smallest subnormal: a tie, to even zero
+  expect_rounds_to(0x1.000002p-25f, 0x1p-24);
+  expect_rounds_to(-0.0f, -0.0);
+  expect_rounds_to(INFINITY, INFINITY);
+  expect_rounds_to(NAN, NAN);
+
+  std::mt19937_64 rng(testing::TestSeed());
+  std::uniform_int_distribution<uint32_t> any_finite(0, 0x7f7fffffu);
+  for (int i = 0; i < 200000; ++i) {
+    const uint32_t bits = any_finite(rng) | (i % 2 == 0 ? 0u : 0x80000000u);
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    ASSERT_EQ(HalfValue(RoundToHalf(x)), NearestHalf(x)) << "bits 0x" << std::hex << bits;
+  }
+
+  std::vector<float> w = testing::RandomVector(rng, 100, 1000.0f);
+  EXPECT_EQ(FirstBeyondHalf(w), w.size());
+  w[70] = 65519.0f;  // rounds to 65504: held
+  EXPECT_EQ(FirstBeyondHalf(w), w.size());
+  w[40] = -65520.0f;
+  w[90] = 1e6f;
+  EXPECT_EQ(FirstBeyondHalf(w), 40u);
+}
+
 // Where the backend multiplies packed weights (PanelGemmPays), as measured: the AVX-512 kernel at
 // any row count; the AVX2 one from 64 rows, or from 4 where the row-major rows lie a multiple of
 // 4 KiB apart (gpt2-medium's 1024 floats, not bert-base's 768); both on whole 1024-token batches.
@@ -310,7 +392,7 @@ TEST(WeightLayoutTest, NamesParseAndBadNamesSayWhatIsAccepted) {
   EXPECT_EQ(*ParseWeightLayout("plain"), WeightLayout::kPlain);
   EXPECT_EQ(*ParseWeightLayout("auto"), PanelWidth() > 0 ? WeightLayout::kPacked : WeightLayout::kPlain);
   EXPECT_EQ(CpuBackend().weight_layout(), *ParseWeightLayout("auto"));
-  for (const WeightLayout layout : {WeightLayout::kPacked, WeightLayout::kPackedBf16}) {
+  for (const WeightLayout layout : {WeightLayout::kPacked, WeightLayout::kPackedBf16, WeightLayout::kPackedFp16}) {
     const std::string name(WeightLayoutName(layout));
     const auto parsed = ParseWeightLayout(name);
     if (PanelWidth() > 0) {
@@ -326,7 +408,7 @@ TEST(WeightLayoutTest, NamesParseAndBadNamesSayWhatIsAccepted) {
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(bad.status().message(),
-            "cpu weight layout: expected auto, packed, packed-bf16, packed-bf16-dot or plain, got 'blocked'");
+            "cpu weight layout: expected auto, packed, packed-bf16, packed-bf16-dot, packed-fp16 or plain, got 'blocked'");
 }
 
 // The packed copy is host memory the form holds (ResidentForm::HostBytes: the layer store's

@@ -1,6 +1,6 @@
 // Served variants (server/core/math.h): one form held in several maths side by side on one
-// backend. The CPU backend's UploadIn (fp32 and bf16 resident at once, each computing in its own
-// math, against float64) and what it refuses; the layer store holding every form in every math
+// backend. The CPU backend's UploadIn (fp32, bf16 and fp16 resident at once, each computing in its
+// own math, against float64) and what it refuses; the layer store holding every form in every math
 // and counting the bytes of each; the executor running a job in the math it names, its observer
 // hearing the variant.
 #include <gmock/gmock.h>
@@ -26,6 +26,7 @@
 namespace attnserve {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 // Runs `on` over one self-attention sequence of `input` ([n, d]) into `out`.
@@ -45,12 +46,14 @@ TEST(MathTest, NamesParseBothWays) {
   EXPECT_FALSE(HalfWeights(Math::kFp32) || HalfWeights(Math::kTf32));
 }
 
-// One CpuBackend holds the factored and summed forms in fp32 and in bf16 at once; each resident
-// form computes in its own math: fp32 to float32's rounding of float64, bf16 within bfloat16's
-// (2^-9 per weight, and per input where vdpbf16ps runs) and measurably further than fp32, its
-// panels half the bytes. d_model and the head width are whole panels, so every block is packed.
-TEST(MathVariantsTest, TheCpuHoldsAFormInFp32AndBf16SideBySide) {
-  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: bf16 needs the backend's own kernel";
+// One CpuBackend holds the factored and summed forms in fp32, bf16 and fp16 at once; each
+// resident form computes in its own math: fp32 to float32's rounding of float64, bf16 within
+// bfloat16's (2^-9 per weight, and per input where vdpbf16ps runs) and measurably further than
+// fp32, fp16 within IEEE half's (2^-12 per weight: at least 4 times closer than bf16 and still
+// further than fp32); the 16-bit panels are half the bytes. d_model and the head width are whole
+// panels, so every block is packed.
+TEST(MathVariantsTest, TheCpuHoldsAFormInFp32Bf16AndFp16SideBySide) {
+  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: bf16 and fp16 need the backend's own kernel";
   const LayerConfig config = *CompleteConfig({.d_model = 128, .heads = 2});
   const LayerWeights weights = RandomLayerWeights(config, testing::TestSeed() + 7);
   CpuBackend backend({.threads = 2});
@@ -59,55 +62,87 @@ TEST(MathVariantsTest, TheCpuHoldsAFormInFp32AndBf16SideBySide) {
   for (const FormWeights& materialized : {MaterializeFactored(weights), MaterializeSummed(weights)}) {
     const std::string form(FormName(materialized.form));
     auto f = std::make_shared<const FormWeights>(materialized);
-    auto on32 = backend.UploadIn(f, Math::kFp32), on16 = backend.UploadIn(f, Math::kBf16);
-    ASSERT_TRUE(on32.ok() && on16.ok()) << form;
+    auto on32 = backend.UploadIn(f, Math::kFp32), on_bf16 = backend.UploadIn(f, Math::kBf16),
+         on_fp16 = backend.UploadIn(f, Math::kFp16);
+    ASSERT_TRUE(on32.ok() && on_bf16.ok() && on_fp16.ok()) << form;
     EXPECT_EQ((*on32)->math(), Math::kFp32) << form;
-    EXPECT_EQ((*on16)->math(), Math::kBf16) << form;
-    EXPECT_EQ(2 * ((*on16)->HostBytes() - f->Bytes()), (*on32)->HostBytes() - f->Bytes()) << form;
+    EXPECT_EQ((*on_bf16)->math(), Math::kBf16) << form;
+    EXPECT_EQ((*on_fp16)->math(), Math::kFp16) << form;
+    EXPECT_EQ(2 * ((*on_bf16)->HostBytes() - f->Bytes()), (*on32)->HostBytes() - f->Bytes()) << form;
+    EXPECT_EQ((*on_fp16)->HostBytes(), (*on_bf16)->HostBytes()) << form;
     for (int64_t n : {1, 40}) {
       const std::vector<float> input = testing::RandomVector(rng, n * config.d_model);
-      std::vector<float> got32(input.size()), got16(input.size());
+      std::vector<float> got32(input.size()), got_bf16(input.size()), got_fp16(input.size());
       ASSERT_TRUE(RunOne(backend, **on32, input, n, config.d_model, got32).ok()) << form;
-      ASSERT_TRUE(RunOne(backend, **on16, input, n, config.d_model, got16).ok()) << form;
+      ASSERT_TRUE(RunOne(backend, **on_bf16, input, n, config.d_model, got_bf16).ok()) << form;
+      ASSERT_TRUE(RunOne(backend, **on_fp16, input, n, config.d_model, got_fp16).ok()) << form;
       Sequence s;
       s.input = ConstMatrixView(input.data(), n, config.d_model);
       const std::vector<double> exact = ReferenceForward(weights, s);
-      const double e32 = testing::RelativeL2(got32.data(), exact), e16 = testing::RelativeL2(got16.data(), exact);
+      const double e32 = testing::RelativeL2(got32.data(), exact), e_bf16 = testing::RelativeL2(got_bf16.data(), exact),
+                   e_fp16 = testing::RelativeL2(got_fp16.data(), exact);
       EXPECT_LT(e32, 1e-5) << form << " n=" << n;
-      EXPECT_LT(e16, 2e-2) << form << " n=" << n;
-      EXPECT_GT(e16, 10 * e32) << form << " n=" << n << ": the bf16 variant computed in float32?";
+      EXPECT_LT(e_bf16, 2e-2) << form << " n=" << n;
+      EXPECT_GT(e_bf16, 10 * e32) << form << " n=" << n << ": the bf16 variant computed in float32?";
+      EXPECT_LT(e_fp16, 3e-3) << form << " n=" << n;
+      EXPECT_LT(4 * e_fp16, e_bf16) << form << " n=" << n << ": the fp16 variant rounded to bfloat16?";
+      EXPECT_GT(e_fp16, 10 * e32) << form << " n=" << n << ": the fp16 variant computed in float32?";
     }
   }
 }
 
-TEST(MathVariantsTest, TheCpuRefusesTheGpuMathsNamingThem) {
+TEST(MathVariantsTest, TheCpuRefusesTheGpuMathNamingIt) {
   CpuBackend backend({.threads = 1});
   const LayerConfig config = *CompleteConfig({.d_model = 32, .heads = 2});
   auto f = std::make_shared<const FormWeights>(MaterializeFactored(RandomLayerWeights(config, 3)));
-  for (Math m : {Math::kTf32, Math::kFp16}) {
-    const Status checked = backend.CheckMath(m);
-    EXPECT_EQ(checked.code(), StatusCode::kInvalidArgument);
-    EXPECT_EQ(checked.message(), "math: the CPU runs fp32 or bf16, got " + std::string(MathName(m)));
-    auto uploaded = static_cast<Backend&>(backend).UploadIn(f, m);
-    ASSERT_FALSE(uploaded.ok());
-    EXPECT_EQ(uploaded.status().message(), checked.message());
-  }
+  const Status checked = backend.CheckMath(Math::kTf32);
+  EXPECT_EQ(checked.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(checked.message(), "math: the CPU runs fp32, bf16 or fp16, got tf32");
+  auto uploaded = static_cast<Backend&>(backend).UploadIn(f, Math::kTf32);
+  ASSERT_FALSE(uploaded.ok());
+  EXPECT_EQ(uploaded.status().message(), checked.message());
   EXPECT_TRUE(backend.CheckMath(Math::kFp32).ok());
   EXPECT_EQ(backend.CheckMath(Math::kBf16).ok(), PanelWidth() > 0);
+  EXPECT_EQ(backend.CheckMath(Math::kFp16).ok(), PanelWidth() > 0);
 }
 
-// The packed-bf16 layouts make bf16 the CPU's default math: Upload and UploadIn(bf16) agree.
-TEST(MathVariantsTest, ABf16LayoutMakesBf16TheDefault) {
-  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: packed-bf16 is refused at start";
-  CpuBackend backend({.threads = 1, .weight_layout = WeightLayout::kPackedBf16});
-  EXPECT_EQ(backend.default_math(), Math::kBf16);
-  const LayerConfig config = *CompleteConfig({.d_model = 64, .heads = 2});
-  auto f = std::make_shared<const FormWeights>(MaterializeFactored(RandomLayerWeights(config, 4)));
-  auto plain = backend.Upload(f), fp32 = backend.UploadIn(f, Math::kFp32);
-  ASSERT_TRUE(plain.ok() && fp32.ok());
-  EXPECT_EQ((*plain)->math(), Math::kBf16);
-  EXPECT_EQ((*fp32)->math(), Math::kFp32);
-  EXPECT_LT((*plain)->HostBytes(), (*fp32)->HostBytes());
+// A weight that IEEE half cannot hold (its magnitude rounds past 65504) is refused in fp16,
+// naming the math, the form, the matrix, the value and where, rather than served as an
+// infinity; fp32 and bf16 (whose range is float32's) hold the same layer.
+TEST(MathVariantsTest, Fp16RefusesAWeightPastHalfsRangeNamingIt) {
+  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: fp16 needs the backend's own kernel";
+  CpuBackend backend({.threads = 1});
+  const LayerConfig config = *CompleteConfig({.d_model = 32, .heads = 2});
+  FormWeights big = MaterializeFactored(RandomLayerWeights(config, 5));
+  big.w_in[3 * big.in_cols() + 5] = 70000.0f;
+  auto f = std::make_shared<const FormWeights>(big);
+  auto refused = backend.UploadIn(f, Math::kFp16);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), AllOf(HasSubstr("math: fp16 holds weights up to 65504"), HasSubstr("70000"),
+                                                HasSubstr("factored form's w_in at [3, 5]"), HasSubstr("fp32 or bf16")));
+  EXPECT_TRUE(backend.UploadIn(f, Math::kFp32).ok());
+  EXPECT_TRUE(backend.UploadIn(f, Math::kBf16).ok());
+  big.w_in[3 * big.in_cols() + 5] = 65504.0f;  // the largest half: held exactly
+  EXPECT_TRUE(backend.UploadIn(std::make_shared<const FormWeights>(big), Math::kFp16).ok());
+}
+
+// The packed-bf16 layouts make bf16 the CPU's default math, packed-fp16 fp16: Upload and
+// UploadIn agree.
+TEST(MathVariantsTest, A16BitLayoutMakesItsMathTheDefault) {
+  if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: packed-bf16 and packed-fp16 are refused at start";
+  for (const auto& [layout, math] : {std::pair{WeightLayout::kPackedBf16, Math::kBf16},
+                                     std::pair{WeightLayout::kPackedFp16, Math::kFp16}}) {
+    CpuBackend backend({.threads = 1, .weight_layout = layout});
+    EXPECT_EQ(backend.default_math(), math);
+    const LayerConfig config = *CompleteConfig({.d_model = 64, .heads = 2});
+    auto f = std::make_shared<const FormWeights>(MaterializeFactored(RandomLayerWeights(config, 4)));
+    auto plain = backend.Upload(f), fp32 = backend.UploadIn(f, Math::kFp32);
+    ASSERT_TRUE(plain.ok() && fp32.ok());
+    EXPECT_EQ((*plain)->math(), math);
+    EXPECT_EQ((*fp32)->math(), Math::kFp32);
+    EXPECT_LT((*plain)->HostBytes(), (*fp32)->HostBytes());
+  }
 }
 
 // --extra-maths: the store holds every form in the backend's default math and in each extra
@@ -161,12 +196,12 @@ TEST(MathVariantsTest, TheStoreHoldsEveryFormInEveryMath) {
 
 TEST(MathVariantsTest, AMathTheDeviceCannotRunFailsTheLoadNamingIt) {
   CpuBackend backend({.threads = 1});
-  LayerStore store(&backend, {.extra_maths = {Math::kFp16}});
+  LayerStore store(&backend, {.extra_maths = {Math::kTf32}});
   auto layer = store.Load("m", "random:d_model=32,heads=2,seed=3");
   ASSERT_FALSE(layer.ok());
   EXPECT_EQ(layer.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(layer.status().message(), HasSubstr("uploading the factored form in fp16 to cpu"));
-  EXPECT_THAT(layer.status().message(), HasSubstr("the CPU runs fp32 or bf16, got fp16"));
+  EXPECT_THAT(layer.status().message(), HasSubstr("uploading the factored form in tf32 to cpu"));
+  EXPECT_THAT(layer.status().message(), HasSubstr("the CPU runs fp32, bf16 or fp16, got tf32"));
   EXPECT_EQ(store.Get("m"), nullptr);
 }
 

@@ -228,11 +228,12 @@ TEST(ServerOptionsTest, CpuWeightLayoutFromFlagAndYaml) {
   if (PanelWidth() > 0) {  // the bfloat16 panels need the backend's own kernel
     ASSERT_TRUE(ApplyYamlConfig("cpu_weight_layout: packed-bf16\n", "cpu.yaml", &from_yaml).ok());
     EXPECT_EQ(from_yaml.backend.cpu.weight_layout, WeightLayout::kPackedBf16);
+    ASSERT_TRUE(Parse({"--cpu-weight-layout", "packed-fp16"}).ok());
+    EXPECT_EQ(Parse({"--cpu-weight-layout", "packed-fp16"})->backend.cpu.weight_layout, WeightLayout::kPackedFp16);
   }
   EXPECT_THAT(Parse({"--cpu-weight-layout", "blocked"}).status().message(),
-              HasSubstr("--cpu-weight-layout: cpu weight layout: expected auto, packed, packed-bf16, packed-bf16-dot "
-                        "or plain, "
-                        "got 'blocked'"));
+              HasSubstr("--cpu-weight-layout: cpu weight layout: expected auto, packed, packed-bf16, packed-bf16-dot, "
+                        "packed-fp16 or plain, got 'blocked'"));
 }
 
 // The two idle spins (the CPU backend's helpers, the batcher's workers): flag, YAML key, range.

@@ -98,7 +98,7 @@ void GemmBf16Dot(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool acc
     for (int64_t c = 0; c < w.cols; c += packed.width) {
       const int cols = static_cast<int>(std::min<int64_t>(packed.width, w.cols - c));
       const int64_t panel = (w.col0 + c) / packed.width;
-      const uint16_t* panel_w = packed.panels_bf16.data() + packed.PanelOffset(panel, w.row0);
+      const uint16_t* panel_w = packed.panels16.data() + packed.PanelOffset(panel, w.row0);
       const float* panel_bias = bias != nullptr ? bias + c : nullptr;
       const MatrixView block = y.RowBlock(r0, rows).ColBlock(c, cols);
       if (accumulate) {

@@ -30,6 +30,22 @@ SummedOrder OrderOf(const CpuBackendOptions& options) {
   return {.mix_first_allowed = true, .max_a_cat_bytes = options.max_score_scratch_bytes};
 }
 
+// Under fp16 each projection weight must round to a finite half (|w| < 65520): a layer with a
+// larger one is refused by name rather than served with infinities.
+Status CheckHalfRange(const FormWeights& f) {
+  const auto check = [&](std::string_view name, std::span<const float> w, int64_t cols) -> Status {
+    const size_t at = FirstBeyondHalf(w);
+    if (at == w.size()) return OkStatus();
+    return InvalidArgumentError("math: fp16 holds weights up to " + std::to_string(static_cast<int>(kLargestHalf)) +
+                                " in magnitude, got " + std::to_string(w[at]) + " in the " +
+                                std::string(FormName(f.form)) + " form's " + std::string(name) + " at [" +
+                                std::to_string(static_cast<int64_t>(at) / cols) + ", " +
+                                std::to_string(static_cast<int64_t>(at) % cols) + "]; hold this layer in fp32 or bf16");
+  };
+  ATTNSERVE_RETURN_IF_ERROR(check("w_in", f.w_in, f.in_cols()));
+  return check("w_out", f.w_out, f.config.d_model);
+}
+
 }  // namespace
 
 CpuBackend::CpuBackend(CpuBackendOptions options)
@@ -119,16 +135,25 @@ StatusOr<std::shared_ptr<const ResidentForm>> CpuBackend::Upload(std::shared_ptr
 }
 
 Math CpuBackend::default_math() const {
-  return weight_layout_ == WeightLayout::kPackedBf16 || weight_layout_ == WeightLayout::kPackedBf16Dot ? Math::kBf16
-                                                                                                       : Math::kFp32;
+  switch (weight_layout_) {
+    case WeightLayout::kPackedBf16:
+    case WeightLayout::kPackedBf16Dot: return Math::kBf16;
+    case WeightLayout::kPackedFp16: return Math::kFp16;
+    case WeightLayout::kPacked:
+    case WeightLayout::kPlain: break;
+  }
+  return Math::kFp32;
 }
 
 Status CpuBackend::CheckMath(Math math) const {
   if (math == Math::kFp32) return OkStatus();
-  if (math != Math::kBf16) return InvalidArgumentError("math: the CPU runs fp32 or bf16, got " + std::string(MathName(math)));
+  if (!HalfWeights(math)) {
+    return InvalidArgumentError("math: the CPU runs fp32, bf16 or fp16, got " + std::string(MathName(math)));
+  }
   if (PanelWidth() <= 0) {
-    return InvalidArgumentError("math: bf16 on the CPU needs the backend's own GEMM kernel (an x86-64 build and a "
-                                "CPU with AVX2 and FMA), which cannot run here; got bf16");
+    return InvalidArgumentError("math: " + std::string(MathName(math)) +
+                                " on the CPU needs the backend's own GEMM kernel (an x86-64 build and a CPU with "
+                                "AVX2, FMA and F16C), which cannot run here; got " + std::string(MathName(math)));
   }
   return OkStatus();
 }
@@ -145,6 +170,10 @@ StatusOr<std::shared_ptr<const ResidentForm>> CpuBackend::UploadIn(std::shared_p
     // and under packed-bf16, which asked for that.
     precision = weight_layout_ != WeightLayout::kPackedBf16 && Bf16DotAvailable() ? PanelPrecision::kBfloat16Pairs
                                                                                   : PanelPrecision::kBfloat16;
+  }
+  if (math == Math::kFp16) {
+    ATTNSERVE_RETURN_IF_ERROR(CheckHalfRange(*form));
+    precision = PanelPrecision::kFloat16;  // the weights alone, widened by vcvtph2ps
   }
   return std::shared_ptr<const ResidentForm>(
       std::make_shared<CpuResidentForm>(std::move(form), panel_width, precision));

@@ -73,12 +73,15 @@ class CpuBackend final : public Backend {
 
   std::string DeviceName() const override { return "cpu"; }
   StatusOr<std::shared_ptr<const ResidentForm>> Upload(std::shared_ptr<const FormWeights> form) override;
-  // bf16 under --cpu-weight-layout packed-bf16 or packed-bf16-dot, else fp32.
+  // bf16 under --cpu-weight-layout packed-bf16 or packed-bf16-dot, fp16 under packed-fp16, else
+  // fp32.
   Math default_math() const override;
   // fp32: the weight layout's float32 panels (or none: plain). bf16: the weights packed as
   // bfloat16, and where the CPU has AVX512_BF16 the projections' inputs too (vdpbf16ps), as
-  // packed-bf16-dot; packed-bf16's weights-only rounding under that layout. Needs the own GEMM
-  // kernel (AVX2 and FMA). tf32 and fp16: INVALID_ARGUMENT (GPU maths).
+  // packed-bf16-dot; packed-bf16's weights-only rounding under that layout. fp16: the weights
+  // packed as IEEE halves (INVALID_ARGUMENT, naming the weight, for one whose magnitude rounds
+  // past 65504). bf16 and fp16 need the own GEMM kernel (AVX2, FMA and F16C). tf32:
+  // INVALID_ARGUMENT (a GPU math).
   StatusOr<std::shared_ptr<const ResidentForm>> UploadIn(std::shared_ptr<const FormWeights> form, Math math) override;
   Status CheckMath(Math math) const override;
   Status Forward(const ResidentForm& form, std::span<const Sequence> batch) override;

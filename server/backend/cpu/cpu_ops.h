@@ -40,8 +40,17 @@ class CpuResidentForm final : public ResidentForm {
  public:
   CpuResidentForm(std::shared_ptr<const FormWeights> w, int64_t panel_width, PanelPrecision precision);
   const FormWeights& weights() const override { return *w_; }
-  // bf16 when its panels hold bfloat16 (either PanelPrecision of it), else fp32.
-  Math math() const override { return precision_ == PanelPrecision::kFloat32 ? Math::kFp32 : Math::kBf16; }
+  // bf16 when its panels hold bfloat16 (either PanelPrecision of it), fp16 when IEEE halves,
+  // else fp32.
+  Math math() const override {
+    switch (precision_) {
+      case PanelPrecision::kBfloat16:
+      case PanelPrecision::kBfloat16Pairs: return Math::kBf16;
+      case PanelPrecision::kFloat16: return Math::kFp16;
+      case PanelPrecision::kFloat32: break;
+    }
+    return Math::kFp32;
+  }
   int64_t HostBytes() const override { return w_->Bytes() + w_in_.Bytes() + w_out_.Bytes(); }
 
   // The packed block of the weights that `w` names (its matrix, rows and columns; never the

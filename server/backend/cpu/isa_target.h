@@ -7,7 +7,7 @@
 // or the sanitizers would never see them.
 //
 //   ATTNSERVE_TARGET_AVX512_BEGIN  ... ATTNSERVE_TARGET_END
-//   ATTNSERVE_TARGET_AVX2_FMA_BEGIN ... ATTNSERVE_TARGET_END
+//   ATTNSERVE_TARGET_AVX2_FMA_BEGIN ... ATTNSERVE_TARGET_END  (and F16C's half conversions)
 //   ATTNSERVE_TARGET_AVX512_BF16_BEGIN ... ATTNSERVE_TARGET_END  (bf16_dot_gemm.cc)
 //
 // GCC's pragma applies to every function after it until the pop; clang's attribute to every
@@ -19,13 +19,13 @@
 #define ATTNSERVE_TARGET_AVX512_BEGIN \
   _Pragma("clang attribute push(__attribute__((target(\"avx512f\"))), apply_to = function)")
 #define ATTNSERVE_TARGET_AVX2_FMA_BEGIN \
-  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
+  _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
 #define ATTNSERVE_TARGET_AVX512_BF16_BEGIN \
   _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512bf16\"))), apply_to = function)")
 #define ATTNSERVE_TARGET_END _Pragma("clang attribute pop")
 #else
 #define ATTNSERVE_TARGET_AVX512_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f\")")
-#define ATTNSERVE_TARGET_AVX2_FMA_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma\")")
+#define ATTNSERVE_TARGET_AVX2_FMA_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
 #define ATTNSERVE_TARGET_AVX512_BF16_BEGIN \
   _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512bf16\")")
 #define ATTNSERVE_TARGET_END _Pragma("GCC pop_options")

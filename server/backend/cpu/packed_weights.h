@@ -13,7 +13,9 @@
 // --cpu-weight-layout plain keeps only the row-major one.
 // Panels may hold the weights as bfloat16 (--cpu-weight-layout packed-bf16): half the bytes a
 // request streams, each weight rounded to the nearest bfloat16 (8 bits of mantissa) and widened
-// back to float32 in the kernel's registers; the products and sums stay float32.
+// back to float32 in the kernel's registers; the products and sums stay float32. Or as IEEE
+// half (packed-fp16): the same bytes with 11 bits of mantissa, 8 times closer, in a range of
+// ±65504 (a weight beyond it is refused at upload: FirstBeyondHalf).
 // A block is found by its place in the matrix packed (Block), never by the address of a view:
 // the caller names which matrix and where (WeightBlock, server/backend/attention/device_ops.h).
 // Thread-safety: immutable once packed; any number of forwards read it at once.
@@ -21,6 +23,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "server/core/tensor.h"
@@ -42,24 +45,25 @@ struct PackedBlock {
 // How a panel holds each weight: float32 as loaded, or rounded to bfloat16 (round to nearest
 // even: the top 16 bits of the float32 it rounds to), row after row or (kBfloat16Pairs, for
 // vdpbf16ps: bf16_dot_gemm.h) two rows interleaved: each column's weights of rows 2i and 2i + 1
-// side by side, a zero past an odd last row.
-enum class PanelPrecision { kFloat32, kBfloat16, kBfloat16Pairs };
+// side by side, a zero past an odd last row; or rounded to IEEE half (kFloat16, round to nearest
+// even, RoundToHalf), row after row.
+enum class PanelPrecision { kFloat32, kBfloat16, kBfloat16Pairs, kFloat16 };
 
-using AlignedBf16 = std::vector<uint16_t, CacheLineAllocator<uint16_t>>;
+using Aligned16 = std::vector<uint16_t, CacheLineAllocator<uint16_t>>;
 
 struct PackedWeights {
   // Panel p holds the source's columns [p·width, (p + 1)·width), all its rows, each row's
   // `width` weights after the one before: [rows][width], zeros past the source's last column.
-  // One of the two is filled, as `precision` says.
+  // One of the two is filled, as `precision` says: panels16 holds bfloat16 or IEEE half bits.
   AlignedFloats panels;
-  AlignedBf16 panels_bf16;
+  Aligned16 panels16;
   PanelPrecision precision = PanelPrecision::kFloat32;
   int64_t width = 0;
   ConstMatrixView source;  // the row-major matrix packed: its shape and row stride
 
   bool empty() const { return width == 0; }
   int64_t Bytes() const {
-    return static_cast<int64_t>(panels.size() * sizeof(float) + panels_bf16.size() * sizeof(uint16_t));
+    return static_cast<int64_t>(panels.size() * sizeof(float) + panels16.size() * sizeof(uint16_t));
   }
   // Panel p's row r: `width` weights (kBfloat16Pairs: row pair r / 2, 2 · width weights).
   int64_t PanelOffset(int64_t p, int64_t r) const {
@@ -68,7 +72,7 @@ struct PackedWeights {
   }
   int64_t PairRows() const { return (source.rows + 1) / 2; }
   const float* PanelRow(int64_t p, int64_t r) const { return panels.data() + PanelOffset(p, r); }
-  const uint16_t* PanelRowBf16(int64_t p, int64_t r) const { return panels_bf16.data() + PanelOffset(p, r); }
+  const uint16_t* PanelRow16(int64_t p, int64_t r) const { return panels16.data() + PanelOffset(p, r); }
 
   // Whether rows [row0, row0 + rows) and columns [col0, col0 + cols) lie inside the source.
   bool Contains(int64_t row0, int64_t col0, int64_t rows, int64_t cols) const {
@@ -86,5 +90,15 @@ PackedWeights PackPanels(ConstMatrixView w, int64_t width, PanelPrecision precis
 // x rounded to the nearest bfloat16, ties to even: the top half of the float32 it rounds to.
 // NaN stays NaN; a finite x past bfloat16's largest finite value becomes an infinity.
 uint16_t RoundToBfloat16(float x);
+
+// x rounded to the nearest IEEE half (binary16), ties to even, subnormals kept: NaN stays NaN,
+// a finite x of magnitude 65520 or more (past the largest half, 65504, by half a unit) becomes
+// an infinity, and below 2^-25 a zero of x's sign.
+uint16_t RoundToHalf(float x);
+inline constexpr float kLargestHalf = 65504.0f;
+
+// The index of the first finite value of `w` that RoundToHalf makes an infinity (magnitude
+// 65520 or more, past kLargestHalf), or w.size(). An upload in halves asks this first.
+size_t FirstBeyondHalf(std::span<const float> w);
 
 }  // namespace attnserve

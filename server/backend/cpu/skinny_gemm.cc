@@ -22,9 +22,14 @@ namespace attnserve {
 #if defined(ATTNSERVE_SKINNY_GEMM)
 namespace {
 
-// The right operand as the kernels read it: float32 (any matrix), or bfloat16 (packed panels
-// only, PackPanels: whole blocks of columns, zeros past the last, so the kernels read them
-// without masks and widen them to float32 in registers).
+// The right operand as the kernels read it: float32 (any matrix), or bfloat16 or IEEE half
+// (packed panels only, PackPanels: whole blocks of columns, zeros past the last, so the kernels
+// read them without masks and widen them to float32 in registers). A half's bits are tagged by
+// their own type, so that the loads below are chosen by overload.
+struct HalfBits {
+  uint16_t bits;
+};
+static_assert(sizeof(HalfBits) == 2);
 template <class W>
 struct WeightsView {
   const W* data;
@@ -82,6 +87,10 @@ constexpr int64_t kPrefetchRows = 12;
 [[gnu::always_inline]] inline __m512 LoadWeights(const uint16_t* w, __mmask16) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+// IEEE halves widened by vcvtph2ps (AVX512F): exact, subnormals included.
+[[gnu::always_inline]] inline __m512 LoadWeights(const HalfBits* w, __mmask16) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
 }
 
 // Rows [0, R) of x times columns [0, cols) of w (cols ≤ 64; the rest masked off), added to y's
@@ -143,6 +152,10 @@ void SkinnyGemmBf16(ConstMatrixView x, WeightsView<uint16_t> w, MatrixView y, bo
   EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y, accumulate, bias);
 }
 
+void SkinnyGemmFp16(ConstMatrixView x, WeightsView<HalfBits> w, MatrixView y, bool accumulate, const float* bias) {
+  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y, accumulate, bias);
+}
+
 }  // namespace avx512
 
 ATTNSERVE_TARGET_END
@@ -171,6 +184,11 @@ __m256i LaneMask(int left) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 [[gnu::always_inline]] inline __m256 LoadWeights(const uint16_t* w, __m256i) { return LoadWeights(w); }
+// IEEE halves widened by vcvtph2ps (F16C, which every CPU with AVX2 and FMA has).
+[[gnu::always_inline]] inline __m256 LoadWeights(const HalfBits* w) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
+[[gnu::always_inline]] inline __m256 LoadWeights(const HalfBits* w, __m256i) { return LoadWeights(w); }
 
 // A whole block (cols == 16) uses no masks: with both lane masks live across its loop, 12
 // accumulators, 2 rows of w, a broadcast and 2 masks want 17 of the 16 registers, and GCC's
@@ -262,6 +280,10 @@ void SkinnyGemmBf16(ConstMatrixView x, WeightsView<uint16_t> w, MatrixView y, bo
   EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y, accumulate, bias);
 }
 
+void SkinnyGemmFp16(ConstMatrixView x, WeightsView<HalfBits> w, MatrixView y, bool accumulate, const float* bias) {
+  EachBlock<RowBlocks, kBlockRows, kBlockCols>(x, w, y, accumulate, bias);
+}
+
 // kt = scale · kᵀ in 8 × 8 blocks transposed in registers: each of k's rows is read along its
 // length and each of kt's rows written along its length (an element-wise transpose read k's
 // columns across rows a page apart: 3 % of a bert-base forward). AVX-512 machines run it too.
@@ -302,9 +324,11 @@ namespace {
 
 using Kernel = void (*)(ConstMatrixView, ConstMatrixView, MatrixView, bool, const float*);
 using KernelBf16 = void (*)(ConstMatrixView, WeightsView<uint16_t>, MatrixView, bool, const float*);
+using KernelFp16 = void (*)(ConstMatrixView, WeightsView<HalfBits>, MatrixView, bool, const float*);
 struct Chosen {
   Kernel kernel;
   KernelBf16 kernel_bf16;
+  KernelFp16 kernel_fp16;
   std::string_view isa;
 };
 
@@ -312,11 +336,11 @@ struct Chosen {
 // gemm.h), else AVX2 with FMA, else none (the general GEMM is used).
 const Chosen& Choose() {
   static const Chosen chosen = []() -> Chosen {
-    if (CpuIsaAllowsAvx512()) return {avx512::SkinnyGemm, avx512::SkinnyGemmBf16, "avx512"};
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-      return {avx2::SkinnyGemm, avx2::SkinnyGemmBf16, "avx2"};
+    if (CpuIsaAllowsAvx512()) return {avx512::SkinnyGemm, avx512::SkinnyGemmBf16, avx512::SkinnyGemmFp16, "avx512"};
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+      return {avx2::SkinnyGemm, avx2::SkinnyGemmBf16, avx2::SkinnyGemmFp16, "avx2"};
     }
-    return {nullptr, nullptr, "none"};
+    return {nullptr, nullptr, nullptr, "none"};
   }();
   return chosen;
 }
@@ -342,8 +366,12 @@ void PanelGemm(ConstMatrixView x, const PackedBlock& w, MatrixView y, bool accum
     const int64_t count = std::min(width, w.cols - c), panel = (w.col0 + c) / width;
     const float* panel_bias = bias != nullptr ? bias + c : nullptr;
     if (packed.precision == PanelPrecision::kBfloat16) {
-      const WeightsView<uint16_t> view{packed.PanelRowBf16(panel, w.row0), w.rows, count, width};
+      const WeightsView<uint16_t> view{packed.PanelRow16(panel, w.row0), w.rows, count, width};
       Choose().kernel_bf16(x, view, y.ColBlock(c, count), accumulate, panel_bias);
+    } else if (packed.precision == PanelPrecision::kFloat16) {
+      const auto* halves = reinterpret_cast<const HalfBits*>(packed.PanelRow16(panel, w.row0));
+      Choose().kernel_fp16(x, WeightsView<HalfBits>{halves, w.rows, count, width}, y.ColBlock(c, count), accumulate,
+                           panel_bias);
     } else {
       const ConstMatrixView view(packed.PanelRow(panel, w.row0), w.rows, count, width);
       Choose().kernel(x, view, y.ColBlock(c, count), accumulate, panel_bias);
@@ -374,18 +402,23 @@ void PanelGemm(ConstMatrixView, const PackedBlock&, MatrixView, bool, const floa
 StatusOr<WeightLayout> ParseWeightLayout(std::string_view name) {
   if (name == "auto") return PanelWidth() > 0 ? WeightLayout::kPacked : WeightLayout::kPlain;
   if (name == "plain") return WeightLayout::kPlain;
-  if (name == "packed" || name == "packed-bf16") {
-    if (PanelWidth() > 0) return name == "packed" ? WeightLayout::kPacked : WeightLayout::kPackedBf16;
+  if (name == "packed" || name == "packed-bf16" || name == "packed-fp16") {
+    if (PanelWidth() > 0) {
+      return name == "packed" ? WeightLayout::kPacked
+             : name == "packed-bf16" ? WeightLayout::kPackedBf16
+                                     : WeightLayout::kPackedFp16;
+    }
     return InvalidArgumentError("cpu weight layout: " + std::string(name) +
                                 " asked, but the backend's own GEMM kernel cannot run here "
-                                "(it needs an x86-64 GCC build and a CPU with AVX2 and FMA); use auto or plain");
+                                "(it needs an x86-64 GCC build and a CPU with AVX2, FMA and F16C); use auto or plain");
   }
   if (name == "packed-bf16-dot") {
     if (Bf16DotAvailable()) return WeightLayout::kPackedBf16Dot;
     return InvalidArgumentError("cpu weight layout: packed-bf16-dot asked, but this CPU has no AVX512_BF16 (or "
                                 "ATTNSERVE_CPU_ISA caps AVX-512); use packed-bf16, which rounds the weights alone");
   }
-  return InvalidArgumentError("cpu weight layout: expected auto, packed, packed-bf16, packed-bf16-dot or plain, got '" +
+  return InvalidArgumentError(
+      "cpu weight layout: expected auto, packed, packed-bf16, packed-bf16-dot, packed-fp16 or plain, got '" +
                               std::string(name) + "'");
 }
 
@@ -394,6 +427,7 @@ std::string_view WeightLayoutName(WeightLayout layout) {
     case WeightLayout::kPacked: return "packed";
     case WeightLayout::kPackedBf16: return "packed-bf16";
     case WeightLayout::kPackedBf16Dot: return "packed-bf16-dot";
+    case WeightLayout::kPackedFp16: return "packed-fp16";
     case WeightLayout::kPlain: return "plain";
   }
   return "plain";

@@ -60,21 +60,24 @@ int64_t PanelWidth();
 // How the CPU backend holds a form's weights: packed as well (kPacked, PackPanels at
 // PanelWidth()), packed as bfloat16 (kPackedBf16: every projection on the packed weights runs
 // on them, at half the bytes, each weight rounded to bfloat16), packed as bfloat16 pairs with
-// the projections' inputs rounded too (kPackedBf16Dot: vdpbf16ps, bf16_dot_gemm.h) or row-major
-// only.
-enum class WeightLayout { kPacked, kPackedBf16, kPlain, kPackedBf16Dot };
+// the projections' inputs rounded too (kPackedBf16Dot: vdpbf16ps, bf16_dot_gemm.h), packed as
+// IEEE halves (kPackedFp16: the same bytes as bfloat16, each weight 8 times closer, widened by
+// vcvtph2ps) or row-major only.
+enum class WeightLayout { kPacked, kPackedBf16, kPlain, kPackedBf16Dot, kPackedFp16 };
 
-// "auto" (packed where the backend's own kernel runs: a CPU with AVX2 and FMA, an x86-64 GCC
-// build), "packed" and "packed-bf16" (refused where the kernel cannot run), "packed-bf16-dot"
-// (refused without AVX512_BF16) or "plain". INVALID_ARGUMENT names the value and what is accepted.
+// "auto" (packed where the backend's own kernel runs: a CPU with AVX2, FMA and F16C, an x86-64
+// GCC build), "packed", "packed-bf16" and "packed-fp16" (refused where the kernel cannot run),
+// "packed-bf16-dot" (refused without AVX512_BF16) or "plain". INVALID_ARGUMENT names the value
+// and what is accepted.
 StatusOr<WeightLayout> ParseWeightLayout(std::string_view name);
 
-// The name ParseWeightLayout takes for `layout` ("packed", "packed-bf16", "packed-bf16-dot", "plain").
+// The name ParseWeightLayout takes for `layout` ("packed", "packed-bf16", "packed-bf16-dot",
+// "packed-fp16", "plain").
 std::string_view WeightLayoutName(WeightLayout layout);
 
 // y = x · w (y += x · w with `accumulate`) for weights packed at PanelWidth(): the kernel runs
 // panel by panel, each streamed from one contiguous run (packed_weights.h), of float32 or of
-// bfloat16 widened to float32 in registers (PackedWeights::precision). x is [rows, w.rows],
+// bfloat16 or IEEE halves widened to float32 in registers (PackedWeights::precision). x is [rows, w.rows],
 // y [rows, w.cols]. With `bias` ([w.cols]) and no `accumulate`, y = bias + x · w: the kernel's
 // accumulators start from the bias, so no pass of its own writes y first. Requires
 // SkinnyGemmAvailable().
