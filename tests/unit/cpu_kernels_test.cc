@@ -304,10 +304,10 @@ TEST(PackedWeightsTest, RoundToHalfIsNearestTiesToEven) {
       }
     }
   }
-  expect_rounds_to(65519.996f, 65504.0);   // below the last tie: the largest half
-  expect_rounds_to(65520.0f, INFINITY);    // the tie past 65504 (odd): up, to infinity
+  expect_rounds_to(65519.996f, 65504.0);  // below the last tie: the largest half
+  expect_rounds_to(65520.0f, INFINITY);   // the tie past 65504 (odd): up, to infinity
   expect_rounds_to(-1e9f, -INFINITY);
-  expect_rounds_to(0x1p-25f, 0.0);         // half the smallest subnormal: a tie, to even zero
+  expect_rounds_to(0x1p-25f, 0.0);  // half the smallest subnormal: a tie, to even zero
   expect_rounds_to(0x1.000002p-25f, 0x1p-24);
   expect_rounds_to(-0.0f, -0.0);
   expect_rounds_to(INFINITY, INFINITY);
@@ -408,7 +408,8 @@ TEST(WeightLayoutTest, NamesParseAndBadNamesSayWhatIsAccepted) {
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(bad.status().message(),
-            "cpu weight layout: expected auto, packed, packed-bf16, packed-bf16-dot, packed-fp16 or plain, got 'blocked'");
+            "cpu weight layout: expected auto, packed, packed-bf16, packed-bf16-dot, packed-fp16 or plain, "
+            "got 'blocked'");
 }
 
 // The packed copy is host memory the form holds (ResidentForm::HostBytes: the layer store's

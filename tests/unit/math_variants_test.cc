@@ -119,8 +119,9 @@ TEST(MathVariantsTest, Fp16RefusesAWeightPastHalfsRangeNamingIt) {
   auto refused = backend.UploadIn(f, Math::kFp16);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(refused.status().message(), AllOf(HasSubstr("math: fp16 holds weights up to 65504"), HasSubstr("70000"),
-                                                HasSubstr("factored form's w_in at [3, 5]"), HasSubstr("fp32 or bf16")));
+  EXPECT_THAT(refused.status().message(),
+              AllOf(HasSubstr("math: fp16 holds weights up to 65504"), HasSubstr("70000"),
+                    HasSubstr("factored form's w_in at [3, 5]"), HasSubstr("fp32 or bf16")));
   EXPECT_TRUE(backend.UploadIn(f, Math::kFp32).ok());
   EXPECT_TRUE(backend.UploadIn(f, Math::kBf16).ok());
   big.w_in[3 * big.in_cols() + 5] = 65504.0f;  // the largest half: held exactly
@@ -131,8 +132,8 @@ TEST(MathVariantsTest, Fp16RefusesAWeightPastHalfsRangeNamingIt) {
 // UploadIn agree.
 TEST(MathVariantsTest, A16BitLayoutMakesItsMathTheDefault) {
   if (PanelWidth() == 0) GTEST_SKIP() << "no AVX2 with FMA here: packed-bf16 and packed-fp16 are refused at start";
-  for (const auto& [layout, math] : {std::pair{WeightLayout::kPackedBf16, Math::kBf16},
-                                     std::pair{WeightLayout::kPackedFp16, Math::kFp16}}) {
+  for (const auto& [layout, math] :
+       {std::pair{WeightLayout::kPackedBf16, Math::kBf16}, std::pair{WeightLayout::kPackedFp16, Math::kFp16}}) {
     CpuBackend backend({.threads = 1, .weight_layout = layout});
     EXPECT_EQ(backend.default_math(), math);
     const LayerConfig config = *CompleteConfig({.d_model = 64, .heads = 2});

@@ -45,9 +45,12 @@ class CpuResidentForm final : public ResidentForm {
   Math math() const override {
     switch (precision_) {
       case PanelPrecision::kBfloat16:
-      case PanelPrecision::kBfloat16Pairs: return Math::kBf16;
-      case PanelPrecision::kFloat16: return Math::kFp16;
-      case PanelPrecision::kFloat32: break;
+      case PanelPrecision::kBfloat16Pairs:
+        return Math::kBf16;
+      case PanelPrecision::kFloat16:
+        return Math::kFp16;
+      case PanelPrecision::kFloat32:
+        break;
     }
     return Math::kFp32;
   }

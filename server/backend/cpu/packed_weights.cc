@@ -19,9 +19,9 @@ uint16_t RoundToHalf(float x) {
   const uint32_t bits = std::bit_cast<uint32_t>(x);
   const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t magnitude = bits & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return sign | 0x7e00u;         // a quiet NaN
-  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;        // 65520 and past (ties to even: up)
-  if (magnitude < 0x38800000u) {                              // below 2^-14: a subnormal half
+  if (magnitude > 0x7f800000u) return sign | 0x7e00u;   // a quiet NaN
+  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;  // 65520 and past (ties to even: up)
+  if (magnitude < 0x38800000u) {                        // below 2^-14: a subnormal half
     // x · 2^24 counts units of the smallest subnormal; rounded to the nearest integer (even at
     // a tie, the default rounding mode), 1024 is the smallest normal's bits, as it should be.
     const float units = std::nearbyint(std::bit_cast<float>(magnitude) * 0x1p24f);
