@@ -2,7 +2,8 @@
 // "Between precisions"): a layer held in fp32 and bf16 (--extra-maths bf16), split by FORM@MATH
 // routes, sticky per key; each answer names its math and lies within bfloat16's rounding of the
 // fp32 one; requests and shadows between the precisions are counted under their math; requests
-// and SetRouting may name a math, and one the layer is not held in is refused, named.
+// and SetRouting may name a math, and one the layer is not held in is refused, named. fp16 as
+// a third math, closer to fp32 than bf16.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -157,6 +158,32 @@ TEST(PrecisionAbTest, RoutesSplitTheMathsAndShadowsMeasureTheirDivergence) {
   s = client.Forward(Request("", 1, "fp16"), &resp);
   EXPECT_EQ(s.error_code(), grpc::FAILED_PRECONDITION) << Describe(s);
   EXPECT_EQ(s.error_message(), "math: layer 'ab' is held in fp32, bf16 (--extra-maths), got fp16");
+}
+
+// fp16 on the CPU (IEEE half weights) as a third math beside fp32 and bf16: the layer lists all
+// three, each request gets the math it names, and fp16's answer lies at least 4 times closer to
+// fp32's than bf16's does (11 bits of mantissa against 8), yet not within float32's rounding.
+TEST(PrecisionAbTest, Fp16IsAThirdMathCloserToFp32ThanBf16) {
+  MathServer server({"--layer", kLayer, "--extra-maths", "bf16,fp16"});
+  if (server.NoBf16Here()) GTEST_SKIP() << "this CPU holds no 16-bit forms: " << server.error;
+  ASSERT_NE(server.process, nullptr) << server.error;
+  Client& client = server.process->client();
+  v1::LayerInfo info;
+  ASSERT_TRUE(client.GetLayer("ab", &info).ok());
+  ASSERT_EQ(info.maths_size(), 3);
+  EXPECT_EQ(info.maths(0), "fp32");
+  EXPECT_EQ(info.maths(1), "bf16");
+  EXPECT_EQ(info.maths(2), "fp16");
+  std::map<std::string, v1::ForwardResponse> answers;
+  for (const std::string math : {"fp32", "bf16", "fp16"}) {
+    ASSERT_TRUE(client.Forward(Request("", 11, math), &answers[math]).ok()) << math;
+    EXPECT_EQ(answers[math].math(), math);
+  }
+  const double fp16_apart = RelativeL2(Output(answers["fp16"]), Output(answers["fp32"]));
+  const double bf16_apart = RelativeL2(Output(answers["bf16"]), Output(answers["fp32"]));
+  EXPECT_GT(fp16_apart, 1e-5);
+  EXPECT_LT(4 * fp16_apart, bf16_apart);
+  EXPECT_EQ(server.Sample(Series("attnserve_requests_total", "fp16", "code=\"OK\",")), 1);
 }
 
 TEST(PrecisionAbTest, SetRoutingNamesTheMathOfEachWeight) {
