@@ -5,7 +5,7 @@
 #include "server/backend/cpu/bf16_dot_gemm.h"
 #include "server/backend/cpu/gemm.h"
 
-// The kernels are compiled for their ISA (AVX-512, or AVX2 with FMA) whatever the build's own
+// The kernels are compiled for their ISA (AVX-512, or AVX2 with FMA and F16C) whatever the build's own
 // flags, and one is chosen once for the CPU running them: a portable build (ATTNSERVE_NATIVE=OFF,
 // the container images) still gets them on the hosts that can run them.
 #include "server/backend/cpu/avx512_sums.h"
@@ -333,7 +333,7 @@ struct Chosen {
 };
 
 // Once: AVX-512 where the CPU has it and ATTNSERVE_CPU_ISA does not cap it (CpuIsaAllowsAvx512,
-// gemm.h), else AVX2 with FMA, else none (the general GEMM is used).
+// gemm.h), else AVX2 with FMA and F16C, else none (the general GEMM is used).
 const Chosen& Choose() {
   static const Chosen chosen = []() -> Chosen {
     if (CpuIsaAllowsAvx512()) return {avx512::SkinnyGemm, avx512::SkinnyGemmBf16, avx512::SkinnyGemmFp16, "avx512"};
@@ -419,7 +419,7 @@ StatusOr<WeightLayout> ParseWeightLayout(std::string_view name) {
   }
   return InvalidArgumentError(
       "cpu weight layout: expected auto, packed, packed-bf16, packed-bf16-dot, packed-fp16 or plain, got '" +
-                              std::string(name) + "'");
+      std::string(name) + "'");
 }
 
 std::string_view WeightLayoutName(WeightLayout layout) {

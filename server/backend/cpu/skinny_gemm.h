@@ -37,7 +37,7 @@ bool UseSkinnyGemm(GemmLibrary library, int64_t rows, int64_t cols);
 constexpr int64_t kSkinnyGemmMaxRowsAgainstOneDnn = 4;
 
 // True when the kernel can run here: an x86-64 build with GCC, on a CPU with AVX-512 or with
-// AVX2 and FMA (whatever -march the rest of the build used). ATTNSERVE_CPU_ISA=avx2 keeps it to
+// AVX2, FMA and F16C (whatever -march the rest of the build used). ATTNSERVE_CPU_ISA=avx2 keeps it to
 // AVX2 (gemm.h).
 bool SkinnyGemmAvailable();
 
