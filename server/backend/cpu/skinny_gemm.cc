@@ -12,6 +12,7 @@
 #include "server/backend/cpu/isa_target.h"
 #if defined(ATTNSERVE_X86_KERNELS)
 #define ATTNSERVE_SKINNY_GEMM 1
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -332,12 +333,19 @@ struct Chosen {
   std::string_view isa;
 };
 
+// F16C (the half conversions) from CPUID leaf 1, ECX bit 29: clang's __builtin_cpu_supports
+// does not know the name.
+bool CpuHasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+
 // Once: AVX-512 where the CPU has it and ATTNSERVE_CPU_ISA does not cap it (CpuIsaAllowsAvx512,
 // gemm.h), else AVX2 with FMA and F16C, else none (the general GEMM is used).
 const Chosen& Choose() {
   static const Chosen chosen = []() -> Chosen {
     if (CpuIsaAllowsAvx512()) return {avx512::SkinnyGemm, avx512::SkinnyGemmBf16, avx512::SkinnyGemmFp16, "avx512"};
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c()) {
       return {avx2::SkinnyGemm, avx2::SkinnyGemmBf16, avx2::SkinnyGemmFp16, "avx2"};
     }
     return {nullptr, nullptr, nullptr, "none"};
