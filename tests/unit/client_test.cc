@@ -187,6 +187,43 @@ TEST(ClientCliArgs, GlobalErrorsNameTheArgument) {
   EXPECT_THAT(err, HasSubstr("--target: expected ADDR, got ''"));
 }
 
+// The TLS flags are checked before any channel is made: a client certificate and its key come
+// together, each file named must hold PEM, and --server-name (a TLS name override) needs TLS;
+// each refusal names the flag and what came.
+TEST(ClientCliArgs, TlsFlagsComeInPairsHoldPemAndServerNameNeedsTls) {
+  attnserve::testing::TempDir dir;
+  const std::string pem = dir.File("a.pem"), not_pem = dir.File("b.txt"), missing = dir.File("none.pem");
+  std::ofstream(pem) << "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+  std::ofstream(not_pem) << "a certificate, honestly\n";
+  cli_ns::GlobalArgs g;
+  std::string err;
+  const auto refused = [&](std::vector<std::string> args) {
+    args.push_back("layers");
+    err.clear();
+    return !cli_ns::ParseGlobalArgs(args, {}, &g, &err);
+  };
+  EXPECT_TRUE(refused({"--tls-cert", pem}));
+  EXPECT_EQ(err, "--tls-cert and --tls-key: expected both or neither, got only --tls-cert");
+  EXPECT_TRUE(refused({"--tls-key", pem}));
+  EXPECT_EQ(err, "--tls-cert and --tls-key: expected both or neither, got only --tls-key");
+  EXPECT_TRUE(refused({"--tls-ca", missing}));
+  EXPECT_EQ(err, "--tls-ca: cannot read a PEM file at '" + missing + "'");
+  EXPECT_TRUE(refused({"--tls-cert", pem, "--tls-key", not_pem}));
+  EXPECT_EQ(err, "--tls-key: cannot read a PEM file at '" + not_pem + "'");
+  EXPECT_TRUE(refused({"--server-name", "attnserve.internal"}));
+  EXPECT_EQ(err, "--server-name: only with TLS (--tls-ca)");
+
+  ASSERT_TRUE(cli_ns::ParseGlobalArgs({"--tls-ca", pem, "--tls-cert", pem, "--tls-key", pem, "--server-name",
+                                       "attnserve.internal", "layers"},
+                                      {}, &g, &err))
+      << err;
+  EXPECT_EQ(g.client.tls_ca, pem);
+  EXPECT_EQ(g.client.tls_cert, pem);
+  EXPECT_EQ(g.client.tls_key, pem);
+  EXPECT_EQ(g.client.server_name, "attnserve.internal");
+  EXPECT_TRUE(g.client.tls());
+}
+
 TEST(ClientCliArgs, ForwardFlags) {
   cli_ns::ForwardArgs f;
   std::string err;
