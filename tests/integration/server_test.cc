@@ -876,7 +876,10 @@ TEST(ServerFlagsTest, TheBatchWorkerSpinsAsLongAsToldThenSleeps) {
 // "default-executo") were given a CPU over 50 calls in a row, at least once a call with the
 // hand-off. gRPC also gives its executor work of its own when its threads contend, as they do
 // when the cores are loaded: this test runs alone (tests/CMakeLists.txt, ALONE), and the least
-// of three tries counts.
+// of three tries counts. The bound is half the calls: with the hand-off (InternalInlineable
+// false) the executor ran 49–50 times in 50 calls; without it, none on a quiet machine, and up
+// to 19 with two busy loops at idle priority beside the ASan server (a quarter of the calls,
+// the bound until 2026-12-07, failed there).
 TEST(ServingPathTest, ACallEndsWithoutWakingGrpcsExecutor) {
   auto server = StartOrFail({"--threads", "1", "--layer", "tiny=random:d_model=64,heads=4,seed=2"});
   ASSERT_NE(server, nullptr);
@@ -897,7 +900,7 @@ TEST(ServingPathTest, ACallEndsWithoutWakingGrpcsExecutor) {
     }
     fewest = std::min(fewest, ThreadsRuns(executor) - before);
   }
-  EXPECT_LT(fewest, kCalls / 4) << "gRPC's executor ran at least " << fewest << " times over each of three runs of "
+  EXPECT_LT(fewest, kCalls / 2) << "gRPC's executor ran at least " << fewest << " times over each of three runs of "
                                 << kCalls << " calls: the calls' ends were handed to it";
 }
 
