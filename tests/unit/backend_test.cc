@@ -244,8 +244,9 @@ class BackendTest : public ::testing::TestWithParam<std::string> {
   // Runs both forms over the batch; checks every output against the float64 reference and
   // the forms against each other. Returns the worst relative error seen. With
   // `large_magnitude`, rows whose float64 answer is ill-conditioned at float32's precision
-  // (IllConditionedRows: near-tied scores, whose winner rounding may flip), at most a quarter of
-  // the batch's, are held to the bounds attention's convex mixes give (ConvexHullBounds) instead.
+  // (IllConditionedRows: near-tied scores, whose winner rounding may flip, or a value that
+  // cancels) are held to the bounds attention's convex mixes give (ConvexHullBounds) instead;
+  // ExpectFewIllConditionedRows then bounds their share over the whole test.
   double CheckBothForms(const LayerWeights& w, std::vector<OwnedSequence>& seqs, bool large_magnitude = false) {
     std::vector<std::vector<double>> want;
     std::vector<std::vector<char>> skip;
@@ -271,7 +272,10 @@ class BackendTest : public ::testing::TestWithParam<std::string> {
       rows += s.n;
       skipped += std::count(skip.back().begin(), skip.back().end(), 1);
     }
-    EXPECT_LE(skipped * 4, rows) << "ill-conditioned rows: " << skipped << " of " << rows;
+    if (large_magnitude) {
+      large_magnitude_rows_ += rows;
+      ill_conditioned_rows_ += skipped;
+    }
     const int64_t d = w.config.d_model;
     std::vector<std::vector<float>> factored_out;
     double worst = 0;
@@ -306,7 +310,19 @@ class BackendTest : public ::testing::TestWithParam<std::string> {
     return worst;
   }
 
+  // At most a quarter of the large-magnitude rows a test checked were ill-conditioned, so the
+  // float64 answer, not the hull, held most of them. Counted over the test, not per batch: a
+  // drawn case of one row (n = m = 1) may be ill-conditioned by itself, as a value whose d_model
+  // products cancel is (ATTNSERVE_SEED=8864132701860667526, case 58: d_model 9, the one row's
+  // output 50 times smaller than its inputs, moved 1.5e-3 by a 1e-5 move of them).
+  void ExpectFewIllConditionedRows() const {
+    EXPECT_LE(ill_conditioned_rows_ * 4, large_magnitude_rows_)
+        << "ill-conditioned rows: " << ill_conditioned_rows_ << " of " << large_magnitude_rows_;
+  }
+
   std::unique_ptr<Backend> backend_;
+  int64_t large_magnitude_rows_ = 0;  // rows CheckBothForms checked with large_magnitude
+  int64_t ill_conditioned_rows_ = 0;  // of those, the ones held to the hull
 };
 
 // The fp32 floor is the GEMM chain's bound at the suite's common shapes, as its comment works out,
@@ -385,7 +401,10 @@ TEST_P(BackendTest, RandomizedFormsMatchFloat64Reference) {
       return;
     }
   }
-  std::cout << "[ info     ] " << cases << " random cases, worst relative L2 error " << worst << "\n";
+  ExpectFewIllConditionedRows();
+  std::cout << "[ info     ] " << cases << " random cases, worst relative L2 error " << worst << "; "
+            << ill_conditioned_rows_ << " of " << large_magnitude_rows_
+            << " large-magnitude rows ill-conditioned, held to the hull\n";
 }
 
 TEST_P(BackendTest, SingleQueryAndSingleKey) {
@@ -602,6 +621,7 @@ TEST_P(BackendTest, LargeMagnitudeInputsMatchFloat64Reference) {
       }
     }
   }
+  ExpectFewIllConditionedRows();
 }
 
 // The low-rank form's definition in float64, apart from MaterializeLowRank: per head the rank-r_i
