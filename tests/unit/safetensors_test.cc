@@ -275,6 +275,11 @@ TEST_F(SafetensorsTest, HeaderLengthLies) {
                     {"header length field exceeds the limit"});
   ExpectRefusedFile(Write("big.safetensors", LittleEndian(uint64_t{200} << 20, 8) + "{}"), {"limit"});
   ExpectRefusedFile(Write("zero.safetensors", LittleEndian(0, 8)), {"too short"});
+  // One byte past the file's end, and exactly to it (a header and no tensors' data).
+  ExpectRefusedFile(Write("one_past.safetensors", LittleEndian(23, 8) + "{}" + std::string(20, ' ')),
+                    {"header length field exceeds", "22 bytes"});
+  const std::string to_end = Write("to_end.safetensors", LittleEndian(22, 8) + "{}" + std::string(20, ' '));
+  EXPECT_TRUE(ReadSafetensors(to_end).ok()) << ReadSafetensors(to_end).status().ToString();
 }
 
 TEST_F(SafetensorsTest, BadJson) {
@@ -284,6 +289,15 @@ TEST_F(SafetensorsTest, BadJson) {
   ExpectRefused("\"str\"", "", {"JSON object"});
   ExpectRefused("{\"a\xff\":1}", "", {"not valid JSON"});  // invalid UTF-8 in a name
   ExpectRefused(std::string(5000, '[') + std::string(5000, ']'), "", {"nests deeper"});
+  // At the limit: a field the reader ignores may nest to 8 levels with the object and the
+  // tensor's, not to 9.
+  auto nested = [](int levels) {
+    return R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":)" + std::string(levels - 2, '[') +
+           std::string(levels - 2, ']') + "}}";
+  };
+  const std::string path = Write("deep.safetensors", FileBytes(nested(8), F32Bytes({1})));
+  EXPECT_TRUE(ReadSafetensors(path).ok()) << ReadSafetensors(path).status().ToString();
+  ExpectRefused(nested(9), F32Bytes({1}), {"nests deeper than 8 levels"});
   ExpectRefused(R"({"__metadata__":{"k":1}})", "", {"__metadata__", "'k'"});
   ExpectRefused(R"({"__metadata__":[1]})", "", {"__metadata__"});
 }
