@@ -279,7 +279,8 @@ TEST_F(SafetensorsTest, HeaderLengthLies) {
   ExpectRefusedFile(Write("one_past.safetensors", LittleEndian(23, 8) + "{}" + std::string(20, ' ')),
                     {"header length field exceeds", "22 bytes"});
   const std::string to_end = Write("to_end.safetensors", LittleEndian(22, 8) + "{}" + std::string(20, ' '));
-  EXPECT_TRUE(ReadSafetensors(to_end).ok()) << ReadSafetensors(to_end).status().ToString();
+  auto read = ReadSafetensors(to_end);
+  EXPECT_TRUE(read.ok()) << read.status().ToString();
 }
 
 TEST_F(SafetensorsTest, BadJson) {
@@ -296,7 +297,8 @@ TEST_F(SafetensorsTest, BadJson) {
            std::string(levels - 2, ']') + "}}";
   };
   const std::string path = Write("deep.safetensors", FileBytes(nested(8), F32Bytes({1})));
-  EXPECT_TRUE(ReadSafetensors(path).ok()) << ReadSafetensors(path).status().ToString();
+  auto read = ReadSafetensors(path);
+  EXPECT_TRUE(read.ok()) << read.status().ToString();
   ExpectRefused(nested(9), F32Bytes({1}), {"nests deeper than 8 levels"});
   ExpectRefused(R"({"__metadata__":{"k":1}})", "", {"__metadata__", "'k'"});
   ExpectRefused(R"({"__metadata__":[1]})", "", {"__metadata__"});
