@@ -2,11 +2,14 @@
 // names the argument), the latency statistics, the JSON and CSV schema, the SVG (checked as XML
 // by tests/tools/check_bench_svg.py), and whole runs against the in-process no-op server.
 #include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <filesystem>
@@ -15,8 +18,10 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "attnserve/v1/attention.grpc.pb.h"
 #include "client/cli/bench.h"
 #include "client/cli/commands.h"
 
@@ -234,6 +239,13 @@ TEST(LatencyStats, ExactPercentilesWhileUnderCapacity) {
   EXPECT_DOUBLE_EQ(s.Percentile(0), 1);
   EXPECT_DOUBLE_EQ(s.max(), 100);
   EXPECT_DOUBLE_EQ(s.mean(), 50.5);
+  // A rank between two samples rounds up: the smallest sample with at least p % of them at or
+  // below it (of 1..10, p95 is 10, for 9 has only 90 % at or below it).
+  LatencyStats ten(100);
+  for (int i = 10; i >= 1; --i) ten.Add(i);
+  EXPECT_EQ(ten.Percentile(95), 10);
+  EXPECT_EQ(ten.Percentile(85), 9);
+  EXPECT_EQ(ten.Percentile(15), 2);
   LatencyStats empty(10);
   EXPECT_EQ(empty.Percentile(50), 0);
   LatencyStats one(10);
@@ -458,6 +470,120 @@ TEST(BenchNoop, RequestInterleaveByDuration) {
   // calls in flight.
   EXPECT_GT(least, 0);
   EXPECT_LE(most - least, 3);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The load loop against a server whose answers are known
+
+// Every third call fails at once; the others take at least kServiceTime. So what the load loop
+// records can be held to what the server did: no failed call's latency among the OK ones, no
+// more completions than calls, and no time shorter than the OK calls' service took.
+class SlowAndFailingService final : public v1::AttentionService::CallbackService {
+ public:
+  static constexpr std::chrono::milliseconds kServiceTime{2};
+
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const v1::ForwardRequest* req,
+                                    v1::ForwardResponse* resp) override {
+    auto* reactor = ctx->DefaultReactor();
+    if (calls.fetch_add(1) % 3 == 2) {
+      ++failed;
+      reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "every third call fails"));
+      return reactor;
+    }
+    std::this_thread::sleep_for(kServiceTime);
+    *resp->mutable_output() = req->input();
+    resp->set_form(req->form());
+    resp->set_batch_requests(1);
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+  std::atomic<int64_t> calls{0}, failed{0};
+};
+
+class BenchLoadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    ASSERT_TRUE(server_ != nullptr && port_ != 0) << "cannot start the test server on 127.0.0.1";
+    ClientOptions options;
+    options.target = "127.0.0.1:" + std::to_string(port_);
+    options.timeout = std::chrono::milliseconds(10000);
+    client_ = std::make_unique<Client>(options);
+  }
+  void TearDown() override {
+    client_.reset();
+    if (server_) server_->Shutdown(std::chrono::system_clock::now());
+  }
+
+  static BenchArgs Args() {
+    BenchArgs args;
+    args.layer = "fake";
+    args.batch = 1;
+    args.n = 4;
+    args.warmup = std::chrono::nanoseconds(0);
+    return args;
+  }
+
+  static int64_t Errors(const BenchCell& cell) {
+    int64_t errors = 0;
+    for (const auto& [code, count] : cell.errors) errors += count;
+    return errors;
+  }
+
+  SlowAndFailingService service_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_F(BenchLoadTest, FailedCallsAreCountedApartAndTheirLatenciesLeftOut) {
+  BenchArgs args = Args();
+  args.concurrency = {3};
+  args.interleave = Interleave::kRequest;
+  args.duration = std::chrono::milliseconds(300);
+  const std::vector<BenchCell> cells = RunLoad(*client_, args, 8, nullptr);
+  ASSERT_EQ(cells.size(), 2u);
+  int64_t recorded = 0;
+  for (const BenchCell& cell : cells) {
+    SCOPED_TRACE(FormName(cell.form));
+    ASSERT_GT(cell.latency.count(), 0);
+    EXPECT_GT(cell.errors.count("UNAVAILABLE"), 0u);
+    EXPECT_EQ(cell.errors.size(), 1u);
+    // The fastest OK call still took the server's service time: a failed call, answered at
+    // once, counted among them would be faster.
+    EXPECT_GE(cell.latency.Percentile(0), 2.0);
+    EXPECT_NEAR(cell.seconds, 0.3, 0.2);
+    recorded += cell.latency.count() + Errors(cell);
+  }
+  // The calls still in flight when the time was up ended uncounted.
+  EXPECT_LE(recorded, service_.calls.load());
+  EXPECT_GE(recorded, service_.calls.load() - 3);
+}
+
+TEST_F(BenchLoadTest, ByCountEachFormEndsAtItsCountAndIsTimedOverEveryTurn) {
+  BenchArgs args = Args();
+  // One form: with two, the form done first still takes its turn in each round the other needs
+  // (a completion a turn), so only "at least" holds for it.
+  args.forms = {v1::FORM_SUMMED};
+  args.concurrency = {2};
+  args.interleave = Interleave::kSlice;
+  args.slice = std::chrono::milliseconds(10);
+  args.requests = 60;
+  const std::vector<BenchCell> cells = RunLoad(*client_, args, 8, nullptr);
+  ASSERT_EQ(cells.size(), 1u);
+  const BenchCell& cell = cells[0];
+  // Each turn ends at the count still wanted, and what completes in its drain is not counted.
+  EXPECT_EQ(cell.latency.count() + Errors(cell), 60);
+  EXPECT_GT(Errors(cell), 0);
+  // Two calls in flight, each OK one at least 2 ms: the turns together took at least this long,
+  // however many it needed (10 ms each, so several).
+  const double served_s = static_cast<double>(cell.latency.count()) * 0.002 / 2;
+  EXPECT_GE(cell.seconds, served_s) << cell.latency.count() << " OK calls";
+  EXPECT_GT(service_.calls.load(), 60);  // the drains' calls were made, and left out
 }
 
 TEST(BenchNoop, UnreachableServerFails) {

@@ -2,6 +2,7 @@
 // nn.MultiheadAttention (tests/data/torch-mha), and LayerStore's load / replace / unload under
 // concurrent readers.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -20,15 +21,16 @@
 #include <tuple>
 #include <vector>
 
-#include "server/core/form_table.h"
 #include "server/backend/cpu/cpu_backend.h"
+#include "server/core/form_table.h"
 #include "server/core/reference.h"
 #include "server/store/arch/arch.h"
+#include "server/store/checkpoint_file.h"
 #include "server/store/layer_store.h"
 #include "server/store/safetensors.h"
 #include "server/store/source.h"
-#include "tests/unit/test_support.h"
 #include "tests/unit/temp_dir.h"
+#include "tests/unit/test_support.h"
 
 namespace attnserve {
 namespace {
@@ -1034,6 +1036,38 @@ TEST(Sources, FormSizesAreBoundedBeforeAllocating) {
               "huge layer");
 }
 
+// ---- Files beneath a model dir --------------------------------------------------------------------
+
+// What an API load may open beneath a model dir: a regular file below it, nothing else (not a
+// FIFO, a device, a directory, a symlink, a way up, an absolute path), each refused with the
+// answer a missing file gets but for the name, so the answer says nothing of what is there.
+TEST(CheckpointFile, BeneathADirOnlyARegularFileBelowItOpens) {
+  TempDir tmp;
+  const std::string models = tmp.File("models");
+  std::filesystem::create_directories(models + "/sub");
+  std::ofstream(models + "/sub/ok.safetensors") << "bytes";
+  std::ofstream(tmp.File("outside.safetensors")) << "bytes";
+  ASSERT_EQ(mkfifo((models + "/fifo.safetensors").c_str(), 0600), 0);
+  std::filesystem::create_symlink("/dev/zero", models + "/zero.safetensors");
+  std::filesystem::create_symlink(tmp.File("outside.safetensors"), models + "/out.safetensors");
+  std::filesystem::create_symlink("sub/ok.safetensors", models + "/in.safetensors");
+
+  auto ok = OpenCheckpointFile(models, "sub/ok.safetensors");
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_GE(ok->get(), 0);
+  const std::string missing = OpenCheckpointFile(models, "missing.safetensors").status().message();
+  for (const std::string& path : std::vector<std::string>{
+           "fifo.safetensors", "zero.safetensors", "out.safetensors", "in.safetensors", "sub", "../outside.safetensors",
+           "sub/../../outside.safetensors", tmp.File("outside.safetensors"), ""}) {
+    const auto refused = OpenCheckpointFile(models, path);
+    ASSERT_FALSE(refused.ok()) << "'" << path << "' opened";
+    EXPECT_EQ(refused.status().code(), StatusCode::kNotFound) << path;
+    std::string normalized = refused.status().message();
+    normalized.replace(normalized.find("'" + path + "'"), path.size() + 2, "'missing.safetensors'");
+    EXPECT_EQ(normalized, missing) << path;
+  }
+}
+
 // ---- LayerStore ---------------------------------------------------------------------------------
 
 TEST(LayerStore, LoadListGetUnload) {
@@ -1124,6 +1158,34 @@ TEST(LayerStore, LayerNames) {
     ExpectError(store.Load(name, src).status(), StatusCode::kInvalidArgument, {"layer name", word}, "name");
   }
   EXPECT_EQ(store.List().size(), 1u);
+}
+
+// --max-layers and --max-layer-mb: a layer past either cap is refused, naming the flag; a load
+// that replaces a held layer is no new layer, and the copy it replaces does not count against
+// the bytes (it is freed once its holders let go).
+TEST(LayerStore, CapsRefuseANewLayerButNotAReplacement) {
+  const std::string source = "random:d_model=32,heads=4,seed=";
+  LayerStore probe(&Cpu());
+  auto measured = probe.Load("p", source + "1");
+  ASSERT_TRUE(measured.ok()) << measured.status().ToString();
+  int64_t one = 0;  // what one such layer holds: every form in every math
+  for (const Variant& v : (*measured)->Variants()) one += (*measured)->HostBytesOf(v);
+  ASSERT_GT(one, 0);
+
+  LayerStore bytes(&Cpu(), {.max_total_bytes = one * 3 / 2});
+  ASSERT_TRUE(bytes.Load("a", source + "1").ok());
+  ExpectError(bytes.Load("b", source + "2").status(), StatusCode::kResourceExhausted, {"layer 'b'", "--max-layer-mb"},
+              "a second layer past the bytes");
+  auto replaced = bytes.Load("a", source + "3");
+  ASSERT_TRUE(replaced.ok()) << replaced.status().ToString();
+  EXPECT_EQ(bytes.Get("a")->source, source + "3");
+
+  LayerStore count(&Cpu(), {.max_layers = 1});
+  ASSERT_TRUE(count.Load("a", source + "1").ok());
+  ASSERT_TRUE(count.Load("a", source + "2").ok()) << "a replacement at the cap";
+  ExpectError(count.Load("b", source + "3").status(), StatusCode::kResourceExhausted, {"--max-layers"},
+              "a second layer past the count");
+  EXPECT_EQ(count.List().size(), 1u);
 }
 
 // Readers take and use layers while writers replace and unload them: no reader sees a torn or
