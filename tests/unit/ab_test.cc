@@ -269,6 +269,25 @@ TEST(AbSourceTest, DifferenceOfTwoScrapesSurvivesARestart) {
   EXPECT_EQ(c.at("l").at("factored").requests, 5);
 }
 
+// Prometheus's increase() extrapolates each bucket series on its own, so a window's cumulative
+// counts can step down (10.5 then 10.25); merged, they are made monotone, or a bucket would hold
+// a negative count and the log-moments and quantiles would be nonsense.
+TEST(AbSourceTest, IncreasesExtrapolatedPerBucketAreMadeMonotone) {
+  const auto bucket = [](const char* le, double value, const char* origin) {
+    return ab::Sample{"attnserve_request_duration_seconds_bucket",
+                      {{"code", "OK"}, {"form", "summed"}, {"layer", "l"}, {"le", le}},
+                      value,
+                      origin};
+  };
+  const ab::LayerCounts c = ab::Aggregate(
+      {bucket("0.001", 10.5, "a"), bucket("0.002", 10.25, "a"), bucket("0.004", 19.75, "a"), bucket("+Inf", 19.5, "a"),
+       bucket("0.001", 2, "b"), bucket("0.002", 3, "b"), bucket("0.004", 3, "b"), bucket("+Inf", 3, "b")});
+  const ab::Buckets& b = c.at("l").at("summed").latency;
+  EXPECT_EQ(b.upper, (std::vector<double>{0.001, 0.002, 0.004, INFINITY}));
+  EXPECT_EQ(b.cumulative, (std::vector<double>{12.5, 13.25, 22.75, 22.75}));
+  EXPECT_DOUBLE_EQ(ab::LogMomentsOf(b).n, 22.75);
+}
+
 TEST(AbSourceTest, PrometheusVectorAndQueryUrl) {
   const std::string json = R"({"status":"success","data":{"resultType":"vector","result":[
     {"metric":{"code":"OK","form":"summed","layer":"l","instance":"10.0.0.1:9091","job":"attnserve"},"value":[1.7e9,"12.5"]},
@@ -471,6 +490,56 @@ TEST(AbCommandTest, EqualFormsWithEnoughRequestsAreDecidedTheSame) {
   EXPECT_EQ(res.code, kExitOk) << res.out;
   EXPECT_EQ(j["layers"][0]["comparisons"][0]["verdict"], "no_difference") << res.out;
   EXPECT_EQ(j["layers"][0]["comparisons"][0]["latency_more_needed"], 0);
+}
+
+// Equal latencies and an error ratio 5 points apart: the forms differ by their errors alone.
+TEST(AbCommandTest, AnErrorRatioAloneMakesTheFormsDifferent) {
+  Replica r;
+  ASSERT_TRUE(r.endpoint);
+  std::mt19937_64 rng(14);
+  for (const Form form : {Form::kFactored, Form::kSummed}) {
+    for (double x : Latencies(rng, 20000, 1)) {
+      r.metrics.RequestStarted();
+      r.metrics.RequestFinished("ab", Variant{form}, StatusCode::kOk, x);
+    }
+  }
+  // Summed's failures take as long as its answers, so its latency is the same with or without
+  // them (a histogram with no `code` label counts them).
+  for (double x : Latencies(rng, 1000, 1)) {
+    r.metrics.RequestStarted();
+    r.metrics.RequestFinished("ab", Variant{Form::kSummed}, StatusCode::kUnavailable, x);
+  }
+  const CliResult res = Cli({"ab", "--metrics", r.url(), "--mde", "0.25", "--error-margin", "0.01", "--json"});
+  const nlohmann::json j = nlohmann::json::parse(res.out);
+  EXPECT_EQ(res.code, kExitAbDifferent) << res.out;
+  const nlohmann::json& c = j["layers"][0]["comparisons"][0];
+  EXPECT_EQ(c["verdict"], "different") << res.out;
+  EXPECT_FALSE(c["latency_significant"].get<bool>()) << res.out;
+  EXPECT_TRUE(c["error_significant"].get<bool>()) << res.out;
+  EXPECT_THAT(c["reason"].get<std::string>(), HasSubstr("summed's error ratio is"));
+}
+
+// However plain a difference, no verdict before each form has --min-requests: a test read early
+// and often finds differences that are not there.
+TEST(AbCommandTest, NoVerdictBeforeMinRequestsHoweverPlainTheDifference) {
+  Replica r;
+  ASSERT_TRUE(r.endpoint);
+  std::mt19937_64 rng(15);
+  for (const auto& [form, scale] : {std::pair{Form::kFactored, 1.0}, {Form::kSummed, 3.0}}) {
+    for (double x : Latencies(rng, 60, scale)) {
+      r.metrics.RequestStarted();
+      r.metrics.RequestFinished("ab", Variant{form}, StatusCode::kOk, x);
+    }
+  }
+  const CliResult early = Cli({"ab", "--metrics", r.url(), "--json"});  // the default: 100
+  EXPECT_EQ(early.code, kExitAbNotEnoughData) << early.out;
+  const nlohmann::json j = nlohmann::json::parse(early.out);
+  const nlohmann::json& c = j["layers"][0]["comparisons"][0];
+  EXPECT_EQ(c["verdict"], "not_enough_data");
+  EXPECT_THAT(c["reason"].get<std::string>(), HasSubstr("under --min-requests 100"));
+  // The same counts with a floor they meet: three times slower is found at 60 calls a form.
+  const CliResult allowed = Cli({"ab", "--metrics", r.url(), "--json", "--min-requests", "50"});
+  EXPECT_EQ(allowed.code, kExitAbDifferent) << allowed.out;
 }
 
 TEST(AbCommandTest, ArgumentAndSourceErrors) {
