@@ -25,8 +25,12 @@ def log_ticks(lo, hi):
 
 def panel(x0, title, ylabel, points_by_series, xs_all, ys_all):
     xlo, xhi = min(xs_all), max(xs_all)
+    if xhi <= xlo:  # one length (a quick sweep): an octave either side, not a zero-width axis
+        xlo, xhi = xlo / 2, xhi * 2
     ylo, yhi = min(ys_all), max(ys_all)
     ylo, yhi = 10 ** math.floor(math.log10(ylo)), 10 ** math.ceil(math.log10(yhi))
+    if yhi <= ylo:  # every value the same power of ten
+        yhi = ylo * 10
     lx = lambda v: x0 + PAD_L + (math.log(v) - math.log(xlo)) / (math.log(xhi) - math.log(xlo)) * (W - PAD_L - PAD_R)
     ly = lambda v: PAD_T + (1 - (math.log(v) - math.log(ylo)) / (math.log(yhi) - math.log(ylo))) * (H - PAD_T - PAD_B)
     out = [f'<text x="{x0 + W / 2}" y="18" text-anchor="middle" font-size="14">{title}</text>',

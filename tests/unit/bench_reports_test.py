@@ -11,6 +11,7 @@ medians, the overall best peer instead of each round's, the last run instead of 
 changes a printed number.
 """
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -238,6 +239,25 @@ class LongReportTest(unittest.TestCase):
         self.assertEqual(len(svg.findall(ns + "polyline")), 6)
         titles = [t.text for t in svg.findall(ns + "text")]
         self.assertIn(f"time per call, {THREADS} threads (ms)", titles)
+
+    def test_one_length_and_values_on_a_power_of_ten_still_plot(self):
+        # A quick sweep of one length (bench/cpu_check.sh LONG_LENGTHS=512) once divided by a
+        # zero-width axis; so did a panel whose values are all one power of ten.
+        layer = "d768-h12"
+        ours = [long_ours(layer, 512, "factored", 10.0, 300, 100), long_ours(layer, 512, "summed", 100.0, 100, 100)]
+        peer = [long_peer(layer, 512, 10.0, 100)]
+        with tempfile.TemporaryDirectory() as d:
+            svg_path = pathlib.Path(d, "long.svg")
+            result = run_script(LONG_REPORT, "--ours", write_json(d, "a.json", ours), "--peer",
+                                write_json(d, "s.json", peer), "--svg", svg_path)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            svg = ET.parse(svg_path).getroot()
+        self.assertEqual(row(table(result.stdout, "| layer | n |"), layer, "512")[:6],
+                         [layer, "512", "10.0", "100.0", "10.0", "1.00"])
+        ns = "{http://www.w3.org/2000/svg}"
+        for line in svg.findall(ns + "polyline"):
+            for point in line.get("points").split():
+                self.assertTrue(all(math.isfinite(float(v)) for v in point.split(",")), point)
 
 
 if __name__ == "__main__":
