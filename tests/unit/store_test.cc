@@ -1,6 +1,6 @@
 // attnserve::store: the SOURCE grammar, the three checkpoint layouts against PyTorch's own
-// nn.MultiheadAttention (tests/data/torch-mha), and LayerStore's load / replace / unload under
-// concurrent readers.
+// nn.MultiheadAttention (tests/data/torch-mha), what an API load may open beneath a model dir,
+// and LayerStore's load / replace / unload under its caps and concurrent readers.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
